@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make run` (the main job) and `make test`.
+# Each creates ./.venv on first use and installs the project with the CPU torch pinned.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed-stamp
+SPEC := tt:768x3072:modes=12,8,8|12,16,16:rank=30
+
+.PHONY: run test test-all bench lint clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/tncomp inspect '$(SPEC)'
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+test-all: $(STAMP)
+	$(VENV)/bin/python -m pytest -m 'not gpu'
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_tt_linear.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tncomp tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

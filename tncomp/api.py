@@ -1,0 +1,253 @@
+"""The public entry points: ``compile`` a network into a differentiable callable, ``contract``.
+
+``compile(net)`` returns a :class:`CompiledNetwork`: call it with torch tensors in the order of
+``net.operands``. The first call at a new binding (shapes, dtype, device, which operands need
+gradients) picks a tree (the batch regime, or a search), lowers it with its backward pass,
+generates code, and caches the result; later calls are a dict lookup and one autograd Function.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tncomp.cache import DiskCache, LRUCache
+from tncomp.errors import SizeError, TncompError
+from tncomp.ir import Network, bind_sizes, structural_key
+from tncomp.model import CPU_DEFAULT, CUDA_DEFAULT, DeviceModel
+from tncomp.plan import Plan, lower
+from tncomp.problem import Tree, problem_for
+from tncomp.regimes import RegimeTable, build_regimes, regimes_from_payload, regimes_to_payload
+from tncomp.runtime.autograd import ContractFunction, Runner
+from tncomp.runtime.codegen import generate
+from tncomp.search import choose_plan
+
+log = logging.getLogger("tncomp")
+if os.environ.get("TNCOMP_DEBUG"):
+    logging.basicConfig()
+    log.setLevel(logging.DEBUG)
+
+OPTIMIZE_CHOICES = ("auto", "search", "flops")
+
+_RUNNERS = LRUCache(maxsize=512)  # process-wide: identical networks share plans
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything that changes the plan a network gets (part of every cache key)."""
+
+    optimize: str = "auto"
+    autotune: bool = False
+    cuda_graphs: bool = False
+
+
+def clear_cache(disk: bool = False) -> None:
+    """Drop every in-memory plan (and, with ``disk=True``, the on-disk search results)."""
+    _RUNNERS.clear()
+    if disk:
+        DiskCache().clear()
+
+
+def cache_info() -> dict:
+    """Counters of the in-memory plan cache and the disk cache location."""
+    disk = DiskCache()
+    return {"plans": len(_RUNNERS), "hits": _RUNNERS.hits, "misses": _RUNNERS.misses,
+            "maxsize": _RUNNERS.maxsize, "disk_dir": str(disk.directory),
+            "disk_entries": len(disk.entries())}
+
+
+def model_for(device: torch.device | str) -> DeviceModel:
+    """The calibrated model of ``device`` if one was measured, else a default."""
+    from tncomp.calibrate import load_calibration
+
+    device = torch.device(device)
+    measured = load_calibration(device)
+    if measured is not None:
+        return measured
+    return CUDA_DEFAULT if device.type == "cuda" else CPU_DEFAULT
+
+
+class CompiledNetwork:
+    """A network compiled into ``(*operands) -> output``, differentiable w.r.t. every operand."""
+
+    def __init__(self, net: Network, options: Options, model: DeviceModel | None,
+                 disk_cache: DiskCache | None):
+        self.network = net
+        self.options = options
+        self._model = model
+        self._disk = disk_cache
+        self._key = structural_key(net)
+        self._local: dict = {}
+        self._regimes: dict = {}
+        self._graphed: dict = {}
+
+    # -- the hot path -------------------------------------------------------------------------
+    def __call__(self, *operands: torch.Tensor) -> torch.Tensor:
+        grad = torch.is_grad_enabled()
+        key = tuple((t.shape, t.dtype, grad and t.requires_grad) for t in operands)
+        try:
+            runner = self._local[key]
+        except (KeyError, AttributeError, TypeError):
+            runner = self._runner_for(operands, key)
+        if self.options.cuda_graphs and operands[0].is_cuda:
+            return self._graphed_call(runner, operands)
+        if grad and runner.plan.needs_grad.count(True):
+            return ContractFunction.apply(runner, *operands)
+        return runner.code.forward(*operands)[0]
+
+    # -- building -----------------------------------------------------------------------------
+    def _runner_for(self, operands: Sequence[torch.Tensor], key) -> Runner:
+        if not all(isinstance(t, torch.Tensor) for t in operands):
+            bad = next(type(t).__name__ for t in operands if not isinstance(t, torch.Tensor))
+            raise TncompError(f"compiled network takes torch tensors; got a {bad}.")
+        sizes = bind_sizes(self.network, [tuple(t.shape) for t in operands])
+        dtype, device = operands[0].dtype, operands[0].device
+        for spec, t in zip(self.network.operands, operands, strict=True):
+            if t.dtype != dtype or t.device != device:
+                raise SizeError(
+                    f"tensor {spec.name!r} is {t.dtype} on {t.device} but {self.network.operands[0].name!r} "
+                    f"is {dtype} on {device}; pass all operands with one dtype and device."
+                )
+        if not dtype.is_floating_point and not dtype.is_complex:
+            raise SizeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
+        needs_grad = tuple(bool(g) for _, _, g in key)
+        bound = tuple(sizes[i] for i, _ in self.network.sizes)
+        full_key = (self._key, bound, str(dtype), device.type, needs_grad, self.options)
+
+        def build() -> Runner:
+            plan = self.plan_for(sizes, needs_grad, dtype, device)
+            return Runner(plan, generate(plan, name="network"))
+
+        runner = _RUNNERS.get_or_build(full_key, build, label=f"B={bound}")
+        if len(self._local) > 64:
+            self._local.clear()
+        self._local[key] = runner
+        return runner
+
+    def model(self, device: torch.device) -> DeviceModel:
+        return self._model if self._model is not None else model_for(device)
+
+    def plan_for(self, sizes: dict[str, int], needs_grad: Sequence[bool],
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> Plan:
+        """The plan used at these bound sizes (searching, or reading the regime table)."""
+        device = torch.device(device)
+        model = self.model(device)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        problem = problem_for(self.network, sizes)
+        tree = self.tree_for(sizes, needs_grad, itemsize, model)
+        if self.options.autotune:
+            from tncomp.autotune import autotune_tree
+
+            tree = autotune_tree(self, problem, sizes, needs_grad, dtype, device, model, tree)
+        return lower(problem, tree, needs_grad, itemsize, model=model)
+
+    def tree_for(self, sizes, needs_grad, itemsize: int, model: DeviceModel) -> Tree:
+        needs_grad = tuple(needs_grad)
+        if self.options.optimize == "auto" and len(self.network.dims) == 1:
+            table = self.regimes(needs_grad, itemsize, model)
+            dim = table.dim
+            value = next(sizes[i] for i, s in self.network.sizes if getattr(s, "name", None) == dim.name)
+            return table.tree_for(value)
+        problem = problem_for(self.network, sizes)
+        disk_key = ("tree", self._key, tuple(sorted(sizes.items())), needs_grad, itemsize,
+                    self.options.optimize, model)
+        stored = self._disk.load(disk_key) if self._disk else None
+        if stored is not None:
+            return Tree(stored["n"], tuple(tuple(s) for s in stored["steps"]))
+        if self.options.optimize == "flops":
+            from tncomp.cost import tree_costs
+            from tncomp.search import candidate_trees
+
+            tree = min(candidate_trees(problem),
+                       key=lambda t: tree_costs(problem, t, needs_grad).total_flops)
+        else:
+            tree = choose_plan(problem, needs_grad, itemsize, model).plan.tree
+        if self._disk:
+            self._disk.store(disk_key, {"n": tree.n_leaves, "steps": [list(s) for s in tree.steps]})
+        return tree
+
+    def regimes(self, needs_grad: Sequence[bool] | None = None, itemsize: int = 4,
+                model: DeviceModel | None = None) -> RegimeTable:
+        """The batch-size regimes of a network with one symbolic size (built once, cached)."""
+        if len(self.network.dims) != 1:
+            raise TncompError(
+                f"regimes need exactly one symbolic size; this network has "
+                f"{len(self.network.dims)} ({', '.join(d.name for d in self.network.dims)})."
+            )
+        needs_grad = tuple(needs_grad) if needs_grad is not None else (True,) * len(
+            self.network.operands)
+        model = model or self.model(torch.device("cpu"))
+        local_key = (needs_grad, itemsize, model)
+        if local_key in self._regimes:
+            return self._regimes[local_key]
+        disk_key = ("regimes", self._key, needs_grad, itemsize, model)
+        stored = self._disk.load(disk_key) if self._disk else None
+        table = regimes_from_payload(self.network.dims[0], stored) if stored else None
+        if table is None:
+            table = build_regimes(self.network, needs_grad, itemsize, model)
+            if self._disk:
+                self._disk.store(disk_key, regimes_to_payload(table))
+        self._regimes[local_key] = table
+        return table
+
+    def _graphed_call(self, runner: Runner, operands):
+        from tncomp.runtime.cudagraph import graphed_call
+
+        return graphed_call(self, runner, operands)
+
+    def __repr__(self) -> str:
+        names = ", ".join(t.name for t in self.network.operands)
+        return f"CompiledNetwork(({names}) -> {self.network.output.name}, {self.options})"
+
+
+def compile(  # noqa: A001 - the natural name, as torch.compile
+    net: Network,
+    *,
+    optimize: str = "auto",
+    autotune: bool = False,
+    cuda_graphs: bool = False,
+    model: DeviceModel | None = None,
+    disk_cache: bool | str | os.PathLike = True,
+) -> CompiledNetwork:
+    """Compile ``net`` into a callable ``(*operands) -> output`` with a planned backward pass.
+
+    optimize: ``"auto"`` (batch regimes for one symbolic size, else a search per binding),
+    ``"search"`` (always search the bound sizes), or ``"flops"`` (fewest FLOPs, ignoring the
+    device model). ``autotune`` times the best few candidates on the device and keeps the
+    fastest. ``cuda_graphs`` captures forward and backward into CUDA graphs on a GPU (ignored
+    on CPU). ``disk_cache``: True (the default directory), False, or a directory.
+    """
+    if not isinstance(net, Network):
+        raise TncompError(
+            f"compile takes a tncomp.Network (from tt_linear, from_eq, ...), got "
+            f"{type(net).__name__}."
+        )
+    if optimize not in OPTIMIZE_CHOICES:
+        raise TncompError(f"optimize={optimize!r}; choose one of {', '.join(OPTIMIZE_CHOICES)}.")
+    if disk_cache is True:
+        disk = DiskCache()
+    elif disk_cache is False or disk_cache is None:
+        disk = None
+    else:
+        disk = DiskCache(disk_cache)
+    return CompiledNetwork(net, Options(optimize, bool(autotune), bool(cuda_graphs)), model, disk)
+
+
+_EQ_CACHE = LRUCache(maxsize=128)
+
+
+def contract(eq: str, *tensors: torch.Tensor, **options) -> torch.Tensor:
+    """``torch.einsum`` through tncomp: planned, cached, with a planned backward."""
+    from tncomp.builders import from_eq
+
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    compiled = _EQ_CACHE.get_or_build(
+        (eq, shapes, tuple(sorted(options.items()))),
+        lambda: compile(from_eq(eq, *shapes), **options),
+    )
+    return compiled(*tensors)

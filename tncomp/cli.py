@@ -1,0 +1,131 @@
+"""The ``tncomp`` command: inspect a layer's costs and plans, manage the plan cache.
+
+SPEC forms:
+  tt:768x3072:modes=12,8,8|12,16,16:rank=30      CoMERA TT layer (rank: max, or r1,r2,...)
+  ttm:768x3072:modes=12,8,8|12,16,16:rank=30     interleaved TT-matrix layer
+  eq:bi,ij->bj:B,768|768,3072                    einsum with shapes (a name is a symbol)
+  path/to/net.json                               {"eq": ..., "shapes": [...]} or {"tt": {...}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from tncomp.errors import TncompError
+
+EXIT_USAGE = 2
+
+
+class SpecError(TncompError, ValueError):
+    """A layer SPEC on the command line that cannot be read."""
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise SpecError(f"{what} {text!r} is not a comma-separated list of ints.") from None
+
+
+def parse_spec(spec: str):
+    """The :class:`~tncomp.ir.Network` a SPEC declares (see the module docstring)."""
+    from tncomp.builders import from_eq, tt_linear, ttm_linear
+
+    if spec.endswith(".json"):
+        path = Path(spec)
+        if not path.is_file():
+            raise SpecError(f"SPEC file {spec} does not exist.")
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as exc:
+            raise SpecError(f"SPEC file {spec} is not valid JSON: {exc}") from None
+        if "eq" in data:
+            return from_eq(data["eq"], *data.get("shapes", []))
+        for kind, build in (("tt", tt_linear), ("ttm", ttm_linear)):
+            if kind in data:
+                d = data[kind]
+                return build(d["in_modes"], d["out_modes"], d["ranks"], d.get("batch", "B"))
+        raise SpecError(f"SPEC file {spec} needs an 'eq', 'tt' or 'ttm' entry.")
+    kind, _, rest = spec.partition(":")
+    if kind == "eq":
+        eq, _, shapes = rest.rpartition(":")
+        if not eq:
+            raise SpecError(f"SPEC {spec!r}: write eq:EQUATION:SHAPES, e.g. eq:bi,ij->bj:B,3|3,4")
+        parsed = [[int(v) if v.isdigit() else v for v in s.split(",")] for s in shapes.split("|")]
+        return from_eq(eq, *parsed)
+    if kind in ("tt", "ttm"):
+        fields = rest.split(":")
+        try:
+            n_in, n_out = (int(v) for v in fields[0].split("x"))
+        except ValueError:
+            raise SpecError(f"SPEC {spec!r}: the shape must be INxOUT, e.g. 768x3072.") from None
+        opts = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
+        if "modes" not in opts:
+            raise SpecError(f"SPEC {spec!r} needs modes=IN|OUT, e.g. modes=12,8,8|12,16,16.")
+        ins, _, outs = opts["modes"].partition("|")
+        in_modes, out_modes = _ints(ins, "in modes"), _ints(outs, "out modes")
+        if math.prod(in_modes) != n_in or math.prod(out_modes) != n_out:
+            raise SpecError(
+                f"SPEC {spec!r}: modes multiply to {math.prod(in_modes)}x{math.prod(out_modes)}, "
+                f"not {n_in}x{n_out}; pick modes whose products are the layer's sizes."
+            )
+        ranks = _ints(opts.get("rank", "8"), "rank")
+        build = tt_linear if kind == "tt" else ttm_linear
+        return build(in_modes, out_modes, ranks[0] if len(ranks) == 1 else ranks)
+    raise SpecError(
+        f"SPEC {spec!r} is not understood; use tt:INxOUT:modes=..|..:rank=R, ttm:..., "
+        "eq:EQUATION:SHAPES, or a .json file."
+    )
+
+
+def _cmd_inspect(args) -> int:
+    from tncomp.api import compile
+    from tncomp.report import inspect
+
+    net = parse_spec(args.spec)
+    print(inspect(compile(net), batch=args.batch))
+    return 0
+
+
+def _cmd_cache(args) -> int:
+    from tncomp.api import cache_info, clear_cache
+
+    if args.action == "clear":
+        clear_cache(disk=True)
+        print("cleared the tncomp plan cache")
+    else:
+        for key, value in cache_info().items():
+            print(f"{key:<13} {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tncomp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="costs, regimes and plans of a layer")
+    p.add_argument("spec", help="layer SPEC (see tncomp --help)")
+    p.add_argument("--batch", type=int, default=4096, help="batch size to show the plan at")
+    p.set_defaults(run=_cmd_inspect)
+    p = sub.add_parser("cache", help="show or clear the plan cache")
+    p.add_argument("action", choices=["info", "clear"])
+    p.set_defaults(run=_cmd_cache)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except TncompError as exc:
+        print(f"tncomp: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

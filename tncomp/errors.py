@@ -1,0 +1,35 @@
+"""One exception hierarchy for tncomp.
+
+Every class also subclasses the matching builtin, so ``except ValueError`` in user code keeps
+working. Messages say what was expected, what was received, and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class TncompError(Exception):
+    """Base class of every error raised by tncomp."""
+
+
+class IRError(TncompError, ValueError):
+    """A malformed network: bad index, size conflict, dangling output index, ..."""
+
+
+class SizeError(TncompError, ValueError):
+    """Sizes that cannot be bound: a symbol out of its bounds, a shape that does not match."""
+
+
+class PlanError(TncompError, RuntimeError):
+    """No valid contraction plan could be built for a network."""
+
+
+class ExecutionError(TncompError, RuntimeError):
+    """A plan failed while executing; the message names the step."""
+
+
+class CacheError(TncompError, RuntimeError):
+    """The on-disk cache could not be read or written."""
+
+
+class CudaGraphError(TncompError, RuntimeError):
+    """A CUDA-graph capture was refused or replayed with an incompatible input."""

@@ -1,0 +1,30 @@
+"""A device cost model: GEMM rate, memory bandwidth and a fixed cost per step.
+
+FLOP-optimal is not time-optimal: a permute copy or a thin GEMM costs bandwidth, and every step
+costs dispatch time. Plans are scored by ``sum(max(flops / rate, bytes / bandwidth) + overhead)``;
+the *floor* of a plan drops the per-step overhead. ``tncomp.calibrate`` measures the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceModel:
+    """Rates of one device and dtype, measured or assumed."""
+
+    gemm_flops_per_s: float = 100e9
+    bytes_per_s: float = 10e9
+    step_overhead_s: float = 6e-6
+    source: str = "default (not calibrated)"
+
+    def op_time(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.gemm_flops_per_s, nbytes / self.bytes_per_s) + self.step_overhead_s
+
+    def floor_time(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.gemm_flops_per_s, nbytes / self.bytes_per_s)
+
+
+CPU_DEFAULT = DeviceModel()
+CUDA_DEFAULT = DeviceModel(50e12, 2e12, 8e-6, "default CUDA (not calibrated)")

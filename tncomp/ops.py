@@ -1,0 +1,132 @@
+"""The primitive steps a plan is made of: views, permute copies, sums and (batched) GEMMs.
+
+Steps read and write numbered slots of a runtime list. They are frozen data: the executor turns
+each into a small closure once, so a cached plan runs as a tight loop over torch calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class MatView:
+    """A slot seen as a (batched) matrix: ``slots[slot].reshape(shape)``, transposed if ``t``."""
+
+    slot: int
+    shape: tuple[int, ...]
+    t: bool
+
+    def flipped(self) -> MatView:
+        return MatView(self.slot, self.shape, not self.t)
+
+    @property
+    def rows_cols(self) -> tuple[int, int]:
+        r, c = self.shape[-2:]
+        return (c, r) if self.t else (r, c)
+
+
+@dataclass(frozen=True, slots=True)
+class MatMul:
+    """``slots[dst] = lhs @ rhs`` (torch.mm, or torch.bmm when the views carry a batch axis)."""
+
+    dst: int
+    lhs: MatView
+    rhs: MatView
+    flops: int
+    nbytes: int
+    note: str = ""
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return (self.lhs.slot, self.rhs.slot)
+
+    def describe(self) -> str:
+        m, k = self.lhs.rows_cols
+        n = self.rhs.rows_cols[1]
+        kind = "bmm" if len(self.lhs.shape) == 3 else "gemm"
+        batch = f"{self.lhs.shape[0]}x " if kind == "bmm" else ""
+        ta, tb = ("T" if v.t else "N" for v in (self.lhs, self.rhs))
+        return f"{kind} {batch}({m}x{k})@({k}x{n}) {ta}{tb}"
+
+
+@dataclass(frozen=True, slots=True)
+class Permute:
+    """``slots[dst] = slots[src].reshape(shape).permute(perm).contiguous()`` (a copy)."""
+
+    dst: int
+    src: int
+    shape: tuple[int, ...]
+    perm: tuple[int, ...]
+    nbytes: int
+    note: str = ""
+    flops: int = 0
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return f"permute {self.shape} by {self.perm}"
+
+
+@dataclass(frozen=True, slots=True)
+class Reshape:
+    """``slots[dst] = slots[src].reshape(shape)`` (a view when strides allow)."""
+
+    dst: int
+    src: int
+    shape: tuple[int, ...]
+    note: str = ""
+    flops: int = 0
+    nbytes: int = 0
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return f"view as {self.shape}"
+
+
+@dataclass(frozen=True, slots=True)
+class Sum:
+    """``slots[dst] = slots[src].reshape(shape).sum(dims)``: an index no other tensor carries."""
+
+    dst: int
+    src: int
+    shape: tuple[int, ...]
+    dims: tuple[int, ...]
+    flops: int
+    nbytes: int
+    note: str = ""
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return f"sum {self.shape} over axes {self.dims}"
+
+
+@dataclass(frozen=True, slots=True)
+class Expand:
+    """``slots[dst] = slots[src].reshape(view).expand(shape)``: the adjoint of a :class:`Sum`."""
+
+    dst: int
+    src: int
+    view: tuple[int, ...]
+    shape: tuple[int, ...]
+    nbytes: int
+    note: str = ""
+    flops: int = 0
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return f"broadcast {self.view} to {self.shape}"
+
+
+Op = MatMul | Permute | Reshape | Sum | Expand

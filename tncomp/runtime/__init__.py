@@ -1,0 +1,1 @@
+"""Torch execution of plans: generated straight-line code, autograd, CUDA graphs."""
