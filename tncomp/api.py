@@ -43,6 +43,7 @@ class Options:
     optimize: str = "auto"
     autotune: bool = False
     cuda_graphs: bool = False
+    pool_buffers: bool = True
 
 
 def clear_cache(disk: bool = False) -> None:
@@ -120,7 +121,9 @@ class CompiledNetwork:
 
         def build() -> Runner:
             plan = self.plan_for(sizes, needs_grad, dtype, device)
-            return Runner(plan, generate(plan, name="network"))
+            shapes = [tuple(t.shape) for t in operands]
+            return Runner(plan, generate(plan, shapes, dtype, device, name=self.network.output.name,
+                                         pool=self.options.pool_buffers))
 
         runner = _RUNNERS.get_or_build(full_key, build, label=f"B={bound}")
         if len(self._local) > 64:
@@ -213,6 +216,7 @@ def compile(  # noqa: A001 - the natural name, as torch.compile
     cuda_graphs: bool = False,
     model: DeviceModel | None = None,
     disk_cache: bool | str | os.PathLike = True,
+    pool_buffers: bool = True,
 ) -> CompiledNetwork:
     """Compile ``net`` into a callable ``(*operands) -> output`` with a planned backward pass.
 
@@ -221,6 +225,8 @@ def compile(  # noqa: A001 - the natural name, as torch.compile
     device model). ``autotune`` times the best few candidates on the device and keeps the
     fastest. ``cuda_graphs`` captures forward and backward into CUDA graphs on a GPU (ignored
     on CPU). ``disk_cache``: True (the default directory), False, or a directory.
+    ``pool_buffers`` reuses large result buffers between calls once nothing references them
+    (a caching allocator; ``tncomp.clear_cache()`` releases them).
     """
     if not isinstance(net, Network):
         raise TncompError(
@@ -235,7 +241,8 @@ def compile(  # noqa: A001 - the natural name, as torch.compile
         disk = None
     else:
         disk = DiskCache(disk_cache)
-    return CompiledNetwork(net, Options(optimize, bool(autotune), bool(cuda_graphs)), model, disk)
+    options = Options(optimize, bool(autotune), bool(cuda_graphs), bool(pool_buffers))
+    return CompiledNetwork(net, options, model, disk)
 
 
 _EQ_CACHE = LRUCache(maxsize=128)
