@@ -1,0 +1,30 @@
+"""comera: CoMERA rank-adaptive tensor-train training on tncomp plans.
+
+Layers (``TTLinear``, ``TTMLinear``, ``TTEmbedding``) carry diagonal rank gates; the objective
+(``rank_regularizer``, ``LateStage``) drives ranks down; ``truncate_`` removes pruned ranks
+physically; ``convert_`` turns an existing torch model into a TT model.
+"""
+
+from comera.convert import ConversionReport, ConvertConfig, convert_
+from comera.embedding import TTEmbedding
+from comera.errors import (
+    CheckpointError,
+    ComeraError,
+    ConfigError,
+    ConversionError,
+    FactorizationError,
+    LookupIndexError,
+)
+from comera.factorize import factorize, factorize_pair, suggest_padded_size
+from comera.layers import GatedTrain, TTLinear, TTMLinear
+from comera.objective import LateStage, rank_regularizer, soft_size
+from comera.size import compression_ratio, dense_size, model_size, tt_modules
+from comera.truncate import TruncationReport, truncate_
+
+__all__ = [
+    "CheckpointError", "ComeraError", "ConfigError", "ConversionError", "ConversionReport",
+    "ConvertConfig", "FactorizationError", "GatedTrain", "LateStage", "LookupIndexError",
+    "TTEmbedding", "TTLinear", "TTMLinear", "TruncationReport", "compression_ratio", "convert_",
+    "dense_size", "factorize", "factorize_pair", "model_size", "rank_regularizer", "soft_size",
+    "suggest_padded_size", "truncate_", "tt_modules",
+]

@@ -1,0 +1,175 @@
+"""A TT-matrix embedding table with rank gates, looked up through tncomp plans.
+
+The table (rows x dim, rows = prod(row_modes) >= num_embeddings, padded) is a TT-matrix with
+cores (r_{k-1}, m_k, n_k, r_k). A lookup:
+
+1. deduplicates the batch's ids (``unique`` + ``inverse``), so a frequent token costs once;
+2. merges the gated cores pairwise, once per step, into tables over (m_a*m_b) rows, which makes
+   the per-row slices small (at the paper's ranks, 512 and 1,536 floats instead of 8,192);
+3. gathers one slice per unique id from each merged table and contracts them with a compiled
+   ``tncomp.ttm_embedding`` network (a batched chain over the hyperedge ``b``);
+4. gathers the rows back by ``inverse``; ``padding_idx`` rows are zero and get no gradient.
+
+Gradients reach the cores through the gather (a scatter-add) and the planned merges.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+import tncomp
+from comera.errors import ConfigError, LookupIndexError
+from comera.factorize import factorize, suggest_padded_size
+from comera.layers import DEFAULT_TAU, GatedTrain, Ranks, _bonds, _check_features, _check_tau
+from comera.ttsvd import matrix_to_ttm, ttm_to_matrix
+
+
+def _mixed_radix_strides(modes: Sequence[int]) -> list[int]:
+    strides, acc = [], 1
+    for m in reversed(modes):
+        strides.append(acc)
+        acc *= m
+    return list(reversed(strides))
+
+
+class TTEmbedding(GatedTrain):
+    """``nn.Embedding`` with its table stored as a gated TT-matrix (see the module docstring)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 row_modes: Sequence[int] | None = None, col_modes: Sequence[int] | None = None,
+                 ranks: Ranks = 16, padding_idx: int | None = None, tau: float = DEFAULT_TAU,
+                 d: int = 3, merge_pairs: bool = True, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        self.num_embeddings = _check_features("num_embeddings", num_embeddings)
+        self.embedding_dim = _check_features("embedding_dim", embedding_dim)
+        if row_modes is None:
+            row_modes = factorize(suggest_padded_size(num_embeddings, d), d)
+        if col_modes is None:
+            col_modes = factorize(embedding_dim, len(row_modes))
+        self.row_modes = tuple(int(m) for m in row_modes)
+        self.col_modes = tuple(int(n) for n in col_modes)
+        if len(self.row_modes) != len(self.col_modes):
+            raise ConfigError(f"row_modes {self.row_modes} and col_modes {self.col_modes} differ "
+                              "in length; each TT-matrix core carries one of each.")
+        if math.prod(self.row_modes) < num_embeddings:
+            raise ConfigError(
+                f"row_modes {self.row_modes} cover {math.prod(self.row_modes)} rows, fewer than "
+                f"num_embeddings={num_embeddings}; pick modes whose product is at least "
+                f"{num_embeddings} (e.g. {factorize(suggest_padded_size(num_embeddings, d), d)})."
+            )
+        if math.prod(self.col_modes) != embedding_dim:
+            raise ConfigError(f"col_modes {self.col_modes} multiply to "
+                              f"{math.prod(self.col_modes)}, not embedding_dim={embedding_dim}.")
+        if padding_idx is not None:
+            if padding_idx < 0:
+                padding_idx += num_embeddings
+            if not 0 <= padding_idx < num_embeddings:
+                raise ConfigError(f"padding_idx={padding_idx} is outside [0, {num_embeddings}).")
+        self.padding_idx = padding_idx
+        self.merge_pairs = bool(merge_pairs)
+        # GatedTrain reads these names for sizes and reprs.
+        self.in_features, self.out_features = num_embeddings, embedding_dim
+        self.in_modes, self.out_modes = self.row_modes, self.col_modes
+        pairs = [m * n for m, n in zip(self.row_modes, self.col_modes, strict=True)]
+        bonds = _bonds(ranks, pairs, "ranks")
+        shapes = [(bonds[k], m, n, bonds[k + 1])
+                  for k, (m, n) in enumerate(zip(self.row_modes, self.col_modes, strict=True))]
+        super().__init__(shapes, False, embedding_dim, _check_tau(tau), dtype, device)
+        self._gaussian_init_(len(shapes))
+
+    # -- structure ------------------------------------------------------------------------------
+    def groups(self) -> list[tuple[int, ...]]:
+        """Which cores are merged before the lookup: pairs, or one core each."""
+        d = len(self.cores)
+        if not self.merge_pairs:
+            return [(k,) for k in range(d)]
+        return [tuple(range(k, min(k + 2, d))) for k in range(0, d, 2)]
+
+    def _network(self) -> tncomp.Network:
+        groups = self.groups()
+        rows = [math.prod(self.row_modes[k] for k in g) for g in groups]
+        cols = [math.prod(self.col_modes[k] for k in g) for g in groups]
+        bonds = [1] + [int(self.cores[g[-1]].shape[-1]) for g in groups]
+        return tncomp.ttm_embedding(rows, cols, bonds)
+
+    # -- compute --------------------------------------------------------------------------------
+    def merged_tables(self) -> list[Tensor]:
+        """Per group, the table (M_g, r_in, N_g, r_out) whose rows are gathered by id digits."""
+        cores = self.gated_cores()
+        tables = []
+        for group in self.groups():
+            first = cores[group[0]]
+            if len(group) == 1:
+                tables.append(first.permute(1, 0, 2, 3).contiguous())
+                continue
+            second = cores[group[1]]
+            r0, m1, n1, _ = first.shape
+            _, m2, n2, r2 = second.shape
+            merged = tncomp.contract("pimq,qjnr->ijpmnr", first, second)
+            tables.append(merged.reshape(m1 * m2, r0, n1 * n2, r2))
+        return tables
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32,
+                                                            torch.int16, torch.uint8):
+            raise ConfigError(f"TTEmbedding takes integer ids (torch.long), got "
+                              f"{getattr(ids, 'dtype', type(ids).__name__)}.")
+        flat = ids.reshape(-1)
+        if flat.numel() == 0:
+            return self.cores[0].new_zeros(*ids.shape, self.embedding_dim)
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < 0 or hi >= self.num_embeddings:
+            bad = lo if lo < 0 else hi
+            raise LookupIndexError(f"id {bad} is out of range for a table of "
+                                   f"{self.num_embeddings} rows; ids must lie in "
+                                   f"[0, {self.num_embeddings}).")
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        slices = []
+        strides = _mixed_radix_strides(self.row_modes)
+        for group, table in zip(self.groups(), self.merged_tables(), strict=True):
+            stride = strides[group[-1]]
+            size = math.prod(self.row_modes[k] for k in group)
+            digits = torch.div(unique, stride, rounding_mode="floor") % size
+            slices.append(table.index_select(0, digits))  # (U, r_in, N_g, r_out)
+        rows = self.compiled()(*slices).reshape(unique.numel(), self.embedding_dim)
+        if self.padding_idx is not None:
+            keep = (unique != self.padding_idx).to(rows.dtype).unsqueeze(1)
+            rows = rows * keep
+        return rows.index_select(0, inverse).reshape(*ids.shape, self.embedding_dim)
+
+    def to_dense(self) -> Tensor:
+        """The table as ``nn.Embedding.weight``: (num_embeddings, embedding_dim)."""
+        table = ttm_to_matrix(self.gated_cores())[: self.num_embeddings]
+        if self.padding_idx is not None:
+            table = table.clone()
+            table[self.padding_idx] = 0
+        return table
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, ranks: Ranks = 16,
+                       row_modes: Sequence[int] | None = None,
+                       col_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
+                       d: int = 3) -> TTEmbedding:
+        """A TT embedding initialised by TT-matrix SVD of a trained table (rows zero-padded)."""
+        if not isinstance(embedding, nn.Embedding):
+            raise ConfigError(f"from_embedding takes an nn.Embedding, got "
+                              f"{type(embedding).__name__}.")
+        w = embedding.weight.detach()
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, row_modes, col_modes,
+                    ranks, embedding.padding_idx, tau, d, dtype=w.dtype, device=w.device)
+        padded = torch.zeros(math.prod(layer.row_modes), w.shape[1], dtype=w.dtype,
+                             device=w.device)
+        padded[: w.shape[0]] = w
+        cores = matrix_to_ttm(padded, layer.row_modes, layer.col_modes, list(layer.bonds[1:-1]))
+        from comera.layers import _load_cores_
+
+        _load_cores_(layer, cores, None)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, row_modes={self.row_modes}, "
+                f"col_modes={self.col_modes}, ranks={self.ranks}, padding_idx={self.padding_idx}")

@@ -1,0 +1,31 @@
+"""One exception hierarchy for comera.
+
+Every class also subclasses the matching builtin, so ``except ValueError`` in user code keeps
+working. Messages say what was expected, what was received, and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class ComeraError(Exception):
+    """Base class of every error raised by comera."""
+
+
+class ConfigError(ComeraError, ValueError):
+    """A bad setting: sizes, ranks, modes, tau, targets that cannot work together."""
+
+
+class FactorizationError(ConfigError):
+    """A layer size has no usable balanced factorization into tensor modes (e.g. a prime)."""
+
+
+class ConversionError(ComeraError, ValueError):
+    """Converting a model found nothing to convert (no layer matched the selection)."""
+
+
+class CheckpointError(ComeraError, RuntimeError):
+    """A checkpoint could not be saved, loaded, or does not match the model it is loaded into."""
+
+
+class LookupIndexError(ComeraError, IndexError):
+    """An embedding id outside ``[0, num_embeddings)``; IndexError, as ``nn.Embedding`` raises."""

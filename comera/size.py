@@ -1,0 +1,49 @@
+"""Model size S(model) at the effective ranks, and compression ratios.
+
+S counts every parameter the model would ship with after truncation: TT cores at their
+effective ranks (TT-matrix slices cost m_k * n_k each; a layer with an all-zero gate counts as
+removed), every non-TT parameter, biases included. Gates fold into the cores, so they do not
+count. The dense size replaces each TT layer by the dense matrix it stands for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import nn
+
+from comera.layers import GatedTrain
+
+
+def tt_modules(model: nn.Module) -> Iterator[tuple[str, GatedTrain]]:
+    """Every gated tensor-train layer of ``model`` with its qualified name."""
+    for name, module in model.named_modules():
+        if isinstance(module, GatedTrain):
+            yield name, module
+
+
+def _non_tt_parameters(model: nn.Module) -> int:
+    inside = {id(p) for _, m in tt_modules(model) for p in m.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in inside)
+
+
+def model_size(model: nn.Module, effective: bool = True, only: type | None = None) -> int:
+    """S(model): TT layers at effective ranks plus every other parameter.
+
+    ``only``: count just the TT layers of this type (e.g. ``TTLinear``) and nothing else.
+    """
+    tt = sum(m.num_parameters(effective) for _, m in tt_modules(model)
+             if only is None or isinstance(m, only))
+    return tt if only is not None else tt + _non_tt_parameters(model)
+
+
+def dense_size(model: nn.Module, only: type | None = None) -> int:
+    """The size of the same model with every TT layer dense."""
+    tt = sum(m.dense_num_parameters() for _, m in tt_modules(model)
+             if only is None or isinstance(m, only))
+    return tt if only is not None else tt + _non_tt_parameters(model)
+
+
+def compression_ratio(model: nn.Module, only: type | None = None) -> float:
+    """Dense size / effective size (of the TT layers of type ``only``, if given)."""
+    return dense_size(model, only) / max(model_size(model, True, only), 1)
