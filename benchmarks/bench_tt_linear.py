@@ -22,8 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import tncomp  # noqa: E402
-from baselines import (  # noqa: E402
+from baselines import (
     dense_linear,
     hand_derived_comera,
     make_cores,
@@ -31,14 +30,16 @@ from baselines import (  # noqa: E402
     opt_einsum_optimal,
     tensorly_torch_tt,
 )
-from harness import (  # noqa: E402
+from harness import (
     interleaved_medians,
     machine_info,
     markdown_table,
     peak_allocated_bytes,
     write_results,
 )
-from tncomp.calibrate import calibrate  # noqa: E402
+
+import tncomp
+from tncomp.calibrate import calibrate
 
 CASES = [  # (label, in_modes, out_modes, max rank)
     ("768x3072 d=3", (12, 8, 8), (12, 16, 16), 30),

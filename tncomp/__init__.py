@@ -12,17 +12,37 @@ from tncomp.cost import Costs, tree_costs
 from tncomp.ir import Dim, Network, Role, TensorSpec, make_network
 from tncomp.model import DeviceModel
 from tncomp.plan import Plan
-from tncomp.report import describe_tree
 from tncomp.problem import Problem, Tree, problem_for
+from tncomp.report import describe_tree
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompiledNetwork", "Costs", "DeviceModel", "Dim", "Network", "Plan", "Problem", "Role",
-    "TensorSpec", "Tree", "cache_info", "clear_cache", "compile", "contract", "describe_tree",
-    "errors", "inspect",
-    "from_eq", "make_network", "problem_for", "resolve_ranks", "tree_costs", "tt_linear",
-    "ttm_embedding", "ttm_linear",
+    "CompiledNetwork",
+    "Costs",
+    "DeviceModel",
+    "Dim",
+    "Network",
+    "Plan",
+    "Problem",
+    "Role",
+    "TensorSpec",
+    "Tree",
+    "cache_info",
+    "clear_cache",
+    "compile",
+    "contract",
+    "describe_tree",
+    "errors",
+    "from_eq",
+    "inspect",
+    "make_network",
+    "problem_for",
+    "resolve_ranks",
+    "tree_costs",
+    "tt_linear",
+    "ttm_embedding",
+    "ttm_linear",
 ]
 
 

@@ -110,8 +110,9 @@ class CompiledNetwork:
         for spec, t in zip(self.network.operands, operands, strict=True):
             if t.dtype != dtype or t.device != device:
                 raise SizeError(
-                    f"tensor {spec.name!r} is {t.dtype} on {t.device} but {self.network.operands[0].name!r} "
-                    f"is {dtype} on {device}; pass all operands with one dtype and device."
+                    f"tensor {spec.name!r} is {t.dtype} on {t.device} but "
+                    f"{self.network.operands[0].name!r} is {dtype} on {device}; pass all "
+                    "operands with one dtype and device."
                 )
         if not dtype.is_floating_point and not dtype.is_complex:
             raise SizeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
@@ -154,7 +155,8 @@ class CompiledNetwork:
         if self.options.optimize == "auto" and len(self.network.dims) == 1:
             table = self.regimes(needs_grad, itemsize, model)
             dim = table.dim
-            value = next(sizes[i] for i, s in self.network.sizes if getattr(s, "name", None) == dim.name)
+            value = next(sizes[i] for i, s in self.network.sizes
+                         if getattr(s, "name", None) == dim.name)
             return table.tree_for(value)
         problem = problem_for(self.network, sizes)
         disk_key = ("tree", self._key, tuple(sorted(sizes.items())), needs_grad, itemsize,
@@ -208,7 +210,7 @@ class CompiledNetwork:
         return f"CompiledNetwork(({names}) -> {self.network.output.name}, {self.options})"
 
 
-def compile(  # noqa: A001 - the natural name, as torch.compile
+def compile(
     net: Network,
     *,
     optimize: str = "auto",

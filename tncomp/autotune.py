@@ -59,7 +59,7 @@ def autotune_tree(compiled, problem: Problem, sizes, needs_grad, dtype, device, 
         return Tree(stored["n"], tuple(tuple(s) for s in stored["steps"]))
     itemsize = torch.empty((), dtype=dtype).element_size()
     choice = choose_plan(problem, needs_grad, itemsize, model)
-    trees = [default] + [t for t, _ in choice.candidates if t != default][: TOP_K - 1]
+    trees = [default, *[t for t, _ in choice.candidates if t != default][:TOP_K - 1]]
     shapes = [tuple(sizes[i] for i in t.indices) for t in compiled.network.operands]
     timed = []
     for tree in trees:

@@ -103,6 +103,16 @@ def _cmd_cache(args) -> int:
     return 0
 
 
+def _cmd_calibrate(args) -> int:
+    from tncomp.calibrate import calibrate
+
+    model = calibrate(args.device)
+    print(f"{model.source}: GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, bandwidth "
+          f"{model.bytes_per_s / 1e9:.1f} GB/s, step {model.step_overhead_s * 1e6:.1f} us "
+          "(saved; compile() now plans with these numbers)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tncomp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec", help="layer SPEC (see tncomp --help)")
     p.add_argument("--batch", type=int, default=4096, help="batch size to show the plan at")
     p.set_defaults(run=_cmd_inspect)
+    p = sub.add_parser("calibrate", help="measure this device's GEMM rate and bandwidth")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(run=_cmd_calibrate)
     p = sub.add_parser("cache", help="show or clear the plan cache")
     p.add_argument("action", choices=["info", "clear"])
     p.set_defaults(run=_cmd_cache)

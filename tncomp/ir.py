@@ -117,7 +117,8 @@ class Network:
         width = max(len(t.name) for t in (*self.operands, self.output))
         for t in (*self.operands, self.output):
             shape = ", ".join(str(s) for s in self.shape(t))
-            lines.append(f"  {t.name:<{width}}  {t.role.value:<9}  ({', '.join(t.indices)})  [{shape}]")
+            indices = ", ".join(t.indices)
+            lines.append(f"  {t.name:<{width}}  {t.role.value:<9}  ({indices})  [{shape}]")
         return "\n".join(lines)
 
 
@@ -148,8 +149,9 @@ def check_network(net: Network) -> None:
         repeated = [i for i, c in Counter(t.indices).items() if c > 1]
         if repeated:
             raise IRError(
-                f"index {repeated[0]!r} appears twice on tensor {t.name!r} (a diagonal or trace); "
-                "tncomp does not take repeated indices within one tensor: take torch.diagonal first."
+                f"index {repeated[0]!r} appears twice on tensor {t.name!r} (a diagonal or "
+                "trace); tncomp does not take repeated indices within one tensor: take "
+                "torch.diagonal first."
             )
         used.update(t.indices)
     operand_indices = {i for t in net.operands for i in t.indices}
@@ -166,8 +168,9 @@ def check_network(net: Network) -> None:
         if count > 2 and index not in net.hyper:
             holders = [t.name for t in (*net.operands, net.output) if index in t.indices]
             raise IRError(
-                f"index {index!r} appears on {count} tensors ({', '.join(holders)}); an index joins "
-                f"at most two tensors unless declared a hyperedge: pass hyper={{{index!r}}}."
+                f"index {index!r} appears on {count} tensors ({', '.join(holders)}); an index "
+                f"joins at most two tensors unless declared a hyperedge: pass "
+                f"hyper={{{index!r}}}."
             )
     bad_hyper = sorted(net.hyper - set(sizes))
     if bad_hyper:

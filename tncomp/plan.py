@@ -268,7 +268,8 @@ class _Lowering:
             p = rec_op.permuted
             inverse = tuple(p.perm.index(j) for j in range(len(p.perm)))
             permuted_shape = tuple(p.shape[j] for j in p.perm)
-            back = Permute(self.slot(), slot, permuted_shape, inverse, p.nbytes, note + " (unpermute)")
+            back = Permute(self.slot(), slot, permuted_shape, inverse, p.nbytes,
+                           note + " (unpermute)")
             self.bwd.append(back)
             slot = back.dst
         return slot
@@ -378,7 +379,8 @@ def lower(
         if not isinstance(s, int):
             raise PlanError(f"index {i!r} has unbound size {s}; bind every size before lowering.")
     if len(needs_grad) != problem.n_leaves:
-        raise PlanError(f"needs_grad has {len(needs_grad)} entries for {problem.n_leaves} operands.")
+        raise PlanError(
+            f"needs_grad has {len(needs_grad)} entries for {problem.n_leaves} operands.")
     n_steps = len(tree.steps)
     if swaps is not None:
         return _Lowering(problem, tree, needs_grad, itemsize).run(list(swaps))

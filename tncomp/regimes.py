@@ -88,7 +88,8 @@ def build_regimes(
     winners = [best_at(v) for v in samples]
     regimes: list[Regime] = []
     start, current = samples[0], winners[0]
-    for (v0, w0), (v1, w1) in zip(zip(samples, winners), zip(samples[1:], winners[1:])):
+    for k in range(1, len(samples)):
+        v0, w0, v1, w1 = samples[k - 1], winners[k - 1], samples[k], winners[k]
         if w1 != w0:
             edge = _bisect(v0, v1, w0, best_at)
             regimes.append(Regime(start, edge - 1, trees[current]))

@@ -44,7 +44,7 @@ class GraphedPlan:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(WARMUP):
-                out, saved = code.forward(*self.static_in)
+                _out, saved = code.forward(*self.static_in)
                 if self.with_grad:
                     code.backward(self.static_in, saved, self.static_dy)
         torch.cuda.current_stream().wait_stream(stream)
