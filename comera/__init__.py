@@ -19,12 +19,38 @@ from comera.factorize import factorize, factorize_pair, suggest_padded_size
 from comera.layers import GatedTrain, TTLinear, TTMLinear
 from comera.objective import LateStage, rank_regularizer, soft_size
 from comera.size import compression_ratio, dense_size, model_size, tt_modules
+from comera.train import CoMERATrainer, OptimizerConfig, StepStats, make_optimizer, param_groups
 from comera.truncate import TruncationReport, truncate_
 
 __all__ = [
-    "CheckpointError", "ComeraError", "ConfigError", "ConversionError", "ConversionReport",
-    "ConvertConfig", "FactorizationError", "GatedTrain", "LateStage", "LookupIndexError",
-    "TTEmbedding", "TTLinear", "TTMLinear", "TruncationReport", "compression_ratio", "convert_",
-    "dense_size", "factorize", "factorize_pair", "model_size", "rank_regularizer", "soft_size",
-    "suggest_padded_size", "truncate_", "tt_modules",
+    "CheckpointError",
+    "CoMERATrainer",
+    "ComeraError",
+    "ConfigError",
+    "ConversionError",
+    "ConversionReport",
+    "ConvertConfig",
+    "FactorizationError",
+    "GatedTrain",
+    "LateStage",
+    "LookupIndexError",
+    "OptimizerConfig",
+    "StepStats",
+    "TTEmbedding",
+    "TTLinear",
+    "TTMLinear",
+    "TruncationReport",
+    "compression_ratio",
+    "convert_",
+    "dense_size",
+    "factorize",
+    "factorize_pair",
+    "make_optimizer",
+    "model_size",
+    "param_groups",
+    "rank_regularizer",
+    "soft_size",
+    "suggest_padded_size",
+    "truncate_",
+    "tt_modules",
 ]

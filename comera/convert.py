@@ -144,7 +144,9 @@ def _convert_one(name: str, module: nn.Module, config: ConvertConfig):
     return TTEmbedding.from_embedding(module, rank, modes[0], modes[1], config.tau, config.d)
 
 
-def convert_(model: nn.Module, config: ConvertConfig | None = None, **overrides) -> ConversionReport:
+def convert_(
+    model: nn.Module, config: ConvertConfig | None = None, **overrides
+) -> ConversionReport:
     """Replace the matching Linear/Embedding modules of ``model`` by TT layers, in place."""
     if config is None:
         config = ConvertConfig(**overrides)

@@ -1,0 +1,120 @@
+"""Rank-adaptive training: optimizer groups and the two-stage CoMERA controller.
+
+    opt = comera.make_optimizer(model)                 # cores / gates / rest, paper defaults
+    trainer = comera.CoMERATrainer(model, opt)         # early stage: L + lam * R
+    for batch in data:
+        stats = trainer.step(loss_fn(model, batch))    # backward + optimizer step
+    trainer.start_late_stage(comera.LateStage.from_ratio(model, 3.0, target_loss=0.3))
+    ...                                                # late stage: loss or size, each step
+
+The stage boundary truncates the pruned ranks physically (``truncate_``), which also slices the
+optimizer state; the compiled plans re-plan for the new shapes on the next forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from comera.errors import ConfigError
+from comera.objective import LateStage, rank_regularizer
+from comera.size import compression_ratio, model_size, tt_modules
+from comera.truncate import TruncationReport, truncate_
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Learning rates per parameter group (the paper's defaults) for AdamW."""
+
+    lr_cores: float = 1e-4
+    lr_gates: float = 1e-3
+    lr_other: float = 5e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+def param_groups(model: nn.Module, config: OptimizerConfig = OptimizerConfig()) -> list[dict]:
+    """Three groups: TT cores, rank gates, everything else (empty groups are left out)."""
+    cores, gates = [], []
+    for _, module in tt_modules(model):
+        cores += list(module.cores)
+        gates += list(module.gates)
+    taken = {id(p) for p in cores + gates}
+    other = [p for p in model.parameters() if id(p) not in taken]
+    groups = [
+        {"params": cores, "lr": config.lr_cores, "name": "cores"},
+        {"params": gates, "lr": config.lr_gates, "name": "gates"},
+        {"params": other, "lr": config.lr_other, "name": "other"},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def make_optimizer(model: nn.Module, config: OptimizerConfig = OptimizerConfig()):
+    """AdamW over :func:`param_groups` (no weight decay by default, as in the paper)."""
+    return torch.optim.AdamW(param_groups(model, config), betas=config.betas,
+                             weight_decay=config.weight_decay)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    objective: float
+    stage: str
+    weighted: str  # "loss+rank" (early), or "loss" / "size" (late)
+    size: int
+    compression: float
+
+
+class CoMERATrainer:
+    """Runs the CoMERA objective: ``step(loss)`` adds the stage's terms, backpropagates, steps."""
+
+    def __init__(self, model: nn.Module, optimizer=None, lam: float = 0.01,
+                 regularizer: str = "l1", max_grad_norm: float | None = None):
+        if not any(True for _ in tt_modules(model)):
+            raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
+        if lam < 0:
+            raise ConfigError(f"lam={lam}; the rank-regulariser weight is >= 0.")
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else make_optimizer(model)
+        self.lam = lam
+        self.regularizer = regularizer
+        self.max_grad_norm = max_grad_norm
+        self.stage = "early"
+        self.late: LateStage | None = None
+        self._size_reference: float | None = None
+        self.steps = 0
+
+    def objective(self, loss: Tensor) -> tuple[Tensor, str]:
+        """The scalar to minimise for this step, and which term was weighted."""
+        if self.stage == "early":
+            if self.lam == 0:
+                return loss, "loss"
+            return loss + self.lam * rank_regularizer(self.model, self.regularizer), "loss+rank"
+        return self.late.objective(self.model, loss, self._size_reference)
+
+    def step(self, loss: Tensor) -> StepStats:
+        total, which = self.objective(loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        if self.max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.steps += 1
+        return StepStats(float(loss.detach()), float(total.detach()), self.stage, which,
+                         model_size(self.model), compression_ratio(self.model))
+
+    def start_late_stage(self, late: LateStage, truncate: bool = True) -> TruncationReport | None:
+        """Switch to the late stage (truncating the pruned ranks first, by default)."""
+        if not isinstance(late, LateStage):
+            raise ConfigError(f"start_late_stage takes a comera.LateStage, got {late!r}.")
+        report = self.truncate() if truncate else None
+        self.stage = "late"
+        self.late = late
+        self._size_reference = float(model_size(self.model))
+        return report
+
+    def truncate(self) -> TruncationReport:
+        """Remove pruned ranks now (model and optimizer state)."""
+        return truncate_(self.model, self.optimizer)
