@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-def inspect(net: Network, batch: int = 4096, **compile_options) -> str:
+def inspect(net: Network, batch: int | None = None, **compile_options) -> str:
     """The cost/regime/plan report of ``net`` as text (what ``tncomp inspect`` prints)."""
     from tncomp.report import inspect as _inspect
 

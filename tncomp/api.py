@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ if os.environ.get("TNCOMP_DEBUG"):
 OPTIMIZE_CHOICES = ("auto", "search", "flops")
 
 _RUNNERS = LRUCache(maxsize=512)  # process-wide: identical networks share plans
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # compiled networks, so clear_cache reaches them
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,10 @@ class Options:
 
 
 def clear_cache(disk: bool = False) -> None:
-    """Drop every in-memory plan (and, with ``disk=True``, the on-disk search results)."""
+    """Drop every in-memory plan and pooled buffer, in the shared cache and in every live
+    compiled network (and, with ``disk=True``, the on-disk search results)."""
+    for compiled in list(_LIVE):
+        compiled.clear()
     _RUNNERS.clear()
     if disk:
         DiskCache().clear()
@@ -82,18 +87,31 @@ class CompiledNetwork:
         self._model = model
         self._disk = disk_cache
         self._key = structural_key(net)
+        # Bound sizes enter keys in the structural key's canonical index order.
+        self._canonical_indices = tuple(dict.fromkeys(
+            i for t in (*net.operands, net.output) for i in t.indices))
         self._local: dict = {}
         self._regimes: dict = {}
         self._graphed: dict = {}
+        _LIVE.add(self)
+
+    def clear(self) -> None:
+        """Forget this network's plans, regime tables, graphs and pooled buffers."""
+        for runner in self._local.values():
+            for pool in runner.code.pools.values():
+                pool.clear()
+        self._local.clear()
+        self._regimes.clear()
+        self._graphed.clear()
 
     # -- the hot path -------------------------------------------------------------------------
     def __call__(self, *operands: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled()
-        key = tuple((t.shape, t.dtype, grad and t.requires_grad) for t in operands)
         try:
+            key = tuple((t.shape, t.dtype, grad and t.requires_grad) for t in operands)
             runner = self._local[key]
         except (KeyError, AttributeError, TypeError):
-            runner = self._runner_for(operands, key)
+            runner = self._runner_for(operands, grad)
         if self.options.cuda_graphs and operands[0].is_cuda:
             return self._graphed_call(runner, operands)
         if grad and runner.plan.needs_grad.count(True):
@@ -101,10 +119,11 @@ class CompiledNetwork:
         return runner.code.forward(*operands)[0]
 
     # -- building -----------------------------------------------------------------------------
-    def _runner_for(self, operands: Sequence[torch.Tensor], key) -> Runner:
+    def _runner_for(self, operands: Sequence[torch.Tensor], grad: bool) -> Runner:
         if not all(isinstance(t, torch.Tensor) for t in operands):
             bad = next(type(t).__name__ for t in operands if not isinstance(t, torch.Tensor))
             raise TncompError(f"compiled network takes torch tensors; got a {bad}.")
+        key = tuple((t.shape, t.dtype, grad and t.requires_grad) for t in operands)
         sizes = bind_sizes(self.network, [tuple(t.shape) for t in operands])
         dtype, device = operands[0].dtype, operands[0].device
         for spec, t in zip(self.network.operands, operands, strict=True):
@@ -117,7 +136,7 @@ class CompiledNetwork:
         if not dtype.is_floating_point and not dtype.is_complex:
             raise SizeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
         needs_grad = tuple(bool(g) for _, _, g in key)
-        bound = tuple(sizes[i] for i, _ in self.network.sizes)
+        bound = tuple(sizes[i] for i in self._canonical_indices)
         full_key = (self._key, bound, str(dtype), device.type, needs_grad, self.options)
 
         def build() -> Runner:

@@ -46,6 +46,8 @@ def resolve_ranks(ranks: Ranks, modes: Sequence[int], what: str = "ranks") -> tu
             left, right = math.prod(modes[:k]), math.prod(modes[k:])
             bonds.append(min(ranks, left, right))
         return (*bonds, 1)
+    if isinstance(ranks, bool) or not isinstance(ranks, Sequence):
+        raise IRError(f"{what}={ranks!r}; give a max rank (int) or a sequence of ints.")
     ranks = tuple(ranks)
     if len(ranks) == n - 1:
         ranks = (1, *ranks, 1)
@@ -192,9 +194,16 @@ def from_eq(eq: str, *shapes: Sequence[Size | str], names: Sequence[str] | None 
                 f"{len(shape)} axes."
             )
         for index, raw in zip(term, shape, strict=True):
+            if isinstance(raw, str) and raw in dims:  # a name refers to its declared Dim
+                raw = dims[raw]
             size = _as_size(raw, f"size of index {index!r} of {name!r}")
             if isinstance(size, Dim):
-                size = dims.setdefault(size.name, size)
+                known = dims.setdefault(size.name, size)
+                if known != size:
+                    raise IRError(
+                        f"symbol {size.name!r} is declared with bounds [{known.min}, {known.max}]"
+                        f" and [{size.min}, {size.max}]; declare one Dim and reuse it."
+                    )
             if sizes.setdefault(index, size) != size:
                 raise IRError(
                     f"index {index!r} has size {sizes[index]} on one operand and {size} on "

@@ -43,13 +43,20 @@ def parse_spec(spec: str):
             data = json.loads(path.read_text())
         except ValueError as exc:
             raise SpecError(f"SPEC file {spec} is not valid JSON: {exc}") from None
-        if "eq" in data:
-            return from_eq(data["eq"], *data.get("shapes", []))
-        for kind, build in (("tt", tt_linear), ("ttm", ttm_linear)):
-            if kind in data:
-                d = data[kind]
-                return build(d["in_modes"], d["out_modes"], d["ranks"], d.get("batch", "B"))
-        raise SpecError(f"SPEC file {spec} needs an 'eq', 'tt' or 'ttm' entry.")
+        try:
+            if isinstance(data, dict) and "eq" in data:
+                return from_eq(data["eq"], *data.get("shapes", []))
+            for kind, build in (("tt", tt_linear), ("ttm", ttm_linear)):
+                if isinstance(data, dict) and kind in data:
+                    d = data[kind]
+                    return build(d["in_modes"], d["out_modes"], d["ranks"], d.get("batch", "B"))
+        except KeyError as exc:
+            raise SpecError(f"SPEC file {spec}: entry {kind!r} lacks {exc}; give in_modes, "
+                            "out_modes and ranks.") from None
+        except (TypeError, AttributeError) as exc:
+            raise SpecError(f"SPEC file {spec} has malformed content ({exc}); see "
+                            "tncomp --help for the JSON forms.") from None
+        raise SpecError(f"SPEC file {spec} needs an 'eq', 'tt' or 'ttm' entry (a JSON object).")
     kind, _, rest = spec.partition(":")
     if kind == "eq":
         eq, _, shapes = rest.rpartition(":")
@@ -119,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="costs, regimes and plans of a layer")
     p.add_argument("spec", help="layer SPEC (see tncomp --help)")
-    p.add_argument("--batch", type=int, default=4096, help="batch size to show the plan at")
+    p.add_argument("--batch", type=int, default=None,
+                   help="batch size to show the plan at (default 4096, within the bounds)")
     p.set_defaults(run=_cmd_inspect)
     p = sub.add_parser("calibrate", help="measure this device's GEMM rate and bandwidth")
     p.add_argument("--device", default="cpu")

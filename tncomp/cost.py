@@ -112,7 +112,8 @@ def tree_costs(
     bwd_flops: SizeExpr = 0
     bwd_bytes: SizeExpr = 0
     for k, term in enumerate(problem.inputs):  # leaf reductions (sums over lone indices)
-        if problem.leaf_kept[k] != term:
+        summed = [i for i in term if i not in problem.leaf_kept[k]]
+        if any(problem.size_dict[i] != 1 for i in summed):  # size-1 ends are free reshapes
             fwd_flops += problem.volume(term)
             fwd_bytes += leaf_size[k] + size[k]
             if needs_grad[k]:

@@ -139,6 +139,13 @@ def check_network(net: Network) -> None:
         if isinstance(size, int) and size < 1:
             raise IRError(f"index {index!r} has size {size}; sizes must be >= 1.")
         sizes[index] = size
+    operand_indices = {i for t in net.operands for i in t.indices}
+    for index in net.output.indices:
+        if index not in operand_indices:
+            raise IRError(
+                f"output index {index!r} is dangling: no operand carries it; "
+                "remove it from the output or add it to an operand."
+            )
     used: Counter[str] = Counter()
     for t in (*net.operands, net.output):
         for index in t.indices:
@@ -154,13 +161,6 @@ def check_network(net: Network) -> None:
                 "torch.diagonal first."
             )
         used.update(t.indices)
-    operand_indices = {i for t in net.operands for i in t.indices}
-    for index in net.output.indices:
-        if index not in operand_indices:
-            raise IRError(
-                f"output index {index!r} is dangling: no operand carries it; "
-                "remove it from the output or add it to an operand."
-            )
     unused = sorted(set(sizes) - set(used))
     if unused:
         raise IRError(f"index {unused[0]!r} has a size but no tensor carries it; remove it.")

@@ -130,6 +130,12 @@ class Tree:
             next_id += 1
         return cls(n_leaves, tuple(steps))
 
+    def signature(self) -> frozenset:
+        """The set of pairwise contractions (as pairs of leaf sets): trees equal under it do the
+        same work, only in another order."""
+        covers = self.leaves_under()
+        return frozenset(frozenset((covers[a], covers[b])) for a, b in self.steps)
+
     def to_linear_path(self) -> list[tuple[int, int]]:
         live = list(range(self.n_leaves))
         path = []

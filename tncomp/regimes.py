@@ -72,7 +72,7 @@ def build_regimes(
     for value in samples:
         problem = problem_for(net, _bind_single(net, dim, value))
         for tree in candidate_trees(problem):
-            if tree not in trees:
+            if tree.signature() not in {t.signature() for t in trees}:
                 trees.append(tree)
                 swaps.append(lower(problem, tree, needs_grad, itemsize, model=model).swaps)
     with_grad = any(needs_grad)

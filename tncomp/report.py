@@ -70,9 +70,19 @@ def _si(value: float, unit: str) -> str:
     return f"{value:.0f} {unit}"
 
 
-def inspect(compiled, batch: int = 4096, needs_grad=None, itemsize: int = 4) -> str:
-    """The full report of a compiled network, with the plan shown at ``batch`` (if symbolic)."""
+DEFAULT_BATCH = 4096
+
+
+def inspect(compiled, batch: int | None = None, needs_grad=None, itemsize: int = 4) -> str:
+    """The full report of a compiled network, with the plan shown at ``batch`` (if symbolic;
+    by default 4096, clipped to the symbol's bounds)."""
     net = compiled.network
+    for dim in net.dims:
+        if batch is None:
+            hi = dim.max if dim.max is not None else DEFAULT_BATCH
+            batch = max(min(DEFAULT_BATCH, hi), dim.min)
+        dim.check(batch, "inspect")
+    batch = DEFAULT_BATCH if batch is None else batch
     needs_grad = tuple(needs_grad) if needs_grad is not None else (True,) * len(net.operands)
     model = compiled.model("cpu")
     lines = ["== network ==", str(net), ""]

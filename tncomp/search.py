@@ -51,7 +51,7 @@ def candidate_trees(problem: Problem) -> list[Tree]:
 
     def add(path) -> None:
         tree = Tree.from_linear_path(n, path)
-        if tree not in found:
+        if tree.signature() not in {t.signature() for t in found}:
             found.append(tree)
 
     if n <= EXACT_OPTIMAL_LIMIT:
@@ -64,7 +64,7 @@ def candidate_trees(problem: Problem) -> list[Tree]:
         add(_cotengra_path(inputs, output, sizes))
     add(opt_einsum.paths.greedy(inputs, output, sizes))
     seq = _sequential(n)
-    if seq not in found:
+    if seq.signature() not in {t.signature() for t in found}:
         found.append(seq)
     return found
 

@@ -43,11 +43,14 @@ class _Emitter:
         self.pools: dict[int, BufferPool] = {}
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.exits = {plan.output_slot, *(s for s in plan.grad_slots if s is not None)}
+        self.conjugate = False  # set while emitting the backward of a complex plan
 
     def view(self, v: MatView) -> str:
         text = f"v{v.slot}"
         if self.shapes.get(v.slot) != v.shape:
             text += f".reshape({v.shape!r})"
+        if self.conjugate and v.slot < self.plan.dy_slot:  # d(AB): dY B^H, A^H dY
+            text += ".conj()"
         return f"{text}.mT" if v.t else text
 
     def reshape(self, src: int, shape: tuple[int, ...]) -> str:
@@ -117,6 +120,7 @@ def generate(plan: Plan, operand_shapes, dtype: torch.dtype = torch.float32,
            f"    {_tuple(args)} = operands",
            f"    {_tuple(saved)} = saved" if saved else "    pass",
            "    step = -1", "    try:"]
+    emit.conjugate = dtype.is_complex
     bwd += emit.body(plan.backward, plan.backward_frees)
     bwd += ["    except Exception as exc:", "        _fail(exc, 'backward', step)",
             f"    return {_tuple(grads)}"]

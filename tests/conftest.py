@@ -1,0 +1,26 @@
+"""Shared setup of the tncomp test suite.
+
+Every test session gets its own tncomp disk-cache directory (``TNCOMP_CACHE_DIR``), so no test
+reads a calibration or a search result left in the user's real cache, or writes into it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/tn_helpers.py
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_tncomp_cache_dir(tmp_path_factory):
+    previous = os.environ.get("TNCOMP_CACHE_DIR")
+    os.environ["TNCOMP_CACHE_DIR"] = str(tmp_path_factory.mktemp("tncomp-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("TNCOMP_CACHE_DIR", None)
+    else:
+        os.environ["TNCOMP_CACHE_DIR"] = previous
