@@ -1,0 +1,147 @@
+"""The six-encoder transformer of the paper's MNLI run, with every linear layer and the token
+embedding as TT layers (or dense, for the baseline).
+
+d_model 768, 12 heads, FFN 3072, GELU, post-LayerNorm, dropout 0.1, learned positions, max
+length 128, and a pair-classification head on the first token. Shapes follow the paper:
+Q/K/V/O 768x768 as [12,8,8]x[8,8,12]; FFN 768x3072 as [12,8,8]x[12,16,16] and back as
+[16,16,12]x[8,8,12]; the embedding (vocabulary padded to prod(row_modes)) as m=[16,20,10,10],
+n=[4,4,8,6] with rank 32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from comera.embedding import TTEmbedding
+from comera.errors import ConfigError
+from comera.layers import TTLinear
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes and TT settings. ``tt=False`` builds the dense baseline of the same model."""
+
+    vocab_size: int = 30522
+    d_model: int = 768
+    n_heads: int = 12
+    d_ff: int = 3072
+    n_layers: int = 6
+    max_len: int = 128
+    n_classes: int = 3
+    dropout: float = 0.1
+    tt: bool = True
+    tt_embedding: bool = True
+    rank: int = 30
+    embedding_rank: int = 32
+    attn_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((12, 8, 8), (8, 8, 12))
+    ffn_in_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((12, 8, 8), (12, 16, 16))
+    ffn_out_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((16, 16, 12), (8, 8, 12))
+    embedding_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((16, 20, 10, 10), (4, 4, 8, 6))
+    tau: float = 1e-2
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads="
+                              f"{self.n_heads}; pick a head count that divides it.")
+
+    @classmethod
+    def small(cls, vocab_size: int, **overrides) -> TransformerConfig:
+        """A CPU-sized model (d_model 256, FFN 1024, 4 heads, 2 layers) with matching modes."""
+        base = dict(vocab_size=vocab_size, d_model=256, n_heads=4, d_ff=1024, n_layers=2,
+                    rank=16, embedding_rank=16, attn_modes=((4, 8, 8), (8, 8, 4)),
+                    ffn_in_modes=((4, 8, 8), (8, 8, 16)), ffn_out_modes=((16, 8, 8), (8, 8, 4)),
+                    embedding_modes=None)
+        base.update(overrides)
+        return cls(**base)
+
+
+def linear(cfg: TransformerConfig, n_in: int, n_out: int, modes) -> nn.Module:
+    if not cfg.tt:
+        return nn.Linear(n_in, n_out)
+    if modes is not None and (math.prod(modes[0]) != n_in or math.prod(modes[1]) != n_out):
+        modes = None  # sizes changed by an override: factorize automatically
+    in_modes, out_modes = modes if modes is not None else (None, None)
+    return TTLinear(n_in, n_out, in_modes, out_modes, cfg.rank, tau=cfg.tau)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.q = linear(cfg, d, d, cfg.attn_modes)
+        self.k = linear(cfg, d, d, cfg.attn_modes)
+        self.v = linear(cfg, d, d, cfg.attn_modes)
+        self.o = linear(cfg, d, d, cfg.attn_modes)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: Tensor, pad_mask: Tensor) -> Tensor:
+        b, s, d = x.shape
+        h = self.n_heads
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(b, s, h, d // h).transpose(1, 2)  # (b, h, s, d/h)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        mask = pad_mask[:, None, None, :]  # (b, 1, 1, s): True where a real token
+        att = nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+        return self.o(att.transpose(1, 2).reshape(b, s, d))  # (b, s, d)
+
+
+class EncoderBlock(nn.Module):
+    """Post-LayerNorm encoder block: x = LN(x + attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attn = SelfAttention(cfg)
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.ffn_in = linear(cfg, cfg.d_model, cfg.d_ff, cfg.ffn_in_modes)
+        self.ffn_out = linear(cfg, cfg.d_ff, cfg.d_model, cfg.ffn_out_modes)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, pad_mask: Tensor) -> Tensor:
+        x = self.ln1(x + self.drop(self.attn(x, pad_mask)))
+        ffn = self.ffn_out(self.drop(nn.functional.gelu(self.ffn_in(x))))
+        return self.ln2(x + self.drop(ffn))
+
+
+class PairClassifier(nn.Module):
+    """Token + position + segment embeddings, N encoder blocks, a head on the first token."""
+
+    def __init__(self, cfg: TransformerConfig, pad_id: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.tt and cfg.tt_embedding:
+            rows, cols = cfg.embedding_modes or (None, None)
+            self.tokens = TTEmbedding(cfg.vocab_size, cfg.d_model, rows, cols,
+                                      cfg.embedding_rank, padding_idx=pad_id, tau=cfg.tau,
+                                      d=len(rows) if rows else 3)
+        else:
+            self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=pad_id)
+        self.positions = nn.Embedding(cfg.max_len, cfg.d_model)
+        self.segments = nn.Embedding(2, cfg.d_model)
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.n_layers))
+        self.head = nn.Linear(cfg.d_model, cfg.n_classes)
+        self.pad_id = pad_id
+
+    def forward(self, ids: Tensor, segments: Tensor | None = None) -> Tensor:
+        b, s = ids.shape
+        if s > self.cfg.max_len:
+            raise ConfigError(f"sequence length {s} exceeds max_len={self.cfg.max_len}; "
+                              "truncate the inputs or raise max_len.")
+        pos = torch.arange(s, device=ids.device)
+        seg = segments if segments is not None else torch.zeros_like(ids)
+        x = self.tokens(ids) + self.positions(pos)[None] + self.segments(seg)  # (b, s, d)
+        x = self.drop(self.ln(x))
+        pad_mask = ids != self.pad_id  # (b, s)
+        for block in self.blocks:
+            x = block(x, pad_mask)
+        return self.head(x[:, 0])  # (b, n_classes)
