@@ -133,7 +133,7 @@ class PairClassifier(nn.Module):
         self.pad_id = pad_id
 
     def forward(self, ids: Tensor, segments: Tensor | None = None) -> Tensor:
-        b, s = ids.shape
+        s = ids.shape[1]
         if s > self.cfg.max_len:
             raise ConfigError(f"sequence length {s} exceeds max_len={self.cfg.max_len}; "
                               "truncate the inputs or raise max_len.")
