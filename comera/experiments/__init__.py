@@ -1,0 +1,1 @@
+"""Experiments of the paper, runnable from the `comera train` command."""
