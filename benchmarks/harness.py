@@ -59,11 +59,13 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> int:
     fn()  # warm: steady-state allocations only
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = [e for e in prof.events() if e.name == "[memory]"]
-    events.sort(key=lambda e: e.time_range.start)
+    # The raw allocation records (signed byte counts with timestamps); prof.events() attaches
+    # allocations to ops and keeps only the frees at top level, so it cannot give a peak.
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
     live = peak = 0
     for e in events:
-        live += e.cpu_memory_usage
+        live += e.nbytes()
         peak = max(peak, live)
     return peak
 
