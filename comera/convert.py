@@ -111,13 +111,23 @@ def _matches(name: str, config: ConvertConfig) -> bool:
 
 
 def _rank_for_target(make, dense: int, target: float) -> int:
-    """The largest max rank whose TT layer is at most dense/target parameters (at least 1)."""
-    best, rank = 1, 1
-    while rank <= 4096:
-        if make(rank).num_parameters(effective=True) > dense / target:
-            break
-        best, rank = rank, rank + 1
-    return best
+    """The largest max rank whose TT cores hold at most dense/target parameters (at least 1).
+
+    The size grows with the max rank until every bond reaches its TT-SVD bound, so bisect.
+    """
+    def size(rank: int) -> int:
+        layer = make(rank)
+        return sum(c.numel() for c in layer.cores)
+
+    lo, hi = 1, 1
+    while size(hi) <= dense / target and hi < 1 << 16:
+        if size(hi * 2) == size(hi):  # every bond is at its bound already
+            return hi
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if size(mid) <= dense / target else (lo, mid)
+    return lo
 
 
 def _convert_one(name: str, module: nn.Module, config: ConvertConfig):
@@ -127,7 +137,7 @@ def _convert_one(name: str, module: nn.Module, config: ConvertConfig):
 
         def make(rank):
             return cls(module.in_features, module.out_features, modes[0], modes[1], rank,
-                       module.bias is not None, config.tau, config.d, device="meta")
+                       module.bias is not None, config.tau, config.d)
 
         dense = module.in_features * module.out_features
         rank = (_rank_for_target(make, dense, config.target_compression)
@@ -136,7 +146,7 @@ def _convert_one(name: str, module: nn.Module, config: ConvertConfig):
 
     def make_emb(rank):
         return TTEmbedding(module.num_embeddings, module.embedding_dim, modes[0], modes[1], rank,
-                           module.padding_idx, config.tau, config.d, device="meta")
+                           module.padding_idx, config.tau, config.d)
 
     dense = module.num_embeddings * module.embedding_dim
     rank = (_rank_for_target(make_emb, dense, config.target_compression)

@@ -47,9 +47,10 @@ class TTEmbedding(GatedTrain):
         self.num_embeddings = _check_features("num_embeddings", num_embeddings)
         self.embedding_dim = _check_features("embedding_dim", embedding_dim)
         if row_modes is None:
-            row_modes = factorize(suggest_padded_size(num_embeddings, d), d)
+            n = len(tuple(col_modes)) if col_modes is not None else d
+            row_modes = factorize(suggest_padded_size(num_embeddings, n), n)
         if col_modes is None:
-            col_modes = factorize(embedding_dim, len(row_modes))
+            col_modes = factorize(embedding_dim, len(tuple(row_modes)))
         self.row_modes = tuple(int(m) for m in row_modes)
         self.col_modes = tuple(int(n) for n in col_modes)
         if len(self.row_modes) != len(self.col_modes):
@@ -88,6 +89,9 @@ class TTEmbedding(GatedTrain):
         if not self.merge_pairs:
             return [(k,) for k in range(d)]
         return [tuple(range(k, min(k + 2, d))) for k in range(0, d, 2)]
+
+    def _structure(self) -> tuple:
+        return tuple(self.groups())
 
     def _network(self) -> tncomp.Network:
         groups = self.groups()
@@ -153,14 +157,15 @@ class TTEmbedding(GatedTrain):
     def from_embedding(cls, embedding: nn.Embedding, ranks: Ranks = 16,
                        row_modes: Sequence[int] | None = None,
                        col_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
-                       d: int = 3) -> TTEmbedding:
+                       d: int = 3, merge_pairs: bool = True) -> TTEmbedding:
         """A TT embedding initialised by TT-matrix SVD of a trained table (rows zero-padded)."""
         if not isinstance(embedding, nn.Embedding):
             raise ConfigError(f"from_embedding takes an nn.Embedding, got "
                               f"{type(embedding).__name__}.")
         w = embedding.weight.detach()
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, row_modes, col_modes,
-                    ranks, embedding.padding_idx, tau, d, dtype=w.dtype, device=w.device)
+                    ranks, embedding.padding_idx, tau, d, merge_pairs, dtype=w.dtype,
+                    device=w.device)
         padded = torch.zeros(math.prod(layer.row_modes), w.shape[1], dtype=w.dtype,
                              device=w.device)
         padded[: w.shape[0]] = w

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 import tncomp
 from comera.errors import ConfigError
-from comera.factorize import factorize_pair
+from comera.factorize import factorize, factorize_pair
 from comera.ttsvd import matrix_to_tt, matrix_to_ttm, tt_to_matrix, ttm_to_matrix
 
 DEFAULT_TAU = 1e-2
@@ -46,6 +46,17 @@ def _check_modes(modes, features: int, what: str) -> tuple[int, ...]:
             f"product is {features} (or leave them out to factorize automatically)."
         )
     return modes
+
+
+def resolve_modes(in_features: int, out_features: int, in_modes, out_modes, d: int):
+    """Given modes as they are; a missing side factorized with as many modes as the other."""
+    if in_modes is None and out_modes is None:
+        return factorize_pair(in_features, out_features, d)
+    if in_modes is None:
+        in_modes = factorize(in_features, len(tuple(out_modes)))
+    if out_modes is None:
+        out_modes = factorize(out_features, len(tuple(in_modes)))
+    return in_modes, out_modes
 
 
 def _check_tau(tau: float) -> float:
@@ -123,9 +134,13 @@ class GatedTrain(nn.Module):
     def _network(self) -> tncomp.Network:
         raise NotImplementedError
 
+    def _structure(self) -> tuple:
+        """Whatever besides the core shapes decides the network (part of the plan key)."""
+        return ()
+
     def compiled(self) -> tncomp.CompiledNetwork:
         """The compiled contraction for the current core shapes (re-planned after truncation)."""
-        shapes = tuple(tuple(c.shape) for c in self.cores)
+        shapes = (tuple(tuple(c.shape) for c in self.cores), self._structure())
         if self._compiled is None or self._compiled_for != shapes:
             self._compiled = tncomp.compile(self._network())
             self._compiled_for = shapes
@@ -180,10 +195,7 @@ class TTLinear(GatedTrain):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         self.in_features = _check_features("in_features", in_features)
         self.out_features = _check_features("out_features", out_features)
-        if in_modes is None or out_modes is None:
-            auto_in, auto_out = factorize_pair(in_features, out_features, d)
-            in_modes = auto_in if in_modes is None else in_modes
-            out_modes = auto_out if out_modes is None else out_modes
+        in_modes, out_modes = resolve_modes(in_features, out_features, in_modes, out_modes, d)
         self.in_modes = _check_modes(in_modes, in_features, "in_modes")
         self.out_modes = _check_modes(out_modes, out_features, "out_modes")
         if len(self.in_modes) != len(self.out_modes):
@@ -229,10 +241,7 @@ class TTMLinear(GatedTrain):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         self.in_features = _check_features("in_features", in_features)
         self.out_features = _check_features("out_features", out_features)
-        if in_modes is None or out_modes is None:
-            auto_in, auto_out = factorize_pair(in_features, out_features, d)
-            in_modes = auto_in if in_modes is None else in_modes
-            out_modes = auto_out if out_modes is None else out_modes
+        in_modes, out_modes = resolve_modes(in_features, out_features, in_modes, out_modes, d)
         self.in_modes = _check_modes(in_modes, in_features, "in_modes")
         self.out_modes = _check_modes(out_modes, out_features, "out_modes")
         if len(self.in_modes) != len(self.out_modes):

@@ -5,8 +5,8 @@ normalised by their count (or weighted by the parameters each rank slice costs).
 
 Late stage, toward a target size S* (and a target loss L*): each step compares the relative
 loss gap ``(L - L*) / L`` with the relative size gap ``(S - S*) / S`` and weights whichever
-objective is further from its target: the loss, or a differentiable size surrogate (the size
-formula with each rank replaced by the l1 norm of its gate). Once S <= S*, only the loss is
+objective is further from its target (a tie goes to the loss): the loss, or a differentiable
+size surrogate (the size formula with each rank replaced by the l1 norm of its gate). Once S <= S*, only the loss is
 minimised: shrinking stops at the target.
 """
 
@@ -58,20 +58,16 @@ def rank_regularizer(model: nn.Module, kind: str = "l1") -> Tensor:
 
 def soft_size(model: nn.Module) -> Tensor:
     """The size formula with each bond's rank replaced by the l1 norm of its gate."""
-    total: Tensor | None = None
+    total: Tensor | float | None = None
     for _, module in tt_modules(model):
         gates = module.effective_gates()
-        soft = [None] + [g.abs().sum() for g in gates] + [None]
+        soft = [1.0] + [g.abs().sum() for g in gates] + [1.0]
         for k, core in enumerate(module.cores):
-            inner = math.prod(core.shape[1:-1])
-            left = soft[k] if soft[k] is not None else 1.0
-            right = soft[k + 1] if soft[k + 1] is not None else 1.0
-            term = inner * left * right
-            if isinstance(term, Tensor):
-                total = term if total is None else total + term
+            term = math.prod(core.shape[1:-1]) * soft[k] * soft[k + 1]
+            total = term if total is None else total + term
     if total is None:
         raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
-    return total
+    return torch.as_tensor(total) if not isinstance(total, Tensor) else total
 
 
 @dataclass(frozen=True)
@@ -104,7 +100,7 @@ class LateStage:
             return "loss"
         loss_gap = (loss - self.target_loss) / max(abs(loss), 1e-12)
         size_gap = (size - self.target_size) / size
-        return "size" if size_gap >= loss_gap else "loss"
+        return "size" if size_gap > loss_gap else "loss"
 
     def objective(self, model: nn.Module, loss: Tensor,
                   size_reference: float | None = None) -> tuple[Tensor, str]:

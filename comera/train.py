@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
-from comera.objective import LateStage, rank_regularizer
+from comera.objective import REGULARIZERS, LateStage, rank_regularizer
 from comera.size import compression_ratio, model_size, tt_modules
 from comera.truncate import TruncationReport, truncate_
 
@@ -76,6 +76,9 @@ class CoMERATrainer:
             raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
         if lam < 0:
             raise ConfigError(f"lam={lam}; the rank-regulariser weight is >= 0.")
+        if regularizer not in REGULARIZERS:
+            raise ConfigError(f"regularizer {regularizer!r}; choose one of "
+                              f"{', '.join(REGULARIZERS)}.")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else make_optimizer(model)
         self.lam = lam

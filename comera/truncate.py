@@ -70,6 +70,8 @@ def truncate_layer_(layer: GatedTrain, optimizer=None, fold_gates: bool = True) 
     """Truncate one layer in place (see the module docstring)."""
     removed = layer.is_removed()
     masks = layer.gate_masks()
+    if removed:  # the weight is exactly zero: keep one (masked) slice per bond
+        masks = [torch.zeros_like(m) for m in masks]
     for k, mask in enumerate(masks):
         keep = _keep_indices(mask.to(layer.cores[k].device))
         _sliced_(layer.cores, k, layer.cores[k].dim() - 1, keep, optimizer)

@@ -1,0 +1,187 @@
+"""comera.convert_: replace nn.Linear / nn.Embedding by TT layers, in place."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import comera
+from comera import ConvertConfig, TTEmbedding, TTLinear, TTMLinear
+
+F64 = torch.float64
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16, dtype=F64)
+        self.k = nn.Linear(16, 16, dtype=F64)
+        self.v = nn.Linear(16, 16, bias=False, dtype=F64)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16, padding_idx=0, dtype=F64)
+        self.attn = Attn()
+        self.ffn = nn.Sequential(nn.Linear(16, 24, dtype=F64), nn.ReLU(),
+                                 nn.Linear(24, 16, dtype=F64))
+        self.head = nn.Linear(16, 4, dtype=F64)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.attn.q(h) * torch.tanh(self.attn.k(h)) + self.attn.v(h)
+        return self.head(h + self.ffn(h))
+
+
+LINEAR_NAMES = ["attn.q", "attn.k", "attn.v", "ffn.0", "ffn.2", "head"]
+
+
+def _ids():
+    return torch.tensor([[0, 3, 19, 7], [5, 5, 0, 11]])
+
+
+@pytest.mark.parametrize("fmt", ["tt", "ttm"])
+def test_full_rank_sequential_outputs_unchanged(fmt):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 10, dtype=F64), nn.ReLU(), nn.Linear(10, 6, dtype=F64))
+    x = torch.randn(5, 12, dtype=F64)
+    with torch.no_grad():
+        y = model(x)
+    report = comera.convert_(model, ranks=10**6, format=fmt)
+    cls = TTLinear if fmt == "tt" else TTMLinear
+    assert isinstance(model[0], cls) and isinstance(model[2], cls)
+    assert isinstance(model[1], nn.ReLU)
+    assert [r.name for r in report.layers] == ["0", "2"]
+    assert [r.kind for r in report.layers] == [cls.__name__] * 2
+    assert [r.shape for r in report.layers] == [(12, 10), (10, 6)]
+    assert report.before == 12 * 10 + 10 + 10 * 6 + 6
+    assert report.after == sum(m.num_parameters() for m in (model[0], model[2]))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), y, rtol=1e-9, atol=1e-10)
+
+
+def test_full_rank_with_embedding_outputs_unchanged():
+    torch.manual_seed(1)
+    model = Model()
+    ids = _ids()
+    with torch.no_grad():
+        y = model(ids)
+    report = comera.convert_(model, ranks=10**6, embedding=True)
+    assert isinstance(model.emb, TTEmbedding)
+    assert model.emb.padding_idx == 0
+    assert [r.name for r in report.layers] == ["emb", *LINEAR_NAMES]
+    assert report.layers[0].kind == "TTEmbedding" and report.layers[0].shape == (20, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), y, rtol=1e-9, atol=1e-10)
+    assert not any(isinstance(m, nn.Linear | nn.Embedding) for m in model.modules())
+
+
+def test_embedding_false_leaves_embeddings():
+    model = Model()
+    report = comera.convert_(model, ranks=2)
+    assert type(model.emb) is nn.Embedding
+    assert [r.name for r in report.layers] == LINEAR_NAMES
+    assert all(r.kind == "TTLinear" for r in report.layers)
+
+
+def test_include_exclude_select_modules():
+    model = Model()
+    report = comera.convert_(model, include=["attn.*", "ffn.*"], exclude=["attn.k", "*.2"],
+                             ranks=2)
+    assert [r.name for r in report.layers] == ["attn.q", "attn.v", "ffn.0"]
+    assert isinstance(model.attn.q, TTLinear) and isinstance(model.attn.v, TTLinear)
+    assert isinstance(model.ffn[0], TTLinear)
+    assert type(model.attn.k) is nn.Linear
+    assert type(model.ffn[2]) is nn.Linear
+    assert type(model.head) is nn.Linear
+    assert model.attn.v.bias is None and model.attn.q.bias is not None
+    # only linear=False, embedding=True: just the embedding
+    model = Model()
+    report = comera.convert_(model, linear=False, embedding=True, ranks=2)
+    assert [(r.name, r.kind) for r in report.layers] == [("emb", "TTEmbedding")]
+    assert type(model.head) is nn.Linear
+
+
+def test_ranks_dict_first_match_wins():
+    model = Model()
+    report = comera.convert_(model, ranks={"attn.*": 2, "ffn.0": 3, "*": 1})
+    expected = {"attn.q": 2, "attn.k": 2, "attn.v": 2, "ffn.0": 3, "ffn.2": 1, "head": 1}
+    for r in report.layers:
+        layer = model.get_submodule(r.name)
+        assert max(layer.bonds) == expected[r.name], r.name
+        assert r.ranks == layer.ranks
+
+
+def test_ranks_dict_without_match_raises():
+    pattern = re.escape("no ranks pattern matches layer 'attn.q'")
+    with pytest.raises(comera.ConfigError, match=pattern):
+        comera.convert_(Model(), ranks={"ffn.*": 2})
+
+
+def test_modes_per_layer():
+    model = Model()
+    report = comera.convert_(model, include=["ffn.0"], ranks=2,
+                             modes={"ffn.0": ((4, 4), (4, 6))})
+    assert model.ffn[0].in_modes == (4, 4) and model.ffn[0].out_modes == (4, 6)
+    assert report.layers[0].modes == ((4, 4), (4, 6))
+
+
+@pytest.mark.parametrize("fmt", ["tt", "ttm"])
+@pytest.mark.parametrize("target", [2.0, 5.0])
+def test_target_compression_bounds_each_layer(fmt, target):
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(64, 96, dtype=F64), nn.ReLU(),
+                          nn.Linear(96, 64, bias=False, dtype=F64))
+    report = comera.convert_(model, target_compression=target, format=fmt)
+    cls = TTLinear if fmt == "tt" else TTMLinear
+    for r, idx in zip(report.layers, (0, 2), strict=True):
+        layer = model[idx]
+        dense = layer.in_features * layer.out_features
+        assert layer.num_parameters(effective=True) <= dense / target
+        assert r.after <= r.before / target
+        # the largest such max rank: one more exceeds the budget (or reaches no new bond)
+        bigger = cls(layer.in_features, layer.out_features, layer.in_modes, layer.out_modes,
+                     max(layer.bonds) + 1, layer.bias is not None)
+        assert (bigger.num_parameters() > dense / target or bigger.bonds == layer.bonds)
+
+
+def test_target_compression_embedding():
+    model = nn.Sequential(nn.Embedding(64, 16, dtype=F64))
+    report = comera.convert_(model, linear=False, embedding=True, target_compression=4.0)
+    assert model[0].num_parameters() <= 64 * 16 / 4.0
+    assert report.after <= report.before / 4.0
+
+
+def test_report_str_table():
+    report = comera.convert_(Model(), ranks=2, embedding=True)
+    text = str(report)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["layer", "type", "shape"]
+    assert set(lines[1]) == {"-"}
+    for name in ["emb", *LINEAR_NAMES]:
+        assert any(line.startswith(name + " ") for line in lines), name
+    assert lines[-1].startswith("total")
+    assert f"{report.before:,}" in lines[-1] and f"{report.after:,}" in lines[-1]
+    assert f"{report.before / report.after:.1f}x" in lines[-1]
+    assert len(lines) == 2 + 7 + 1
+
+
+def test_no_match_raises_with_searched_names():
+    model = Model()
+    with pytest.raises(comera.ConversionError) as info:
+        comera.convert_(model, include=["decoder.*"])
+    message = str(info.value)
+    for name in LINEAR_NAMES:
+        assert name in message
+    assert "decoder.*" in message
+    assert isinstance(info.value, ValueError)
+    assert type(model.head) is nn.Linear  # nothing was touched
+
+
+def test_config_and_overrides_together_raise():
+    with pytest.raises(comera.ConfigError, match="either a ConvertConfig or keyword"):
+        comera.convert_(Model(), ConvertConfig(), ranks=2)
