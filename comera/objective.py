@@ -6,8 +6,8 @@ normalised by their count (or weighted by the parameters each rank slice costs).
 Late stage, toward a target size S* (and a target loss L*): each step compares the relative
 loss gap ``(L - L*) / L`` with the relative size gap ``(S - S*) / S`` and weights whichever
 objective is further from its target (a tie goes to the loss): the loss, or a differentiable
-size surrogate (the size formula with each rank replaced by the l1 norm of its gate). Once S <= S*, only the loss is
-minimised: shrinking stops at the target.
+size surrogate (the size formula with each rank replaced by the l1 norm of its gate). Once
+S <= S*, only the loss is minimised: shrinking stops at the target.
 """
 
 from __future__ import annotations
