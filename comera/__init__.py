@@ -5,6 +5,7 @@ Layers (``TTLinear``, ``TTMLinear``, ``TTEmbedding``) carry diagonal rank gates;
 physically; ``convert_`` turns an existing torch model into a TT model.
 """
 
+from comera.checkpoint import layer_spec, load_checkpoint, save_checkpoint
 from comera.convert import ConversionReport, ConvertConfig, convert_
 from comera.embedding import TTEmbedding
 from comera.errors import (
@@ -14,6 +15,7 @@ from comera.errors import (
     ConversionError,
     FactorizationError,
     LookupIndexError,
+    NonFiniteLossError,
 )
 from comera.factorize import factorize, factorize_pair, suggest_padded_size
 from comera.layers import GatedTrain, TTLinear, TTMLinear
@@ -34,6 +36,7 @@ __all__ = [
     "GatedTrain",
     "LateStage",
     "LookupIndexError",
+    "NonFiniteLossError",
     "OptimizerConfig",
     "StepStats",
     "TTEmbedding",
@@ -45,10 +48,13 @@ __all__ = [
     "dense_size",
     "factorize",
     "factorize_pair",
+    "layer_spec",
+    "load_checkpoint",
     "make_optimizer",
     "model_size",
     "param_groups",
     "rank_regularizer",
+    "save_checkpoint",
     "soft_size",
     "suggest_padded_size",
     "truncate_",

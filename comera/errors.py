@@ -23,6 +23,10 @@ class ConversionError(ComeraError, ValueError):
     """Converting a model found nothing to convert (no layer matched the selection)."""
 
 
+class NonFiniteLossError(ComeraError, FloatingPointError):
+    """A training step saw a NaN or infinite loss; it was not applied."""
+
+
 class CheckpointError(ComeraError, RuntimeError):
     """A checkpoint could not be saved, loaded, or does not match the model it is loaded into."""
 

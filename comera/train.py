@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from comera.errors import ConfigError
+from comera.errors import ConfigError, NonFiniteLossError
 from comera.objective import REGULARIZERS, LateStage, rank_regularizer
 from comera.size import compression_ratio, model_size, tt_modules
 from comera.truncate import TruncationReport, truncate_
@@ -98,15 +98,35 @@ class CoMERATrainer:
         return self.late.objective(self.model, loss, self._size_reference)
 
     def step(self, loss: Tensor) -> StepStats:
+        if not bool(torch.isfinite(loss.detach()).all()):
+            raise NonFiniteLossError(
+                f"step {self.steps}: the loss is {float(loss.detach())}; the step was not applied "
+                "(lower the learning rates, or restore the last checkpoint)."
+            )
         total, which = self.objective(loss)
         self.optimizer.zero_grad(set_to_none=True)
         total.backward()
         if self.max_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        pruned = [(g, ~m) for _, layer in tt_modules(self.model)
+                  for g, m in zip(layer.gates, layer.gate_masks(), strict=True)]
         self.optimizer.step()
+        self._keep_pruned_(pruned)
         self.steps += 1
         return StepStats(float(loss.detach()), float(total.detach()), self.stage, which,
                          model_size(self.model), compression_ratio(self.model))
+
+    def _keep_pruned_(self, pruned) -> None:
+        """A pruned gate gets no gradient, but Adam's momentum would carry it back past tau:
+        pin it at zero and clear its moments, so pruning is final."""
+        with torch.no_grad():
+            for gate, off in pruned:
+                if not bool(off.any()):
+                    continue
+                gate[off] = 0.0
+                for value in self.optimizer.state.get(gate, {}).values():
+                    if isinstance(value, Tensor) and value.shape == gate.shape:
+                        value[off] = 0.0
 
     def start_late_stage(self, late: LateStage, truncate: bool = True) -> TruncationReport | None:
         """Switch to the late stage (truncating the pruned ranks first, by default)."""

@@ -13,4 +13,4 @@ BLOCKS = [(path.name, k, code) for path in DOCS
 
 @pytest.mark.parametrize(("doc", "index", "code"), BLOCKS, ids=[f"{d}-{k}" for d, k, _ in BLOCKS])
 def test_code_block_runs(doc, index, code, capsys):
-    exec(compile(code, f"{doc}[{index}]", "exec"), {"__name__": "__docs__"})  # noqa: S102
+    exec(compile(code, f"{doc}[{index}]", "exec"), {"__name__": "__docs__"})
