@@ -83,6 +83,9 @@ class GatedTrain(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
         self._compiled_for: tuple | None = None
         self._compiled = None
+        # Options for tncomp.compile, e.g. {"cuda_graphs": True} to replay the contraction
+        # from a captured CUDA graph, or {"autotune": True}.
+        self.compile_options: dict = {}
 
     # -- structure ------------------------------------------------------------------------------
     @property
@@ -140,9 +143,10 @@ class GatedTrain(nn.Module):
 
     def compiled(self) -> tncomp.CompiledNetwork:
         """The compiled contraction for the current core shapes (re-planned after truncation)."""
-        shapes = (tuple(tuple(c.shape) for c in self.cores), self._structure())
+        shapes = (tuple(tuple(c.shape) for c in self.cores), self._structure(),
+                  tuple(sorted(self.compile_options.items())))
         if self._compiled is None or self._compiled_for != shapes:
-            self._compiled = tncomp.compile(self._network())
+            self._compiled = tncomp.compile(self._network(), **self.compile_options)
             self._compiled_for = shapes
         return self._compiled
 

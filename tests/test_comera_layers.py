@@ -401,3 +401,13 @@ def test_deepcopy_and_pickle_after_forward(cls):
     with torch.no_grad():  # the copies own their parameters
         copied.cores[0].zero_()
     assert torch.equal(layer(x), y)
+
+
+def test_compile_options_reach_the_compiled_plan():
+    layer = TTLinear(16, 12, (4, 4), (3, 4), ranks=3, dtype=torch.float64)
+    x = torch.randn(5, 16, dtype=torch.float64)
+    expected = layer(x)
+    layer.compile_options = {"optimize": "flops", "pool_buffers": False}
+    torch.testing.assert_close(layer(x), expected)
+    assert layer.compiled().options.optimize == "flops"
+    assert not layer.compiled().options.pool_buffers
