@@ -190,8 +190,10 @@ class GatedTrain(nn.Module):
                 f"bias={self.bias is not None}, tau={self.tau}")
 
 
-class TTLinear(GatedTrain):
-    """y = x @ W + b with W in the CoMERA TT format (input modes, then output modes)."""
+class _LinearTrain(GatedTrain):
+    """What TT and TT-matrix linear layers share: mode checks, construction, from_linear."""
+
+    format_name = ""
 
     def __init__(self, in_features: int, out_features: int,
                  in_modes: Sequence[int] | None = None, out_modes: Sequence[int] | None = None,
@@ -205,13 +207,47 @@ class TTLinear(GatedTrain):
         if len(self.in_modes) != len(self.out_modes):
             raise ConfigError(
                 f"in_modes {self.in_modes} and out_modes {self.out_modes} differ in length; the "
-                "TT format pairs d input modes with d output modes."
+                f"{self.format_name} format pairs d input modes with d output modes."
             )
+        shapes = self._core_shapes(ranks)
+        super().__init__(shapes, bias, out_features, tau, dtype, device)
+        self._gaussian_init_(len(shapes))
+
+    def _core_shapes(self, ranks: Ranks) -> list[tuple[int, ...]]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _decompose(weight: Tensor, in_modes, out_modes, interior: list[int]) -> list[Tensor]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, ranks: Ranks = 16,
+                    in_modes: Sequence[int] | None = None,
+                    out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
+                    d: int = 3):
+        """A layer initialised by TT-SVD of a trained ``nn.Linear`` (exact at full rank)."""
+        if not isinstance(linear, nn.Linear):
+            raise ConfigError(f"from_linear takes an nn.Linear, got {type(linear).__name__}.")
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, in_modes, out_modes, ranks,
+                    linear.bias is not None, tau, d, dtype=w.dtype, device=w.device)
+        cores = cls._decompose(w.detach().T, layer.in_modes, layer.out_modes,
+                               list(layer.bonds[1:-1]))
+        _load_cores_(layer, cores, linear.bias)
+        return layer
+
+
+class TTLinear(_LinearTrain):
+    """y = x @ W + b with W in the CoMERA TT format (input modes, then output modes)."""
+
+    format_name = "TT"
+
+    def _core_shapes(self, ranks: Ranks) -> list[tuple[int, ...]]:
         modes = self.in_modes + self.out_modes
         bonds = _bonds(ranks, modes, "ranks")
-        shapes = [(bonds[k], n, bonds[k + 1]) for k, n in enumerate(modes)]
-        super().__init__(shapes, bias, out_features, tau, dtype, device)
-        self._gaussian_init_(len(modes))
+        return [(bonds[k], n, bonds[k + 1]) for k, n in enumerate(modes)]
+
+    _decompose = staticmethod(matrix_to_tt)
 
     def _network(self) -> tncomp.Network:
         return tncomp.tt_linear(self.in_modes, self.out_modes, self.bonds)
@@ -220,45 +256,18 @@ class TTLinear(GatedTrain):
         """The dense weight as nn.Linear stores it: (out_features, in_features)."""
         return tt_to_matrix(self.gated_cores(), len(self.in_modes)).T
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, ranks: Ranks = 16,
-                    in_modes: Sequence[int] | None = None,
-                    out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
-                    d: int = 3) -> TTLinear:
-        """A TT layer initialised by TT-SVD of a trained ``nn.Linear`` (exact at full rank)."""
-        if not isinstance(linear, nn.Linear):
-            raise ConfigError(f"from_linear takes an nn.Linear, got {type(linear).__name__}.")
-        w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, in_modes, out_modes, ranks,
-                    linear.bias is not None, tau, d, dtype=w.dtype, device=w.device)
-        cores = matrix_to_tt(w.detach().T, layer.in_modes, layer.out_modes, list(layer.bonds[1:-1]))
-        _load_cores_(layer, cores, linear.bias)
-        return layer
 
-
-class TTMLinear(GatedTrain):
+class TTMLinear(_LinearTrain):
     """y = x @ W + b with W in the interleaved TT-matrix format (cores (r, m_k, n_k, r))."""
 
-    def __init__(self, in_features: int, out_features: int,
-                 in_modes: Sequence[int] | None = None, out_modes: Sequence[int] | None = None,
-                 ranks: Ranks = 16, bias: bool = True, tau: float = DEFAULT_TAU, d: int = 3,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
-        self.in_features = _check_features("in_features", in_features)
-        self.out_features = _check_features("out_features", out_features)
-        in_modes, out_modes = resolve_modes(in_features, out_features, in_modes, out_modes, d)
-        self.in_modes = _check_modes(in_modes, in_features, "in_modes")
-        self.out_modes = _check_modes(out_modes, out_features, "out_modes")
-        if len(self.in_modes) != len(self.out_modes):
-            raise ConfigError(
-                f"in_modes {self.in_modes} and out_modes {self.out_modes} differ in length; a "
-                "TT-matrix core carries one input and one output mode."
-            )
-        pairs = [m * n for m, n in zip(self.in_modes, self.out_modes, strict=True)]
-        bonds = _bonds(ranks, pairs, "ranks")
-        shapes = [(bonds[k], m, n, bonds[k + 1])
-                  for k, (m, n) in enumerate(zip(self.in_modes, self.out_modes, strict=True))]
-        super().__init__(shapes, bias, out_features, tau, dtype, device)
-        self._gaussian_init_(len(shapes))
+    format_name = "TT-matrix"
+
+    def _core_shapes(self, ranks: Ranks) -> list[tuple[int, ...]]:
+        pairs = list(zip(self.in_modes, self.out_modes, strict=True))
+        bonds = _bonds(ranks, [m * n for m, n in pairs], "ranks")
+        return [(bonds[k], m, n, bonds[k + 1]) for k, (m, n) in enumerate(pairs)]
+
+    _decompose = staticmethod(matrix_to_ttm)
 
     def _network(self) -> tncomp.Network:
         return tncomp.ttm_linear(self.in_modes, self.out_modes, self.bonds)
@@ -266,22 +275,6 @@ class TTMLinear(GatedTrain):
     def to_dense(self) -> Tensor:
         """The dense weight as nn.Linear stores it: (out_features, in_features)."""
         return ttm_to_matrix(self.gated_cores()).T
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, ranks: Ranks = 16,
-                    in_modes: Sequence[int] | None = None,
-                    out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
-                    d: int = 3) -> TTMLinear:
-        """A TT-matrix layer initialised by TT-SVD of a trained ``nn.Linear``."""
-        if not isinstance(linear, nn.Linear):
-            raise ConfigError(f"from_linear takes an nn.Linear, got {type(linear).__name__}.")
-        w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, in_modes, out_modes, ranks,
-                    linear.bias is not None, tau, d, dtype=w.dtype, device=w.device)
-        cores = matrix_to_ttm(w.detach().T, layer.in_modes, layer.out_modes,
-                              list(layer.bonds[1:-1]))
-        _load_cores_(layer, cores, linear.bias)
-        return layer
 
 
 def _load_cores_(layer: GatedTrain, cores: Sequence[Tensor], bias: Tensor | None) -> None:

@@ -8,11 +8,10 @@ binding (sizes, gradients, dtype, device), so a process pays for the timing once
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 
 import torch
 
+from tncomp.calibrate import median_time
 from tncomp.plan import lower
 from tncomp.problem import Problem, Tree
 from tncomp.runtime.codegen import generate
@@ -36,16 +35,7 @@ def _time_plan(plan, shapes, dtype, device, repeats: int = REPEATS) -> float:
             code.backward(operands, saved, dy)
         return y
 
-    for _ in range(2):
-        step()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(step, repeats, sync)
 
 
 def autotune_tree(compiled, problem: Problem, sizes, needs_grad, dtype, device, model,

@@ -23,7 +23,8 @@ def load_calibration(device: torch.device) -> DeviceModel | None:
         return None
 
 
-def _median_time(fn, repeats: int, sync) -> float:
+def median_time(fn, repeats: int, sync) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after two warm-up calls."""
     for _ in range(2):
         fn()
     sync()
@@ -45,12 +46,12 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     n = 2048 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty_like(a)
-    gemm = 2 * n**3 / _median_time(lambda: torch.mm(a, a, out=out), 5, sync)
+    gemm = 2 * n**3 / median_time(lambda: torch.mm(a, a, out=out), 5, sync)
     big = torch.empty(32 * 2**20 // 4, device=device, dtype=torch.float32).normal_()
     dst = torch.empty_like(big)
-    bw = 2 * big.numel() * 4 / _median_time(lambda: dst.copy_(big), 7, sync)
+    bw = 2 * big.numel() * 4 / median_time(lambda: dst.copy_(big), 7, sync)
     tiny = torch.randn(4, 4, device=device, dtype=dtype)
-    overhead = _median_time(lambda: torch.mm(tiny, tiny), 50, sync)
+    overhead = median_time(lambda: torch.mm(tiny, tiny), 50, sync)
     model = DeviceModel(gemm, bw, overhead, f"calibrated on {device.type} ({dtype})")
     if save:
         path = _path(device)
