@@ -24,7 +24,15 @@ from torch import Tensor, nn
 import tncomp
 from comera.errors import ConfigError, LookupIndexError
 from comera.factorize import factorize, suggest_padded_size
-from comera.layers import DEFAULT_TAU, GatedTrain, Ranks, _bonds, _check_features, _check_tau
+from comera.layers import (
+    DEFAULT_TAU,
+    GatedTrain,
+    Ranks,
+    _bonds,
+    _check_features,
+    _check_tau,
+    _load_cores_,
+)
 from comera.ttsvd import matrix_to_ttm, ttm_to_matrix
 
 
@@ -170,8 +178,6 @@ class TTEmbedding(GatedTrain):
                              device=w.device)
         padded[: w.shape[0]] = w
         cores = matrix_to_ttm(padded, layer.row_modes, layer.col_modes, list(layer.bonds[1:-1]))
-        from comera.layers import _load_cores_
-
         _load_cores_(layer, cores, None)
         return layer
 

@@ -93,6 +93,7 @@ class CompiledNetwork:
         self._local: dict = {}
         self._regimes: dict = {}
         self._graphed: dict = {}
+        self.captures = 0  # CUDA-graph captures made (tests check replays do not re-capture)
         _LIVE.add(self)
 
     def clear(self) -> None:

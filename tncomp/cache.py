@@ -61,13 +61,18 @@ class LRUCache:
         self.hits = self.misses = 0
 
 
-def default_cache_dir() -> Path:
-    """``$TNCOMP_CACHE_DIR``, else ``$XDG_CACHE_HOME/tncomp``, else ``~/.cache/tncomp``."""
-    env = os.environ.get("TNCOMP_CACHE_DIR")
+def user_cache_dir(app: str, env_var: str) -> Path:
+    """``$<env_var>``, else ``$XDG_CACHE_HOME/<app>``, else ``~/.cache/<app>``."""
+    env = os.environ.get(env_var)
     if env:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tncomp"
+    return Path(base) / app
+
+
+def default_cache_dir() -> Path:
+    """tncomp's cache: ``$TNCOMP_CACHE_DIR``, else the user cache directory."""
+    return user_cache_dir("tncomp", "TNCOMP_CACHE_DIR")
 
 
 def key_digest(key: Hashable) -> str:

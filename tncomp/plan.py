@@ -109,9 +109,8 @@ class _Value:
 @dataclass
 class _Operand:
     view: MatView  # the (batched) matrix view of the storage
-    storage_slot: int
     permuted: Permute | None  # the copy made for it, if any
-    source: _Value
+    free_order: tuple[str, ...]  # its free indices, in storage order
 
 
 @dataclass
@@ -196,7 +195,7 @@ class _Lowering:
         shape = ((nb,) if bo else ()) + rows_cols
         # Left operand's logical matrix is (free, contr); the right one's is (contr, free).
         t = (not free_first) if is_left else free_first
-        return _Operand(MatView(stored.slot, shape, t), stored.slot, copy, _Value(-1, fo))
+        return _Operand(MatView(stored.slot, shape, t), copy, tuple(fo))
 
     def contract(self, a: _Value, b: _Value, kept: tuple[str, ...], swap: bool, k: int):
         kept_set = set(self.nonunit(kept))
@@ -227,7 +226,7 @@ class _Lowering:
         bo, ko = min(options, key=copies)
         oa = self.operand(a, batch, fa, contr, bo, ko, True, f"step {k}: lay out left operand")
         ob = self.operand(b, batch, fb, contr, bo, ko, False, f"step {k}: lay out right operand")
-        fo_a, fo_b = oa.source.layout, ob.source.layout
+        fo_a, fo_b = oa.free_order, ob.free_order
         m, kk = oa.view.rows_cols
         n = ob.view.rows_cols[1]
         nb = self.vol(bo)

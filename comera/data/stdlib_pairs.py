@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from tncomp.cache import user_cache_dir
+
 log = logging.getLogger("comera.data")
 
 VERSION = 1
@@ -33,11 +35,8 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "pydoc_data", "lib2to
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("COMERA_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "comera"
+    """``$COMERA_CACHE_DIR``, else the user cache directory."""
+    return user_cache_dir("comera", "COMERA_CACHE_DIR")
 
 
 def _split_of(module: str) -> str:

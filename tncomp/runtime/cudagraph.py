@@ -108,7 +108,7 @@ def graphed_call(compiled, runner: Runner, operands) -> torch.Tensor:
             )
         graphed = GraphedPlan(runner, operands)
         graphs[runner] = graphed
-        compiled.captures = getattr(compiled, "captures", 0) + 1
+        compiled.captures += 1
         log.debug("captured CUDA graphs for binding %s", [tuple(t.shape) for t in operands])
     grad = torch.is_grad_enabled() and graphed.with_grad
     if graphed.in_flight:
