@@ -27,10 +27,12 @@ from tncomp.cache import user_cache_dir
 
 log = logging.getLogger("comera.data")
 
-VERSION = 1
+VERSION = 2
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]")
 PAD, UNK, CLS, SEP = range(4)
-_TOKEN = re.compile(r"[A-Za-z_]+|\d+|[^\sA-Za-z_\d]")
+# words and identifier pieces: ``get_path`` and ``getPath`` both give "get", "path", so code shares
+# its vocabulary with the prose that describes it; underscores are separators, not tokens
+_TOKEN = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+|[^\sA-Za-z\d_]")
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "pydoc_data", "lib2to3", "turtledemo"}
 
 

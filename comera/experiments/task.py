@@ -1,0 +1,104 @@
+"""What an experiment needs from a model + data set, so one engine trains all of them.
+
+A :class:`Task` builds its model (dense or TT), hands out training batches by example index and
+scores a split. The engine (:mod:`comera.experiments.engine`) owns everything else: which indices
+form step ``s`` (:class:`IndexStream`, a pure function of seed and step, so a resumed or
+distributed run sees exactly the batches an uninterrupted single-process run would), the
+optimizer, the CoMERA stages, checkpoints, progress and the results files.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from comera.errors import ConfigError
+
+Batch = Any  # whatever ``Task.batch`` returns and ``Task.loss`` takes (tensors, tuples of them)
+
+
+class Task(ABC):
+    """A model family and its data. Subclasses set ``name`` and ``metric``."""
+
+    name: str = "task"
+    metric: str = "accuracy"  # the key of ``evaluate``'s result that the summary reports
+    higher_is_better: bool = True
+
+    @abstractmethod
+    def build_model(self, tt: bool) -> nn.Module:
+        """The model, with TT layers (``tt=True``) or dense, initialised from the current RNG."""
+
+    @abstractmethod
+    def train_size(self) -> int:
+        """Number of training examples."""
+
+    @abstractmethod
+    def batch(self, indices: Tensor) -> Batch:
+        """The training examples at ``indices`` (int64, 1-D), collated."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        """Mean training loss of ``model`` on ``batch`` (a scalar with grad)."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
+        """Scores on ``split`` ("val" or "test"): at least ``"loss"`` and ``self.metric``.
+
+        Called in eval mode under ``torch.no_grad``; the engine restores train mode.
+        """
+
+    def describe(self) -> dict[str, Any]:
+        """Sizes of the data set and anything else worth recording in the results."""
+        return {"train": self.train_size()}
+
+
+@lru_cache(maxsize=2)
+def _permutation(size: int, seed: int) -> Tensor:
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed))
+
+
+@dataclass(frozen=True)
+class IndexStream:
+    """The example indices of every step: epoch ``e`` is a permutation seeded by ``seed + e``.
+
+    ``indices(step)`` is the global batch of that step; ``shard(step, rank, world)`` the part one
+    of ``world`` data-parallel workers takes (contiguous, equal sizes).
+    """
+
+    size: int
+    batch_size: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ConfigError(f"the training set is empty (size={self.size}).")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size}; it must be >= 1.")
+
+    def _epoch_order(self, epoch: int) -> Tensor:
+        return _permutation(self.size, self.seed + epoch)
+
+    def indices(self, step: int) -> Tensor:
+        start = step * self.batch_size
+        out, filled = [], 0
+        while filled < self.batch_size:
+            epoch, offset = divmod(start + filled, self.size)
+            take = min(self.batch_size - filled, self.size - offset)
+            out.append(self._epoch_order(epoch)[offset:offset + take])
+            filled += take
+        return torch.cat(out)
+
+    def shard(self, step: int, rank: int, world: int) -> Tensor:
+        if self.batch_size % world:
+            raise ConfigError(f"batch_size={self.batch_size} does not split over {world} "
+                              "workers; use a multiple of the worker count.")
+        per = self.batch_size // world
+        return self.indices(step)[rank * per:(rank + 1) * per]
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.batch_size / self.size
