@@ -15,13 +15,23 @@ from comera.errors import (
     ConversionError,
     FactorizationError,
     LookupIndexError,
+    NonFiniteError,
+    NonFiniteGradientError,
     NonFiniteLossError,
+    TrainingStopped,
 )
 from comera.factorize import factorize, factorize_pair, suggest_padded_size
 from comera.layers import GatedTrain, TTLinear, TTMLinear
 from comera.objective import LateStage, rank_regularizer, soft_size
 from comera.size import compression_ratio, dense_size, model_size, tt_modules
-from comera.train import CoMERATrainer, OptimizerConfig, StepStats, make_optimizer, param_groups
+from comera.train import (
+    CoMERATrainer,
+    DenseTrainer,
+    OptimizerConfig,
+    StepStats,
+    make_optimizer,
+    param_groups,
+)
 from comera.truncate import TruncationReport, truncate_
 
 __all__ = [
@@ -32,16 +42,20 @@ __all__ = [
     "ConversionError",
     "ConversionReport",
     "ConvertConfig",
+    "DenseTrainer",
     "FactorizationError",
     "GatedTrain",
     "LateStage",
     "LookupIndexError",
+    "NonFiniteError",
+    "NonFiniteGradientError",
     "NonFiniteLossError",
     "OptimizerConfig",
     "StepStats",
     "TTEmbedding",
     "TTLinear",
     "TTMLinear",
+    "TrainingStopped",
     "TruncationReport",
     "compression_ratio",
     "convert_",

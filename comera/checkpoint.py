@@ -20,8 +20,8 @@ The file is written atomically (a temporary file in the same directory, then ``o
 carries a sha256 over the model state, the layer records and the optimizer state; a file that is
 truncated, corrupt, not a comera checkpoint or whose checksum does not match raises
 :class:`~comera.errors.CheckpointError`. ``extra`` must be plain data (numbers, strings, tensors,
-lists, tuples, dicts), because files are read with ``torch.load(weights_only=True)``; it is not
-covered by the checksum.
+lists, tuples, dicts), because files are read with ``torch.load(weights_only=True)``; it is
+covered by the checksum too (a resumed run trusts the step, RNG and scheduler state it holds).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from comera.layers import GatedTrain, TTLinear, TTMLinear
 from comera.size import tt_modules
 
 FORMAT = "comera-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the checksum covers ``extra``
 KINDS: dict[str, type[GatedTrain]] = {
     "TTEmbedding": TTEmbedding, "TTMLinear": TTMLinear, "TTLinear": TTLinear}
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, Tensor, torch.dtype, torch.device,
@@ -97,7 +97,7 @@ def _update(h: Any, obj: Any) -> None:
 
 def _checksum(payload: Mapping[str, Any]) -> str:
     h = hashlib.sha256()
-    for key in ("model", "layers", "optimizer", "optimizer_param_names"):
+    for key in ("model", "layers", "optimizer", "optimizer_param_names", "extra"):
         _update(h, payload.get(key))
     return h.hexdigest()
 

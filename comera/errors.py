@@ -23,8 +23,20 @@ class ConversionError(ComeraError, ValueError):
     """Converting a model found nothing to convert (no layer matched the selection)."""
 
 
-class NonFiniteLossError(ComeraError, FloatingPointError):
+class NonFiniteError(ComeraError, FloatingPointError):
+    """A training step saw a NaN or infinite value; it was not applied."""
+
+
+class NonFiniteLossError(NonFiniteError):
     """A training step saw a NaN or infinite loss; it was not applied."""
+
+
+class NonFiniteGradientError(NonFiniteError):
+    """A training step produced NaN or infinite gradients; it was not applied."""
+
+
+class TrainingStopped(ComeraError, RuntimeError):
+    """A run stopped on a fault; the message names the last good checkpoint."""
 
 
 class CheckpointError(ComeraError, RuntimeError):

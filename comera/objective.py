@@ -102,11 +102,16 @@ class LateStage:
         size_gap = (size - self.target_size) / size
         return "size" if size_gap > loss_gap else "loss"
 
-    def objective(self, model: nn.Module, loss: Tensor,
-                  size_reference: float | None = None) -> tuple[Tensor, str]:
-        """The scalar to minimise this step and which term it weighted."""
+    def objective(self, model: nn.Module, loss: Tensor, size_reference: float | None = None,
+                  decision_loss: float | None = None) -> tuple[Tensor, str]:
+        """The scalar to minimise this step and which term it weighted.
+
+        ``decision_loss`` is the loss the choice is made on (default: ``loss``); data-parallel
+        workers pass the loss averaged over all workers, so every worker chooses alike.
+        """
         size = model_size(model)
-        which = self.choose(float(loss.detach()), float(size))
+        seen = float(loss.detach()) if decision_loss is None else float(decision_loss)
+        which = self.choose(seen, float(size))
         if which == "loss":
             return loss, which
         reference = size_reference if size_reference is not None else max(size, 1)

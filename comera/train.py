@@ -13,12 +13,15 @@ optimizer state; the compiled plans re-plan for the new shapes on the next forwa
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from comera.errors import ConfigError, NonFiniteLossError
+from comera.errors import ConfigError, NonFiniteGradientError, NonFiniteLossError
 from comera.objective import REGULARIZERS, LateStage, rank_regularizer
 from comera.size import compression_ratio, model_size, tt_modules
 from comera.truncate import TruncationReport, truncate_
@@ -61,21 +64,100 @@ def make_optimizer(model: nn.Module, config: OptimizerConfig = OptimizerConfig()
 class StepStats:
     loss: float
     objective: float
-    stage: str
-    weighted: str  # "loss+rank" (early), or "loss" / "size" (late)
+    stage: str  # "early" / "late" (CoMERA) or "dense"
+    weighted: str  # "loss+rank" (early), "loss" / "size" (late), "loss" (dense)
     size: int
     compression: float
 
 
-class CoMERATrainer:
-    """Runs the CoMERA objective: ``step(loss)`` adds the stage's terms, backpropagates, steps."""
+GradHook = Callable[[nn.Module], None]
+
+
+def _check_loss(loss: Tensor, step: int) -> None:
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise NonFiniteLossError(
+            f"step {step}: the loss is {float(loss.detach())}; the step was not applied "
+            "(lower the learning rates, or restore the last checkpoint)."
+        )
+
+
+def _check_gradients(model: nn.Module, step: int) -> None:
+    """Raise (before the optimizer sees them) when any gradient holds a NaN or an infinity."""
+    bad = [name for name, p in model.named_parameters()
+           if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    if bad:
+        model.zero_grad(set_to_none=True)
+        raise NonFiniteGradientError(
+            f"step {step}: non-finite gradients in {', '.join(bad[:5])}"
+            f"{' ...' if len(bad) > 5 else ''}; the step was not applied (lower the learning "
+            "rates, clip gradients with max_grad_norm, or restore the last checkpoint)."
+        )
+
+
+class _Stepper:
+    """The step shared by both trainers: checks, backward, gradient hook, clip, optimizer."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    max_grad_norm: float | None
+    grad_hook: GradHook | None
+    steps: int
+
+    def _apply(self, total: Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        if self.grad_hook is not None:
+            self.grad_hook(self.model)  # e.g. average gradients over data-parallel workers
+        _check_gradients(self.model, self.steps)
+        if self.max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+
+
+class DenseTrainer(_Stepper):
+    """The baseline's step with the same interface, checks and hooks as :class:`CoMERATrainer`."""
+
+    stage = "dense"
+
+    def __init__(self, model: nn.Module, optimizer=None, max_grad_norm: float | None = None,
+                 grad_hook: GradHook | None = None):
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else torch.optim.AdamW(
+            model.parameters(), lr=1e-3, weight_decay=0.0)
+        self.max_grad_norm = max_grad_norm
+        self.grad_hook = grad_hook
+        self.steps = 0
+
+    def step(self, loss: Tensor, decision_loss: float | None = None) -> StepStats:
+        _check_loss(loss, self.steps)
+        self._apply(loss)
+        self.steps += 1
+        size = sum(p.numel() for p in self.model.parameters())
+        return StepStats(float(loss.detach()), float(loss.detach()), "dense", "loss", size, 1.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": "dense", "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+
+
+class CoMERATrainer(_Stepper):
+    """Runs the CoMERA objective: ``step(loss)`` adds the stage's terms, backpropagates, steps.
+
+    ``grad_hook(model)`` runs after backward and before the checks and the optimizer step (a
+    data-parallel gradient average goes there). ``step`` raises :class:`NonFiniteLossError` /
+    :class:`NonFiniteGradientError` without touching parameters or optimizer state, so a caller
+    may skip the batch or stop.
+    """
 
     def __init__(self, model: nn.Module, optimizer=None, lam: float = 0.01,
-                 regularizer: str = "l1", max_grad_norm: float | None = None):
+                 regularizer: str = "l1", max_grad_norm: float | None = None,
+                 grad_hook: GradHook | None = None):
         if not any(True for _ in tt_modules(model)):
             raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
-        if lam < 0:
-            raise ConfigError(f"lam={lam}; the rank-regulariser weight is >= 0.")
+        if not (lam >= 0 and math.isfinite(lam)):
+            raise ConfigError(f"lam={lam}; the rank-regulariser weight is a finite number >= 0.")
         if regularizer not in REGULARIZERS:
             raise ConfigError(f"regularizer {regularizer!r}; choose one of "
                               f"{', '.join(REGULARIZERS)}.")
@@ -84,33 +166,28 @@ class CoMERATrainer:
         self.lam = lam
         self.regularizer = regularizer
         self.max_grad_norm = max_grad_norm
+        self.grad_hook = grad_hook
         self.stage = "early"
         self.late: LateStage | None = None
         self._size_reference: float | None = None
         self.steps = 0
 
-    def objective(self, loss: Tensor) -> tuple[Tensor, str]:
+    def objective(self, loss: Tensor, decision_loss: float | None = None) -> tuple[Tensor, str]:
         """The scalar to minimise for this step, and which term was weighted."""
         if self.stage == "early":
             if self.lam == 0:
                 return loss, "loss"
             return loss + self.lam * rank_regularizer(self.model, self.regularizer), "loss+rank"
-        return self.late.objective(self.model, loss, self._size_reference)
+        return self.late.objective(self.model, loss, self._size_reference, decision_loss)
 
-    def step(self, loss: Tensor) -> StepStats:
-        if not bool(torch.isfinite(loss.detach()).all()):
-            raise NonFiniteLossError(
-                f"step {self.steps}: the loss is {float(loss.detach())}; the step was not applied "
-                "(lower the learning rates, or restore the last checkpoint)."
-            )
-        total, which = self.objective(loss)
-        self.optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        if self.max_grad_norm is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+    def step(self, loss: Tensor, decision_loss: float | None = None) -> StepStats:
+        """One step on ``loss``. ``decision_loss``: the loss the late stage decides on (the
+        all-worker mean under data parallelism; default ``loss``)."""
+        _check_loss(loss, self.steps)
+        total, which = self.objective(loss, decision_loss)
         pruned = [(g, ~m) for _, layer in tt_modules(self.model)
                   for g, m in zip(layer.gates, layer.gate_masks(), strict=True)]
-        self.optimizer.step()
+        self._apply(total)
         self._keep_pruned_(pruned)
         self.steps += 1
         return StepStats(float(loss.detach()), float(total.detach()), self.stage, which,
@@ -141,3 +218,21 @@ class CoMERATrainer:
     def truncate(self) -> TruncationReport:
         """Remove pruned ranks now (model and optimizer state)."""
         return truncate_(self.model, self.optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint's ``extra``: stage, step count, late-stage targets."""
+        late = None if self.late is None else {
+            "target_size": self.late.target_size, "target_loss": self.late.target_loss,
+            "size_weight": self.late.size_weight}
+        return {"stage": self.stage, "steps": self.steps, "late": late,
+                "size_reference": self._size_reference, "lam": self.lam}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("stage") not in ("early", "late"):
+            raise ConfigError(f"trainer state has stage {state.get('stage')!r}; expected "
+                              "'early' or 'late' (was it saved by a CoMERATrainer?).")
+        self.stage = state["stage"]
+        self.steps = int(state["steps"])
+        self.late = None if state["late"] is None else LateStage(**state["late"])
+        self._size_reference = state["size_reference"]
+        self.lam = float(state.get("lam", self.lam))

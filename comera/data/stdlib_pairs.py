@@ -27,7 +27,7 @@ from tncomp.cache import user_cache_dir
 
 log = logging.getLogger("comera.data")
 
-VERSION = 2
+VERSION = 3
 SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]")
 PAD, UNK, CLS, SEP = range(4)
 # words and identifier pieces: ``get_path`` and ``getPath`` both give "get", "path", so code shares
@@ -68,7 +68,8 @@ def stdlib_functions(root: Path | None = None) -> list[tuple[str, str, str]]:
                 continue
             body = "\n".join(lines[node.body[1].lineno - 1: node.end_lineno])
             if body.strip():
-                out.append((module, doc.strip(), f"def {node.name}:\n{body}"))
+                signature = f"def {node.name}({ast.unparse(node.args)}):"
+                out.append((module, doc.strip(), f"{signature}\n{body}"))
     return out
 
 

@@ -1,0 +1,597 @@
+"""One training step of the paper's six-encoder transformer: dense vs CoMERA (early and late
+stage), GaLore and tensorly-torch TT layers, side by side in one process.
+
+A step is forward, cross-entropy loss, backward and the optimizer step, on one fixed batch of
+random token ids (no padding). Variants (``--variants``):
+
+- ``dense``: the dense model with ``torch.optim.AdamW``;
+- ``galore``: the dense model with ``galore_torch.GaLoreAdamW`` (the GaLore recipe; see
+  benchmarks/model_baselines.py for the rank);
+- ``comera_early``: TT layers at the initial ranks, the rank regulariser in the objective, via
+  ``comera.CoMERATrainer``;
+- ``comera_late``: gates pruned to one max rank chosen so the TT layers reach the paper's
+  late-stage compression (``--late-compression``), truncated physically by
+  ``CoMERATrainer.start_late_stage``, then late-stage steps;
+- ``tltorch_tt`` / ``tltorch_blocktt``: every encoder linear as a tensorly-torch TT
+  (reconstructed) or BlockTT (factorized einsum) layer at CoMERA's initial max rank, and the
+  token embedding as tltorch's BlockTT embedding at the modes and ranks of CoMERA's.
+
+Time: median of interleaved repeats after warm-up (harness.interleaved_medians). Memory: resident
+bytes before the step plus the peak allocated during one step (see ``MEMORY_COUNTED``). Writes
+benchmarks/results/transformer_cpu.{json,md} (``--small``: transformer_small_cpu).
+
+    python benchmarks/bench_transformer.py --small --repeats 3 --threads 1
+    python benchmarks/bench_transformer.py                  # the paper's model: minutes per step
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import comera
+from benchmarks.harness import (
+    interleaved_medians,
+    machine_info,
+    markdown_table,
+    peak_allocated_bytes,
+    write_results,
+)
+from benchmarks.model_baselines import (
+    GaLoreConfig,
+    default_galore_rank,
+    galore_targets,
+    make_galore_optimizer,
+    tltorch_transformer,
+)
+from comera.errors import ConfigError
+from comera.models.transformer import PairClassifier, TransformerConfig
+
+log = logging.getLogger("bench_transformer")
+
+VARIANTS = ("dense", "galore", "comera_early", "comera_late", "tltorch_tt", "tltorch_blocktt")
+COMERA_VARIANTS = ("comera_early", "comera_late")
+# CoMERA paper, Table 1 (MNLI transformer): the late stage compresses the tensorized layers
+# (linears + embedding) 361x against their dense counterparts (74x for the whole model).
+PAPER_LATE_COMPRESSION = 361.0
+SMALL_VOCAB = 30522  # --small keeps the BERT vocabulary; only the widths and depth shrink
+
+SHOWN_LAYERS = ("tokens", "blocks.0.attn.q", "blocks.0.ffn_in", "blocks.0.ffn_out")
+MEMORY_COUNTED = (
+    "peak_total_bytes = resident_bytes.total + peak_extra_bytes. resident_bytes: unique storages "
+    "held before the step with gradients set to None: parameters, buffers, optimizer state "
+    "(Adam moments and step counters; GaLore's projection matrices) and the input batch. "
+    "peak_extra_bytes: peak of the bytes allocated above that during one step (forward, loss, "
+    "backward with freshly allocated gradients, optimizer step), from the torch profiler's "
+    "memory events (harness.peak_allocated_bytes). grads_bytes: the gradients at the end of the "
+    "step (part of peak_extra_bytes); activations_and_temporaries_bytes = peak_extra_bytes - "
+    "grads_bytes. CoMERA variants run with tncomp's buffer pooling off while measured, so every "
+    "buffer is a fresh allocation. Not counted: allocator overhead, Python objects, plan caches."
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run. ``seq_len`` None: the model's ``max_len``; ``galore_rank`` None:
+    ``default_galore_rank(d_model)``; ``tltorch_rank`` None: the model's TT rank."""
+
+    batches: tuple[int, ...] = (1, 32)
+    repeats: int = 5
+    warmup: int = 2
+    variants: tuple[str, ...] = VARIANTS
+    seq_len: int | None = None
+    galore_rank: int | None = None
+    late_compression: float = PAPER_LATE_COMPRESSION
+    lam: float = 0.01
+    lr: float = 1e-4
+    tltorch_rank: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown or not self.variants:
+            raise ConfigError(f"variants {list(self.variants)}: unknown {unknown}; choose from "
+                              f"{', '.join(VARIANTS)}.")
+        if not self.batches or any(isinstance(b, bool) or b < 1 for b in self.batches):
+            raise ConfigError(f"batches={self.batches}; give one or more batch sizes >= 1.")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ConfigError(f"repeats={self.repeats}, warmup={self.warmup}; need repeats >= 1 "
+                              "and warmup >= 0.")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ConfigError(f"seq_len={self.seq_len}; give a length >= 1 (or None).")
+        for what in ("galore_rank", "tltorch_rank"):
+            value = getattr(self, what)
+            if value is not None and value < 1:
+                raise ConfigError(f"{what}={value}; give a rank >= 1 (or None for the default).")
+        if not self.late_compression > 1:
+            raise ConfigError(f"late_compression={self.late_compression}; the late-stage target "
+                              "is a compression ratio > 1 (the paper: 361).")
+
+
+@dataclass(frozen=True)
+class Batch:
+    ids: Tensor  # (B, S) int64, no padding
+    segments: Tensor  # (B, S) int64 in {0, 1}
+    labels: Tensor  # (B,) int64
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.ids, self.segments, self.labels)
+
+
+def make_batch(cfg: TransformerConfig, batch: int, seq_len: int, seed: int = 0) -> Batch:
+    """Random token ids in [1, vocab) (id 0 is the pad id), segment ids and labels."""
+    if seq_len > cfg.max_len:
+        raise ConfigError(f"seq_len={seq_len} exceeds the model's max_len={cfg.max_len}.")
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, cfg.vocab_size, (batch, seq_len), generator=gen)
+    segments = (torch.arange(seq_len) >= seq_len // 2).long().expand(batch, seq_len).contiguous()
+    labels = torch.randint(0, cfg.n_classes, (batch,), generator=gen)
+    return Batch(ids, segments, labels)
+
+
+@dataclass
+class Variant:
+    """A model, its optimizer, and ``step(batch)``: one full training step."""
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: Callable[[Batch], None]
+    info: dict = field(default_factory=dict)
+
+
+def _loss(model: nn.Module, batch: Batch) -> Tensor:
+    return F.cross_entropy(model(batch.ids, batch.segments), batch.labels)
+
+
+def _plain_step(model: nn.Module, optimizer) -> Callable[[Batch], None]:
+    """Forward, loss, zero_grad, backward, step: the order CoMERATrainer.step uses."""
+
+    def step(batch: Batch) -> None:
+        loss = _loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _qualname(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+# --------------------------------------------------------------------------------------------
+# CoMERA late stage: prune to one max rank, truncate
+# --------------------------------------------------------------------------------------------
+
+
+def _size_at_cap(layer: comera.GatedTrain, cap: int) -> int:
+    """Parameters of ``layer`` with every effective rank capped at ``cap``."""
+    ranks = [min(r, cap) for r in layer.ranks]
+    bias = layer.bias.numel() if layer.bias is not None else 0
+    return bias + sum(ranks[k] * math.prod(c.shape[1:-1]) * ranks[k + 1]
+                      for k, c in enumerate(layer.cores))
+
+
+def tt_layer_compression(model: nn.Module, cap: int | None = None) -> float:
+    """Dense size / effective size of the TT layers alone (linears and embedding), optionally
+    with every rank capped at ``cap``: the paper's compression of the tensorized layers."""
+    layers = [m for _, m in comera.tt_modules(model)]
+    if not layers:
+        raise ConfigError("the model has no TT layers; build it with TransformerConfig(tt=True).")
+    dense = sum(m.dense_num_parameters() for m in layers)
+    size = sum(_size_at_cap(m, cap) if cap is not None else m.num_parameters() for m in layers)
+    return dense / max(size, 1)
+
+
+def late_stage_cap(model: nn.Module, target: float) -> int:
+    """The max rank whose TT-layer compression is closest (in log ratio) to ``target``."""
+    top = max(max(m.ranks) for _, m in comera.tt_modules(model))
+    return min(range(1, top + 1),
+               key=lambda c: abs(math.log(tt_layer_compression(model, c) / target)))
+
+
+def prune_gates_to_cap_(model: nn.Module, cap: int) -> None:
+    """Zero every gate entry past the first ``cap`` surviving ones (pruned: |g| <= tau)."""
+    with torch.no_grad():
+        for _, layer in comera.tt_modules(model):
+            for gate, mask in zip(layer.gates, layer.gate_masks(), strict=True):
+                alive = torch.nonzero(mask).flatten()
+                gate[alive[cap:]] = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Variants
+# --------------------------------------------------------------------------------------------
+
+
+def build_variant(name: str, cfg: TransformerConfig, bench: BenchConfig) -> Variant:
+    """Build one variant from scratch (seeded, so every run builds the same weights)."""
+    if name not in VARIANTS:
+        raise ConfigError(f"variant {name!r}; choose from {', '.join(VARIANTS)}.")
+    torch.manual_seed(bench.seed)
+    dense_cfg = replace(cfg, tt=False)
+    if name == "dense":
+        model = PairClassifier(dense_cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=bench.lr, weight_decay=0.0)
+        return Variant(name, model, opt, _plain_step(model, opt),
+                       {"optimizer": _qualname(opt), "params": _trainable(model)})
+    if name == "galore":
+        model = PairClassifier(dense_cfg)
+        galore = GaLoreConfig(rank=bench.galore_rank or default_galore_rank(cfg.d_model),
+                              lr=bench.lr)
+        opt = make_galore_optimizer(model, galore)
+        targets = galore_targets(model)
+        return Variant(name, model, opt, _plain_step(model, opt), {
+            "optimizer": _qualname(opt), "params": _trainable(model), **asdict(galore),
+            "projected_matrices": len(targets),
+            "projected_params": sum(p.numel() for _, p in targets),
+            "note": "standard GaLoreAdamW: full-size gradients (no per-layer weight updates); "
+                    "each projection matrix is a view into its SVD factor (min(m, n)^2 floats), "
+                    "which stays resident and is counted"})
+    if name in COMERA_VARIANTS:
+        model = PairClassifier(replace(cfg, tt=True))
+        opt = comera.make_optimizer(model)
+        trainer = comera.CoMERATrainer(model, opt, lam=bench.lam)
+        info: dict = {"optimizer": _qualname(opt), "lam": bench.lam}
+        if name == "comera_late":
+            cap = late_stage_cap(model, bench.late_compression)
+            prune_gates_to_cap_(model, cap)
+            report = trainer.start_late_stage(
+                comera.LateStage(target_size=float(comera.model_size(model))))
+            info.update({"target_tt_compression": bench.late_compression, "max_rank": cap,
+                         "truncated": report.changed,
+                         "objective": "late stage at its target size: the loss is weighted"})
+        info.update({"params": _trainable(model), "effective_size": comera.model_size(model),
+                     "tt_layer_compression": tt_layer_compression(model),
+                     "model_compression": comera.compression_ratio(model),
+                     "bonds": {n: list(m.bonds) for n, m in comera.tt_modules(model)
+                               if n in SHOWN_LAYERS}})
+
+        def step(batch: Batch) -> None:
+            trainer.step(_loss(model, batch))
+
+        return Variant(name, model, opt, step, info)
+    fmt = name.removeprefix("tltorch_")
+    model = tltorch_transformer(cfg, fmt, bench.tltorch_rank, seed=bench.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=bench.lr, weight_decay=0.0)
+    return Variant(name, model, opt, _plain_step(model, opt), {
+        "optimizer": _qualname(opt), "params": _trainable(model), "factorization": fmt,
+        "max_rank": bench.tltorch_rank or cfg.rank, "layer": _qualname(model.blocks[0].attn.q)})
+
+
+# --------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------
+
+
+def _tensors_in(value, depth: int = 0) -> Iterator[Tensor]:
+    """Every tensor inside optimizer state: dicts, sequences and plain objects (GaLore keeps
+    its projection matrix on a projector object)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif depth > 4 or isinstance(value, str | bytes | nn.Module):
+        return
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v, depth + 1)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _tensors_in(v, depth + 1)
+    elif hasattr(value, "__dict__"):
+        yield from _tensors_in(vars(value), depth + 1)
+
+
+def resident_bytes(model: nn.Module, optimizer, inputs=()) -> dict[str, int]:
+    """Bytes of the unique storages held by the model (parameters, buffers, gradients), the
+    optimizer state and ``inputs``; a storage shared by two groups counts in the first."""
+    seen: set = set()
+
+    def total(tensors) -> int:
+        n = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr())
+            if storage.data_ptr() == 0 or key in seen:
+                continue
+            seen.add(key)
+            n += storage.nbytes()
+        return n
+
+    params = list(model.parameters())
+    out = {
+        "params": total(params),
+        "buffers": total(model.buffers()),
+        "grads": total(p.grad for p in params if p.grad is not None),
+        "optimizer_state": total(_tensors_in(list(optimizer.state.values()))),
+        "inputs": total(inputs),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+@contextlib.contextmanager
+def _unpooled(model: nn.Module) -> Iterator[None]:
+    """tncomp's buffer pools keep buffers between calls, where the profiler cannot see them:
+    turn pooling off for the TT layers while measuring (plans are cached per option set)."""
+    saved = [(m, dict(m.compile_options)) for _, m in comera.tt_modules(model)]
+    for m, opts in saved:
+        m.compile_options = {**opts, "pool_buffers": False}
+    try:
+        yield
+    finally:
+        for m, opts in saved:
+            m.compile_options = opts
+
+
+def measure_memory(variant: Variant, batch: Batch) -> dict:
+    """Peak memory of one whole step (see ``MEMORY_COUNTED``)."""
+    record: dict[str, int] = {}
+    params = list(variant.model.parameters())
+
+    def clear_grads() -> None:
+        for p in params:
+            p.grad = None
+
+    def step() -> None:
+        variant.step(batch)
+        record["grads"] = resident_bytes(variant.model, variant.optimizer)["grads"]
+        clear_grads()  # freed inside the profiled call, so nothing outlives it unseen
+
+    clear_grads()
+    with _unpooled(variant.model):
+        extra = peak_allocated_bytes(step)
+    resident = resident_bytes(variant.model, variant.optimizer, batch.tensors())
+    return {"resident_bytes": resident, "peak_extra_bytes": extra,
+            "grads_bytes": record["grads"],
+            "activations_and_temporaries_bytes": extra - record["grads"],
+            "peak_total_bytes": resident["total"] + extra}
+
+
+# --------------------------------------------------------------------------------------------
+# Timing and the run
+# --------------------------------------------------------------------------------------------
+
+
+def galore_refresh_ms(variant: Variant, batch: Batch) -> float:
+    """Time of one step that refreshes every projection (an SVD per projected matrix)."""
+    opt = variant.optimizer
+    for group in opt.param_groups:
+        if "rank" not in group:
+            continue
+        gap = group["update_proj_gap"]
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if state is not None and "step" in state:
+                state["step"] = math.ceil(state["step"] / gap) * gap  # refresh on this step
+    start = time.perf_counter()
+    variant.step(batch)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else math.inf
+
+
+def run_batch(variants: dict[str, Variant], batch: Batch, bench: BenchConfig) -> dict:
+    """Interleaved timing, per-variant memory and ratios at one batch size."""
+    size = int(batch.ids.shape[0])
+    log.info("batch %d: timing %s", size, ", ".join(variants))
+    medians = interleaved_medians({n: (lambda v=v: v.step(batch)) for n, v in variants.items()},
+                                  bench.repeats, bench.warmup)
+    ms = {n: t * 1e3 for n, t in medians.items()}
+    out: dict = {"batch": size, "seq_len": int(batch.ids.shape[1]), "ms": ms}
+    if "galore" in variants:
+        gap = variants["galore"].info["update_proj_gap"]
+        refresh = galore_refresh_ms(variants["galore"], batch)
+        out["galore_refresh"] = {"refresh_step_ms": refresh, "update_proj_gap": gap,
+                                 "amortized_ms": ms["galore"] + (refresh - ms["galore"]) / gap}
+    log.info("batch %d: memory", size)
+    memory = {n: measure_memory(v, batch) for n, v in variants.items()}
+    out["memory"] = memory
+    peak = {n: m["peak_total_bytes"] for n, m in memory.items()}
+    if "dense" in variants:
+        out["speedup_vs_dense"] = {n: _ratio(ms["dense"], t) for n, t in ms.items()}
+        out["memory_ratio_vs_dense"] = {n: _ratio(peak["dense"], p) for n, p in peak.items()}
+    if "galore" in variants:
+        amortized = out["galore_refresh"]["amortized_ms"]
+        out["comera_vs_galore"] = {
+            n: {"speedup": _ratio(ms["galore"], ms[n]),
+                "speedup_amortized_refresh": _ratio(amortized, ms[n]),
+                "memory_ratio": _ratio(peak["galore"], peak[n])}
+            for n in COMERA_VARIANTS if n in variants}
+    return out
+
+
+TARGETS = (  # (claim, batch, result key, reference variant, target)
+    ("train step faster than dense", 32, "speedup_vs_dense", "dense", 3.0),
+    ("peak memory lower than dense", 32, "memory_ratio_vs_dense", "dense", 3.0),
+    ("train step faster than GaLore", 1, "speedup", "galore", 2.0),
+    ("peak memory lower than GaLore", 1, "memory_ratio", "galore", 9.0),
+)
+
+
+def check_targets(results: list[dict]) -> list[dict]:
+    """The issue's targets, for each CoMERA stage measured in this run."""
+    rows = []
+    for claim, size, key, _, target in TARGETS:
+        r = next((r for r in results if r["batch"] == size), None)
+        if r is None:
+            continue
+        for name in COMERA_VARIANTS:
+            if key in ("speedup", "memory_ratio"):
+                value = r.get("comera_vs_galore", {}).get(name, {}).get(key)
+            else:
+                value = r.get(key, {}).get(name)
+            if value is not None:
+                rows.append({"variant": name, "claim": claim, "batch": size,
+                             "measured": value, "target": target, "met": value >= target})
+    return rows
+
+
+def run_benchmark(cfg: TransformerConfig, bench: BenchConfig) -> dict:
+    """Build every variant, run every batch size, return the JSON payload."""
+    variants = {}
+    for name in bench.variants:
+        log.info("building %s", name)
+        variants[name] = build_variant(name, cfg, bench)
+    seq_len = bench.seq_len or cfg.max_len
+    results = [run_batch(variants, make_batch(cfg, b, seq_len, bench.seed + b), bench)
+               for b in bench.batches]
+    return {"machine": machine_info(), "model": asdict(cfg), "bench": asdict(bench),
+            "variants": {n: v.info for n, v in variants.items()},
+            "memory_counted": MEMORY_COUNTED, "results": results,
+            "targets": check_targets(results)}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def render_markdown(payload: dict) -> str:
+    """The results as markdown tables (one per batch size, then CoMERA vs GaLore, targets)."""
+    m, cfg, bench = payload["machine"], payload["model"], payload["bench"]
+    lines = [
+        "# Transformer training step (CPU): dense vs CoMERA vs GaLore vs tensorly-torch",
+        "",
+        f"torch {m['torch']}, {m['cpu']}, {m['threads']} threads, commit {m['commit']}, "
+        f"{m['date']}. Model: d_model {cfg['d_model']}, FFN {cfg['d_ff']}, {cfg['n_layers']} "
+        f"layers, vocab {cfg['vocab_size']}, TT rank {cfg['rank']}. One step = forward, loss, "
+        f"backward, optimizer step. Median of {bench['repeats']} interleaved repeats after "
+        f"{bench['warmup']} warm-up steps; ratios within this run.",
+    ]
+    for r in payload["results"]:
+        rows = []
+        for name, t in r["ms"].items():
+            mem = r["memory"][name]
+            res = mem["resident_bytes"]
+            rows.append([
+                name, f"{t:.1f}", _times(r.get("speedup_vs_dense", {}).get(name)),
+                _mib(mem["peak_total_bytes"]), _times(r.get("memory_ratio_vs_dense", {}).get(name)),
+                _mib(res["params"]), _mib(mem["grads_bytes"]), _mib(res["optimizer_state"]),
+                _mib(mem["activations_and_temporaries_bytes"]),
+                f"{payload['variants'][name]['params']:,}"])
+        lines += ["", f"## batch {r['batch']} x {r['seq_len']} tokens", "",
+                  markdown_table(["variant", "ms/step", "speedup vs dense", "peak MiB",
+                                  "dense / peak", "params MiB", "grads MiB", "opt state MiB",
+                                  "activations + temps MiB", "trainable params"], rows)]
+        if "galore_refresh" in r:
+            g = r["galore_refresh"]
+            lines += ["", f"GaLore projection refresh step: {g['refresh_step_ms']:.1f} ms, once "
+                          f"every {g['update_proj_gap']} steps: {g['amortized_ms']:.1f} ms/step "
+                          "amortized."]
+        for name, c in r.get("comera_vs_galore", {}).items():
+            lines.append(f"{name} vs GaLore: {c['speedup']:.2f}x faster "
+                         f"({c['speedup_amortized_refresh']:.2f}x with refreshes amortized), "
+                         f"{c['memory_ratio']:.2f}x less peak memory.")
+    if payload["targets"]:
+        rows = [[t["variant"], t["claim"], t["batch"], f"{t['measured']:.2f}x",
+                 f">= {t['target']:.0f}x", "yes" if t["met"] else "**no**"]
+                for t in payload["targets"]]
+        lines += ["", "## Targets", "",
+                  markdown_table(["variant", "claim", "batch", "measured", "target", "met"],
+                                 rows)]
+    v = payload["variants"]
+    notes = [f"- Memory: {payload['memory_counted']}"]
+    if "galore" in v:
+        notes.append(f"- GaLore: {v['galore']['optimizer']}, rank {v['galore']['rank']}, "
+                     f"update_proj_gap {v['galore']['update_proj_gap']}, scale "
+                     f"{v['galore']['scale']}, proj_type {v['galore']['proj_type']}, on "
+                     f"{v['galore']['projected_matrices']} attention/FFN weights; "
+                     f"{v['galore']['note']}.")
+    if "comera_late" in v:
+        late = v["comera_late"]
+        notes.append(f"- CoMERA late stage: ranks capped at {late['max_rank']}, TT layers "
+                     f"{late['tt_layer_compression']:.0f}x smaller than dense (target "
+                     f"{late['target_tt_compression']:.0f}x), whole model "
+                     f"{late['model_compression']:.1f}x.")
+    for name in ("tltorch_tt", "tltorch_blocktt"):
+        if name in v:
+            notes.append(f"- {name}: every encoder linear as {v[name]['layer']} "
+                         f"({v[name]['factorization']}, max rank {v[name]['max_rank']}), the token "
+                         "embedding as tltorch.FactorizedEmbedding (BlockTT) at CoMERA's modes "
+                         "and ranks; torch AdamW.")
+    lines += ["", "## Notes", "", *notes]
+    return "\n".join(lines)
+
+
+def write(out: str, payload: dict, markdown: str) -> tuple[Path, Path]:
+    """A bare name goes to benchmarks/results/ (harness.write_results); a path is written in
+    the same format next to where it points."""
+    if "/" not in out and not out.endswith(".json"):
+        return write_results(out, payload, markdown)
+    base = Path(out)
+    base = base.with_suffix("") if base.suffix == ".json" else base
+    base.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    md_path.write_text(markdown + "\n")
+    return json_path, md_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true",
+                        help="TransformerConfig.small (d_model 256, 2 layers) instead of the "
+                             "paper's model")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--galore-rank", type=int, default=None)
+    parser.add_argument("--late-compression", type=float, default=PAPER_LATE_COMPRESSION)
+    parser.add_argument("--tltorch-rank", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--out", default=None,
+                        help="results name under benchmarks/results/ or a path stem "
+                             "(default transformer_cpu, or transformer_small_cpu with --small)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads {args.threads}; give at least 1")
+        torch.set_num_threads(args.threads)
+    try:
+        bench = BenchConfig(batches=tuple(args.batch), repeats=args.repeats,
+                            warmup=args.warmup, variants=tuple(dict.fromkeys(args.variants)),
+                            seq_len=args.seq_len, galore_rank=args.galore_rank,
+                            late_compression=args.late_compression,
+                            tltorch_rank=args.tltorch_rank)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    cfg = TransformerConfig.small(SMALL_VOCAB) if args.small else TransformerConfig()
+    payload = run_benchmark(cfg, bench)
+    markdown = render_markdown(payload)
+    out = args.out or ("transformer_small_cpu" if args.small else "transformer_cpu")
+    json_path, md_path = write(out, payload, markdown)
+    print(markdown)
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

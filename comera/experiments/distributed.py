@@ -1,0 +1,100 @@
+"""Data parallelism for the training engine: one process per worker, gradients averaged.
+
+Launched by ``torchrun`` (or ``comera train ... --nproc N``, which calls it): every worker builds
+the same model from the same seed, takes its shard of each global batch, and after backward the
+gradients are averaged with one flat ``all_reduce`` (gloo on CPU, NCCL on GPU). Every worker
+therefore applies the same update, and every CoMERA decision (which gate entries are pruned, when
+to truncate, loss-or-size in the late stage) is computed from identical values, so ranks and
+shapes stay in lock-step without extra messages.
+
+Why not ``DistributedDataParallel``: a late-stage "size" step and the rank regulariser produce
+gradients outside the forward graph, and truncation changes parameter shapes mid-run. An
+all-reduce after backward is exact for both and needs no re-wrapping; on CPU/gloo it loses
+little, since DDP's overlap of communication with backward buys little there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from comera.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the data-parallel workers (rank 0 of 1 when alone)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def current_world() -> World:
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size())
+    return World()
+
+
+def init_from_env(device: str = "cpu") -> World:
+    """Join the process group ``torchrun`` describes in the environment (a no-op without it)."""
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+        return World()
+    if not dist.is_available():
+        raise ConfigError("WORLD_SIZE is set but this torch has no torch.distributed; "
+                          "install a torch build with distributed support.")
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend)
+    return current_world()
+
+
+def broadcast_parameters_(model: nn.Module) -> None:
+    """Make every worker start from rank 0's parameters and buffers."""
+    world = current_world()
+    if world.size == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+def average_gradients(model: nn.Module) -> None:
+    """Average ``.grad`` over the workers in place (one flat all-reduce per dtype)."""
+    world = current_world()
+    if world.size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is None:  # same on every worker: the same code ran on the same shapes
+            continue
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads)  # (sum of numels,)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= world.size
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(averaged)
+
+
+def mean_over_workers(value: float, device: str | torch.device = "cpu") -> float:
+    """The mean of a scalar over the workers (the value itself when alone)."""
+    world = current_world()
+    if world.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t) / world.size
+
+
+def barrier() -> None:
+    if current_world().size > 1:
+        dist.barrier()

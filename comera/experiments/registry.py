@@ -1,0 +1,81 @@
+"""The experiments ``comera train`` knows: a task and its quick / full engine settings.
+
+Quick settings finish in a few minutes on 2 CPU cores (dense and CoMERA together); full settings
+are the paper-scale runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from comera.errors import ConfigError
+from comera.experiments.engine import EngineConfig
+from comera.experiments.task import Task
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    description: str
+    make_task: Callable[[bool], Task]  # quick -> task
+    quick: EngineConfig
+    full: EngineConfig
+
+    def engine(self, quick: bool) -> EngineConfig:
+        return self.quick if quick else self.full
+
+
+def _transformer(quick: bool) -> Task:
+    from comera.experiments.pair_task import PairTask, PairTaskConfig
+
+    return PairTask(PairTaskConfig() if quick else PairTaskConfig.full())
+
+
+def _dlrm(quick: bool) -> Task:
+    from comera.experiments.dlrm_task import DLRMTask, DLRMTaskConfig
+
+    return DLRMTask(DLRMTaskConfig.quick() if quick else DLRMTaskConfig.full())
+
+
+def _mlm(quick: bool) -> Task:
+    from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
+
+    return MLMTask(MLMTaskConfig.quick() if quick else MLMTaskConfig.full())
+
+
+EXPERIMENTS: dict[str, Experiment] = {
+    "transformer": Experiment(
+        "transformer", "six-encoder transformer on the stdlib docstring/code pair task",
+        _transformer,
+        quick=EngineConfig(steps_early=400, steps_late=200, batch_size=32, lr=1e-3, warmup=100,
+                           lam=0.05, target_compression=150.0, eval_every=100),
+        full=EngineConfig(steps_early=6000, steps_late=3000, batch_size=32, lr=3e-4,
+                          warmup=500, lam=0.05, target_compression=150.0, eval_every=500,
+                          checkpoint_every=1000),
+    ),
+    "dlrm": Experiment(
+        "dlrm", "DLRM on synthetic Criteo-shaped click data (TT embedding tables)", _dlrm,
+        quick=EngineConfig(steps_early=300, steps_late=150, batch_size=256, lr=1e-3,
+                           lam=0.01, target_compression=99.0, eval_every=75),
+        full=EngineConfig(steps_early=6000, steps_late=3000, batch_size=2048, lr=1e-3,
+                          lam=0.01, target_compression=99.0, eval_every=500,
+                          checkpoint_every=1000),
+    ),
+    "mlm": Experiment(
+        "mlm", "BERT-style masked-language model on CPython standard-library sources", _mlm,
+        quick=EngineConfig(steps_early=300, steps_late=150, batch_size=32, lr=1e-3, warmup=50,
+                           lam=0.02, target_compression=8.0, eval_every=75),
+        full=EngineConfig(steps_early=8000, steps_late=4000, batch_size=64, lr=5e-4,
+                          warmup=500, lam=0.02, target_compression=8.0, eval_every=500,
+                          checkpoint_every=1000),
+    ),
+}
+
+
+def experiment(name: str) -> Experiment:
+    try:
+        return EXPERIMENTS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model {name!r}; choose one of "
+                          f"{', '.join(EXPERIMENTS)}.") from None

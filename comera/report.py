@@ -1,0 +1,105 @@
+"""What a checkpoint holds, per TT layer: modes, stored bonds, effective ranks, size, compression.
+
+    print(comera.checkpoint_report("runs/latest/checkpoints/comera.pt"))
+
+Read from the file alone (no model needed): each recorded layer is rebuilt from its record and
+its weights, so the effective ranks (gate entries above tau) are the ones the model trains with.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from comera.checkpoint import _build, _read
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    name: str
+    kind: str
+    shape: tuple[int, int]
+    modes: tuple[tuple[int, ...], tuple[int, ...]]
+    bonds: tuple[int, ...]  # stored (physical)
+    ranks: tuple[int, ...]  # effective
+    params: int  # at the effective ranks (bias included)
+    dense_params: int
+
+    @property
+    def compression(self) -> float:
+        return self.dense_params / max(self.params, 1)
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    path: str
+    layers: tuple[LayerRow, ...]
+    other_params: int  # parameters outside the TT layers
+    extra: dict[str, Any]
+
+    @property
+    def tt_params(self) -> int:
+        return sum(r.params for r in self.layers)
+
+    @property
+    def tt_dense_params(self) -> int:
+        return sum(r.dense_params for r in self.layers)
+
+    @property
+    def compression(self) -> float:
+        return self.tt_dense_params / max(self.tt_params, 1)
+
+    def __str__(self) -> str:
+        head = ("layer", "type", "shape", "modes", "bonds", "ranks", "params", "dense", "ratio")
+        rows = [head]
+        for r in self.layers:
+            rows.append((r.name, r.kind, f"{r.shape[0]}x{r.shape[1]}",
+                         f"{list(r.modes[0])}x{list(r.modes[1])}", str(list(r.bonds[1:-1])),
+                         str(list(r.ranks[1:-1])), f"{r.params:,}", f"{r.dense_params:,}",
+                         f"{r.compression:.1f}x"))
+        rows.append(("TT layers", "", "", "", "", "", f"{self.tt_params:,}",
+                     f"{self.tt_dense_params:,}", f"{self.compression:.1f}x"))
+        widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+                 for row in rows]
+        lines.insert(1, "-" * max(len(line) for line in lines))
+        total = self.tt_params + self.other_params
+        dense_total = self.tt_dense_params + self.other_params
+        lines.append(f"whole model: {total:,} parameters ({dense_total:,} dense, "
+                     f"{dense_total / max(total, 1):.1f}x); {self.other_params:,} outside the "
+                     "TT layers")
+        engine = self.extra.get("engine")
+        if isinstance(engine, dict):
+            lines.append(f"training: step {engine.get('step')}, stage "
+                         f"{engine.get('trainer', {}).get('stage')}, task {engine.get('task')}")
+        return f"{self.path}\n" + "\n".join(lines)
+
+
+def checkpoint_report(path: str | os.PathLike) -> CheckpointReport:
+    """Per-layer ranks, sizes and compression of a comera checkpoint (checksum verified)."""
+    payload, where = _read(path)
+    state = payload["model"]
+    rows, inside = [], set()
+    for name, spec in payload["layers"].items():
+        prefix = f"{name}."
+        sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        inside.update(prefix + k for k in sub)
+        like = next(iter(sub.values()), torch.empty(0))
+        layer = _build(spec, like)
+        layer.load_state_dict(sub)
+        layer.tau = float(spec["tau"])
+        rows.append(LayerRow(name, spec["kind"], (spec["in_features"], spec["out_features"]),
+                             (tuple(spec["in_modes"]), tuple(spec["out_modes"])),
+                             tuple(spec["bonds"]), tuple(layer.ranks),
+                             layer.num_parameters(True), layer.dense_num_parameters()))
+    other = sum(v.numel() for k, v in state.items()
+                if k not in inside and not _is_buffer_like(k, v))
+    return CheckpointReport(where, tuple(rows), other, dict(payload["extra"]))
+
+
+def _is_buffer_like(key: str, value: Any) -> bool:
+    """Integer tensors in a state dict are buffers (counters, ids), not parameters."""
+    return not (isinstance(value, torch.Tensor) and value.is_floating_point())
