@@ -243,7 +243,9 @@ class _Run:
             torch.cuda.synchronize(self.device)
         self.record.step_times.append(time.perf_counter() - start)
         self.consecutive_skips = 0
-        self.record.train_curve.append((self.step, global_loss, stats.objective, stats.weighted))
+        # the regulariser / size term is the same on every worker; the loss is averaged
+        objective = global_loss + (stats.objective - stats.loss)
+        self.record.train_curve.append((self.step, global_loss, objective, stats.weighted))
         self.step += 1
         if self.progress is not None:
             self.progress({"kind": "step", "name": self.name, "stage": stats.stage,
