@@ -45,3 +45,7 @@ class CheckpointError(ComeraError, RuntimeError):
 
 class LookupIndexError(ComeraError, IndexError):
     """An embedding id outside ``[0, num_embeddings)``; IndexError, as ``nn.Embedding`` raises."""
+
+
+class DataFormatError(ComeraError, ValueError):
+    """A data file that does not parse: names the file, the line and the field."""

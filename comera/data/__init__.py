@@ -1,5 +1,24 @@
-"""Real data available offline: (docstring, code) pairs from the CPython standard library."""
+"""Real data available offline: (docstring, code) pairs and source text from the CPython standard
+library; Criteo-shaped click data (synthetic, or read from the real TSV files)."""
 
+from comera.data.criteo import (
+    CriteoData,
+    CriteoSplit,
+    SyntheticCriteo,
+    load_criteo_tsv,
+    load_synthetic_criteo,
+    read_criteo_tsv,
+)
 from comera.data.stdlib_pairs import PairDataset, Tokenizer, load_stdlib_pairs
 
-__all__ = ["PairDataset", "Tokenizer", "load_stdlib_pairs"]
+__all__ = [
+    "CriteoData",
+    "CriteoSplit",
+    "PairDataset",
+    "SyntheticCriteo",
+    "Tokenizer",
+    "load_criteo_tsv",
+    "load_stdlib_pairs",
+    "load_synthetic_criteo",
+    "read_criteo_tsv",
+]

@@ -41,7 +41,7 @@ def _dlrm(quick: bool) -> Task:
 def _mlm(quick: bool) -> Task:
     from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 
-    return MLMTask(MLMTaskConfig.quick() if quick else MLMTaskConfig.full())
+    return MLMTask(MLMTaskConfig() if quick else MLMTaskConfig.full())
 
 
 EXPERIMENTS: dict[str, Experiment] = {

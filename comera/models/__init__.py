@@ -1,5 +1,7 @@
-"""The paper's models, plain and readable: a six-encoder transformer for sentence pairs."""
+"""The paper's models, plain and readable: the six-encoder transformer (pair classification),
+DLRM with TT embedding tables, and a BERT-style masked-language model."""
 
+from comera.models.dlrm import DLRM, DLRMConfig
 from comera.models.transformer import PairClassifier, TransformerConfig
 
-__all__ = ["PairClassifier", "TransformerConfig"]
+__all__ = ["DLRM", "DLRMConfig", "PairClassifier", "TransformerConfig"]
