@@ -1,4 +1,7 @@
-"""The ``tncomp`` command: inspect a layer's costs and plans, manage the plan cache.
+"""The ``tncomp`` command: inspect a layer's costs and plans, draw them, manage the plan cache.
+
+Commands: inspect (costs, regimes, plans), draw (a picture of the network and its contraction
+tree), plot-costs (FLOPs and modelled time against the batch size), calibrate, cache.
 
 SPEC forms:
   tt:768x3072:modes=12,8,8|12,16,16:rank=30      CoMERA TT layer (rank: max, or r1,r2,...)
@@ -12,16 +15,40 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tncomp.errors import TncompError
 
+if TYPE_CHECKING:
+    import torch
+
+    from tncomp.ir import Network
+
 EXIT_USAGE = 2
+_DIGITS = re.compile(r"^[0-9]+$")  # str.isdigit also takes '²', which int() refuses
 
 
 class SpecError(TncompError, ValueError):
     """A layer SPEC on the command line that cannot be read."""
+
+
+class OptionError(TncompError, ValueError):
+    """A command-line option whose value cannot be used."""
+
+
+def _device(text: str) -> torch.device:
+    """``torch.device(text)``, or an :class:`OptionError` naming the value."""
+    import torch
+
+    try:
+        return torch.device(text)
+    except (RuntimeError, ValueError):
+        raise OptionError(
+            f"--device {text!r} is not a torch device; use e.g. cpu or cuda."
+        ) from None
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -31,7 +58,7 @@ def _ints(text: str, what: str) -> list[int]:
         raise SpecError(f"{what} {text!r} is not a comma-separated list of ints.") from None
 
 
-def parse_spec(spec: str):
+def parse_spec(spec: str) -> Network:
     """The :class:`~tncomp.ir.Network` a SPEC declares (see the module docstring)."""
     from tncomp.builders import from_eq, tt_linear, ttm_linear
 
@@ -62,7 +89,8 @@ def parse_spec(spec: str):
         eq, _, shapes = rest.rpartition(":")
         if not eq:
             raise SpecError(f"SPEC {spec!r}: write eq:EQUATION:SHAPES, e.g. eq:bi,ij->bj:B,3|3,4")
-        parsed = [[int(v) if v.isdigit() else v for v in s.split(",")] for s in shapes.split("|")]
+        parsed = [[int(v) if _DIGITS.match(v) else v for v in s.split(",")]
+                  for s in shapes.split("|")]
         return from_eq(eq, *parsed)
     if kind in ("tt", "ttm"):
         fields = rest.split(":")
@@ -98,6 +126,34 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _cmd_draw(args) -> int:
+    from tncomp.draw import check_output_path, draw_network
+
+    path = check_output_path(args.output)  # before compiling: a bad path fails fast
+    net = parse_spec(args.spec)
+    drawing = draw_network(net, path, batch=args.batch)
+    at = f" (tree FLOPs at batch {drawing.batch})" if drawing.batch is not None else ""
+    print(f"wrote {drawing.path}: {len(net.operands)} tensors, {len(drawing.tree.steps)} "
+          f"contractions{at}")
+    return 0
+
+
+def _cmd_plot_costs(args) -> int:
+    from tncomp.api import model_for
+    from tncomp.costplot import plot_costs
+    from tncomp.draw import check_output_path
+
+    path = check_output_path(args.output)
+    net = parse_spec(args.spec)
+    curves = plot_costs(net, path, args.batch_range, model=model_for(_device(args.device)),
+                        name=f"SPEC {args.spec!r}")
+    bps = ", ".join(str(b) for b in curves.breakpoints) or "none"
+    print(f"wrote {curves.path}: {len(curves.candidates)} candidate plans over "
+          f"{curves.dim.name}={curves.batches[0]}..{curves.batches[-1]}, breakpoints {bps}"
+          f"{'' if curves.dense is not None else ' (no dense equivalent)'}")
+    return 0
+
+
 def _cmd_cache(args) -> int:
     from tncomp.api import cache_info, clear_cache
 
@@ -113,7 +169,7 @@ def _cmd_cache(args) -> int:
 def _cmd_calibrate(args) -> int:
     from tncomp.calibrate import calibrate
 
-    model = calibrate(args.device)
+    model = calibrate(_device(args.device))
     print(f"{model.source}: GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, bandwidth "
           f"{model.bytes_per_s / 1e9:.1f} GB/s, step {model.step_overhead_s * 1e6:.1f} us "
           "(saved; compile() now plans with these numbers)")
@@ -129,6 +185,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None,
                    help="batch size to show the plan at (default 4096, within the bounds)")
     p.set_defaults(run=_cmd_inspect)
+    p = sub.add_parser("draw", help="picture of the network and its forward contraction tree")
+    p.add_argument("spec", help="layer SPEC (see tncomp --help)")
+    p.add_argument("-o", "--output", required=True, help="picture file, e.g. net.png (or .svg)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="batch size the tree's FLOPs are shown at (default 4096)")
+    p.set_defaults(run=_cmd_draw)
+    p = sub.add_parser("plot-costs", help="FLOPs and modelled time vs batch size, per plan")
+    p.add_argument("spec", help="layer SPEC with one symbolic size (see tncomp --help)")
+    p.add_argument("-o", "--output", required=True, help="picture file, e.g. costs.png")
+    p.add_argument("--batch-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
+                   help="batch sizes to sweep (default: the symbol's bounds, up to 65536)")
+    p.add_argument("--device", default="cpu",
+                   help="device whose cost model (calibrated, else default) times the plans")
+    p.set_defaults(run=_cmd_plot_costs)
     p = sub.add_parser("calibrate", help="measure this device's GEMM rate and bandwidth")
     p.add_argument("--device", default="cpu")
     p.set_defaults(run=_cmd_calibrate)
@@ -144,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except TncompError as exc:
-        print(f"tncomp: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())  # one line, whatever the message holds
+        print(f"tncomp: error: {message}", file=sys.stderr)
         return EXIT_USAGE
 
 
