@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -77,6 +78,26 @@ def test_bad_modes(build):
         build([2, 3], [-3, 2], 2)
     with pytest.raises(IRError, match=r"has mode 2\.0"):
         build([2.0, 3], [3, 2], 2)
+
+
+@pytest.mark.parametrize("build", [tncomp.tt_linear, tncomp.ttm_linear, tncomp.ttm_embedding])
+@pytest.mark.parametrize("modes", [None, 4, "24", 2.0])
+def test_modes_that_are_not_a_sequence(build, modes):
+    first = "row_modes" if build is tncomp.ttm_embedding else "in_modes"
+    with pytest.raises(IRError, match=rf"{first} is {re.escape(repr(modes))} "
+                                      r"\(\w+\); give a sequence of ints such as \(8, 8, 12\)"):
+        build(modes, [2, 2], 2)
+
+
+def test_from_eq_shape_that_is_not_a_sequence():
+    with pytest.raises(IRError, match=r"shape of operand 'T1' \('jk'\) is 4; give a sequence "
+                                      r"of 2 sizes such as \(2, 3\)"):
+        tncomp.from_eq("ij,jk->ik", (3, 4), 4)
+    with pytest.raises(IRError, match=r"shape of operand 'x' \('i'\) is None.* \(2,\)"):
+        tncomp.from_eq("i->i", None, names=["x"])
+    with pytest.raises(IRError, match=r"is 'B3'"):  # a str is not a shape of one-letter sizes
+        tncomp.from_eq("ij->ij", "B3")
+    assert tncomp.from_eq("ij->ji", torch.Size([2, 3])).size_dict == {"i": 2, "j": 3}
 
 
 def test_bad_batch_argument():
@@ -168,6 +189,21 @@ def test_dim_bounds_at_construction():
         Dim("B", min=5, max=2)
     with pytest.raises(IRError, match="not an identifier"):
         Dim("2B")
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    ((3,), r"Dim name is 3 \(int\); name a symbol with a str such as Dim\('B'\)"),
+    ((None,), r"Dim name is None"),
+    (("B", "1"), r"Dim 'B' has min='1' \(str\); give an int, e\.g\. Dim\('B', min=1"),
+    (("B", 1.0), r"min=1\.0 \(float\)"),
+    (("B", True), r"min=True \(bool\)"),
+    (("B", 1, "8"), r"max='8' \(str\); give an int or None \(unbounded\)"),
+    (("B", 1, 8.5), r"max=8\.5 \(float\)"),
+])
+def test_dim_types_at_construction(args, match):
+    with pytest.raises(IRError, match=match):
+        Dim(*args)
+    assert Dim("B", 2, None).max is None and Dim("B", 2, 2).max == 2
 
 
 # -- calls --------------------------------------------------------------------------------------

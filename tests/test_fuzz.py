@@ -11,10 +11,10 @@ count. Every outcome must be one of two things:
   (the scale rounding errors of a sum of products live on), gradients included; or
 * an exception from ``tncomp.errors`` with a non-empty message.
 
-A bare torch or Python exception fails the test. Inputs that still raise one are listed in
-``KNOWN_BUGS`` (modules owned elsewhere), kept out of the random draws and pinned by strict
-xfail tests, so a fix shows up as an XPASS. Outcome counts per test are printed to the terminal
-when the module ends (``--hypothesis-show-statistics`` adds hypothesis's own timings).
+A bare torch or Python exception fails the test. Inputs that once raised one are pinned in
+``FIXED_BARE_ERRORS`` with the tncomp error (and builtin base) they raise now. Outcome counts
+per test are printed to the terminal when the module ends (``--hypothesis-show-statistics``
+adds hypothesis's own timings).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tn_helpers import einsum_eq
 import tncomp
 from tncomp import Dim, Network
 from tncomp.cli import parse_spec
-from tncomp.errors import TncompError
+from tncomp.errors import IRError, OperandError, OptionError, TncompError
 
 DEFAULT_EXAMPLES = 50
 SLOW_EXAMPLES = 1000
@@ -352,10 +352,9 @@ def check_from_eq(case: EqCase, test: str = "from_eq") -> None:
 def check_contract(case: EqCase, test: str = "contract") -> None:
     gen = torch.Generator().manual_seed(case.seed)
     tensors = [_random(tuple(s), case.dtype, gen) for s in case.concrete]
-    how = "ok" if case.call == "nontensor" else case.call  # see KNOWN_BUGS
-    eq = tuple(case.eq) if isinstance(case.eq, list) else case.eq  # (unhashable: KNOWN_BUGS)
-    args = _perturb(tensors, how, case.pick, case.grad)
-    y = _expect(test, "contract", lambda: tncomp.contract(eq, *args, optimize=case.optimize,
+    args = _perturb(tensors, case.call, case.pick, case.grad)
+    y = _expect(test, "contract", lambda: tncomp.contract(case.eq, *args,
+                                                          optimize=case.optimize,
                                                           disk_cache=False))
     if y is not None:
         _compare(test, case.eq, args, y)
@@ -435,52 +434,81 @@ test_fuzz_parse_spec_many = pytest.mark.slow(
     _fuzz(specs(), check_spec, 5 * SLOW_EXAMPLES, "parse_spec (slow)"))
 
 
-# -- bare errors found by fuzzing, in modules owned elsewhere ---------------------------------
+# -- bare errors once found by fuzzing, now tncomp errors -------------------------------------
 
 def _ab():
     a = torch.randn(3, 4, dtype=torch.float64)
     return a, torch.randn(4, 5, dtype=torch.float64)
 
 
-KNOWN_BUGS = {
-    # api.contract reads t.shape before checking the operands are tensors.
-    # Fix: in contract, raise TncompError("contract takes torch tensors; got a list") first.
-    "contract-list-operand": lambda: tncomp.contract("ij,jk->ik", [[1.0] * 4] * 3, _ab()[1]),
-    "contract-none-operand": lambda: tncomp.contract("ij,jk->ik", None, _ab()[1]),
-    # api.contract puts eq into its cache key before from_eq checks it is a str.
-    # Fix: check isinstance(eq, str) (IRError as from_eq words it) before the cache lookup.
-    "contract-eq-list": lambda: tncomp.contract(["ab"], torch.ones(1)),
-    # builders._check_modes calls tuple(modes) unguarded. Fix: raise IRError when modes is not
-    # a Sequence ("in_modes is None; give a sequence of ints such as (8, 8, 12)").
-    "tt_linear-modes-None": lambda: tncomp.tt_linear(None, [2, 2], 2),
-    "ttm_linear-modes-int": lambda: tncomp.ttm_linear(4, [2, 2], 2),
-    "ttm_embedding-modes-None": lambda: tncomp.ttm_embedding([2, 2], None, 2),
-    # builders.from_eq calls tuple(shape) unguarded. Fix: IRError when a shape is not a
-    # Sequence ("shape of operand 'T0' is 3; give a sequence such as (3, 4)").
-    "from_eq-shape-int": lambda: tncomp.from_eq("ij,jk->ik", 3, (3, 4)),
-    "from_eq-shape-None": lambda: tncomp.from_eq("ij,jk->ik", None, (3, 4)),
-    # api.compile accepts any disk_cache / model. Fix: check disk_cache is bool, str or
-    # PathLike, and model is a DeviceModel or None, raising TncompError naming the value.
-    "compile-disk_cache-int": lambda: tncomp.compile(
-        tncomp.from_eq("ij,jk->ik", (3, 4), (4, 5)), disk_cache=3),
-    "compile-model-str": lambda: tncomp.compile(
-        tncomp.from_eq("ij,jk->ik", (3, 7), (7, 5)), model="cpu", disk_cache=False,
-        optimize="search")(*_ab_7()),
-    # ir.Dim.__post_init__ assumes a str name and int bounds. Fix: IRError unless name is a
-    # str and min/max are ints (not bool).
-    "Dim-int-name": lambda: tncomp.tt_linear([2], [2], 1, batch=Dim(3)),
-    "Dim-str-min": lambda: tncomp.tt_linear([2], [2], 1, batch=Dim("B", "1")),
-}
-
-
 def _ab_7():
     return torch.randn(3, 7), torch.randn(7, 5)
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError, AttributeError),
-                   reason="a bare TypeError/AttributeError instead of a tncomp error; "
-                          "see KNOWN_BUGS for the fix (module owned elsewhere)")
-@pytest.mark.parametrize("name", sorted(KNOWN_BUGS))
-def test_known_bare_errors(name):
-    with pytest.raises(TncompError):
-        KNOWN_BUGS[name]()
+# name -> (call, the tncomp error it raises, the builtin it also is, a fragment of the message
+# naming the offending value). Each used to raise a bare TypeError or AttributeError.
+FIXED_BARE_ERRORS = {
+    "contract-list-operand": (
+        lambda: tncomp.contract("ij,jk->ik", [[1.0] * 4] * 3, _ab()[1]),
+        OperandError, TypeError, "operand 0 is a list"),
+    "contract-none-operand": (
+        lambda: tncomp.contract("ij,jk->ik", None, _ab()[1]),
+        OperandError, TypeError, "operand 0 is None"),
+    "contract-eq-list": (
+        lambda: tncomp.contract(["ab"], torch.ones(1)), IRError, ValueError, "['ab'] (list)"),
+    "contract-eq-tuple": (
+        lambda: tncomp.contract(("ab",), torch.ones(1)), IRError, ValueError, "('ab',)"),
+    "contract-unknown-option": (
+        lambda: tncomp.contract("ij,jk->ik", *_ab(), optimise="flops"),
+        OptionError, ValueError, "unknown option 'optimise'"),
+    "tt_linear-modes-None": (
+        lambda: tncomp.tt_linear(None, [2, 2], 2), IRError, ValueError, "in_modes is None"),
+    "ttm_linear-modes-int": (
+        lambda: tncomp.ttm_linear(4, [2, 2], 2), IRError, ValueError, "in_modes is 4"),
+    "ttm_embedding-modes-None": (
+        lambda: tncomp.ttm_embedding([2, 2], None, 2), IRError, ValueError,
+        "col_modes is None"),
+    "tt_linear-modes-str": (
+        lambda: tncomp.tt_linear("22", [2, 2], 2), IRError, ValueError, "in_modes is '22'"),
+    "from_eq-shape-int": (
+        lambda: tncomp.from_eq("ij,jk->ik", 3, (3, 4)), IRError, ValueError,
+        "shape of operand 'T0' ('ij') is 3"),
+    "from_eq-shape-None": (
+        lambda: tncomp.from_eq("ij,jk->ik", (3, 4), None), IRError, ValueError,
+        "shape of operand 'T1' ('jk') is None"),
+    "compile-disk_cache-int": (
+        lambda: tncomp.compile(tncomp.from_eq("ij,jk->ik", (3, 4), (4, 5)), disk_cache=3),
+        OptionError, ValueError, "disk_cache=3 (int)"),
+    "compile-disk_cache-bytes": (
+        lambda: tncomp.compile(tncomp.from_eq("ij,jk->ik", (3, 4), (4, 5)), disk_cache=b"d"),
+        OptionError, ValueError, "disk_cache=b'd' (bytes)"),
+    "compile-disk_cache-empty": (
+        lambda: tncomp.compile(tncomp.from_eq("ij,jk->ik", (3, 4), (4, 5)), disk_cache=""),
+        OptionError, ValueError, "disk_cache=''"),
+    "compile-model-str": (
+        lambda: tncomp.compile(tncomp.from_eq("ij,jk->ik", (3, 7), (7, 5)), model="cpu",
+                               disk_cache=False, optimize="search")(*_ab_7()),
+        OptionError, ValueError, "model='cpu' (str); pass a tncomp.DeviceModel"),
+    "contract-model-str": (
+        lambda: tncomp.contract("ij,jk->ik", *_ab_7(), model="cpu", disk_cache=False),
+        OptionError, ValueError, "model='cpu'"),
+    "Dim-int-name": (
+        lambda: tncomp.tt_linear([2], [2], 1, batch=Dim(3)), IRError, ValueError,
+        "Dim name is 3 (int)"),
+    "Dim-str-min": (
+        lambda: tncomp.tt_linear([2], [2], 1, batch=Dim("B", "1")), IRError, ValueError,
+        "min='1' (str)"),
+    "Dim-float-max": (
+        lambda: Dim("B", 1, 4.0), IRError, ValueError, "max=4.0 (float)"),
+    "Dim-bool-min": (
+        lambda: Dim("B", True), IRError, ValueError, "min=True (bool)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIXED_BARE_ERRORS))
+def test_fixed_bare_errors(name):
+    call, error, builtin, fragment = FIXED_BARE_ERRORS[name]
+    with pytest.raises(error) as info:
+        call()
+    assert isinstance(info.value, builtin)
+    assert fragment in str(info.value), str(info.value)

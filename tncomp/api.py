@@ -13,11 +13,12 @@ import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from tncomp.cache import DiskCache, LRUCache
-from tncomp.errors import SizeError, TncompError
+from tncomp.cache import DiskCache, LRUCache, default_cache_dir
+from tncomp.errors import IRError, OperandError, OptionError, SizeError, TncompError
 from tncomp.ir import Network, bind_sizes, structural_key
 from tncomp.model import CPU_DEFAULT, CUDA_DEFAULT, DeviceModel
 from tncomp.plan import Plan, lower
@@ -119,11 +120,17 @@ class CompiledNetwork:
             return ContractFunction.apply(runner, *operands)
         return runner.code.forward(*operands)[0]
 
+    def plan_of(self, *operands: torch.Tensor) -> Plan:
+        """The plan a call with these operands runs (built and cached now if it is new)."""
+        _check_tensors(operands, "plan_of", [t.name for t in self.network.operands])
+        grad = torch.is_grad_enabled()
+        key = tuple((t.shape, t.dtype, grad and t.requires_grad) for t in operands)
+        runner = self._local.get(key)
+        return (runner if runner is not None else self._runner_for(operands, grad)).plan
+
     # -- building -----------------------------------------------------------------------------
     def _runner_for(self, operands: Sequence[torch.Tensor], grad: bool) -> Runner:
-        if not all(isinstance(t, torch.Tensor) for t in operands):
-            bad = next(type(t).__name__ for t in operands if not isinstance(t, torch.Tensor))
-            raise TncompError(f"compiled network takes torch tensors; got a {bad}.")
+        _check_tensors(operands, "compiled network", [t.name for t in self.network.operands])
         key = tuple((t.shape, t.dtype, grad and t.requires_grad) for t in operands)
         sizes = bind_sizes(self.network, [tuple(t.shape) for t in operands])
         dtype, device = operands[0].dtype, operands[0].device
@@ -138,10 +145,13 @@ class CompiledNetwork:
             raise SizeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
         needs_grad = tuple(bool(g) for _, _, g in key)
         bound = tuple(sizes[i] for i in self._canonical_indices)
-        full_key = (self._key, bound, str(dtype), device.type, needs_grad, self.options)
+        # The device model picks the tree, so it is part of the key: networks compiled with
+        # different models (or one calibrated meanwhile) do not share plans.
+        model = self.model(device)
+        full_key = (self._key, bound, str(dtype), device.type, needs_grad, self.options, model)
 
         def build() -> Runner:
-            plan = self.plan_for(sizes, needs_grad, dtype, device)
+            plan = self.plan_for(sizes, needs_grad, dtype, device, model=model)
             shapes = [tuple(t.shape) for t in operands]
             return Runner(plan, generate(plan, shapes, dtype, device, name=self.network.output.name,
                                          pool=self.options.pool_buffers))
@@ -157,10 +167,11 @@ class CompiledNetwork:
 
     def plan_for(self, sizes: dict[str, int], needs_grad: Sequence[bool],
                  dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> Plan:
-        """The plan used at these bound sizes (searching, or reading the regime table)."""
+                 device: torch.device | str = "cpu", model: DeviceModel | None = None) -> Plan:
+        """The plan used at these bound sizes (searching, or reading the regime table), under
+        ``model`` (default: the compiled network's model, else the device's)."""
         device = torch.device(device)
-        model = self.model(device)
+        model = model if model is not None else self.model(device)
         itemsize = torch.empty((), dtype=dtype).element_size()
         problem = problem_for(self.network, sizes)
         tree = self.tree_for(sizes, needs_grad, itemsize, model)
@@ -246,37 +257,94 @@ def compile(
     ``"search"`` (always search the bound sizes), or ``"flops"`` (fewest FLOPs, ignoring the
     device model). ``autotune`` times the best few candidates on the device and keeps the
     fastest. ``cuda_graphs`` captures forward and backward into CUDA graphs on a GPU (ignored
-    on CPU). ``disk_cache``: True (the default directory), False, or a directory.
-    ``pool_buffers`` reuses large result buffers between calls once nothing references them
-    (a caching allocator; ``tncomp.clear_cache()`` releases them).
+    on CPU). ``model``: the :class:`DeviceModel` plans are scored with (default: the device's
+    calibration, else a default). ``disk_cache``: True (the default directory), False or None,
+    or a directory. ``pool_buffers`` reuses large result buffers between calls once nothing
+    references them (a caching allocator; ``tncomp.clear_cache()`` releases them).
     """
     if not isinstance(net, Network):
         raise TncompError(
             f"compile takes a tncomp.Network (from tt_linear, from_eq, ...), got "
             f"{type(net).__name__}."
         )
-    if optimize not in OPTIMIZE_CHOICES:
-        raise TncompError(f"optimize={optimize!r}; choose one of {', '.join(OPTIMIZE_CHOICES)}.")
+    options, model, directory = _settings(optimize, autotune, cuda_graphs, model, disk_cache,
+                                          pool_buffers)
+    return CompiledNetwork(net, options, model, _disk(directory))
+
+
+def _settings(optimize: str = "auto", autotune: bool = False, cuda_graphs: bool = False,
+              model: DeviceModel | None = None, disk_cache: bool | str | os.PathLike = True,
+              pool_buffers: bool = True) -> tuple[Options, DeviceModel | None, Path | None]:
+    """``compile``'s keywords checked: the options, the model, the disk-cache directory."""
+    if not isinstance(optimize, str) or optimize not in OPTIMIZE_CHOICES:
+        raise OptionError(f"optimize={optimize!r}; choose one of {', '.join(OPTIMIZE_CHOICES)}.")
+    if model is not None and not isinstance(model, DeviceModel):
+        raise OptionError(
+            f"model={model!r} ({type(model).__name__}); pass a tncomp.DeviceModel (e.g. "
+            "tncomp.calibrate.calibrate('cuda')) or None for the device's calibrated default."
+        )
+    return (Options(optimize, bool(autotune), bool(cuda_graphs), bool(pool_buffers)), model,
+            _disk_directory(disk_cache))
+
+
+def _disk_directory(disk_cache: bool | str | os.PathLike | None) -> Path | None:
+    """The directory of the on-disk cache ``disk_cache`` asks for, or None for no disk cache."""
     if disk_cache is True:
-        disk = DiskCache()
-    elif disk_cache is False or disk_cache is None:
-        disk = None
-    else:
-        disk = DiskCache(disk_cache)
-    options = Options(optimize, bool(autotune), bool(cuda_graphs), bool(pool_buffers))
-    return CompiledNetwork(net, options, model, disk)
+        return default_cache_dir()
+    if disk_cache is False or disk_cache is None:
+        return None
+    if isinstance(disk_cache, str | os.PathLike):
+        directory = os.fspath(disk_cache)
+        if isinstance(directory, str) and directory.strip():
+            return Path(directory)
+    raise OptionError(
+        f"disk_cache={disk_cache!r} ({type(disk_cache).__name__}); pass True (the default "
+        "directory), False (no disk cache) or a directory as a str or pathlib.Path."
+    )
+
+
+def _disk(directory: Path | None) -> DiskCache | None:
+    return DiskCache(directory) if directory is not None else None
+
+
+def _check_tensors(operands: Sequence, what: str, names: Sequence[str] = ()) -> None:
+    """An :class:`OperandError` naming the first operand that is not a torch tensor."""
+    for k, t in enumerate(operands):
+        if not isinstance(t, torch.Tensor):
+            name = f" ({names[k]!r})" if k < len(names) else ""
+            got = "None" if t is None else f"a {type(t).__name__}"
+            raise OperandError(
+                f"{what} takes torch tensors; operand {k}{name} is {got}. Convert it with "
+                "torch.as_tensor(...) first."
+            )
 
 
 _EQ_CACHE = LRUCache(maxsize=128)
 
 
 def contract(eq: str, *tensors: torch.Tensor, **options) -> torch.Tensor:
-    """``torch.einsum`` through tncomp: planned, cached, with a planned backward."""
+    """``torch.einsum`` through tncomp: planned, cached, with a planned backward.
+
+    ``options`` are ``compile``'s keywords (``optimize``, ``model``, ``disk_cache``, ...).
+    """
     from tncomp.builders import from_eq
 
+    if not isinstance(eq, str):
+        raise IRError(f"eq must be a str such as 'bi,ij->bj', got {eq!r} "
+                      f"({type(eq).__name__}).")
+    _check_tensors(tensors, "contract")
+    unknown = sorted(set(options) - set(_COMPILE_KEYWORDS))
+    if unknown:
+        raise OptionError(f"contract got unknown option {unknown[0]!r}; its options are "
+                          f"compile's: {', '.join(_COMPILE_KEYWORDS)}.")
+    settings, model, directory = _settings(**options)
     shapes = tuple(tuple(t.shape) for t in tensors)
     compiled = _EQ_CACHE.get_or_build(
-        (eq, shapes, tuple(sorted(options.items()))),
-        lambda: compile(from_eq(eq, *shapes), **options),
+        (eq, shapes, settings, model, directory),
+        lambda: CompiledNetwork(from_eq(eq, *shapes), settings, model, _disk(directory)),
     )
     return compiled(*tensors)
+
+
+_COMPILE_KEYWORDS = ("optimize", "autotune", "cuda_graphs", "model", "disk_cache",
+                     "pool_buffers")

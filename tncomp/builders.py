@@ -22,6 +22,9 @@ def _as_size(value: Size | str, what: str) -> Size:
 
 
 def _check_modes(modes: Sequence[int], what: str) -> tuple[int, ...]:
+    if isinstance(modes, str | bytes) or not isinstance(modes, Sequence):
+        raise IRError(f"{what} is {modes!r} ({type(modes).__name__}); give a sequence of ints "
+                      "such as (8, 8, 12).")
     modes = tuple(modes)
     if not modes:
         raise IRError(f"{what} is empty; give at least one mode, e.g. (8, 8, 12).")
@@ -187,6 +190,9 @@ def from_eq(eq: str, *shapes: Sequence[Size | str], names: Sequence[str] | None 
     sizes: dict[str, Size] = {}
     dims: dict[str, Dim] = {}
     for name, term, shape in zip(names, terms, shapes, strict=True):
+        if isinstance(shape, str | bytes) or not isinstance(shape, Sequence):
+            raise IRError(f"shape of operand {name!r} ({term!r}) is {shape!r}; give a sequence "
+                          f"of {len(term)} sizes such as {tuple(range(2, len(term) + 2))}.")
         shape = tuple(shape)
         if len(shape) != len(term):
             raise IRError(

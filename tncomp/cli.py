@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tncomp.errors import TncompError
+from tncomp.errors import OptionError, SpecError, TncompError  # errors live in errors.py
 
 if TYPE_CHECKING:
     import torch
@@ -29,14 +29,6 @@ if TYPE_CHECKING:
 
 EXIT_USAGE = 2
 _DIGITS = re.compile(r"^[0-9]+$")  # str.isdigit also takes '²', which int() refuses
-
-
-class SpecError(TncompError, ValueError):
-    """A layer SPEC on the command line that cannot be read."""
-
-
-class OptionError(TncompError, ValueError):
-    """A command-line option whose value cannot be used."""
 
 
 def _device(text: str) -> torch.device:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tncomp.cost import step_infos
-from tncomp.errors import SizeError, TncompError
+from tncomp.errors import PlotDependencyError, PlotError, SizeError, TncompError
 from tncomp.ir import Dim, Network, Role
 from tncomp.problem import Tree, problem_for
 
@@ -33,14 +33,6 @@ OPEN_COLOUR = "#2a9d8f"
 SUMMED_COLOUR = "#9a9a9a"
 STEP_COLOUR = "#fefae0"
 BOX_ASPECT = 1.8  # width / height of a tensor's label box, roughly
-
-
-class PlotError(TncompError, ValueError):
-    """A picture that cannot be made as asked: a bad output path or option."""
-
-
-class PlotDependencyError(TncompError, ImportError):
-    """Matplotlib, needed for pictures only, is not installed."""
 
 
 def require_matplotlib() -> tuple[type, type]:

@@ -33,3 +33,24 @@ class CacheError(TncompError, RuntimeError):
 
 class CudaGraphError(TncompError, RuntimeError):
     """A CUDA-graph capture was refused or replayed with an incompatible input."""
+
+
+class OperandError(TncompError, TypeError):
+    """An operand that is not a torch tensor (a list, None, a numpy array, ...)."""
+
+
+class SpecError(TncompError, ValueError):
+    """A layer SPEC on the command line that cannot be read."""
+
+
+class OptionError(TncompError, ValueError):
+    """An option whose value cannot be used: a keyword of ``compile`` / ``contract`` or a
+    command-line flag."""
+
+
+class PlotError(TncompError, ValueError):
+    """A picture that cannot be made as asked: a bad output path or option."""
+
+
+class PlotDependencyError(TncompError, ImportError):
+    """Matplotlib, needed for pictures only, is not installed."""

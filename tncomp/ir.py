@@ -27,6 +27,17 @@ class Dim:
     max: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise IRError(f"Dim name is {self.name!r} ({type(self.name).__name__}); name a "
+                          "symbol with a str such as Dim('B').")
+        for bound in ("min", "max"):
+            value = getattr(self, bound)
+            if (isinstance(value, bool) or not isinstance(value, int)) and not (
+                    bound == "max" and value is None):
+                allowed = "an int" if bound == "min" else "an int or None (unbounded)"
+                raise IRError(f"Dim {self.name!r} has {bound}={value!r} "
+                              f"({type(value).__name__}); give {allowed}, e.g. "
+                              f"Dim({self.name!r}, min=1, max=4096).")
         if not self.name.isidentifier():
             raise IRError(f"Dim name {self.name!r} is not an identifier; use e.g. Dim('B').")
         if self.min < 1:
