@@ -81,6 +81,16 @@ def test_the_late_stage_starts_with_the_pruned_ranks_removed(tmp_path):
     assert layer.bonds == layer.ranks  # stored shapes shrank to the effective ranks
 
 
+def test_late_stage_shrinks_toward_the_target_while_the_loss_is_near_its_early_level(tmp_path):
+    cfg = replace(CFG, lam=0.5, steps_late=30)
+    _, record = train_model(ToyTask(), "comera", True, cfg, tmp_path)
+    early = record.stage_ends["early"]["sizes"]["tt_params"]
+    late = record.stage_ends["late"]["sizes"]["tt_params"]
+    assert late < early  # the late stage pruned further toward 1/3 of the dense size
+    choices = {w for step, _, _, w in record.train_curve if step >= cfg.steps_early}
+    assert "size" in choices
+
+
 def test_dense_run_is_one_stage_and_learns(tmp_path):
     cfg = replace(CFG, steps_early=30, steps_late=10)
     _, record = train_model(ToyTask(), "dense", False, cfg, tmp_path)

@@ -64,6 +64,9 @@ class EngineConfig:
     lam: float = 0.05  # early stage: weight of the rank regulariser
     regularizer: str = "l1"
     target_compression: float = 150.0  # late stage: TT layers vs their dense size
+    # late stage: the loss target L* is the mean training loss of the last early steps, times
+    # (1 + late_loss_slack): shrink while the loss stays near what the early stage reached
+    late_loss_slack: float = 0.05
     stage: str = "both"
     eval_every: int = 50
     checkpoint_every: int = 0  # 0: only at the stage boundary and at the end
@@ -74,7 +77,8 @@ class EngineConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("steps_early", "steps_late", "warmup", "checkpoint_every", "max_skips"):
+        for name in ("steps_early", "steps_late", "warmup", "checkpoint_every", "max_skips",
+                     "late_loss_slack"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}; it must be >= 0.")
         for name in ("batch_size", "eval_every"):
@@ -207,11 +211,18 @@ class _Run:
             self.model, self.config.target_compression,
             dense_reference=comera.dense_size(self.model, only=comera.GatedTrain),
         )
-        # the target counts TT layers only, so compare it with their size alone
-        late = comera.LateStage(target.target_size + self._non_tt_params(), 0.0)
+        # the target counts TT layers only; the model size the controller sees includes the rest
+        late = comera.LateStage(target.target_size + self._non_tt_params(), self._loss_target())
         report = self.trainer.start_late_stage(late)
         log.info("%s: late stage from step %d, target %.0f parameters; %s", self.name,
                  self.step, late.target_size, report)
+
+    def _loss_target(self) -> float:
+        recent = [loss for _, loss, _, _ in self.record.train_curve[-50:]]
+        if not recent:
+            raise ConfigError("the late stage needs a loss target from the early stage, but no "
+                              "early step ran; set steps_early >= 1.")
+        return statistics.fmean(recent) * (1.0 + self.config.late_loss_slack)
 
     def _non_tt_params(self) -> int:
         return comera.model_size(self.model) - comera.model_size(self.model, only=comera.GatedTrain)
