@@ -35,7 +35,8 @@ def _engine_config(args, exp) -> Any:
                              ("steps", "steps_early"), ("late_steps", "steps_late"),
                              ("batch_size", "batch_size"), ("checkpoint_every",
                                                             "checkpoint_every"),
-                             ("seed", "seed"), ("eval_every", "eval_every"), ("lr", "lr")):
+                             ("seed", "seed"), ("eval_every", "eval_every"), ("lr", "lr"),
+                             ("lam", "lam"), ("lr_gates", "lr_gates")):
         value = getattr(args, flag)
         if value is not None:
             changes[field_name] = value
@@ -248,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--late-steps", type=int, default=None, help="late-stage steps")
     p.add_argument("--batch-size", type=int, default=None, help="global batch size")
     p.add_argument("--lr", type=float, default=None, help="learning rate of cores / dense model")
+    p.add_argument("--lam", type=float, default=None, help="early stage: rank-regulariser weight")
+    p.add_argument("--lr-gates", type=float, default=None, help="learning rate of the rank gates")
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")

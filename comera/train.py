@@ -185,10 +185,14 @@ class CoMERATrainer(_Stepper):
         all-worker mean under data parallelism; default ``loss``)."""
         _check_loss(loss, self.steps)
         total, which = self.objective(loss, decision_loss)
-        pruned = [(g, ~m) for _, layer in tt_modules(self.model)
+        layers = [layer for _, layer in tt_modules(self.model)]
+        pruned = [(g, ~m) for layer in layers
                   for g, m in zip(layer.gates, layer.gate_masks(), strict=True)]
+        before = [g.detach().clone() for layer in layers for g in layer.gates]
         self._apply(total)
         self._keep_pruned_(pruned)
+        if self.stage == "late":
+            self._hold_size_target_(layers, before)
         self.steps += 1
         return StepStats(float(loss.detach()), float(total.detach()), self.stage, which,
                          model_size(self.model), compression_ratio(self.model))
@@ -204,6 +208,31 @@ class CoMERATrainer(_Stepper):
                 for value in self.optimizer.state.get(gate, {}).values():
                     if isinstance(value, Tensor) and value.shape == gate.shape:
                         value[off] = 0.0
+
+    def _hold_size_target_(self, layers, before: list[Tensor]) -> None:
+        """Late stage: a step must not prune far below the size target. Adam moves every gate
+        entry at about the same rate, so many cross tau in the same step; when that takes the
+        model under S*, the entries pruned this step are restored to their previous values,
+        largest first, as long as the size stays at or below S*."""
+        target = self.late.target_size
+        if model_size(self.model) >= target:
+            return
+        gates = [(layer, g) for layer in layers for g in layer.gates]
+        candidates = []
+        for (layer, gate), old in zip(gates, before, strict=True):
+            crossed = (old.abs() > layer.tau) & (gate.detach().abs() <= layer.tau)
+            for i in crossed.nonzero().flatten().tolist():
+                candidates.append((float(old[i].abs()), gate, i, float(old[i])))
+        with torch.no_grad():
+            for _, gate, i, value in sorted(candidates, key=lambda c: -c[0]):
+                pruned_value = float(gate[i])
+                gate[i] = value
+                if model_size(self.model) > target:  # one slice too many: keep it pruned
+                    gate[i] = pruned_value
+                    continue
+                for moment in self.optimizer.state.get(gate, {}).values():
+                    if isinstance(moment, Tensor) and moment.shape == gate.shape:
+                        moment[i] = 0.0
 
     def start_late_stage(self, late: LateStage, truncate: bool = True) -> TruncationReport | None:
         """Switch to the late stage (truncating the pruned ranks first, by default)."""

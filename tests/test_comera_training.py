@@ -18,6 +18,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 import comera
@@ -145,3 +146,24 @@ def test_non_finite_loss_is_refused_not_applied():
         trainer.step(layer(torch.randn(4, 16, dtype=F64)).sum() * float("nan"))
     for old, new in zip(before, layer.parameters(), strict=True):
         assert torch.equal(old, new)
+
+
+def test_a_late_step_does_not_prune_far_below_the_size_target():
+    """Adam moves every gate by about lr, so all entries near tau cross it in one step; the
+    trainer restores the largest ones as long as the size stays at or below the target."""
+    torch.manual_seed(0)
+    model = nn.Sequential(TTLinear(16, 16, (4, 4), (4, 4), ranks=4, tau=0.01, dtype=F64))
+    layer = model[0]
+    opt = comera.make_optimizer(model, comera.OptimizerConfig(lr_gates=0.01))
+    trainer = comera.CoMERATrainer(model, opt, lam=0.0)
+    trainer.start_late_stage(comera.LateStage(target_size=0.6 * comera.model_size(model),
+                                              target_loss=10.0), truncate=False)
+    with torch.no_grad():
+        for gate in layer.gates:
+            gate.copy_(0.0105 + 0.001 * torch.arange(gate.numel(), dtype=F64))  # all cross
+    x = torch.randn(8, 16, dtype=F64)
+    stats = trainer.step(nn.functional.mse_loss(model(x), torch.zeros(8, 16, dtype=F64)))
+    assert stats.weighted == "size"
+    assert stats.size <= trainer.late.target_size
+    assert not layer.is_removed()  # without the guard every entry crosses tau at once
+    assert stats.size > layer.bias.numel()
