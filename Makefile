@@ -5,7 +5,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 SPEC := tt:768x3072:modes=12,8,8|12,16,16:rank=30
 
-.PHONY: run test test-all bench lint clean
+.PHONY: run inspect test test-all bench experiments lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,7 +13,11 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev]'
 	touch $(STAMP)
 
+# the main job: DLRM dense vs CoMERA on the embedded synthetic Criteo-shaped data (a few minutes)
 run: $(STAMP)
+	$(VENV)/bin/comera train dlrm --quick --out runs/quick
+
+inspect: $(STAMP)
 	$(VENV)/bin/tncomp inspect '$(SPEC)'
 
 test: $(STAMP)
@@ -23,10 +27,15 @@ test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -m 'not gpu'
 
 bench: $(STAMP)
+	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[bench]'
 	$(VENV)/bin/python benchmarks/bench_tt_linear.py
+	$(VENV)/bin/python benchmarks/bench_transformer.py
+
+experiments: $(STAMP)
+	$(VENV)/bin/python benchmarks/run_experiments.py --quick
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tncomp tests benchmarks
+	$(VENV)/bin/ruff check tncomp comera tests benchmarks docs
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -200,8 +200,8 @@ class _Run:
         """(stage, first step, end step) of this run. ``stage="late"`` trains the early steps
         without the rank regulariser (lam 0) before the late stage."""
         c = self.config
-        if not self.tt:
-            return [("dense", 0, c.total_steps)]
+        if not self.tt:  # as many steps as the CoMERA run it is compared with
+            return [("dense", 0, c.steps_early if c.stage == "early" else c.total_steps)]
         if c.stage == "early":
             return [("early", 0, c.steps_early)]
         return [("early", 0, c.steps_early), ("late", c.steps_early, c.total_steps)]

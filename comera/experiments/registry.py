@@ -57,7 +57,7 @@ EXPERIMENTS: dict[str, Experiment] = {
     "dlrm": Experiment(
         "dlrm", "DLRM on synthetic Criteo-shaped click data (TT embedding tables)", _dlrm,
         quick=EngineConfig(steps_early=300, steps_late=150, batch_size=256, lr=1e-3,
-                           lam=0.01, target_compression=99.0, eval_every=75),
+                           lam=0.005, target_compression=99.0, eval_every=75),
         full=EngineConfig(steps_early=6000, steps_late=3000, batch_size=2048, lr=1e-3,
                           lam=0.01, target_compression=99.0, eval_every=500,
                           checkpoint_every=1000),

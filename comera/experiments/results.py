@@ -41,7 +41,8 @@ def _stage_ms(record: RunRecord, first: int, end: int) -> float:
 def rows_of(record: RunRecord, config: EngineConfig) -> list[dict[str, Any]]:
     """The comparable states of one run (dense: one row; CoMERA: one per finished stage)."""
     rows = []
-    bounds = {"dense": (0, config.total_steps), "early": (0, config.steps_early),
+    dense_end = config.steps_early if config.stage == "early" else config.total_steps
+    bounds = {"dense": (0, dense_end), "early": (0, config.steps_early),
               "late": (config.steps_early, config.total_steps)}
     for stage, end in record.stage_ends.items():
         first, last = bounds[stage]

@@ -1,0 +1,198 @@
+"""Masked-language-model pretraining (the paper's CodeBERT-like run) on the stdlib corpus.
+
+    task = MLMTask(MLMTaskConfig())          # quick: d_model 128, 2 layers, 64 tokens
+    model = task.build_model(tt=True)
+    inputs, labels = task.batch(indices)     # BERT masks of (seed, example, epoch)
+    loss = task.loss(model, (inputs, labels))
+
+The metric is the masked-token cross-entropy on fixed validation masks (lower is better);
+``evaluate`` also reports masked-token accuracy and perplexity.
+
+Masks are a function of (seed, example index, epoch). ``batch(indices, epochs)`` takes the epoch
+of each example; an engine gets it from its :class:`~comera.experiments.task.IndexStream` with
+:func:`step_epochs`. Without ``epochs`` the task counts how often it has served each example,
+which equals the epoch in an uninterrupted single-process run (each epoch is a permutation);
+save and restore that count with ``state_dict`` / ``load_state_dict`` to resume exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from comera.data.stdlib_corpus import BertMasking, MLMCorpus, load_stdlib_corpus
+from comera.errors import ConfigError
+from comera.experiments.task import IndexStream, Task
+from comera.models.mlm import MaskedLM, masked_logits
+from comera.models.transformer import TransformerConfig
+
+EVAL_SPLITS = ("val", "test")
+
+
+@dataclass(frozen=True)
+class MLMTaskConfig:
+    """Data and model sizes. The defaults are the quick run (about a minute or two of training
+    per model on two CPU cores); :meth:`full` is the paper's encoder size."""
+
+    quick: bool = True
+    seq_len: int = 64
+    vocab_size: int = 8192
+    d_model: int = 128
+    n_heads: int = 4
+    d_ff: int = 512
+    n_layers: int = 2
+    rank: int = 32  # max TT rank of the encoder and head linear layers
+    # max TT rank of the token table and the vocabulary projection: the quick run's loss is
+    # far more sensitive to this rank than to ``rank``
+    embedding_rank: int = 64
+    tt_embedding: bool = True
+    dropout: float = 0.1
+    mask_prob: float = 0.15
+    eval_limit: int | None = 1024  # sequences of val/test scored (a fixed spread-out subset)
+    eval_batch_size: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.eval_limit is not None and self.eval_limit < 1:
+            raise ConfigError(f"eval_limit={self.eval_limit}; give a number of sequences >= 1, "
+                              "or None to score whole splits.")
+        if self.eval_batch_size < 1:
+            raise ConfigError(f"eval_batch_size={self.eval_batch_size}; it must be >= 1.")
+
+    @classmethod
+    def full(cls) -> MLMTaskConfig:
+        """d_model 768, 12 heads, FFN 3072, 6 layers, 128 tokens; ranks 30 / 32 as the paper."""
+        return cls(quick=False, seq_len=128, vocab_size=16384, d_model=768, n_heads=12,
+                   d_ff=3072, n_layers=6, rank=30, embedding_rank=32, eval_limit=None)
+
+    def model_config(self, vocab_size: int, tt: bool) -> TransformerConfig:
+        """The :class:`TransformerConfig` of the MLM (modes factorised from the sizes)."""
+        return TransformerConfig(
+            vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
+            n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout, tt=tt,
+            tt_embedding=self.tt_embedding, rank=self.rank, embedding_rank=self.embedding_rank,
+            attn_modes=None, ffn_in_modes=None, ffn_out_modes=None, embedding_modes=None)
+
+
+def step_epochs(stream: IndexStream, step: int, rank: int = 0, world: int = 1) -> Tensor:
+    """The epoch of each example of ``stream.shard(step, rank, world)`` (int64, aligned)."""
+    stream.shard(step, rank, world)  # validates the split over workers
+    start = step * stream.batch_size
+    epochs = torch.arange(start, start + stream.batch_size) // stream.size  # (batch_size,)
+    per = stream.batch_size // world
+    return epochs[rank * per:(rank + 1) * per]
+
+
+def _spread_subset(n: int, limit: int | None, seed: int) -> Tensor:
+    """A fixed subset of ``limit`` of ``n`` indices, ascending (all of them when limit is None)."""
+    if limit is None or limit >= n:
+        return torch.arange(n)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return order[:limit].sort().values
+
+
+class MLMTask(Task):
+    """BERT masked-LM on the stdlib corpus; metric: masked-token loss on fixed val masks."""
+
+    name = "mlm"
+    metric = "loss"
+    higher_is_better = False
+
+    def __init__(self, config: MLMTaskConfig | None = None, root: Path | str | None = None,
+                 use_cache: bool = True):
+        self.config = config if config is not None else MLMTaskConfig()
+        c = self.config
+        self.train, val, test, self.tokenizer = load_stdlib_corpus(
+            c.seq_len, c.vocab_size, root=root, use_cache=use_cache)
+        self.splits: dict[str, MLMCorpus] = {"val": val, "test": test}
+        for split, data in (("train", self.train), *self.splits.items()):
+            if len(data) == 0:
+                raise ConfigError(f"the {split} split of the corpus is empty; use a larger "
+                                  "source tree or a shorter seq_len.")
+        self.vocab = len(self.tokenizer.vocab)
+        self.masking = BertMasking(self.vocab, prob=c.mask_prob)
+        self._served = [0] * len(self.train)  # times each example was served (see module doc)
+        self._eval: dict[str, tuple[Tensor, Tensor]] = {}
+
+    # -- Task protocol ------------------------------------------------------------------------
+    def build_model(self, tt: bool) -> nn.Module:
+        return MaskedLM(self.config.model_config(self.vocab, tt))
+
+    def train_size(self) -> int:
+        return len(self.train)
+
+    def batch(self, indices: Tensor, epochs: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
+        """(inputs, labels), each (b, seq_len): masked ids, and -100 where nothing is predicted.
+
+        ``epochs``: the epoch of each example (or one for all); None counts occurrences.
+        """
+        indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= len(self.train)):
+            raise ConfigError(f"example indices span [{int(indices.min())}, "
+                              f"{int(indices.max())}]; the training split has "
+                              f"{len(self.train)} examples.")
+        if epochs is None:
+            served = []
+            for i in indices.tolist():
+                served.append(self._served[i])
+                self._served[i] += 1
+            epochs = torch.tensor(served, dtype=torch.long)
+        return self.masking(self.train.ids[indices], indices, epochs, self.config.seed)
+
+    def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+        logits, targets = masked_logits(model, *batch)  # (n, V), (n,)
+        return nn.functional.cross_entropy(logits, targets)
+
+    def eval_batch(self, split: str) -> tuple[Tensor, Tensor]:
+        """The fixed (inputs, labels) that ``evaluate`` scores on ``split``: epoch 0 masks of a
+        spread-out subset of ``eval_limit`` sequences."""
+        if split not in self.splits:
+            raise ConfigError(f"split {split!r}; choose one of {', '.join(EVAL_SPLITS)}.")
+        if split not in self._eval:
+            data = self.splits[split]
+            subset = _spread_subset(len(data), self.config.eval_limit, self.config.seed)
+            self._eval[split] = self.masking(data.ids[subset], subset, 0, self.config.seed)
+        return self._eval[split]
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
+        inputs, labels = self.eval_batch(split)
+        device = next(model.parameters()).device
+        total, correct, count = 0.0, 0, 0
+        size = self.config.eval_batch_size
+        for start in range(0, inputs.shape[0], size):
+            ids = inputs[start:start + size].to(device)
+            lab = labels[start:start + size].to(device)
+            if not bool((lab != -100).any()):
+                continue
+            logits, targets = masked_logits(model, ids, lab)  # (n, V), (n,)
+            total += float(nn.functional.cross_entropy(logits, targets, reduction="sum"))
+            correct += int((logits.argmax(1) == targets).sum())
+            count += targets.numel()
+        loss = total / max(count, 1)
+        return {"loss": loss, "accuracy": correct / max(count, 1),
+                "perplexity": math.exp(min(loss, 50.0)), "tokens": float(count)}
+
+    def describe(self) -> dict[str, Any]:
+        inputs, _ = self.eval_batch("val")
+        return {"train": len(self.train), "val": len(self.splits["val"]),
+                "test": len(self.splits["test"]), "eval_sequences": inputs.shape[0],
+                "vocab": self.vocab, "seq_len": self.config.seq_len,
+                "train_tokens": int((self.train.ids >= self.masking.first_word).sum())}
+
+    # -- resumable occurrence counts ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The per-example occurrence counts behind ``batch(indices)`` without ``epochs``."""
+        return {"served": list(self._served)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        served = list(state["served"])
+        if len(served) != len(self.train):
+            raise ConfigError(f"the state counts {len(served)} examples; this task's training "
+                              f"split has {len(self.train)} (a different corpus or seq_len?).")
+        self._served = served
