@@ -55,6 +55,8 @@ class ConvertConfig:
             raise ConfigError("linear and embedding are both False: nothing would be converted.")
 
     def rank_for(self, name: str) -> int:
+        """The max rank for the layer named ``name``: ``ranks`` itself, or the value of the first
+        pattern in ``ranks`` that matches (a :class:`ConfigError` when none does)."""
         if isinstance(self.ranks, int):
             return self.ranks
         for pattern, rank in self.ranks.items():
@@ -65,6 +67,8 @@ class ConvertConfig:
 
 @dataclass(frozen=True)
 class LayerReport:
+    """One converted layer: name, type, dense shape, modes, ranks and parameters before/after."""
+
     name: str
     kind: str
     shape: tuple[int, int]
@@ -82,10 +86,12 @@ class ConversionReport:
 
     @property
     def before(self) -> int:
+        """Parameters of the converted layers before conversion (dense)."""
         return sum(r.before for r in self.layers)
 
     @property
     def after(self) -> int:
+        """Parameters of the converted layers after conversion (TT)."""
         return sum(r.after for r in self.layers)
 
     def __str__(self) -> str:

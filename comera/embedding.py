@@ -126,6 +126,12 @@ class TTEmbedding(GatedTrain):
         return tables
 
     def forward(self, ids: Tensor) -> Tensor:
+        """Rows of the table at integer ``ids`` (any shape): a tensor of shape
+        ``(*ids.shape, embedding_dim)``, like ``nn.Embedding``.
+
+        Each distinct id is reconstructed once from its digit slices of the (merged) cores; the rows
+        of ``padding_idx`` are zero. An id outside ``[0, num_embeddings)`` raises
+        :class:`LookupIndexError`."""
         if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32,
                                                             torch.int16, torch.uint8):
             raise ConfigError(f"TTEmbedding takes integer ids (torch.long), got "

@@ -99,6 +99,7 @@ class GatedTrain(nn.Module):
         return (1, *(int(m.sum()) for m in self.gate_masks()), 1)
 
     def gate_masks(self) -> list[Tensor]:
+        """Per gate, a bool mask of the rank slices still alive (``|gate| > tau``), detached."""
         return [g.detach().abs() > self.tau for g in self.gates]
 
     def effective_gates(self) -> list[Tensor]:
@@ -130,6 +131,7 @@ class GatedTrain(nn.Module):
                           for k, c in enumerate(self.cores))
 
     def dense_num_parameters(self) -> int:
+        """Parameters of the equivalent dense layer: ``in_features * out_features`` + bias."""
         return self.in_features * self.out_features + (
             self.bias.numel() if self.bias is not None else 0)
 
@@ -151,6 +153,8 @@ class GatedTrain(nn.Module):
         return self._compiled
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x @ W + bias`` for ``x`` of shape ``(..., in_features)``, contracted through the gated
+        cores without forming W: a tensor of shape ``(..., out_features)``."""
         if x.shape[-1] != self.in_features:
             raise ConfigError(
                 f"{type(self).__name__} expects inputs whose last axis has {self.in_features} "

@@ -19,6 +19,9 @@ from comera.checkpoint import _build, _read
 
 @dataclass(frozen=True)
 class LayerRow:
+    """One TT layer of a checkpoint: type, dense shape, modes, stored bonds, effective ranks and
+    parameters (at the effective ranks, and dense)."""
+
     name: str
     kind: str
     shape: tuple[int, int]
@@ -30,11 +33,15 @@ class LayerRow:
 
     @property
     def compression(self) -> float:
+        """Dense parameters / parameters at the effective ranks."""
         return self.dense_params / max(self.params, 1)
 
 
 @dataclass(frozen=True)
 class CheckpointReport:
+    """A checkpoint's TT layers, its parameters outside them and its ``extra`` data; ``str()``
+    prints them as a table with totals."""
+
     path: str
     layers: tuple[LayerRow, ...]
     other_params: int  # parameters outside the TT layers
@@ -42,14 +49,17 @@ class CheckpointReport:
 
     @property
     def tt_params(self) -> int:
+        """Parameters of all TT layers at their effective ranks."""
         return sum(r.params for r in self.layers)
 
     @property
     def tt_dense_params(self) -> int:
+        """Parameters of all TT layers were they dense."""
         return sum(r.dense_params for r in self.layers)
 
     @property
     def compression(self) -> float:
+        """Compression of the TT layers: dense parameters / parameters at the effective ranks."""
         return self.tt_dense_params / max(self.tt_params, 1)
 
     def __str__(self) -> str:

@@ -62,6 +62,10 @@ def make_optimizer(model: nn.Module, config: OptimizerConfig = OptimizerConfig()
 
 @dataclass(frozen=True)
 class StepStats:
+    """What one trainer step did: the loss, the objective it minimised, the stage, which term
+    was weighted, and the model's size (parameters at the effective ranks) and compression
+    (dense size / size) after the step."""
+
     loss: float
     objective: float
     stage: str  # "early" / "late" (CoMERA) or "dense"
@@ -129,6 +133,9 @@ class DenseTrainer(_Stepper):
         self.steps = 0
 
     def step(self, loss: Tensor, decision_loss: float | None = None) -> StepStats:
+        """One optimizer step on ``loss`` (backward, gradient hook, checks, clipping). The stats
+        report the dense parameter count at compression 1.0; ``decision_loss`` is accepted only for
+        the interface shared with :class:`CoMERATrainer`."""
         _check_loss(loss, self.steps)
         self._apply(loss)
         self.steps += 1
@@ -136,9 +143,11 @@ class DenseTrainer(_Stepper):
         return StepStats(float(loss.detach()), float(loss.detach()), "dense", "loss", size, 1.0)
 
     def state_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint's ``extra``: the stage (``"dense"``) and the step count."""
         return {"stage": "dense", "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the step count from :meth:`state_dict`'s data."""
         self.steps = int(state["steps"])
 
 
@@ -257,6 +266,8 @@ class CoMERATrainer(_Stepper):
                 "size_reference": self._size_reference, "lam": self.lam}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore stage, step count, late-stage targets and ``lam`` from :meth:`state_dict`'s data
+        (a :class:`ConfigError` for a state not saved by a CoMERATrainer)."""
         if state.get("stage") not in ("early", "late"):
             raise ConfigError(f"trainer state has stage {state.get('stage')!r}; expected "
                               "'early' or 'late' (was it saved by a CoMERATrainer?).")

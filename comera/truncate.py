@@ -30,6 +30,7 @@ class TruncationReport:
 
     @property
     def changed(self) -> bool:
+        """True when some layer's bonds shrank."""
         return any(before != after for _, before, after in self.layers)
 
     def __str__(self) -> str:

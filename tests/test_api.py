@@ -255,3 +255,16 @@ def test_import_tncomp_does_not_import_matplotlib():
                           timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_a_compiled_network_keys_its_plans_by_device_too():
+    """An operand on another device is a new binding: checked again, never a stale runner."""
+    import tncomp
+
+    net = tncomp.from_eq("bi,ij->bj", ("B", 4), (4, 3))
+    layer = tncomp.compile(net)
+    x, w = torch.randn(2, 4), torch.randn(4, 3)
+    layer(x, w)
+    meta = torch.empty(4, 3, device="meta")
+    with pytest.raises(tncomp.errors.SizeError, match="one dtype and device"):
+        layer(x, meta)

@@ -108,9 +108,15 @@ class CompiledNetwork:
 
     # -- the hot path -------------------------------------------------------------------------
     def __call__(self, *operands: torch.Tensor) -> torch.Tensor:
+        """Contract ``operands`` (tensors in the order of ``network.operands``) into the output.
+
+        The first call at a new binding (shapes, dtype, device, which operands need gradients)
+        builds and caches its plan; later calls look it up. Under autograd the result is
+        differentiable w.r.t. every operand that requires grad; with ``cuda_graphs`` a CUDA call
+        replays a captured graph."""
         grad = torch.is_grad_enabled()
         try:
-            key = tuple((t.shape, t.dtype, grad and t.requires_grad) for t in operands)
+            key = tuple((t.shape, t.dtype, t.device, grad and t.requires_grad) for t in operands)
             runner = self._local[key]
         except (KeyError, AttributeError, TypeError):
             runner = self._runner_for(operands, grad)
@@ -124,14 +130,14 @@ class CompiledNetwork:
         """The plan a call with these operands runs (built and cached now if it is new)."""
         _check_tensors(operands, "plan_of", [t.name for t in self.network.operands])
         grad = torch.is_grad_enabled()
-        key = tuple((t.shape, t.dtype, grad and t.requires_grad) for t in operands)
+        key = tuple((t.shape, t.dtype, t.device, grad and t.requires_grad) for t in operands)
         runner = self._local.get(key)
         return (runner if runner is not None else self._runner_for(operands, grad)).plan
 
     # -- building -----------------------------------------------------------------------------
     def _runner_for(self, operands: Sequence[torch.Tensor], grad: bool) -> Runner:
         _check_tensors(operands, "compiled network", [t.name for t in self.network.operands])
-        key = tuple((t.shape, t.dtype, grad and t.requires_grad) for t in operands)
+        key = tuple((t.shape, t.dtype, t.device, grad and t.requires_grad) for t in operands)
         sizes = bind_sizes(self.network, [tuple(t.shape) for t in operands])
         dtype, device = operands[0].dtype, operands[0].device
         for spec, t in zip(self.network.operands, operands, strict=True):
@@ -143,7 +149,7 @@ class CompiledNetwork:
                 )
         if not dtype.is_floating_point and not dtype.is_complex:
             raise SizeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
-        needs_grad = tuple(bool(g) for _, _, g in key)
+        needs_grad = tuple(bool(g) for *_, g in key)
         bound = tuple(sizes[i] for i in self._canonical_indices)
         # The device model picks the tree, so it is part of the key: networks compiled with
         # different models (or one calibrated meanwhile) do not share plans.
@@ -163,6 +169,8 @@ class CompiledNetwork:
         return runner
 
     def model(self, device: torch.device) -> DeviceModel:
+        """The device model that scores plans: the one given to ``compile``, else ``device``'s
+        calibrated (or default) model."""
         return self._model if self._model is not None else model_for(device)
 
     def plan_for(self, sizes: dict[str, int], needs_grad: Sequence[bool],
@@ -182,6 +190,9 @@ class CompiledNetwork:
         return lower(problem, tree, needs_grad, itemsize, model=model)
 
     def tree_for(self, sizes, needs_grad, itemsize: int, model: DeviceModel) -> Tree:
+        """The contraction tree used at these bound sizes: read from the batch regime table
+        (``optimize="auto"``, one symbolic size), else searched (least modelled time, or fewest
+        FLOPs for ``"flops"``) and kept in the disk cache when there is one."""
         needs_grad = tuple(needs_grad)
         if self.options.optimize == "auto" and len(self.network.dims) == 1:
             table = self.regimes(needs_grad, itemsize, model)

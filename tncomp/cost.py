@@ -42,10 +42,12 @@ class Costs:
 
     @property
     def total_flops(self) -> SizeExpr:
+        """Forward plus backward FLOPs."""
         return self.forward_flops + self.backward_flops
 
     @property
     def total_bytes(self) -> SizeExpr:
+        """Forward plus backward bytes moved."""
         return self.forward_bytes + self.backward_bytes
 
     def subs(self, values: dict) -> Costs:

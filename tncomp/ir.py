@@ -102,6 +102,7 @@ class Network:
 
     @property
     def size_dict(self) -> dict[str, Size]:
+        """``{index: size}`` for every index (an int, or a :class:`Dim` where symbolic)."""
         return dict(self.sizes)
 
     @property
@@ -114,6 +115,7 @@ class Network:
         return tuple(seen.values())
 
     def shape(self, tensor: TensorSpec) -> tuple[Size, ...]:
+        """The shape of ``tensor`` (a tensor of this network): the size of each of its indices."""
         sizes = self.size_dict
         return tuple(sizes[i] for i in tensor.indices)
 

@@ -20,9 +20,12 @@ class DeviceModel:
     source: str = "default (not calibrated)"
 
     def op_time(self, flops: float, nbytes: float) -> float:
+        """Modelled seconds of one step: FLOPs at the GEMM rate or bytes at bandwidth, whichever is
+        slower, plus the per-step overhead."""
         return max(flops / self.gemm_flops_per_s, nbytes / self.bytes_per_s) + self.step_overhead_s
 
     def floor_time(self, flops: float, nbytes: float) -> float:
+        """:meth:`op_time` without the per-step overhead: the step's rate-limited lower bound."""
         return max(flops / self.gemm_flops_per_s, nbytes / self.bytes_per_s)
 
 

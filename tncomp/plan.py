@@ -48,18 +48,22 @@ class Plan:
 
     @property
     def forward_flops(self) -> int:
+        """FLOPs of the forward steps."""
         return sum(op.flops for op in self.forward)
 
     @property
     def backward_flops(self) -> int:
+        """FLOPs of the backward steps (0 when no gradient is requested)."""
         return sum(op.flops for op in self.backward)
 
     @property
     def forward_bytes(self) -> int:
+        """Bytes the forward steps read and write."""
         return sum(op.nbytes for op in self.forward)
 
     @property
     def backward_bytes(self) -> int:
+        """Bytes the backward steps read and write."""
         return sum(op.nbytes for op in self.backward)
 
     @property
@@ -68,6 +72,8 @@ class Plan:
         return sum(op.nbytes for op in (*self.forward, *self.backward) if isinstance(op, Permute))
 
     def modelled_time(self, model: DeviceModel, backward: bool = True) -> float:
+        """Seconds ``model`` predicts for the forward steps (and the backward ones, by default):
+        :meth:`DeviceModel.op_time` summed over the steps, reshapes (free views) left out."""
         ops = (*self.forward, *self.backward) if backward else self.forward
         return sum(model.op_time(op.flops, op.nbytes) for op in ops if _costs_time(op))
 

@@ -38,9 +38,11 @@ class Problem:
 
     @property
     def n_leaves(self) -> int:
+        """Number of operands (the leaves of a contraction tree)."""
         return len(self.inputs)
 
     def volume(self, indices) -> SizeExpr:
+        """Product of the sizes of ``indices`` (1 for none): the element count over them."""
         vol: SizeExpr = 1
         for i in indices:
             vol = vol * self.size_dict[i]
@@ -98,6 +100,7 @@ class Tree:
 
     @property
     def root(self) -> int:
+        """Node id of the final contraction (0 for a single leaf)."""
         return self.n_leaves + len(self.steps) - 1 if self.steps else 0
 
     def leaves_under(self) -> list[frozenset[int]]:
@@ -137,6 +140,8 @@ class Tree:
         return frozenset(frozenset((covers[a], covers[b])) for a, b in self.steps)
 
     def to_linear_path(self) -> list[tuple[int, int]]:
+        """The opt_einsum-style linear path of this tree (positions in a shrinking list, each result
+        appended last): the inverse of :meth:`from_linear_path`."""
         live = list(range(self.n_leaves))
         path = []
         for k, (a, b) in enumerate(self.steps):

@@ -98,6 +98,7 @@ class EngineConfig:
 
     @property
     def total_steps(self) -> int:
+        """Steps of a whole run: early-stage steps plus late-stage steps."""
         return self.steps_early + self.steps_late
 
 
@@ -118,6 +119,7 @@ class RunRecord:
 
     @property
     def step_ms(self) -> float:
+        """Median time per training step in milliseconds (NaN when no step was timed)."""
         return statistics.median(self.step_times) * 1e3 if self.step_times else float("nan")
 
 

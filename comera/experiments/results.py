@@ -54,6 +54,8 @@ def rows_of(record: RunRecord, config: EngineConfig) -> list[dict[str, Any]]:
 
 
 def machine() -> dict[str, Any]:
+    """Where the run was timed (torch and Python versions, CPU, threads, data-parallel
+    workers), recorded with every summary so timings are compared only within one machine."""
     return {"torch": torch.__version__, "python": platform.python_version(),
             "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "workers": current_world().size}

@@ -84,6 +84,8 @@ class IndexStream:
         return _permutation(self.size, self.seed + epoch)
 
     def indices(self, step: int) -> Tensor:
+        """The global batch of ``step``: ``batch_size`` example indices (int64), continuing into
+        the next epoch's permutation when an epoch runs out."""
         start = step * self.batch_size
         out, filled = [], 0
         while filled < self.batch_size:
@@ -94,6 +96,8 @@ class IndexStream:
         return torch.cat(out)
 
     def shard(self, step: int, rank: int, world: int) -> Tensor:
+        """Worker ``rank``'s contiguous share of ``indices(step)`` among ``world`` workers
+        (``batch_size`` must split evenly over them)."""
         if self.batch_size % world:
             raise ConfigError(f"batch_size={self.batch_size} does not split over {world} "
                               "workers; use a multiple of the worker count.")
@@ -101,4 +105,5 @@ class IndexStream:
         return self.indices(step)[rank * per:(rank + 1) * per]
 
     def epoch_of(self, step: int) -> float:
+        """Epochs completed before ``step`` (fractional): ``step * batch_size / size``."""
         return step * self.batch_size / self.size
