@@ -227,8 +227,8 @@ def test_tampered_layer_record_and_optimizer_state(trained):
 
 def test_newer_version(trained):
     payload = torch.load(trained["path"], weights_only=True)
-    payload["version"] = 2
-    with pytest.raises(CheckpointError, match="version 2"):
+    payload["version"] = comera.checkpoint.VERSION + 1
+    with pytest.raises(CheckpointError, match=f"version {comera.checkpoint.VERSION + 1}"):
         load_checkpoint(payload, Net())
 
 

@@ -9,15 +9,22 @@ from comera.data.criteo import (
     load_synthetic_criteo,
     read_criteo_tsv,
 )
+from comera.data.mnli import MNLI, load_mnli
+from comera.data.stdlib_corpus import BertMasking, MLMCorpus, load_stdlib_corpus
 from comera.data.stdlib_pairs import PairDataset, Tokenizer, load_stdlib_pairs
 
 __all__ = [
+    "MNLI",
+    "BertMasking",
     "CriteoData",
     "CriteoSplit",
+    "MLMCorpus",
     "PairDataset",
     "SyntheticCriteo",
     "Tokenizer",
     "load_criteo_tsv",
+    "load_mnli",
+    "load_stdlib_corpus",
     "load_stdlib_pairs",
     "load_synthetic_criteo",
     "read_criteo_tsv",

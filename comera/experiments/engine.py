@@ -236,8 +236,8 @@ class _Run:
             group["lr"] = self.base_lr[group.get("name", "other")] * factor
 
     def train_step(self) -> None:
-        indices = self.stream.shard(self.step, self.world.rank, self.world.size)
-        batch = _to(self.task.batch(indices), self.device)
+        batch = self.task.step_batch(self.stream, self.step, self.world.rank, self.world.size)
+        batch = _to(batch, self.device)
         self._set_lr()
         start = time.perf_counter()
         loss = self.task.loss(self.model, batch)

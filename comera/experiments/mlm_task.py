@@ -81,11 +81,7 @@ class MLMTaskConfig:
 
 def step_epochs(stream: IndexStream, step: int, rank: int = 0, world: int = 1) -> Tensor:
     """The epoch of each example of ``stream.shard(step, rank, world)`` (int64, aligned)."""
-    stream.shard(step, rank, world)  # validates the split over workers
-    start = step * stream.batch_size
-    epochs = torch.arange(start, start + stream.batch_size) // stream.size  # (batch_size,)
-    per = stream.batch_size // world
-    return epochs[rank * per:(rank + 1) * per]
+    return stream.epochs(step, rank, world)
 
 
 def _spread_subset(n: int, limit: int | None, seed: int) -> Tensor:
@@ -143,6 +139,11 @@ class MLMTask(Task):
                 self._served[i] += 1
             epochs = torch.tensor(served, dtype=torch.long)
         return self.masking(self.train.ids[indices], indices, epochs, self.config.seed)
+
+    def step_batch(self, stream: IndexStream, step: int, rank: int = 0,
+                   world: int = 1) -> tuple[Tensor, Tensor]:
+        """The batch of ``step`` with each example masked for its epoch (resume-exact)."""
+        return self.batch(stream.shard(step, rank, world), stream.epochs(step, rank, world))
 
     def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
         logits, targets = masked_logits(model, *batch)  # (n, V), (n,)

@@ -52,6 +52,16 @@ class Task(ABC):
         Called in eval mode under ``torch.no_grad``; the engine restores train mode.
         """
 
+    def step_batch(self, stream: IndexStream, step: int, rank: int = 0,
+                   world: int = 1) -> Batch:
+        """The batch worker ``rank`` of ``world`` trains on at ``step`` (what the engine calls).
+
+        The default collates ``stream.shard(...)``. Override it when an example depends on the
+        pass over the data, e.g. fresh MLM masks per epoch: ``stream.epochs(...)`` gives the
+        epoch of each example, so resumed and data-parallel runs see the same batches.
+        """
+        return self.batch(stream.shard(step, rank, world))
+
     def describe(self) -> dict[str, Any]:
         """Sizes of the data set and anything else worth recording in the results."""
         return {"train": self.train_size()}
@@ -103,6 +113,14 @@ class IndexStream:
                               "workers; use a multiple of the worker count.")
         per = self.batch_size // world
         return self.indices(step)[rank * per:(rank + 1) * per]
+
+    def epochs(self, step: int, rank: int = 0, world: int = 1) -> Tensor:
+        """The epoch of each example of ``shard(step, rank, world)`` (int64, aligned with it)."""
+        self.shard(step, rank, world)  # validates the split over workers
+        start = step * self.batch_size
+        epochs = torch.arange(start, start + self.batch_size) // self.size  # (batch_size,)
+        per = self.batch_size // world
+        return epochs[rank * per:(rank + 1) * per]
 
     def epoch_of(self, step: int) -> float:
         """Epochs completed before ``step`` (fractional): ``step * batch_size / size``."""
