@@ -28,27 +28,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn import functional as F
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import comera
-from benchmarks.bench_transformer import resident_bytes, write
 from benchmarks.harness import (
     interleaved_medians,
     machine_info,
     markdown_table,
-    peak_allocated_bytes,
+    measure_step_memory,
+    ratio,
+    write_results_to,
 )
 from comera.data.criteo import SyntheticCriteo
 from comera.errors import ConfigError
@@ -216,51 +216,15 @@ def build_variant(name: str, bench: BenchConfig) -> Variant:
 # --------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _unpooled(model: nn.Module) -> Iterator[None]:
-    """tncomp's buffer pools keep buffers between calls, where the profiler cannot see them:
-    turn pooling off for the TT layers while measuring (plans are cached per option set)."""
-    saved = [(m, dict(m.compile_options)) for _, m in comera.tt_modules(model)]
-    for m, opts in saved:
-        m.compile_options = {**opts, "pool_buffers": False}
-    try:
-        yield
-    finally:
-        for m, opts in saved:
-            m.compile_options = opts
-
-
 def measure_memory(variant: Variant, batch: Batch) -> dict:
     """Peak memory of one whole step (see ``MEMORY_COUNTED``); runs two steps."""
-    record: dict[str, int] = {}
-    params = list(variant.model.parameters())
-
-    def clear_grads() -> None:
-        for p in params:
-            p.grad = None
-
-    def step() -> None:
-        variant.step(batch)
-        record["grads"] = resident_bytes(variant.model, variant.optimizer)["grads"]
-        clear_grads()  # freed inside the profiled call, so nothing outlives it unseen
-
-    clear_grads()
-    with _unpooled(variant.model):
-        extra = peak_allocated_bytes(step)
-    resident = resident_bytes(variant.model, variant.optimizer, batch.tensors())
-    return {"resident_bytes": resident, "peak_extra_bytes": extra,
-            "grads_bytes": record["grads"],
-            "activations_and_temporaries_bytes": extra - record["grads"],
-            "peak_total_bytes": resident["total"] + extra}
+    return measure_step_memory(variant.model, variant.optimizer, lambda: variant.step(batch),
+                               batch.tensors())
 
 
 # --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
-
-
-def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 else math.inf
 
 
 def _load() -> dict:
@@ -307,11 +271,11 @@ def run_benchmark(bench: BenchConfig) -> dict:
     if set(variants) == set(VARIANTS):
         dense, tt = variants["dense"].info, variants["tt"].info
         payload["dense_over_tt"] = {
-            "time": _ratio(ms["dense"], ms["tt"]),
-            "peak_memory": _ratio(memory["dense"]["peak_total_bytes"],
-                                  memory["tt"]["peak_total_bytes"]),
-            "params": _ratio(dense["params"], tt["effective_size"]),
-            "table_params": _ratio(dense["table_params"], tt["table_params"]),
+            "time": ratio(ms["dense"], ms["tt"]),
+            "peak_memory": ratio(memory["dense"]["peak_total_bytes"],
+                                 memory["tt"]["peak_total_bytes"]),
+            "params": ratio(dense["params"], tt["effective_size"]),
+            "table_params": ratio(dense["table_params"], tt["table_params"]),
         }
     return payload
 
@@ -421,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     markdown = render_markdown(payload)
     out = args.out or ("dlrm_step_cpu" if args.max_rows is None
                        else f"dlrm_step_rows{args.max_rows}_cpu")
-    json_path, md_path = write(out, payload, markdown)
+    json_path, md_path = write_results_to(out, payload, markdown)
     print(markdown)
     print(f"wrote {json_path} and {md_path}")
     return 0

@@ -27,13 +27,11 @@ benchmarks/results/transformer_cpu.{json,md} (``--small``: transformer_small_cpu
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -49,8 +47,9 @@ from benchmarks.harness import (
     interleaved_medians,
     machine_info,
     markdown_table,
-    peak_allocated_bytes,
-    write_results,
+    measure_step_memory,
+    ratio,
+    write_results_to,
 )
 from benchmarks.model_baselines import (
     GaLoreConfig,
@@ -284,87 +283,10 @@ def build_variant(name: str, cfg: TransformerConfig, bench: BenchConfig) -> Vari
 # --------------------------------------------------------------------------------------------
 
 
-def _tensors_in(value, depth: int = 0) -> Iterator[Tensor]:
-    """Every tensor inside optimizer state: dicts, sequences and plain objects (GaLore keeps
-    its projection matrix on a projector object)."""
-    if isinstance(value, Tensor):
-        yield value
-    elif depth > 4 or isinstance(value, str | bytes | nn.Module):
-        return
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors_in(v, depth + 1)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            yield from _tensors_in(v, depth + 1)
-    elif hasattr(value, "__dict__"):
-        yield from _tensors_in(vars(value), depth + 1)
-
-
-def resident_bytes(model: nn.Module, optimizer, inputs=()) -> dict[str, int]:
-    """Bytes of the unique storages held by the model (parameters, buffers, gradients), the
-    optimizer state and ``inputs``; a storage shared by two groups counts in the first."""
-    seen: set = set()
-
-    def total(tensors) -> int:
-        n = 0
-        for t in tensors:
-            storage = t.untyped_storage()
-            key = (t.device, storage.data_ptr())
-            if storage.data_ptr() == 0 or key in seen:
-                continue
-            seen.add(key)
-            n += storage.nbytes()
-        return n
-
-    params = list(model.parameters())
-    out = {
-        "params": total(params),
-        "buffers": total(model.buffers()),
-        "grads": total(p.grad for p in params if p.grad is not None),
-        "optimizer_state": total(_tensors_in(list(optimizer.state.values()))),
-        "inputs": total(inputs),
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
-@contextlib.contextmanager
-def _unpooled(model: nn.Module) -> Iterator[None]:
-    """tncomp's buffer pools keep buffers between calls, where the profiler cannot see them:
-    turn pooling off for the TT layers while measuring (plans are cached per option set)."""
-    saved = [(m, dict(m.compile_options)) for _, m in comera.tt_modules(model)]
-    for m, opts in saved:
-        m.compile_options = {**opts, "pool_buffers": False}
-    try:
-        yield
-    finally:
-        for m, opts in saved:
-            m.compile_options = opts
-
-
 def measure_memory(variant: Variant, batch: Batch) -> dict:
     """Peak memory of one whole step (see ``MEMORY_COUNTED``)."""
-    record: dict[str, int] = {}
-    params = list(variant.model.parameters())
-
-    def clear_grads() -> None:
-        for p in params:
-            p.grad = None
-
-    def step() -> None:
-        variant.step(batch)
-        record["grads"] = resident_bytes(variant.model, variant.optimizer)["grads"]
-        clear_grads()  # freed inside the profiled call, so nothing outlives it unseen
-
-    clear_grads()
-    with _unpooled(variant.model):
-        extra = peak_allocated_bytes(step)
-    resident = resident_bytes(variant.model, variant.optimizer, batch.tensors())
-    return {"resident_bytes": resident, "peak_extra_bytes": extra,
-            "grads_bytes": record["grads"],
-            "activations_and_temporaries_bytes": extra - record["grads"],
-            "peak_total_bytes": resident["total"] + extra}
+    return measure_step_memory(variant.model, variant.optimizer, lambda: variant.step(batch),
+                               batch.tensors())
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,10 +310,6 @@ def galore_refresh_ms(variant: Variant, batch: Batch) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 else math.inf
-
-
 def run_batch(variants: dict[str, Variant], batch: Batch, bench: BenchConfig) -> dict:
     """Interleaved timing, per-variant memory and ratios at one batch size."""
     size = int(batch.ids.shape[0])
@@ -410,14 +328,14 @@ def run_batch(variants: dict[str, Variant], batch: Batch, bench: BenchConfig) ->
     out["memory"] = memory
     peak = {n: m["peak_total_bytes"] for n, m in memory.items()}
     if "dense" in variants:
-        out["speedup_vs_dense"] = {n: _ratio(ms["dense"], t) for n, t in ms.items()}
-        out["memory_ratio_vs_dense"] = {n: _ratio(peak["dense"], p) for n, p in peak.items()}
+        out["speedup_vs_dense"] = {n: ratio(ms["dense"], t) for n, t in ms.items()}
+        out["memory_ratio_vs_dense"] = {n: ratio(peak["dense"], p) for n, p in peak.items()}
     if "galore" in variants:
         amortized = out["galore_refresh"]["amortized_ms"]
         out["comera_vs_galore"] = {
-            n: {"speedup": _ratio(ms["galore"], ms[n]),
-                "speedup_amortized_refresh": _ratio(amortized, ms[n]),
-                "memory_ratio": _ratio(peak["galore"], peak[n])}
+            n: {"speedup": ratio(ms["galore"], ms[n]),
+                "speedup_amortized_refresh": ratio(amortized, ms[n]),
+                "memory_ratio": ratio(peak["galore"], peak[n])}
             for n in COMERA_VARIANTS if n in variants}
     return out
 
@@ -538,20 +456,6 @@ def render_markdown(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def write(out: str, payload: dict, markdown: str) -> tuple[Path, Path]:
-    """A bare name goes to benchmarks/results/ (harness.write_results); a path is written in
-    the same format next to where it points."""
-    if "/" not in out and not out.endswith(".json"):
-        return write_results(out, payload, markdown)
-    base = Path(out)
-    base = base.with_suffix("") if base.suffix == ".json" else base
-    base.parent.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    md_path.write_text(markdown + "\n")
-    return json_path, md_path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true",
@@ -587,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = run_benchmark(cfg, bench)
     markdown = render_markdown(payload)
     out = args.out or ("transformer_small_cpu" if args.small else "transformer_cpu")
-    json_path, md_path = write(out, payload, markdown)
+    json_path, md_path = write_results_to(out, payload, markdown)
     print(markdown)
     print(f"wrote {json_path} and {md_path}")
     return 0

@@ -1,18 +1,25 @@
-"""Shared timing and memory measurement for the benchmarks (median of interleaved repeats)."""
+"""Shared timing and memory measurement for the benchmarks (median of interleaved repeats;
+resident bytes plus the profiled peak of one training step), and writing their results."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
+from torch import Tensor, nn
+
+import comera
+from comera.errors import ConfigError
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -70,6 +77,119 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> int:
     return peak
 
 
+def tensors_in(value: object, depth: int = 0) -> Iterator[Tensor]:
+    """Every tensor inside optimizer state: dicts, sequences and plain objects (GaLore keeps
+    its projection matrix on a projector object); modules and anything nested deeper than five
+    levels are skipped."""
+    if isinstance(value, Tensor):
+        yield value
+    elif depth > 4 or isinstance(value, str | bytes | nn.Module):
+        return
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors_in(v, depth + 1)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from tensors_in(v, depth + 1)
+    elif hasattr(value, "__dict__"):
+        yield from tensors_in(vars(value), depth + 1)
+
+
+def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   inputs: Iterable[Tensor] = ()) -> dict[str, int]:
+    """Bytes of the unique storages held by the model (parameters, buffers, gradients), the
+    optimizer state and ``inputs``, plus their ``total``; a storage shared by two groups counts
+    in the first."""
+    seen: set = set()
+
+    def total(tensors: Iterable[Tensor]) -> int:
+        n = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr())
+            if storage.data_ptr() == 0 or key in seen:
+                continue
+            seen.add(key)
+            n += storage.nbytes()
+        return n
+
+    params = list(model.parameters())
+    out = {
+        "params": total(params),
+        "buffers": total(model.buffers()),
+        "grads": total(p.grad for p in params if p.grad is not None),
+        "optimizer_state": total(tensors_in(list(optimizer.state.values()))),
+        "inputs": total(inputs),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+@contextlib.contextmanager
+def unpooled(model: nn.Module) -> Iterator[None]:
+    """tncomp's buffer pools keep buffers between calls, where the profiler cannot see them:
+    turn pooling off for the TT layers while measuring (plans are cached per option set).
+    The layers' options are restored on exit; a model without TT layers is left alone."""
+    saved = [(m, dict(m.compile_options)) for _, m in comera.tt_modules(model)]
+    for m, opts in saved:
+        m.compile_options = {**opts, "pool_buffers": False}
+    try:
+        yield
+    finally:
+        for m, opts in saved:
+            m.compile_options = opts
+
+
+def measure_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
+                        step: Callable[[], object], inputs: Iterable[Tensor] = ()) -> dict:
+    """Peak memory of one whole training step ``step()`` of ``model``; runs two steps.
+
+    Returns ``resident_bytes`` (held before the step, gradients set to None, ``inputs``
+    included), ``peak_extra_bytes`` (the profiled peak allocated above that during one step,
+    tncomp pooling off), ``grads_bytes`` (the gradients at the end of the step, part of the
+    peak), ``activations_and_temporaries_bytes`` (peak minus gradients) and
+    ``peak_total_bytes`` (resident total plus the peak).
+    """
+    record: dict[str, int] = {}
+    params = list(model.parameters())
+
+    def clear_grads() -> None:
+        for p in params:
+            p.grad = None
+
+    def profiled_step() -> None:
+        step()
+        record["grads"] = resident_bytes(model, optimizer)["grads"]
+        clear_grads()  # freed inside the profiled call, so nothing outlives it unseen
+
+    clear_grads()
+    with unpooled(model):
+        extra = peak_allocated_bytes(profiled_step)
+    resident = resident_bytes(model, optimizer, inputs)
+    return {"resident_bytes": resident, "peak_extra_bytes": extra,
+            "grads_bytes": record["grads"],
+            "activations_and_temporaries_bytes": extra - record["grads"],
+            "peak_total_bytes": resident["total"] + extra}
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """Run the body with ``torch.set_num_threads(n)``, restoring the previous count on exit."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"num_threads({n!r}); give a positive integer thread count.")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def ratio(num: float, den: float) -> float:
+    """``num / den``, or infinity when ``den`` is not positive (a ratio against nothing)."""
+    return num / den if den > 0 else math.inf
+
+
 def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
     RESULTS.mkdir(parents=True, exist_ok=True)
     json_path = RESULTS / f"{name}.json"
@@ -83,3 +203,17 @@ def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def write_results_to(out: str, payload: dict, markdown: str) -> tuple[Path, Path]:
+    """A bare name goes to benchmarks/results/ (:func:`write_results`); a path (with or
+    without ``.json``) is written in the same format next to where it points."""
+    if "/" not in out and not out.endswith(".json"):
+        return write_results(out, payload, markdown)
+    base = Path(out)
+    base = base.with_suffix("") if base.suffix == ".json" else base
+    base.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    md_path.write_text(markdown + "\n")
+    return json_path, md_path

@@ -30,6 +30,7 @@ from benchmarks.bench_dlrm import (
     render_markdown,
     run_benchmark,
 )
+from benchmarks.harness import num_threads
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES
 from comera.errors import ConfigError
 
@@ -60,10 +61,8 @@ BUFFER_BYTES = 8 * (2 * PAIRS + TABLES)  # int64 pair rows and columns, table si
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with num_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

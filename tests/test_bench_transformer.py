@@ -28,11 +28,10 @@ from benchmarks.bench_transformer import (
     make_batch,
     measure_memory,
     render_markdown,
-    resident_bytes,
     run_benchmark,
     tt_layer_compression,
-    write,
 )
+from benchmarks.harness import num_threads, resident_bytes, write_results_to
 from benchmarks.model_baselines import GaLoreConfig, TltorchTTLinear, tltorch_transformer
 from comera.errors import ConfigError
 from comera.models.transformer import TransformerConfig
@@ -62,10 +61,8 @@ def input_bytes(batch: int) -> int:
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with num_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +224,7 @@ def test_bad_settings_raise_clear_errors(tmp_path):
 
 
 def test_write_uses_the_results_format(payload, tmp_path):
-    json_path, md_path = write(str(tmp_path / "sub" / "bench"), payload, "# table")
+    json_path, md_path = write_results_to(str(tmp_path / "sub" / "bench"), payload, "# table")
     assert json.loads(json_path.read_text())["results"][0]["batch"] == 1
     assert md_path.read_text() == "# table\n"
 

@@ -147,18 +147,7 @@ class DiskCache:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._sweep_temps(self.stale_temp_s)
-            tmp = self.directory / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{TEMP_SUFFIX}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(data)
-                    fh.flush()
-                    os.fsync(fh.fileno())  # the data is on disk before the name points at it
-                _replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            _fsync_directory(self.directory)
+            atomic_write_bytes(path, data, temp_prefix=TEMP_PREFIX)
         except FileNotFoundError as exc:  # a concurrent clear() swept our temp file away
             log.debug("tncomp disk cache: %s not written (%s); a clear ran meanwhile", path, exc)
             return
@@ -207,6 +196,37 @@ class DiskCache:
                                     "interrupted write", tmp, age)
             except FileNotFoundError:  # its writer renamed it, or another sweep removed it
                 continue
+
+
+def atomic_write_bytes(path: Path | str, data: bytes, temp_prefix: str | None = None) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file, the new one or none.
+
+    The bytes go to a temp file of this writer's own in the same directory
+    (``<temp_prefix><pid>-<random>.part``; default prefix ``.<name>.``), are flushed to disk,
+    and the temp file is renamed over ``path`` in one atomic step; the directory is then
+    flushed so the rename survives a crash. A failed write removes its temp file and raises the
+    ``OSError``. The directory must exist.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"atomic_write_bytes got data of type {type(data).__name__}; pass "
+                        "bytes (encode text first, e.g. text.encode()).")
+    path = Path(path)
+    prefix = f".{path.name}." if temp_prefix is None else temp_prefix
+    if "/" in prefix or os.sep in prefix:
+        raise ValueError(f"atomic_write_bytes got temp_prefix {prefix!r}; give a bare file-name "
+                         "prefix (the temp file goes next to the target).")
+    tmp = path.parent / f"{prefix}{os.getpid()}-{secrets.token_hex(8)}{TEMP_SUFFIX}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())  # the data is on disk before the name points at it
+        _replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
 
 
 def _replace(src: Path, dst: Path) -> None:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import tempfile
+import os  # noqa: F401  (tests/test_api.py patches tncomp.calibrate.os.replace)
 import time
 from collections.abc import Callable
 from dataclasses import asdict, fields
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tncomp.cache import default_cache_dir
+from tncomp.cache import atomic_write_bytes, default_cache_dir
 from tncomp.errors import CacheError
 from tncomp.model import DeviceModel
 
@@ -65,22 +64,12 @@ def save_calibration(model: DeviceModel, device: torch.device | str) -> Path:
     data = json.dumps(asdict(model), indent=1).encode()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())  # the data is on disk before the name points at it
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_bytes(path, data)  # temp file, fsync, rename, directory fsync
     except OSError as exc:
         raise CacheError(
             f"could not save the calibration to {str(path)!r} ({exc}); point TNCOMP_CACHE_DIR "
             "at a writable directory, or pass save=False."
         ) from None
-    _fsync_directory(path.parent)
     log.info("tncomp: saved calibration %s to %s", model.source, path)
     return path
 
@@ -124,16 +113,3 @@ def _positive(value: object) -> bool:
     return (isinstance(value, int | float) and not isinstance(value, bool)
             and math.isfinite(value) and value > 0)
 
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

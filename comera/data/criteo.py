@@ -34,15 +34,14 @@ import hashlib
 import logging
 import math
 import os
-import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from comera.data.progress import progress_bar, progress_enabled
 from comera.data.stdlib_pairs import cache_dir
 from comera.errors import ConfigError, DataFormatError
 
@@ -110,26 +109,7 @@ class CriteoData:
         return getattr(self, name)
 
 
-# -- progress and caching -----------------------------------------------------------------------
-def progress_enabled() -> bool:
-    """Progress bars show on an interactive stderr unless ``COMERA_NO_PROGRESS`` is set."""
-    return sys.stderr.isatty() and not os.environ.get("COMERA_NO_PROGRESS")
-
-
-@contextmanager
-def _progress(description: str, total: float) -> Iterator[Callable[[float], None]]:
-    """A transient rich progress bar on stderr; yields ``advance(amount)``."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(),
-                  TextColumn("{task.percentage:>3.0f}%"), TimeRemainingColumn(),
-                  console=Console(stderr=True), transient=True,
-                  disable=not progress_enabled()) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda amount: bar.advance(task, amount)
-
-
+# -- caching --------------------------------------------------------------------------------------
 def _cache_path(kind: str, key: dict) -> Path:
     digest = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:20]
     log.debug("criteo cache key %s: %s -> %s", kind, key, digest)
@@ -403,7 +383,7 @@ def load_synthetic_criteo(generator: SyntheticCriteo | None = None, n_train: int
     if use_cache and (cached := _load_cached(path)) is not None:
         return cached
     log.info("generating synthetic Criteo (%s examples, cache %s)", sizes, path)
-    with _progress("generating synthetic Criteo", sum(sizes.values())) as advance:
+    with progress_bar("generating synthetic Criteo", sum(sizes.values())) as advance:
         splits = [gen.generate(n, stream, advance) for stream, n in sizes.items()]
     data = CriteoData(*splits, gen.cardinalities)
     if use_cache:
@@ -451,7 +431,7 @@ def read_criteo_tsv(path: str | os.PathLike, cardinalities: Sequence[int] =
         ints.clear()
         cats.clear()
 
-    with path.open("rb") as f, _progress(f"reading {path.name}", path.stat().st_size) as advance:
+    with path.open("rb") as f, progress_bar(f"reading {path.name}", path.stat().st_size) as advance:
         for lineno, line in enumerate(f, start=1):
             if limit is not None and lineno > limit:
                 break

@@ -41,10 +41,10 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from torch import Tensor
 
+from comera.data.progress import preparing_progress, progress_enabled  # noqa: F401 (re-exported)
 from comera.data.stdlib_pairs import (
     _SKIP_DIRS,
     CLS,
@@ -72,20 +72,6 @@ _GENERATED = re.compile(
     r"auto-?generated|automatically generated|generated (by|from|and used)|do not edit", re.I)
 _MAX_LINE = 1000
 _MAX_LITERAL_SHARE = 0.5
-
-
-# -- progress -------------------------------------------------------------------------------------
-def progress_enabled() -> bool:
-    """Progress bars show on an interactive stderr unless ``COMERA_NO_PROGRESS`` is set."""
-    return sys.stderr.isatty() and not os.environ.get("COMERA_NO_PROGRESS")
-
-
-def preparing_progress() -> Progress:
-    """A transient rich progress bar on stderr for preparing a data set (disabled when
-    :func:`progress_enabled` is false). Use as a context manager."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-                    disable=not progress_enabled())
 
 
 # -- which files ----------------------------------------------------------------------------------
