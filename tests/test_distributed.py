@@ -27,8 +27,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         model, record = train_model(ToyTask(), "comera", True, CFG, Path(out) / "run")
-        trainer_state = {k: v for k, v in model.named_parameters()}
-        torch.save({"params": {k: v.detach() for k, v in trainer_state.items()},
+        torch.save({"params": {k: v.detach() for k, v in model.named_parameters()},
                     "ranks": [m.ranks for m in model.modules() if hasattr(m, "gates")],
                     "curve": record.train_curve}, Path(out) / f"rank{rank}.pt")
     finally:
