@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteGradientError, NonFiniteLossError
 from comera.objective import REGULARIZERS, LateStage, rank_regularizer
-from comera.size import compression_ratio, model_size, tt_modules
+from comera.size import dense_size, model_size, tt_modules
 from comera.truncate import TruncationReport, truncate_
 
 
@@ -197,14 +197,16 @@ class CoMERATrainer(_Stepper):
         layers = [layer for _, layer in tt_modules(self.model)]
         pruned = [(g, ~m) for layer in layers
                   for g, m in zip(layer.gates, layer.gate_masks(), strict=True)]
-        before = [g.detach().clone() for layer in layers for g in layer.gates]
+        late = self.stage == "late"
+        before = [g.detach().clone() for layer in layers for g in layer.gates] if late else []
         self._apply(total)
         self._keep_pruned_(pruned)
-        if self.stage == "late":
+        if late:
             self._hold_size_target_(layers, before)
         self.steps += 1
+        size = model_size(self.model)
         return StepStats(float(loss.detach()), float(total.detach()), self.stage, which,
-                         model_size(self.model), compression_ratio(self.model))
+                         size, dense_size(self.model) / max(size, 1))
 
     def _keep_pruned_(self, pruned) -> None:
         """A pruned gate gets no gradient, but Adam's momentum would carry it back past tau:

@@ -24,3 +24,15 @@ def _isolated_tncomp_cache_dir(tmp_path_factory):
         os.environ.pop("TNCOMP_CACHE_DIR", None)
     else:
         os.environ["TNCOMP_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors: one torch thread is faster, and several threads per test process
+    oversubscribe a shared 2-core CPU. Restored after the module."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

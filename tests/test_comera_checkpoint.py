@@ -47,13 +47,7 @@ def _state_by_name(model, opt):
     return {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread avoids oversubscribing a shared CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -39,18 +39,11 @@ def _teacher() -> TTLinear:
     return teacher
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one thread is faster, and on a shared CPU several threads per process
-    oversubscribe the cores (3 such runs side by side took 60 s each with 2 threads, 7 s with 1)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def run(_one_thread):
+def run(one_thread):
     """One early + late run; the tests below check different parts of its record."""
     torch.manual_seed(0)
     teacher = _teacher()

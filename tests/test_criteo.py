@@ -26,13 +26,7 @@ from comera.experiments.dlrm_task import binary_auc
 SMALL = (50, 7, 3000, 20000)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small ops: one thread avoids contention on a shared machine (restored afterwards)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

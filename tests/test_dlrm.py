@@ -21,13 +21,7 @@ from comera.models.dlrm import DLRM, DLRMConfig
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small ops: one thread avoids contention on a shared machine (restored afterwards)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = dict(num_dense=5, cardinalities=(60, 7, 300, 1000), embedding_dim=4,
             bottom_mlp=(8, 4), top_mlp=(6, 1), tt_min_rows=100, tt_ranks=4)

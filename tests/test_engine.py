@@ -25,12 +25,7 @@ CFG = EngineConfig(steps_early=12, steps_late=8, batch_size=16, lr=1e-2, lr_gate
                    target_compression=3.0, eval_every=5)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _params(model) -> dict[str, torch.Tensor]:
