@@ -39,7 +39,7 @@ from harness import (
 )
 
 import tncomp
-from tncomp.calibrate import calibrate
+from tncomp.runtime.calibrate import calibrate
 
 CASES = [  # (label, in_modes, out_modes, max rank)
     ("768x3072 d=3", (12, 8, 8), (12, 16, 16), 30),

@@ -7,12 +7,8 @@ reads a calibration or a search result left in the user's real cache, or writes 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/tn_helpers.py
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -8,15 +8,15 @@ pictures (matplotlib, imported only when a picture is drawn).
 
 from tncomp import errors
 from tncomp.api import CompiledNetwork, cache_info, clear_cache, compile, contract
-from tncomp.builders import from_eq, resolve_ranks, tt_linear, ttm_embedding, ttm_linear
-from tncomp.cost import Costs, tree_costs
-from tncomp.costplot import cost_curves, plot_costs
-from tncomp.draw import draw_network, drawing_of
-from tncomp.ir import Dim, Network, Role, TensorSpec, make_network
-from tncomp.model import DeviceModel
-from tncomp.plan import Plan
-from tncomp.problem import Problem, Tree, problem_for
-from tncomp.report import describe_tree
+from tncomp.compiler.builders import from_eq, resolve_ranks, tt_linear, ttm_embedding, ttm_linear
+from tncomp.compiler.cost import Costs, tree_costs
+from tncomp.compiler.device_model import DeviceModel
+from tncomp.compiler.ir import Dim, Network, Role, TensorSpec, make_network
+from tncomp.compiler.plan import Plan
+from tncomp.compiler.problem import Problem, Tree, problem_for
+from tncomp.views.costplot import cost_curves, plot_costs
+from tncomp.views.draw import draw_network, drawing_of
+from tncomp.views.report import describe_tree
 
 __version__ = "0.1.0"
 
@@ -55,7 +55,7 @@ __all__ = [
 
 def inspect(net: Network, batch: int | None = None, **compile_options) -> str:
     """The cost/regime/plan report of ``net`` as text (what ``tncomp inspect`` prints)."""
-    from tncomp.report import inspect as _inspect
+    from tncomp.views.report import inspect as _inspect
 
     target = net if isinstance(net, CompiledNetwork) else compile(net, **compile_options)
     return _inspect(target, batch=batch)

@@ -17,16 +17,21 @@ from pathlib import Path
 
 import torch
 
-from tncomp.cache import DiskCache, LRUCache, default_cache_dir
+from tncomp.compiler.cache import DiskCache, LRUCache, default_cache_dir
+from tncomp.compiler.device_model import CPU_DEFAULT, CUDA_DEFAULT, DeviceModel
+from tncomp.compiler.ir import Network, bind_sizes, structural_key
+from tncomp.compiler.plan import Plan, lower
+from tncomp.compiler.problem import Tree, problem_for
+from tncomp.compiler.regimes import (
+    RegimeTable,
+    build_regimes,
+    regimes_from_payload,
+    regimes_to_payload,
+)
+from tncomp.compiler.search import choose_plan
 from tncomp.errors import IRError, OperandError, OptionError, SizeError, TncompError
-from tncomp.ir import Network, bind_sizes, structural_key
-from tncomp.model import CPU_DEFAULT, CUDA_DEFAULT, DeviceModel
-from tncomp.plan import Plan, lower
-from tncomp.problem import Tree, problem_for
-from tncomp.regimes import RegimeTable, build_regimes, regimes_from_payload, regimes_to_payload
 from tncomp.runtime.autograd import ContractFunction, Runner
 from tncomp.runtime.codegen import generate
-from tncomp.search import choose_plan
 
 log = logging.getLogger("tncomp")
 if os.environ.get("TNCOMP_DEBUG"):
@@ -69,7 +74,7 @@ def cache_info() -> dict:
 
 def model_for(device: torch.device | str) -> DeviceModel:
     """The calibrated model of ``device`` if one was measured, else a default."""
-    from tncomp.calibrate import load_calibration
+    from tncomp.runtime.calibrate import load_calibration
 
     device = torch.device(device)
     measured = load_calibration(device)
@@ -184,7 +189,7 @@ class CompiledNetwork:
         problem = problem_for(self.network, sizes)
         tree = self.tree_for(sizes, needs_grad, itemsize, model)
         if self.options.autotune:
-            from tncomp.autotune import autotune_tree
+            from tncomp.runtime.autotune import autotune_tree
 
             tree = autotune_tree(self, problem, sizes, needs_grad, dtype, device, model, tree)
         return lower(problem, tree, needs_grad, itemsize, model=model)
@@ -207,8 +212,8 @@ class CompiledNetwork:
         if stored is not None:
             return Tree(stored["n"], tuple(tuple(s) for s in stored["steps"]))
         if self.options.optimize == "flops":
-            from tncomp.cost import tree_costs
-            from tncomp.search import candidate_trees
+            from tncomp.compiler.cost import tree_costs
+            from tncomp.compiler.search import candidate_trees
 
             tree = min(candidate_trees(problem),
                        key=lambda t: tree_costs(problem, t, needs_grad).total_flops)
@@ -292,7 +297,8 @@ def _settings(optimize: str = "auto", autotune: bool = False, cuda_graphs: bool 
     if model is not None and not isinstance(model, DeviceModel):
         raise OptionError(
             f"model={model!r} ({type(model).__name__}); pass a tncomp.DeviceModel (e.g. "
-            "tncomp.calibrate.calibrate('cuda')) or None for the device's calibrated default."
+            "tncomp.runtime.calibrate.calibrate('cuda')) or None for the device's calibrated "
+            "default."
         )
     return (Options(optimize, bool(autotune), bool(cuda_graphs), bool(pool_buffers)), model,
             _disk_directory(disk_cache))
@@ -338,7 +344,7 @@ def contract(eq: str, *tensors: torch.Tensor, **options) -> torch.Tensor:
 
     ``options`` are ``compile``'s keywords (``optimize``, ``model``, ``disk_cache``, ...).
     """
-    from tncomp.builders import from_eq
+    from tncomp.compiler.builders import from_eq
 
     if not isinstance(eq, str):
         raise IRError(f"eq must be a str such as 'bi,ij->bj', got {eq!r} "

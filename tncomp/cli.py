@@ -25,7 +25,7 @@ from tncomp.errors import OptionError, SpecError, TncompError  # errors live in 
 if TYPE_CHECKING:
     import torch
 
-    from tncomp.ir import Network
+    from tncomp.compiler.ir import Network
 
 EXIT_USAGE = 2
 _DIGITS = re.compile(r"^[0-9]+$")  # str.isdigit also takes '²', which int() refuses
@@ -51,8 +51,8 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def parse_spec(spec: str) -> Network:
-    """The :class:`~tncomp.ir.Network` a SPEC declares (see the module docstring)."""
-    from tncomp.builders import from_eq, tt_linear, ttm_linear
+    """The :class:`~tncomp.compiler.ir.Network` a SPEC declares (see the module docstring)."""
+    from tncomp.compiler.builders import from_eq, tt_linear, ttm_linear
 
     if spec.endswith(".json"):
         path = Path(spec)
@@ -111,7 +111,7 @@ def parse_spec(spec: str) -> Network:
 
 def _cmd_inspect(args) -> int:
     from tncomp.api import compile
-    from tncomp.report import inspect
+    from tncomp.views.report import inspect
 
     net = parse_spec(args.spec)
     print(inspect(compile(net), batch=args.batch))
@@ -119,7 +119,7 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_draw(args) -> int:
-    from tncomp.draw import check_output_path, draw_network
+    from tncomp.views.draw import check_output_path, draw_network
 
     path = check_output_path(args.output)  # before compiling: a bad path fails fast
     net = parse_spec(args.spec)
@@ -132,8 +132,8 @@ def _cmd_draw(args) -> int:
 
 def _cmd_plot_costs(args) -> int:
     from tncomp.api import model_for
-    from tncomp.costplot import plot_costs
-    from tncomp.draw import check_output_path
+    from tncomp.views.costplot import plot_costs
+    from tncomp.views.draw import check_output_path
 
     path = check_output_path(args.output)
     net = parse_spec(args.spec)
@@ -159,7 +159,7 @@ def _cmd_cache(args) -> int:
 
 
 def _cmd_calibrate(args) -> int:
-    from tncomp.calibrate import calibrate
+    from tncomp.runtime.calibrate import calibrate
 
     model = calibrate(_device(args.device))
     print(f"{model.source}: GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, bandwidth "

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tncomp.cache import user_cache_dir
+from tncomp.compiler.cache import user_cache_dir
 
 log = logging.getLogger("comera.data")
 

@@ -1,4 +1,4 @@
-"""Turn a :class:`~tncomp.plan.Plan` into two straight-line Python functions over torch.
+"""Turn a :class:`~tncomp.compiler.plan.Plan` into two straight-line Python functions over torch.
 
 Like torch.fx, the plan is rendered as source (one line per step, freeing each value after its
 last use) and compiled once, so a cached plan runs with no interpreter loop. Reshapes that are
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tncomp.compiler.ops import Expand, MatMul, MatView, Op, Permute, Reshape, Sum
+from tncomp.compiler.plan import Plan
 from tncomp.errors import ExecutionError
-from tncomp.ops import Expand, MatMul, MatView, Op, Permute, Reshape, Sum
-from tncomp.plan import Plan
 from tncomp.runtime.buffers import MIN_POOLED_BYTES, BufferPool, alias, pooling_available
 
 

@@ -1,0 +1,73 @@
+"""Data-parallel CoMERA on 2 CPU processes (gloo): workers stay bit-identical (parameters, ranks,
+optimizer state, through pruning and truncation), and match a single-process run on the same
+global batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from comera.experiments.engine import EngineConfig, train_model
+
+CFG = EngineConfig(steps_early=10, steps_late=6, batch_size=16, lr=1e-2, lr_gates=0.1, lam=5.0,
+                   target_compression=3.0, eval_every=4)
+
+
+def _worker(rank: int, world: int, init: str, out: str) -> None:
+    from tests.helpers.toy_task import ToyTask
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model, record = train_model(ToyTask(), "comera", True, CFG, Path(out) / "run")
+        torch.save({"params": {k: v.detach() for k, v in model.named_parameters()},
+                    "ranks": [m.ranks for m in model.modules() if hasattr(m, "gates")],
+                    "curve": record.train_curve}, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    init = f"file://{out / 'rendezvous'}"
+    mp.start_processes(_worker, args=(2, init, str(out)), nprocs=2, join=True,
+                       start_method="spawn")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
+
+
+def test_workers_hold_bit_identical_parameters_and_ranks(two_workers):
+    (a, b), _ = two_workers
+    assert a["params"].keys() == b["params"].keys()
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), name
+    assert a["ranks"] == b["ranks"]
+    assert a["ranks"][0] != (1, 4, 6, 4, 1), "the run should have pruned ranks"
+    # the same global loss and the same loss / size choice at every step
+    assert [(s, loss, w) for s, loss, _, w in a["curve"]] == \
+        [(s, loss, w) for s, loss, _, w in b["curve"]]
+
+
+def test_checkpoint_holds_worker_zero_optimizer_state_equal_to_a_single_process_run(
+        two_workers, tmp_path):
+    from tests.helpers.toy_task import ToyTask
+
+    (a, _), out = two_workers
+    torch.set_num_threads(1)
+    model, record = train_model(ToyTask(), "comera", True, CFG, tmp_path / "single")
+    single = dict(model.named_parameters())
+    for name, value in a["params"].items():
+        torch.testing.assert_close(value, single[name].detach(), rtol=1e-9, atol=1e-9)
+    losses_ddp = torch.tensor([c[1] for c in a["curve"]])
+    losses_one = torch.tensor([c[1] for c in record.train_curve])
+    torch.testing.assert_close(losses_ddp, losses_one, rtol=1e-9, atol=1e-12)
+    ddp_opt = torch.load(out / "run" / "checkpoints" / "comera.pt", weights_only=True)
+    one_opt = torch.load(tmp_path / "single" / "checkpoints" / "comera.pt", weights_only=True)
+    for k, state in one_opt["optimizer"]["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(ddp_opt["optimizer"]["state"][k][key], value,
+                                       rtol=1e-8, atol=1e-12)

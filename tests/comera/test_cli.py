@@ -1,0 +1,102 @@
+"""The ``comera`` command in a subprocess: report and convert compute the right numbers, and bad
+input gives one line, exit code 2 and no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import comera
+from tests.helpers import ROOT
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COMERA_NO_PROGRESS": "1"}
+    return subprocess.run([sys.executable, "-m", "comera.cli", *args], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=300)
+
+
+def _tt_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(comera.TTLinear(64, 48, (4, 4, 4), (4, 4, 3), 5), nn.ReLU(),
+                          nn.Linear(48, 10))
+    with torch.no_grad():
+        model[0].gates[1][:2] = 0.0  # prune two ranks of the middle bond
+    return model
+
+
+def test_report_prints_ranks_sizes_and_compression(tmp_path):
+    model = _tt_model()
+    path = tmp_path / "ckpt.pt"
+    comera.save_checkpoint(path, model, step=7)
+    result = run_cli("report", str(path))
+    assert result.returncode == 0, result.stderr
+    layer = model[0]
+    assert str(list(layer.ranks[1:-1])) in result.stdout  # effective ranks [5, 3, 5, ...]
+    assert str(list(layer.bonds[1:-1])) in result.stdout
+    assert f"{layer.num_parameters(True):,}" in result.stdout
+    ratio = layer.dense_num_parameters() / layer.num_parameters(True)
+    assert f"{ratio:.1f}x" in result.stdout
+    other = sum(p.numel() for p in model[2].parameters())
+    assert f"{other:,} outside the TT layers" in result.stdout
+
+
+def test_convert_writes_a_checkpoint_that_loads_into_the_original_architecture(tmp_path):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    torch.save(model, tmp_path / "model.pt")
+    out = tmp_path / "tt.pt"
+    result = run_cli("convert", str(tmp_path / "model.pt"), "-o", str(out), "--set", "ranks=64",
+                     "--set", "d=2")
+    assert result.returncode == 0, result.stderr
+    assert "total" in result.stdout and out.is_file()
+    fresh = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    comera.load_checkpoint(out, fresh)
+    assert isinstance(fresh[0], comera.TTLinear) and isinstance(fresh[2], comera.TTLinear)
+    x = torch.randn(5, 64)
+    # full rank (64 >= every bond of a d=2 split of 64x64): the outputs are unchanged
+    torch.testing.assert_close(fresh(x), model(x), rtol=1e-4, atol=1e-4)
+    report = run_cli("report", str(out))
+    assert report.returncode == 0 and "TT layers" in report.stdout, report.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("report", "missing.pt"), "does not exist"),
+    (("train", "resnet"), "unknown model 'resnet'"),
+    (("train", "transformer", "--target-compression", "0.5"), "must be > 1"),
+    (("train", "transformer", "--nproc", "0"), "--nproc 0"),
+    (("convert", "missing.pt", "-o", "x.pt"), "does not exist"),
+])
+def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path, args, needle):
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_convert_rejects_a_state_dict_and_unknown_settings(tmp_path):
+    torch.save(nn.Linear(4, 4).state_dict(), tmp_path / "sd.pt")
+    result = run_cli("convert", str(tmp_path / "sd.pt"), "-o", str(tmp_path / "o.pt"))
+    assert result.returncode == 2 and "not an nn.Module" in result.stderr
+    torch.save(nn.Linear(4, 4), tmp_path / "m.pt")
+    result = run_cli("convert", str(tmp_path / "m.pt"), "-o", str(tmp_path / "o.pt"),
+                     "--set", "rankz=3")
+    assert result.returncode == 2 and "rankz" in result.stderr
+    result = run_cli("convert", str(tmp_path / "m.pt"), "-o", str(tmp_path / "o.pt"),
+                     "--set", "ranks")
+    assert result.returncode == 2 and "KEY=VALUE" in result.stderr
+
+
+def test_report_refuses_a_damaged_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    comera.save_checkpoint(path, _tt_model())
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    result = run_cli("report", str(path))
+    assert result.returncode == 2 and "truncated, corrupt" in result.stderr

@@ -1,0 +1,221 @@
+"""Builders for the networks users declare: TT and TT-matrix layers, TT embeddings, einsum."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+
+from tncomp.compiler.ir import Dim, Network, Role, Size, make_network
+from tncomp.errors import IRError
+
+Ranks = int | Sequence[int]
+
+
+def _as_size(value: Size | str, what: str) -> Size:
+    if isinstance(value, str):
+        return Dim(value)
+    if isinstance(value, bool) or not isinstance(value, int | Dim):
+        raise IRError(f"{what} is {value!r}; pass an int, a tncomp.Dim or a symbol name.")
+    return value
+
+
+def _check_modes(modes: Sequence[int], what: str) -> tuple[int, ...]:
+    if isinstance(modes, str | bytes) or not isinstance(modes, Sequence):
+        raise IRError(f"{what} is {modes!r} ({type(modes).__name__}); give a sequence of ints "
+                      "such as (8, 8, 12).")
+    modes = tuple(modes)
+    if not modes:
+        raise IRError(f"{what} is empty; give at least one mode, e.g. (8, 8, 12).")
+    for m in modes:
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise IRError(f"{what} has mode {m!r}; modes are ints >= 1.")
+    return modes
+
+
+def resolve_ranks(ranks: Ranks, modes: Sequence[int], what: str = "ranks") -> tuple[int, ...]:
+    """Full bond list ``(1, r1, ..., r_{n-1}, 1)`` for a train over ``modes``.
+
+    ``ranks`` is a max rank (int, clipped at each bond to what a TT-SVD can reach), the interior
+    bonds (length n-1), or all bonds (length n+1, ends 1).
+    """
+    n = len(modes)
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
+        if ranks < 1:
+            raise IRError(f"{what}={ranks}; a rank is at least 1.")
+        bonds = [1]
+        for k in range(1, n):
+            left, right = math.prod(modes[:k]), math.prod(modes[k:])
+            bonds.append(min(ranks, left, right))
+        return (*bonds, 1)
+    if isinstance(ranks, bool) or not isinstance(ranks, Sequence):
+        raise IRError(f"{what}={ranks!r}; give a max rank (int) or a sequence of ints.")
+    ranks = tuple(ranks)
+    if len(ranks) == n - 1:
+        ranks = (1, *ranks, 1)
+    if len(ranks) != n + 1:
+        raise IRError(
+            f"{what} has length {len(ranks)} for {n} cores; give {n + 1} bonds (ends 1), "
+            f"the {n - 1} interior ones, or one int max rank."
+        )
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise IRError(f"{what} {ranks} holds {r!r}; every rank is an int >= 1.")
+    if ranks[0] != 1 or ranks[-1] != 1:
+        raise IRError(f"{what} {ranks} must start and end with 1 (the train's open ends).")
+    return ranks
+
+
+def tt_linear(
+    in_modes: Sequence[int],
+    out_modes: Sequence[int],
+    ranks: Ranks,
+    batch: Size | str = "B",
+) -> Network:
+    """The CoMERA TT format: x (B, *in_modes) times a train of 2d cores -> y (B, *out_modes).
+
+    Core k has shape (r_{k-1}, n_k, r_k) over the modes ``in_modes + out_modes`` (all input modes
+    first, then all output modes), r_0 = r_2d = 1.
+    """
+    in_modes = _check_modes(in_modes, "in_modes")
+    out_modes = _check_modes(out_modes, "out_modes")
+    if len(in_modes) != len(out_modes):
+        raise IRError(
+            f"in_modes {in_modes} and out_modes {out_modes} differ in length; the TT format "
+            "pairs d input modes with d output modes (pad a mode with 1 to match)."
+        )
+    d = len(in_modes)
+    modes = in_modes + out_modes
+    bonds = resolve_ranks(ranks, modes)
+    mode_names = [f"i{k + 1}" for k in range(d)] + [f"o{k + 1}" for k in range(d)]
+    sizes: dict[str, Size] = {"b": _as_size(batch, "batch")}
+    sizes.update(zip(mode_names, modes, strict=True))
+    sizes.update((f"r{k}", r) for k, r in enumerate(bonds))
+    operands = [("x", ["b", *mode_names[:d]], Role.INPUT)]
+    operands += [
+        (f"core{k + 1}", [f"r{k}", mode_names[k], f"r{k + 1}"], Role.PARAMETER)
+        for k in range(2 * d)
+    ]
+    return make_network(operands, ("y", ["b", *mode_names[d:]]), sizes)
+
+
+def ttm_linear(
+    in_modes: Sequence[int],
+    out_modes: Sequence[int],
+    ranks: Ranks,
+    batch: Size | str = "B",
+) -> Network:
+    """The interleaved TT-matrix format: cores (r_{k-1}, m_k, n_k, r_k), x (B, *in_modes)."""
+    in_modes = _check_modes(in_modes, "in_modes")
+    out_modes = _check_modes(out_modes, "out_modes")
+    if len(in_modes) != len(out_modes):
+        raise IRError(
+            f"in_modes {in_modes} and out_modes {out_modes} differ in length; a TT-matrix core "
+            "carries one input and one output mode (pad a mode with 1 to match)."
+        )
+    d = len(in_modes)
+    bonds = resolve_ranks(ranks, [m * n for m, n in zip(in_modes, out_modes, strict=True)])
+    sizes: dict[str, Size] = {"b": _as_size(batch, "batch")}
+    sizes.update((f"i{k + 1}", m) for k, m in enumerate(in_modes))
+    sizes.update((f"o{k + 1}", n) for k, n in enumerate(out_modes))
+    sizes.update((f"r{k}", r) for k, r in enumerate(bonds))
+    operands = [("x", ["b", *(f"i{k + 1}" for k in range(d))], Role.INPUT)]
+    operands += [
+        (f"core{k + 1}", [f"r{k}", f"i{k + 1}", f"o{k + 1}", f"r{k + 1}"], Role.PARAMETER)
+        for k in range(d)
+    ]
+    return make_network(operands, ("y", ["b", *(f"o{k + 1}" for k in range(d))]), sizes)
+
+
+def ttm_embedding(
+    row_modes: Sequence[int],
+    col_modes: Sequence[int],
+    ranks: Ranks,
+    batch: Size | str = "B",
+) -> Network:
+    """A TT-matrix embedding table looked up by row multi-indices.
+
+    The table has prod(row_modes) rows and prod(col_modes) columns with cores
+    (r_{k-1}, m_k, n_k, r_k). A lookup gathers, per looked-up row b, the slice
+    ``core_k[:, i_k(b), :, :]`` of every core (``core.index_select(1, ids_k)`` moved to the front),
+    so the operands are the gathered slices (B, r_{k-1}, n_k, r_k) joined by the hyperedge ``b``;
+    the output is (B, *col_modes). Gradients flow back to the cores through the gather.
+    """
+    row_modes = _check_modes(row_modes, "row_modes")
+    col_modes = _check_modes(col_modes, "col_modes")
+    if len(row_modes) != len(col_modes):
+        raise IRError(f"row_modes {row_modes} and col_modes {col_modes} differ in length.")
+    d = len(row_modes)
+    bonds = resolve_ranks(ranks, [m * n for m, n in zip(row_modes, col_modes, strict=True)])
+    sizes: dict[str, Size] = {"b": _as_size(batch, "batch")}
+    sizes.update((f"o{k + 1}", n) for k, n in enumerate(col_modes))
+    sizes.update((f"r{k}", r) for k, r in enumerate(bonds))
+    operands = [
+        (f"slice{k + 1}", ["b", f"r{k}", f"o{k + 1}", f"r{k + 1}"], Role.PARAMETER)
+        for k in range(d)
+    ]
+    hyper = {"b"} if d >= 2 else set()
+    return make_network(operands, ("y", ["b", *(f"o{k + 1}" for k in range(d))]), sizes, hyper)
+
+
+_EQ_TERM = re.compile(r"^[A-Za-z]*$")
+
+
+def from_eq(eq: str, *shapes: Sequence[Size | str], names: Sequence[str] | None = None) -> Network:
+    """A network from an einsum equation and one shape per operand.
+
+    Letters are indices; sizes are ints, :class:`Dim`, or a symbol name such as ``"B"``.
+    Without ``->`` the output is the letters that appear once, sorted (einsum's rule). Indices on
+    more than two tensors become hyperedges, as in einsum.
+    """
+    if not isinstance(eq, str):
+        raise IRError(f"eq must be a str such as 'bi,ij->bj', got {eq!r}.")
+    text = eq.replace(" ", "")
+    if "." in text:
+        raise IRError(f"eq {eq!r} uses '...'; write every index out explicitly.")
+    lhs, arrow, rhs = text.partition("->")
+    terms = lhs.split(",")
+    if not arrow:
+        counts = Counter("".join(terms))
+        rhs = "".join(sorted(c for c, k in counts.items() if k == 1))
+    for term in (*terms, rhs):
+        if not _EQ_TERM.match(term):
+            raise IRError(f"eq {eq!r} has term {term!r}; terms are letters only, e.g. 'bi,ij->bj'.")
+    if len(terms) != len(shapes):
+        raise IRError(f"eq {eq!r} has {len(terms)} operands but {len(shapes)} shapes were given.")
+    names = list(names) if names is not None else [f"T{k}" for k in range(len(terms))]
+    if len(names) != len(terms):
+        raise IRError(f"names has {len(names)} entries for {len(terms)} operands.")
+    sizes: dict[str, Size] = {}
+    dims: dict[str, Dim] = {}
+    for name, term, shape in zip(names, terms, shapes, strict=True):
+        if isinstance(shape, str | bytes) or not isinstance(shape, Sequence):
+            raise IRError(f"shape of operand {name!r} ({term!r}) is {shape!r}; give a sequence "
+                          f"of {len(term)} sizes such as {tuple(range(2, len(term) + 2))}.")
+        shape = tuple(shape)
+        if len(shape) != len(term):
+            raise IRError(
+                f"operand {name!r} ({term!r}) has {len(term)} indices but shape {shape} has "
+                f"{len(shape)} axes."
+            )
+        for index, raw in zip(term, shape, strict=True):
+            if isinstance(raw, str) and raw in dims:  # a name refers to its declared Dim
+                raw = dims[raw]
+            size = _as_size(raw, f"size of index {index!r} of {name!r}")
+            if isinstance(size, Dim):
+                known = dims.setdefault(size.name, size)
+                if known != size:
+                    raise IRError(
+                        f"symbol {size.name!r} is declared with bounds [{known.min}, {known.max}]"
+                        f" and [{size.min}, {size.max}]; declare one Dim and reuse it."
+                    )
+            if sizes.setdefault(index, size) != size:
+                raise IRError(
+                    f"index {index!r} has size {sizes[index]} on one operand and {size} on "
+                    f"{name!r}; a shared index needs one size."
+                )
+    counts = Counter("".join(terms) + rhs)
+    hyper = {i for i, c in counts.items() if c > 2}
+    operands = [(n, list(t), Role.INPUT) for n, t in zip(names, terms, strict=True)]
+    return make_network(operands, ("out", list(rhs)), sizes, hyper)

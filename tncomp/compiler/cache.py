@@ -1,0 +1,258 @@
+"""Plan caches: a bounded in-memory LRU, and an on-disk store of search results.
+
+Keys are built from named parts (structure, sizes, dtype, device, gradients, options, format
+version) and logged at debug level (``TNCOMP_DEBUG=1``). Disk entries are JSON records with a
+checksum, one file per key. Several processes may share one cache directory: each write goes to
+a temp file of its own (pid + random name), is flushed to disk and renamed over the entry in one
+atomic step, so a reader sees the old entry, the new one or none, never half a file. Whatever a
+crash leaves behind (a stale temp file, a truncated or garbage entry) is detected, logged and
+rebuilt rather than trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("tncomp.compiler.cache")
+
+FORMAT_VERSION = 1
+TEMP_PREFIX = ".tmp-"  # in-progress writes: .tmp-<pid>-<random>.part (never read as entries)
+TEMP_SUFFIX = ".part"
+STALE_TEMP_S = 600.0  # a temp file this old belongs to a writer that died mid-write
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{32}\.json$")
+_REPLACE_RETRIES = 5  # os.replace onto a file another process holds open fails on Windows
+
+
+class LRUCache:
+    """A bounded mapping that evicts the least recently used entry; counts hits and misses."""
+
+    def __init__(self, maxsize: int = 256):
+        if maxsize < 1:
+            raise ValueError(f"maxsize={maxsize}; an LRU cache holds at least one entry.")
+        self.maxsize = maxsize
+        self._data: OrderedDict[Hashable, Any] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get_or_build(self, key: Hashable, build: Callable[[], Any], label: str = "") -> Any:
+        try:
+            value = self._data[key]
+        except KeyError:
+            self.misses += 1
+            log.debug("plan cache miss %s key=%s", label, key)
+            value = build()
+            self._data[key] = value
+            if len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+            return value
+        self.hits += 1
+        self._data.move_to_end(key)
+        log.debug("plan cache hit %s", label)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._data
+
+    def clear(self) -> None:
+        self._data.clear()
+        self.hits = self.misses = 0
+
+
+def user_cache_dir(app: str, env_var: str) -> Path:
+    """``$<env_var>``, else ``$XDG_CACHE_HOME/<app>``, else ``~/.cache/<app>``."""
+    env = os.environ.get(env_var)
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / app
+
+
+def default_cache_dir() -> Path:
+    """tncomp's cache: ``$TNCOMP_CACHE_DIR``, else the user cache directory."""
+    return user_cache_dir("tncomp", "TNCOMP_CACHE_DIR")
+
+
+def key_digest(key: Hashable) -> str:
+    return hashlib.sha256(repr((FORMAT_VERSION, key)).encode()).hexdigest()[:32]
+
+
+class DiskCache:
+    """Search results as checksummed JSON files, one per key, in ``directory``.
+
+    Safe to share between processes: writes are atomic renames of private temp files, reads
+    verify version, key and checksum, and an entry or temp file that vanishes under a reader
+    (a concurrent ``clear``) reads as absent.
+    """
+
+    def __init__(self, directory: Path | str | None = None, stale_temp_s: float = STALE_TEMP_S):
+        self.directory = Path(directory) if directory is not None else default_cache_dir()
+        self.stale_temp_s = stale_temp_s
+
+    def _path(self, key: Hashable) -> Path:
+        return self.directory / f"{key_digest(key)}.json"
+
+    def load(self, key: Hashable) -> Any | None:
+        """The stored payload, or None when absent, corrupt or written for another key."""
+        path = self._path(key)
+        try:
+            data = path.read_bytes()  # one open: a concurrent rename cannot mix two versions
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("tncomp disk cache: cannot read %s (%s); rebuilding it", path, exc)
+            return None
+        try:
+            record = json.loads(data)
+        except ValueError as exc:  # truncated, garbage, or not UTF-8
+            log.warning("tncomp disk cache: unreadable entry %s (%s); rebuilding it", path, exc)
+            return None
+        if not (isinstance(record, dict) and "payload" in record):
+            log.warning("tncomp disk cache: %s is not a cache record; rebuilding it", path)
+            return None
+        payload = record["payload"]
+        if record.get("version") != FORMAT_VERSION or record.get("key") != repr(key):
+            log.warning("tncomp disk cache: stale entry %s (another version or key); "
+                        "rebuilding it", path)
+            return None
+        if record.get("checksum") != _checksum(payload):
+            log.warning("tncomp disk cache: corrupt entry %s (checksum mismatch); rebuilding it",
+                        path)
+            return None
+        log.debug("disk cache hit %s", path.name)
+        return payload
+
+    def store(self, key: Hashable, payload: Any) -> None:
+        """Write atomically: a crash mid-write leaves the old entry or none, never half a file.
+
+        An unwritable directory (read-only, full, or not a directory) is logged, not raised:
+        the cache must never break the computation it serves.
+        """
+        record = {"version": FORMAT_VERSION, "key": repr(key), "payload": payload,
+                  "checksum": _checksum(payload)}
+        data = json.dumps(record).encode()
+        path = self._path(key)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._sweep_temps(self.stale_temp_s)
+            atomic_write_bytes(path, data, temp_prefix=TEMP_PREFIX)
+        except FileNotFoundError as exc:  # a concurrent clear() swept our temp file away
+            log.debug("tncomp disk cache: %s not written (%s); a clear ran meanwhile", path, exc)
+            return
+        except OSError as exc:
+            log.warning("tncomp disk cache: could not write %s (%s)", path, exc)
+            return
+        log.debug("disk cache store %s", path.name)
+
+    def entries(self) -> list[Path]:
+        """The entry files (temp files and other files in the directory are not entries)."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:  # absent, or not a directory
+            return []
+        return sorted(self.directory / n for n in names if _ENTRY_NAME.match(n))
+
+    def temp_files(self) -> list[Path]:
+        """Temp files of writes in progress, or left behind by writers that died."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return []
+        return sorted(self.directory / n for n in names if n.startswith(TEMP_PREFIX))
+
+    def clear(self) -> int:
+        """Remove every entry and temp file; return how many entries were removed."""
+        removed = 0
+        for path in self.entries():
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:  # removed by a concurrent clear
+                pass
+        self._sweep_temps(0.0)
+        return removed
+
+    def _sweep_temps(self, older_than_s: float) -> None:
+        now = time.time()
+        for tmp in self.temp_files():
+            try:
+                age = now - tmp.stat().st_mtime
+                if older_than_s <= 0 or age >= older_than_s:
+                    tmp.unlink()
+                    if older_than_s > 0:
+                        log.warning("tncomp disk cache: removed %s, left %.0f s ago by an "
+                                    "interrupted write", tmp, age)
+            except FileNotFoundError:  # its writer renamed it, or another sweep removed it
+                continue
+
+
+def atomic_write_bytes(path: Path | str, data: bytes, temp_prefix: str | None = None) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file, the new one or none.
+
+    The bytes go to a temp file of this writer's own in the same directory
+    (``<temp_prefix><pid>-<random>.part``; default prefix ``.<name>.``), are flushed to disk,
+    and the temp file is renamed over ``path`` in one atomic step; the directory is then
+    flushed so the rename survives a crash. A failed write removes its temp file and raises the
+    ``OSError``. The directory must exist.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"atomic_write_bytes got data of type {type(data).__name__}; pass "
+                        "bytes (encode text first, e.g. text.encode()).")
+    path = Path(path)
+    prefix = f".{path.name}." if temp_prefix is None else temp_prefix
+    if "/" in prefix or os.sep in prefix:
+        raise ValueError(f"atomic_write_bytes got temp_prefix {prefix!r}; give a bare file-name "
+                         "prefix (the temp file goes next to the target).")
+    tmp = path.parent / f"{prefix}{os.getpid()}-{secrets.token_hex(8)}{TEMP_SUFFIX}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())  # the data is on disk before the name points at it
+        _replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def _replace(src: Path, dst: Path) -> None:
+    for attempt in range(_REPLACE_RETRIES):
+        try:
+            os.replace(src, dst)
+            return
+        except PermissionError:  # Windows: a reader holds dst open; it closes it soon
+            if attempt == _REPLACE_RETRIES - 1:
+                raise
+            time.sleep(0.01 * 2**attempt)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _checksum(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,123 @@
+"""Readable reports of a network: costs as formulas, batch regimes, the chosen plan, vs dense."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy
+
+from tncomp.compiler.cost import Costs, tree_costs
+from tncomp.compiler.ir import Dim, Network, Role
+from tncomp.compiler.problem import Tree, problem_for
+
+
+def describe_tree(net: Network, tree: Tree) -> str:
+    """A tree as a nested product of tensor names, e.g. ``(x.(core1.core2)).core3``."""
+    names = [t.name for t in net.operands]
+    for a, b in tree.steps:
+        names.append(f"({names[a]}.{names[b]})")
+    text = names[tree.root]
+    return text[1:-1] if text.startswith("(") and text.endswith(")") else text
+
+
+@dataclass(frozen=True)
+class DenseEquivalent:
+    """The one-GEMM layer a network with one input and parameter cores stands for."""
+
+    parameters: int
+    forward_flops: sympy.Expr | int
+
+    @property
+    def total_flops(self):
+        return 3 * self.forward_flops
+
+
+def dense_equivalent(net: Network) -> DenseEquivalent | None:
+    """Merge all parameters into one weight W: y = x . W. None for other networks."""
+    inputs = [t for t in net.operands if t.role is Role.INPUT]
+    params = [t for t in net.operands if t.role is Role.PARAMETER]
+    if len(inputs) != 1 or not params:
+        return None
+    x = inputs[0]
+    param_idx = {i for t in params for i in t.indices}
+    open_w = param_idx & (set(x.indices) | set(net.output.indices))
+    p = problem_for(net)
+    w_vol = p.volume(sorted(open_w))
+    involved = sorted(set(x.indices) | set(net.output.indices) | open_w)
+    return DenseEquivalent(w_vol, 2 * p.volume(involved))
+
+
+def parameter_count(net: Network) -> int:
+    sizes = net.size_dict
+    total = 0
+    for t in net.operands:
+        if t.role is Role.PARAMETER and all(isinstance(sizes[i], int) for i in t.indices):
+            total += math.prod(sizes[i] for i in t.indices)
+    return total
+
+
+def _fmt(expr) -> str:
+    if isinstance(expr, int | sympy.Integer):
+        return f"{int(expr):,}"
+    return str(sympy.simplify(expr))
+
+
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {prefix}{unit}"
+    return f"{value:.0f} {unit}"
+
+
+DEFAULT_BATCH = 4096
+
+
+def inspect(compiled, batch: int | None = None, needs_grad=None, itemsize: int = 4) -> str:
+    """The full report of a compiled network, with the plan shown at ``batch`` (if symbolic;
+    by default 4096, clipped to the symbol's bounds)."""
+    net = compiled.network
+    for dim in net.dims:
+        if batch is None:
+            hi = dim.max if dim.max is not None else DEFAULT_BATCH
+            batch = max(min(DEFAULT_BATCH, hi), dim.min)
+        dim.check(batch, "inspect")
+    batch = DEFAULT_BATCH if batch is None else batch
+    needs_grad = tuple(needs_grad) if needs_grad is not None else (True,) * len(net.operands)
+    model = compiled.model("cpu")
+    lines = ["== network ==", str(net), ""]
+    dims = net.dims
+    bind = {i: (batch if isinstance(s, Dim) else s) for i, s in net.sizes}
+    plan = compiled.plan_for(bind, needs_grad)
+    symbolic: Costs = tree_costs(problem_for(net), plan.tree, needs_grad, itemsize)
+    at = ", ".join(f"{d.name}={batch}" for d in dims) or "all sizes fixed"
+    lines += [f"== costs of the chosen tree (formulas; plan shown at {at}) ==",
+              f"tree            {describe_tree(net, plan.tree)}",
+              f"forward FLOPs   {_fmt(symbolic.forward_flops)}",
+              f"backward FLOPs  {_fmt(symbolic.backward_flops)}",
+              f"bytes moved     {_fmt(symbolic.total_bytes)}  (fwd+bwd, {itemsize}-byte items)",
+              f"saved for bwd   {_fmt(symbolic.saved_bytes)} bytes",
+              f"peak memory     {_fmt(symbolic.peak_bytes)} bytes (intermediates + output)", ""]
+    if len(dims) == 1:
+        table = compiled.regimes(needs_grad, itemsize, model)
+        lines.append(f"== {dims[0].name} regimes (breakpoints {list(table.breakpoints)}) ==")
+        for r in table.regimes:
+            lines.append(f"{dims[0].name} in [{r.lo}, {r.hi}]: {describe_tree(net, r.tree)}")
+        lines.append("")
+    lines += [f"== plan at {at} ==", plan.table(),
+              f"modelled time {plan.modelled_time(model) * 1e3:.3f} ms, floor "
+              f"{plan.floor_time(model) * 1e3:.3f} ms ({model.source}: "
+              f"{_si(model.gemm_flops_per_s, 'FLOP/s')}, {_si(model.bytes_per_s, 'B/s')})", ""]
+    dense = dense_equivalent(net)
+    if dense is not None:
+        bound_dense = dense.total_flops.subs({d.symbol: batch for d in dims}) if dims else \
+            dense.total_flops
+        total = plan.forward_flops + plan.backward_flops
+        params = parameter_count(net)
+        lines += ["== vs dense ==",
+                  f"dense weight    {dense.parameters:,} parameters; cores {params:,} "
+                  f"({dense.parameters / max(params, 1):.1f}x fewer)",
+                  f"dense FLOPs     {_fmt(dense.total_flops)} (fwd+bwd)",
+                  f"at {at}: dense {_si(float(bound_dense), 'FLOP')}, plan {_si(total, 'FLOP')} "
+                  f"({float(bound_dense) / max(total, 1):.1f}x fewer)"]
+    return "\n".join(lines)
