@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tncomp.compiler.cache import user_cache_dir
+from tncomp.files import user_cache_dir
 
 log = logging.getLogger("comera.data")
 

@@ -16,21 +16,20 @@ import json
 import logging
 import os
 import re
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
+from tncomp.files import atomic_write_bytes, user_cache_dir
+
 log = logging.getLogger("tncomp.compiler.cache")
 
 FORMAT_VERSION = 1
 TEMP_PREFIX = ".tmp-"  # in-progress writes: .tmp-<pid>-<random>.part (never read as entries)
-TEMP_SUFFIX = ".part"
 STALE_TEMP_S = 600.0  # a temp file this old belongs to a writer that died mid-write
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{32}\.json$")
-_REPLACE_RETRIES = 5  # os.replace onto a file another process holds open fails on Windows
 
 
 class LRUCache:
@@ -69,15 +68,6 @@ class LRUCache:
     def clear(self) -> None:
         self._data.clear()
         self.hits = self.misses = 0
-
-
-def user_cache_dir(app: str, env_var: str) -> Path:
-    """``$<env_var>``, else ``$XDG_CACHE_HOME/<app>``, else ``~/.cache/<app>``."""
-    env = os.environ.get(env_var)
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / app
 
 
 def default_cache_dir() -> Path:
@@ -196,62 +186,6 @@ class DiskCache:
                                     "interrupted write", tmp, age)
             except FileNotFoundError:  # its writer renamed it, or another sweep removed it
                 continue
-
-
-def atomic_write_bytes(path: Path | str, data: bytes, temp_prefix: str | None = None) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file, the new one or none.
-
-    The bytes go to a temp file of this writer's own in the same directory
-    (``<temp_prefix><pid>-<random>.part``; default prefix ``.<name>.``), are flushed to disk,
-    and the temp file is renamed over ``path`` in one atomic step; the directory is then
-    flushed so the rename survives a crash. A failed write removes its temp file and raises the
-    ``OSError``. The directory must exist.
-    """
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise TypeError(f"atomic_write_bytes got data of type {type(data).__name__}; pass "
-                        "bytes (encode text first, e.g. text.encode()).")
-    path = Path(path)
-    prefix = f".{path.name}." if temp_prefix is None else temp_prefix
-    if "/" in prefix or os.sep in prefix:
-        raise ValueError(f"atomic_write_bytes got temp_prefix {prefix!r}; give a bare file-name "
-                         "prefix (the temp file goes next to the target).")
-    tmp = path.parent / f"{prefix}{os.getpid()}-{secrets.token_hex(8)}{TEMP_SUFFIX}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())  # the data is on disk before the name points at it
-        _replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
-
-
-def _replace(src: Path, dst: Path) -> None:
-    for attempt in range(_REPLACE_RETRIES):
-        try:
-            os.replace(src, dst)
-            return
-        except PermissionError:  # Windows: a reader holds dst open; it closes it soon
-            if attempt == _REPLACE_RETRIES - 1:
-                raise
-            time.sleep(0.01 * 2**attempt)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _checksum(payload: Any) -> str:

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from tncomp.compiler.cache import atomic_write_bytes, default_cache_dir
+from tncomp.compiler.cache import default_cache_dir
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.errors import CacheError
+from tncomp.files import atomic_write_bytes
 
 log = logging.getLogger("tncomp.runtime.calibrate")
 
