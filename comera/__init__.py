@@ -5,7 +5,7 @@ Layers (``TTLinear``, ``TTMLinear``, ``TTEmbedding``) carry diagonal rank gates;
 physically; ``convert_`` turns an existing torch model into a TT model.
 """
 
-from comera.checkpoint import layer_spec, load_checkpoint, save_checkpoint
+from comera.checkpoint import CheckpointRecord, load_checkpoint, read_checkpoint, save_checkpoint
 from comera.convert import ConversionReport, ConvertConfig, convert_
 from comera.embedding import TTEmbedding
 from comera.errors import (
@@ -25,6 +25,7 @@ from comera.factorize import factorize, factorize_pair, suggest_padded_size
 from comera.layers import GatedTrain, TTLinear, TTMLinear
 from comera.objective import LateStage, rank_regularizer, soft_size
 from comera.size import compression_ratio, dense_size, model_size, tt_modules
+from comera.surgery import layer_spec
 from comera.train import (
     CoMERATrainer,
     DenseTrainer,
@@ -37,6 +38,7 @@ from comera.truncate import TruncationReport, truncate_
 
 __all__ = [
     "CheckpointError",
+    "CheckpointRecord",
     "CoMERATrainer",
     "ComeraError",
     "ConfigError",
@@ -70,6 +72,7 @@ __all__ = [
     "model_size",
     "param_groups",
     "rank_regularizer",
+    "read_checkpoint",
     "save_checkpoint",
     "soft_size",
     "suggest_padded_size",

@@ -16,6 +16,7 @@ from torch import nn
 from comera.embedding import TTEmbedding
 from comera.errors import ConfigError, ConversionError
 from comera.layers import DEFAULT_TAU, TTLinear, TTMLinear
+from comera.surgery import swap_submodule
 
 FORMATS = ("tt", "ttm")
 
@@ -185,9 +186,7 @@ def convert_(
     reports = []
     for name, module in chosen:
         layer = _convert_one(name, module, config)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer)
+        swap_submodule(model, name, layer)
         shape = ((module.in_features, module.out_features) if isinstance(module, nn.Linear)
                  else (module.num_embeddings, module.embedding_dim))
         before = sum(p.numel() for p in module.parameters())

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from comera.checkpoint import _build, _read
+from comera.checkpoint import read_checkpoint
+from comera.surgery import build_layer
 
 
 @dataclass(frozen=True)
@@ -90,15 +91,15 @@ class CheckpointReport:
 
 def checkpoint_report(path: str | os.PathLike) -> CheckpointReport:
     """Per-layer ranks, sizes and compression of a comera checkpoint (checksum verified)."""
-    payload, where = _read(path)
-    state = payload["model"]
+    record = read_checkpoint(path)
+    state = record.model
     rows, inside = [], set()
-    for name, spec in payload["layers"].items():
+    for name, spec in record.layers.items():
         prefix = f"{name}."
         sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         inside.update(prefix + k for k in sub)
         like = next(iter(sub.values()), torch.empty(0))
-        layer = _build(spec, like)
+        layer = build_layer(spec, like)
         layer.load_state_dict(sub)
         layer.tau = float(spec["tau"])
         rows.append(LayerRow(name, spec["kind"], (spec["in_features"], spec["out_features"]),
@@ -107,7 +108,7 @@ def checkpoint_report(path: str | os.PathLike) -> CheckpointReport:
                              layer.num_parameters(True), layer.dense_num_parameters()))
     other = sum(v.numel() for k, v in state.items()
                 if k not in inside and not _is_buffer_like(k, v))
-    return CheckpointReport(where, tuple(rows), other, dict(payload["extra"]))
+    return CheckpointReport(record.path, tuple(rows), other, dict(record.extra))
 
 
 def _is_buffer_like(key: str, value: Any) -> bool:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import comera
-from comera.checkpoint import load_checkpoint, save_checkpoint
+from comera.checkpoint import STALE_TEMP_S, load_checkpoint, save_checkpoint
 from comera.errors import CheckpointError
+from tncomp.files import TEMP_SUFFIX
 
 F64 = torch.float64
 
@@ -204,6 +206,11 @@ def test_tampered_tensor_with_stale_checksum(trained):
     payload["model"]["a.cores.2"][0, 0, 0] += 1e-9
     torch.save(payload, trained["path"])
     _expect_rejected(trained["path"], "fails its checksum")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(trained["path"], Net())
+    # the checksum sits in the file: it detects damage, and claims nothing about tampering
+    assert "contents changed after it was saved" in str(info.value)
+    assert "weights were changed" not in str(info.value)
     with pytest.raises(CheckpointError, match="checksum"):
         load_checkpoint(payload, Net())
 
@@ -224,6 +231,17 @@ def test_newer_version(trained):
     payload["version"] = comera.checkpoint.VERSION + 1
     with pytest.raises(CheckpointError, match=f"version {comera.checkpoint.VERSION + 1}"):
         load_checkpoint(payload, Net())
+
+
+def test_empty_file_and_whole_pickled_model(tmp_path):
+    path = tmp_path / "empty.pt"
+    path.write_bytes(b"")
+    _expect_rejected(path, r"truncated, corrupt or not a torch file \(EOFError\)")
+    torch.save(Net(), path)  # a whole model: pickled classes, never unpickled here
+    _expect_rejected(path, r"holds pickled Python objects \(tests\.comera\.test_checkpoint\.Net\)")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, Net())
+    assert "\x1b" not in str(info.value) and "\n" not in str(info.value)
 
 
 def test_missing_file(tmp_path):
@@ -278,6 +296,40 @@ def test_atomic_write_leaves_no_temporary_files(trained, tmp_path):
     save_checkpoint(trained["path"], trained["model"], trained["opt"], step=6)  # overwrite
     assert os.listdir(tmp_path) == ["run.pt"]
     assert load_checkpoint(trained["path"], Net())["step"] == 6
+
+
+def _temp_file(path, age_s):
+    """A temp file as tncomp.files.atomic_write_bytes names it, last written ``age_s`` ago."""
+    tmp = path.parent / f".{path.name}.4242-{'0' * 16}{TEMP_SUFFIX}"
+    tmp.write_bytes(b"x" * 1000)
+    when = time.time() - age_s
+    os.utime(tmp, (when, when))
+    return tmp
+
+
+@pytest.mark.parametrize("action", ["save", "load"])
+def test_stale_temp_files_of_a_killed_writer_are_swept(trained, tmp_path, action):
+    stale = _temp_file(trained["path"], age_s=STALE_TEMP_S + 60)  # left by a SIGKILLed save
+    fresh = _temp_file(trained["path"], age_s=1).rename(
+        tmp_path / f".run.pt.4343-{'1' * 16}{TEMP_SUFFIX}")  # a concurrent writer's, in flight
+    other = _temp_file(tmp_path / "other.pt", age_s=STALE_TEMP_S + 60)  # not this checkpoint's
+    if action == "save":
+        save_checkpoint(trained["path"], trained["model"], trained["opt"], step=6)
+    else:
+        load_checkpoint(trained["path"], Net())
+    assert not stale.exists()
+    assert fresh.exists() and other.exists()
+
+
+def test_read_checkpoint_returns_the_verified_contents(trained):
+    record = comera.read_checkpoint(trained["path"])
+    assert isinstance(record, comera.CheckpointRecord)
+    assert record.path == str(trained["path"]) and record.version == comera.checkpoint.VERSION
+    assert record.extra == {"step": 5, "note": "truncated"}
+    assert set(record.layers) == {"emb", "a", "b"}
+    assert tuple(record.layers["a"]["bonds"]) == trained["bonds"]["a"]
+    assert record.optimizer_class == "AdamW"
+    assert record.model.keys() == trained["model"].state_dict().keys()
 
 
 def test_failed_write_keeps_the_old_file(trained, tmp_path, monkeypatch):
