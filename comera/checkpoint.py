@@ -35,11 +35,8 @@ the step, RNG and scheduler state it holds).
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
-import pickle
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +49,8 @@ from comera.errors import CheckpointError
 from comera.optimizer_state import check_optimizer_record, optimizer_record, rebuild_optimizer_
 from comera.size import tt_modules
 from comera.surgery import check_other_keys, layer_spec, match_layers, restore_layers_
-from tncomp.files import atomic_write_bytes, sweep_temp_files
+from comera.torchfile import load_error_reason, read_torch_file, refused_global, write_torch_file
+from tncomp.files import sweep_temp_files
 
 log = logging.getLogger("comera.checkpoint")
 
@@ -156,44 +154,28 @@ def save_checkpoint(path: PathLike, model: nn.Module,
                               "create it first.")
     _sweep(path)
     try:
-        buffer = io.BytesIO()
-        torch.save(payload, buffer)
-        atomic_write_bytes(path, buffer.getbuffer())
+        write_torch_file(path, payload)
     except OSError as exc:
         raise CheckpointError(f"cannot save {path}: {exc}.") from exc
 
 
 # -- read -----------------------------------------------------------------------------------------
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
-
-
-def _reason(exc: BaseException) -> str:
-    """One plain line from a torch.load error (its weights-only errors span many lines, with
-    terminal colour codes)."""
-    text = _ANSI.sub("", str(exc))
-    _, marker, rest = text.partition("WeightsUnpickler error:")
-    lines = [line.strip() for line in (rest if marker else text).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
-
-
 def _load_file(where: str) -> Any:
     if not Path(where).is_file():
         raise CheckpointError(f"checkpoint {where} does not exist (or is not a file).")
     try:
-        return torch.load(where, map_location="cpu", weights_only=True)
+        return read_torch_file(where)
     except Exception as exc:
-        found = _GLOBAL.search(str(exc)) if isinstance(exc, pickle.UnpicklingError) else None
+        found = refused_global(exc)
         if found:
             raise CheckpointError(
-                f"{where} is not a comera checkpoint: it holds pickled Python objects "
-                f"({found.group(1).rstrip('.')}), e.g. a whole model saved with "
-                "torch.save(model); they are not unpickled, as that could run code. Write "
-                "checkpoints with comera.save_checkpoint."
+                f"{where} is not a comera checkpoint: it holds pickled Python objects ({found}), "
+                "e.g. a whole model saved with torch.save(model); they are not unpickled, as "
+                "that could run code. Write checkpoints with comera.save_checkpoint."
             ) from None
         raise CheckpointError(
             f"checkpoint {where} cannot be read: the file is truncated, corrupt or not a "
-            f"torch file ({_reason(exc)}). Re-save it with comera.save_checkpoint."
+            f"torch file ({load_error_reason(exc)}). Re-save it with comera.save_checkpoint."
         ) from exc
 
 

@@ -1,5 +1,10 @@
 """Real data available offline: (docstring, code) pairs and source text from the CPython standard
-library; Criteo-shaped click data (synthetic, or read from the real TSV files)."""
+library; Criteo-shaped click data (synthetic, or read from the real TSV files); MNLI from local
+files.
+
+Shared parts: :mod:`comera.data.tokenizer` (the word tokenizer and its special tokens),
+:mod:`comera.data.cache` (the tensor cache every loader uses) and :mod:`comera.data.progress`.
+"""
 
 from comera.data.criteo import (
     CriteoData,
@@ -11,7 +16,8 @@ from comera.data.criteo import (
 )
 from comera.data.mnli import MNLI, load_mnli
 from comera.data.stdlib_corpus import BertMasking, MLMCorpus, load_stdlib_corpus
-from comera.data.stdlib_pairs import PairDataset, Tokenizer, load_stdlib_pairs
+from comera.data.stdlib_pairs import PairDataset, load_stdlib_pairs
+from comera.data.tokenizer import Tokenizer
 
 __all__ = [
     "MNLI",

@@ -13,7 +13,7 @@
 cache); nothing is downloaded at import. Labels: entailment 0, neutral 1, contradiction 2; rows
 without a gold label (``-`` or ``-1``) are dropped. Splits: ``train``, ``validation_matched``,
 ``validation_mismatched``. Pairs are encoded ``[CLS] premise [SEP] hypothesis [SEP]`` by a word
-:class:`~comera.data.stdlib_pairs.Tokenizer` (built on the training premises and hypotheses
+:class:`~comera.data.tokenizer.Tokenizer` (built on the training premises and hypotheses
 unless given), and the encoded splits are cached under the user cache directory.
 """
 
@@ -23,15 +23,16 @@ import csv
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from comera.data.stdlib_corpus import preparing_progress
-from comera.data.stdlib_pairs import PAD, PairDataset, Tokenizer, cache_dir
+from comera.data.cache import cache_file, read_cached, write_cached
+from comera.data.progress import preparing_progress
+from comera.data.stdlib_pairs import PairDataset
+from comera.data.tokenizer import PAD, Tokenizer
 from comera.errors import ConfigError, DataFormatError
 
 log = logging.getLogger("comera.data")
@@ -221,6 +222,10 @@ def _source_key(files: dict[str, Path] | None) -> str:
     return h.hexdigest()[:16]
 
 
+def _decode(blob) -> MNLI:
+    return MNLI(*(PairDataset(**blob[s]) for s in SPLITS), Tokenizer(tuple(blob["vocab"])))
+
+
 def load_mnli(path: Path | str | None = None, tokenizer: Tokenizer | None = None,
               max_len: int = 128, vocab_size: int = 30000, use_cache: bool = True) -> MNLI:
     """The three MNLI splits encoded for a pair classifier (see the module doc).
@@ -241,14 +246,11 @@ def load_mnli(path: Path | str | None = None, tokenizer: Tokenizer | None = None
         files = find_files(folder)
     vocab_key = ("built" if tokenizer is None else
                  hashlib.sha256("\n".join(tokenizer.vocab).encode()).hexdigest()[:16])
-    key = f"mnli-v{VERSION}-{_source_key(files)}-{max_len}-{vocab_size}-{vocab_key}.pt"
-    cached = cache_dir() / key
-    if use_cache and cached.is_file():
-        try:
-            blob = torch.load(cached, weights_only=True)
-            return MNLI(*(PairDataset(**blob[s]) for s in SPLITS), Tokenizer(tuple(blob["vocab"])))
-        except Exception as exc:  # a corrupt cache entry is rebuilt, not trusted
-            log.warning("rebuilding corrupt data cache %s (%s)", cached, exc)
+    cached = cache_file("mnli", VERSION, {"source": _source_key(files), "max_len": max_len,
+                                          "vocab_size": vocab_size, "vocab": vocab_key})
+    data = read_cached(cached, _decode) if use_cache else None
+    if data is not None:
+        return data
     with preparing_progress() as progress:
         if files is None:
             examples = _from_datasets()
@@ -269,11 +271,8 @@ def load_mnli(path: Path | str | None = None, tokenizer: Tokenizer | None = None
     log.info("MNLI: %s labelled pairs; vocabulary %d",
              "/".join(str(len(d)) for d in data.values()), len(tokenizer.vocab))
     if use_cache:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        torch.save({"vocab": list(tokenizer.vocab),
-                    **{s: {"ids": d.ids, "segments": d.segments, "labels": d.labels}
-                       for s, d in data.items()}}, tmp)
-        os.replace(tmp, cached)
+        write_cached(cached, {"vocab": list(tokenizer.vocab),
+                              **{s: {"ids": d.ids, "segments": d.segments, "labels": d.labels}
+                                 for s, d in data.items()}})
     return MNLI(data["train"], data["validation_matched"], data["validation_mismatched"],
                 tokenizer)

@@ -16,11 +16,11 @@ Which files: every ``.py`` file under the stdlib root except (see :func:`skip_re
    ``html/entities.py``, ``locale.py``'s alias tables, ``stringprep.py``.
 
 Splits are by module with the hash rule of :mod:`comera.data.stdlib_pairs`, so no file lands in
-two splits. A word-level :class:`~comera.data.stdlib_pairs.Tokenizer` is built on the training
+two splits. A word-level :class:`~comera.data.tokenizer.Tokenizer` is built on the training
 split, with ``[MASK]`` (id 4) added after the four shared specials. Each file's tokens are cut
 into pieces of ``seq_len - 2`` and framed as ``[CLS] piece [SEP]`` (a short last piece is padded;
 one under ``min_tokens`` is dropped), so no sequence mixes two files. The encoded splits are cached
-under :func:`~comera.data.stdlib_pairs.cache_dir`, keyed by every parameter, the format version and
+under :func:`~comera.data.cache.cache_dir`, keyed by every parameter, the format version and
 a fingerprint of the source files.
 
 :class:`BertMasking` masks a batch as a pure function of (seed, example index, epoch), so a
@@ -44,17 +44,10 @@ import torch
 from rich.progress import Progress
 from torch import Tensor
 
+from comera.data.cache import cache_file, read_cached, write_cached
 from comera.data.progress import preparing_progress, progress_enabled  # noqa: F401 (re-exported)
-from comera.data.stdlib_pairs import (
-    _SKIP_DIRS,
-    CLS,
-    PAD,
-    SEP,
-    SPECIALS,
-    Tokenizer,
-    _split_of,
-    cache_dir,
-)
+from comera.data.stdlib_pairs import STDLIB_SKIP_DIRS, split_of
+from comera.data.tokenizer import CLS, PAD, SEP, SPECIALS, Tokenizer
 from comera.errors import ConfigError
 
 log = logging.getLogger("comera.data")
@@ -66,7 +59,7 @@ FIRST_WORD = MASK + 1  # ids below this are special: never masked, never drawn a
 IGNORE_INDEX = -100  # the label of positions that are not predicted (torch's cross_entropy default)
 SPLITS = ("train", "val", "test")
 
-SKIP_DIRS = frozenset(_SKIP_DIRS | {"encodings"})
+SKIP_DIRS = frozenset(STDLIB_SKIP_DIRS | {"encodings"})
 SKIP_NAMES = ("test_*.py", "*_test.py", "_*data*.py")
 _GENERATED = re.compile(
     r"auto-?generated|automatically generated|generated (by|from|and used)|do not edit", re.I)
@@ -229,12 +222,6 @@ def build_mlm_tokenizer(texts, vocab_size: int) -> Tokenizer:
     return Tokenizer((*SPECIALS, MASK_TOKEN, *words))
 
 
-def _check_mlm_tokenizer(tokenizer: Tokenizer) -> None:
-    if tokenizer.vocab[:FIRST_WORD] != (*SPECIALS, MASK_TOKEN):
-        raise ConfigError(f"the tokenizer starts with {tokenizer.vocab[:FIRST_WORD]}, not "
-                          f"{(*SPECIALS, MASK_TOKEN)}; build it with build_mlm_tokenizer.")
-
-
 def frame(token_ids: list[int], seq_len: int, min_tokens: int) -> list[list[int]]:
     """Cut one file's ids into ``[CLS] piece [SEP]`` rows of ``seq_len`` (PAD-filled); pieces
     shorter than ``min(min_tokens, seq_len - 2)`` are dropped."""
@@ -293,35 +280,31 @@ def load_stdlib_corpus(seq_len: int = 64, vocab_size: int = 8192, min_tokens: in
     """
     _check_params(seq_len, vocab_size, min_tokens)
     root = _stdlib_root(root)
-    key = (f"stdlib_corpus-v{VERSION}-{_fingerprint(root)}-s{seq_len}-v{vocab_size}"
-           f"-m{min_tokens}.pt")
-    path = cache_dir() / key
-    if use_cache and path.is_file():
-        try:
-            blob = torch.load(path, weights_only=True)
-            splits = [MLMCorpus(blob[s]["ids"], blob[s]["source"], tuple(blob[s]["modules"]))
-                      for s in SPLITS]
-            log.debug("corpus cache hit %s", path)
-            return (*splits, Tokenizer(tuple(blob["vocab"])))
-        except Exception as exc:  # a corrupt cache entry is rebuilt, not trusted
-            log.warning("rebuilding corrupt data cache %s (%s)", path, exc)
-    log.debug("corpus cache miss %s", path)
+    path = cache_file("stdlib_corpus", VERSION, {"sources": _fingerprint(root),
+                                                 "seq_len": seq_len, "vocab_size": vocab_size,
+                                                 "min_tokens": min_tokens})
+    cached = read_cached(path, _decode) if use_cache else None
+    if cached is not None:
+        return cached
     splits, tokenizer = _build(root, seq_len, vocab_size, min_tokens)
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        torch.save({"vocab": list(tokenizer.vocab),
-                    **{s: {"ids": c.ids, "source": c.source, "modules": list(c.modules)}
-                       for s, c in zip(SPLITS, splits, strict=True)}}, tmp)
-        os.replace(tmp, path)
+        write_cached(path, {"vocab": list(tokenizer.vocab),
+                            **{s: {"ids": c.ids, "source": c.source, "modules": list(c.modules)}
+                               for s, c in zip(SPLITS, splits, strict=True)}})
     return (*splits, tokenizer)
+
+
+def _decode(blob) -> tuple[MLMCorpus, MLMCorpus, MLMCorpus, Tokenizer]:
+    splits = [MLMCorpus(blob[s]["ids"], blob[s]["source"], tuple(blob[s]["modules"]))
+              for s in SPLITS]
+    return (*splits, Tokenizer(tuple(blob["vocab"])))
 
 
 def _build(root: Path, seq_len: int, vocab_size: int, min_tokens: int):
     by_split: dict[str, list[tuple[str, str]]] = {s: [] for s in SPLITS}
     with preparing_progress() as progress:
         for module, source in corpus_sources(root, progress):
-            by_split[_split_of(module)].append((module, source))
+            by_split[split_of(module)].append((module, source))
         if not by_split["train"]:
             kept = sum(len(v) for v in by_split.values())
             raise ConfigError(f"no usable .py file under {str(root)!r} falls in the training "

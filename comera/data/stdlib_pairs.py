@@ -4,44 +4,31 @@ The CPython standard library holds thousands of documented functions. Each examp
 docstring with a function body: its own (label 1, "matched") or another function's from the
 same split (label 0, "mismatched"). Splits are by module (a hash of the module path), so no
 function, and no module, lands in two splits. A word-level tokenizer is built locally from the
-training split; nothing is downloaded. The encoded splits are cached under the user's cache
-directory.
+training split (:mod:`comera.data.tokenizer`); nothing is downloaded. The encoded splits are
+cached under the user's cache directory (:mod:`comera.data.cache`).
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
-import logging
-import os
 import random
-import re
 import sysconfig
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tncomp.files import user_cache_dir
-
-log = logging.getLogger("comera.data")
+from comera.data.cache import cache_dir, cache_file, read_cached, write_cached
+from comera.data.tokenizer import CLS, PAD, SEP, SPECIALS, UNK, Tokenizer, tokenize
 
 VERSION = 3
-SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]")
-PAD, UNK, CLS, SEP = range(4)
-# words and identifier pieces: ``get_path`` and ``getPath`` both give "get", "path", so code shares
-# its vocabulary with the prose that describes it; underscores are separators, not tokens
-_TOKEN = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+|[^\sA-Za-z\d_]")
-_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "pydoc_data", "lib2to3", "turtledemo"}
+STDLIB_SKIP_DIRS = frozenset(
+    {"test", "tests", "idlelib", "site-packages", "pydoc_data", "lib2to3", "turtledemo"})
 
 
-def cache_dir() -> Path:
-    """``$COMERA_CACHE_DIR``, else the user cache directory."""
-    return user_cache_dir("comera", "COMERA_CACHE_DIR")
-
-
-def _split_of(module: str) -> str:
+def split_of(module: str) -> str:
+    """The split of a module path: ~80% train, 10% val, 10% test, by a hash of the path."""
     h = int(hashlib.sha256(module.encode()).hexdigest()[:8], 16) % 100
     return "test" if h < 10 else "val" if h < 20 else "train"
 
@@ -51,7 +38,7 @@ def stdlib_functions(root: Path | None = None) -> list[tuple[str, str, str]]:
     root = Path(root or sysconfig.get_paths()["stdlib"])
     out = []
     for path in sorted(root.rglob("*.py")):
-        if _SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
+        if STDLIB_SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
             continue
         try:
             source = path.read_text(encoding="utf-8")
@@ -71,44 +58,6 @@ def stdlib_functions(root: Path | None = None) -> list[tuple[str, str, str]]:
                 signature = f"def {node.name}({ast.unparse(node.args)}):"
                 out.append((module, doc.strip(), f"{signature}\n{body}"))
     return out
-
-
-def tokenize(text: str) -> list[str]:
-    return [t.lower() for t in _TOKEN.findall(text)]
-
-
-@dataclass(frozen=True)
-class Tokenizer:
-    """Word-level vocabulary built from the training split (specials first)."""
-
-    vocab: tuple[str, ...]
-
-    @classmethod
-    def build(cls, texts, size: int) -> Tokenizer:
-        counts = Counter(tok for text in texts for tok in tokenize(text))
-        words = [w for w, _ in counts.most_common(size - len(SPECIALS))]
-        return cls(SPECIALS + tuple(words))
-
-    def ids(self, text: str, limit: int) -> list[int]:
-        index = self._index
-        return [index.get(t, UNK) for t in tokenize(text)[:limit]]
-
-    @property
-    def _index(self) -> dict[str, int]:
-        cached = self.__dict__.get("_index_cache")
-        if cached is None:
-            cached = {w: k for k, w in enumerate(self.vocab)}
-            object.__setattr__(self, "_index_cache", cached)
-        return cached
-
-    def encode_pair(self, first: str, second: str, max_len: int) -> tuple[list[int], list[int]]:
-        """[CLS] first [SEP] second [SEP], truncated to ``max_len``; segment ids 0/1."""
-        budget = max_len - 3
-        a = self.ids(first, budget // 2)
-        b = self.ids(second, budget - len(a))
-        ids = [CLS, *a, SEP, *b, SEP]
-        segments = [0] * (len(a) + 2) + [1] * (len(b) + 1)
-        return ids, segments
 
 
 @dataclass(frozen=True)
@@ -153,25 +102,26 @@ def _pairs(functions, rng: random.Random):
     return out
 
 
+def _decode(blob) -> tuple[PairDataset, PairDataset, PairDataset, Tokenizer]:
+    return (*(PairDataset(**blob[s]) for s in ("train", "val", "test")),
+            Tokenizer(tuple(blob["vocab"])))
+
+
 def load_stdlib_pairs(max_len: int = 128, vocab_size: int = 8000, limit: int | None = None,
                       seed: int = 0, use_cache: bool = True):
     """(train, val, test, tokenizer) of the docstring/code matching task (see module doc).
 
     ``limit`` caps the number of functions per split (for quick runs).
     """
-    key = f"stdlib_pairs-v{VERSION}-{max_len}-{vocab_size}-{limit}-{seed}.pt"
-    path = cache_dir() / key
-    if use_cache and path.is_file():
-        try:
-            blob = torch.load(path, weights_only=False)
-            return (*(PairDataset(**blob[s]) for s in ("train", "val", "test")),
-                    Tokenizer(tuple(blob["vocab"])))
-        except Exception as exc:  # a corrupt cache entry is rebuilt, not trusted
-            log.warning("rebuilding corrupt data cache %s (%s)", path, exc)
+    path = cache_file("stdlib_pairs", VERSION, {"max_len": max_len, "vocab_size": vocab_size,
+                                                "limit": limit, "seed": seed})
+    cached = read_cached(path, _decode) if use_cache else None
+    if cached is not None:
+        return cached
     functions = stdlib_functions()
     by_split: dict[str, list] = {"train": [], "val": [], "test": []}
     for fn in functions:
-        by_split[_split_of(fn[0])].append(fn)
+        by_split[split_of(fn[0])].append(fn)
     rng = random.Random(seed)
     if limit is not None:
         for split, items in by_split.items():
@@ -179,10 +129,13 @@ def load_stdlib_pairs(max_len: int = 128, vocab_size: int = 8000, limit: int | N
     tokenizer = Tokenizer.build((t for _, d, c in by_split["train"] for t in (d, c)), vocab_size)
     data = {s: _encode(_pairs(items, rng), tokenizer, max_len) for s, items in by_split.items()}
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"vocab": list(tokenizer.vocab),
-                    **{s: {"ids": d.ids, "segments": d.segments, "labels": d.labels}
-                       for s, d in data.items()}}, tmp)
-        os.replace(tmp, path)
+        write_cached(path, {"vocab": list(tokenizer.vocab),
+                            **{s: {"ids": d.ids, "segments": d.segments, "labels": d.labels}
+                               for s, d in data.items()}})
     return data["train"], data["val"], data["test"], tokenizer
+
+
+__all__ = [  # the tokenizer names and cache_dir are re-exported: they lived here before
+    "CLS", "PAD", "SEP", "SPECIALS", "STDLIB_SKIP_DIRS", "UNK", "PairDataset", "Tokenizer",
+    "cache_dir", "load_stdlib_pairs", "split_of", "stdlib_functions", "tokenize",
+]

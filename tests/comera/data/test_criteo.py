@@ -51,6 +51,15 @@ def test_generator_is_deterministic_and_prefix_stable():
     assert not torch.equal(other.sparse, first.sparse[:100])
 
 
+@pytest.mark.parametrize("n", [100, 8192 + 5])
+def test_generate_returns_exactly_n_rows_owning_their_storage(n):
+    split = SyntheticCriteo(cardinalities=SMALL).generate(n)
+    for tensor, width in ((split.dense, 13), (split.sparse, len(SMALL)), (split.labels, 1)):
+        assert tensor.shape[0] == n and tensor.is_contiguous()
+        # not a view of a whole 8,192-row chunk: the storage holds the n rows and no more
+        assert tensor.untyped_storage().nbytes() == n * width * tensor.element_size()
+
+
 def test_generated_examples_are_well_formed():
     gen = SyntheticCriteo(cardinalities=SMALL)
     data = gen.generate(20_000)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from comera.data import mnli
-from comera.data.stdlib_pairs import CLS, PAD, SEP, SPECIALS, UNK, Tokenizer
+from comera.data.tokenizer import CLS, PAD, SEP, SPECIALS, UNK, Tokenizer
 from comera.errors import ConfigError
 
 

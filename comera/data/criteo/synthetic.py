@@ -1,11 +1,8 @@
-"""Criteo click data: a synthetic generator at the Kaggle table sizes, and the real TSV reader.
+"""Synthetic Criteo click data: a seeded generator at the Kaggle table sizes.
 
-One example is a click label, 13 integer features and 26 categorical features. Both sources give
-the same tensors: dense features as ``log(1 + max(x, 0))`` (missing -> 0, as the reference DLRM
-preprocesses them), one id per table in ``[0, cardinality)``, and a 0/1 label.
-
-:class:`SyntheticCriteo` is a deterministic stand-in for the real data, built to exercise what
-matters for embedding compression:
+:class:`SyntheticCriteo` is a deterministic stand-in for the real data (the tensors the TSV
+reader gives, see :mod:`comera.data.criteo.splits`), built to exercise what matters for embedding
+compression:
 
 * ids follow a Zipf law per table (rank k has probability proportional to k^-s, over the whole
   table), mapped to ids by a random bijection of the table, so a few ids are frequent and most
@@ -21,11 +18,9 @@ matters for embedding compression:
 Rows come in chunks of 8,192 with their own seeds, per stream ("train", "val", "test"): a split's
 first rows do not depend on its length, and changing the training size leaves val and test alone.
 
-:func:`read_criteo_tsv` reads the Kaggle files (``label \\t I1..I13 \\t C1..C26``, empty fields
-allowed) and hashes each hex categorical value into its table (``1 + value mod (rows - 1)``;
-id 0 is "missing"). Both loaders cache their tensors under :func:`cache_dir`, keyed by every
-parameter, and show a progress bar on a terminal while they work (``COMERA_NO_PROGRESS=1``
-turns it off).
+:func:`load_synthetic_criteo` caches the generated splits (:mod:`comera.data.cache`), keyed by
+the generator and the sizes, and shows a progress bar on a terminal while it works
+(``COMERA_NO_PROGRESS=1`` turns it off).
 """
 
 from __future__ import annotations
@@ -33,29 +28,27 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from comera.data.progress import progress_bar, progress_enabled
-from comera.data.stdlib_pairs import cache_dir
-from comera.errors import ConfigError, DataFormatError
+from comera.data.criteo.splits import (
+    CRITEO_KAGGLE_CARDINALITIES,
+    CRITEO_NUM_DENSE,
+    CriteoData,
+    CriteoSplit,
+    cache_path,
+    check_cardinalities,
+    check_count,
+    load_cached,
+    save_cached,
+)
+from comera.data.progress import progress_bar
+from comera.errors import ConfigError
 
 log = logging.getLogger("comera.data")
-
-VERSION = 1
-SPLITS = ("train", "val", "test")
-# Rows of the 26 categorical tables of the Criteo Display Advertising Challenge (Kaggle) data as
-# preprocessed by the reference DLRM (every distinct value of the 7 days); 33,762,577 in all.
-CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-)
-CRITEO_NUM_DENSE = 13
 
 _CHUNK = 8192  # rows per seeded chunk of the generator: part of its definition, keep fixed
 _CALIBRATION_CHUNKS = 8  # the intercept is fitted on this many chunks of their own stream
@@ -66,97 +59,6 @@ _HASH_ROUNDS = 3
 _BLOCK = 8192  # rows per block of the hidden-vector hash
 
 
-# -- containers ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CriteoSplit:
-    """Examples of one split, as the model takes them."""
-
-    dense: Tensor  # (N, num_dense) float32: log(1 + max(x, 0)), 0 where missing
-    sparse: Tensor  # (N, T) int32: one id per table, in [0, cardinality)
-    labels: Tensor  # (N,) float32 in {0, 1}
-
-    def __post_init__(self) -> None:
-        n = self.labels.shape[0]
-        if self.dense.dim() != 2 or self.sparse.dim() != 2 or self.labels.dim() != 1 \
-                or self.dense.shape[0] != n or self.sparse.shape[0] != n:
-            raise ConfigError(f"a split needs dense (N, F), sparse (N, T) and labels (N,) with "
-                              f"one N; got {tuple(self.dense.shape)}, "
-                              f"{tuple(self.sparse.shape)}, {tuple(self.labels.shape)}.")
-
-    def __len__(self) -> int:
-        return self.labels.shape[0]
-
-    def positive_rate(self) -> float:
-        return float(self.labels.mean()) if len(self) else 0.0
-
-    def rows(self, start: int, stop: int) -> CriteoSplit:
-        return CriteoSplit(self.dense[start:stop], self.sparse[start:stop],
-                           self.labels[start:stop])
-
-
-@dataclass(frozen=True)
-class CriteoData:
-    """Train, val and test splits and the table sizes their ids index."""
-
-    train: CriteoSplit
-    val: CriteoSplit
-    test: CriteoSplit
-    cardinalities: tuple[int, ...]
-
-    def split(self, name: str) -> CriteoSplit:
-        if name not in SPLITS:
-            raise ConfigError(f"unknown split {name!r}; choose one of {SPLITS}.")
-        return getattr(self, name)
-
-
-# -- caching --------------------------------------------------------------------------------------
-def _cache_path(kind: str, key: dict) -> Path:
-    digest = hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:20]
-    log.debug("criteo cache key %s: %s -> %s", kind, key, digest)
-    return cache_dir() / f"criteo-{kind}-v{VERSION}-{digest}.pt"
-
-
-def _load_cached(path: Path) -> CriteoData | None:
-    if not path.is_file():
-        return None
-    try:
-        blob = torch.load(path, weights_only=True)
-        data = CriteoData(*(CriteoSplit(**blob[s]) for s in SPLITS),
-                          tuple(int(c) for c in blob["cardinalities"]))
-    except Exception as exc:  # a corrupt cache entry is rebuilt, not trusted
-        log.warning("rebuilding corrupt data cache %s (%s)", path, exc)
-        return None
-    log.debug("criteo data cache hit %s", path)
-    return data
-
-
-def _save_cached(path: Path, data: CriteoData) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    blob = {s: {"dense": d.dense, "sparse": d.sparse, "labels": d.labels}
-            for s, d in zip(SPLITS, (data.train, data.val, data.test), strict=True)}
-    torch.save({**blob, "cardinalities": list(data.cardinalities)}, tmp)
-    os.replace(tmp, path)
-
-
-def _check_cardinalities(cardinalities: Sequence[int]) -> tuple[int, ...]:
-    cards = tuple(cardinalities)
-    if not cards:
-        raise ConfigError("cardinalities is empty; give the rows of every categorical table.")
-    for c in cards:
-        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c < 2**31:
-            raise ConfigError(f"cardinalities {cards} holds {c!r}; every table has an int "
-                              f"number of rows in [1, 2**31).")
-    return cards
-
-
-def _check_count(name: str, value: int, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r}; it must be an int >= {minimum}.")
-    return value
-
-
-# -- the synthetic generator --------------------------------------------------------------------
 def _seed_of(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
 
@@ -221,11 +123,11 @@ class SyntheticCriteo:
     _bias: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        cards = _check_cardinalities(self.cardinalities)
+        cards = check_cardinalities(self.cardinalities)
         object.__setattr__(self, "cardinalities", cards)
-        _check_count("num_dense", self.num_dense, 0)
-        _check_count("hidden_dim", self.hidden_dim, 1)
-        _check_count("seed", self.seed, 0)
+        check_count("num_dense", self.num_dense, 0)
+        check_count("hidden_dim", self.hidden_dim, 1)
+        check_count("seed", self.seed, 0)
         if not isinstance(self.zipf_exponent, int | float) or not self.zipf_exponent > 0:
             raise ConfigError(f"zipf_exponent={self.zipf_exponent!r}; it must be > 0 "
                               "(about 1 for click logs).")
@@ -356,19 +258,22 @@ class SyntheticCriteo:
 
     def generate(self, n: int, stream: str = "train",
                  advance: Callable[[float], None] | None = None) -> CriteoSplit:
-        """The first ``n`` examples of ``stream`` (deterministic in seed, stream and row)."""
-        _check_count("n", n, 0)
+        """The first ``n`` examples of ``stream`` (deterministic in seed, stream and row), in
+        tensors of exactly ``n`` rows."""
+        check_count("n", n, 0)
         parts = []
         for index in range(math.ceil(n / _CHUNK)):
-            parts.append(self._chunk(stream, index))
+            rows = min(_CHUNK, n - index * _CHUNK)
+            parts.append(tuple(t[:rows] for t in self._chunk(stream, index)))
             if advance is not None:
-                advance(min(_CHUNK, n - index * _CHUNK))
+                advance(rows)
         if not parts:
             return CriteoSplit(torch.zeros(0, self.num_dense),
                                torch.zeros(0, len(self.cardinalities), dtype=torch.int32),
                                torch.zeros(0))
-        dense, sparse, labels = (torch.cat(list(col))[:n] for col in zip(*parts, strict=True))
-        return CriteoSplit(dense.contiguous(), sparse.contiguous(), labels.contiguous())
+        # torch.cat copies, so the split owns exactly n rows (a slice would keep a whole chunk)
+        dense, sparse, labels = (torch.cat(list(col)) for col in zip(*parts, strict=True))
+        return CriteoSplit(dense, sparse, labels)
 
 
 def load_synthetic_criteo(generator: SyntheticCriteo | None = None, n_train: int = 1_000_000,
@@ -376,152 +281,19 @@ def load_synthetic_criteo(generator: SyntheticCriteo | None = None, n_train: int
                           use_cache: bool = True) -> CriteoData:
     """Train / val / test from ``generator`` (default: the Kaggle tables), cached on disk."""
     gen = generator or SyntheticCriteo()
-    sizes = {"train": _check_count("n_train", n_train, 1), "val": _check_count("n_val", n_val),
-             "test": _check_count("n_test", n_test)}
+    sizes = {"train": check_count("n_train", n_train, 1), "val": check_count("n_val", n_val),
+             "test": check_count("n_test", n_test)}
     key = {"generator": repr(gen), "sizes": tuple(sizes.values())}
-    path = _cache_path("synthetic", key)
-    if use_cache and (cached := _load_cached(path)) is not None:
+    path = cache_path("synthetic", key)
+    if use_cache and (cached := load_cached(path)) is not None:
         return cached
     log.info("generating synthetic Criteo (%s examples, cache %s)", sizes, path)
     with progress_bar("generating synthetic Criteo", sum(sizes.values())) as advance:
         splits = [gen.generate(n, stream, advance) for stream, n in sizes.items()]
     data = CriteoData(*splits, gen.cardinalities)
     if use_cache:
-        _save_cached(path, data)
+        save_cached(path, data)
     return data
 
 
-# -- the Criteo TSV reader ----------------------------------------------------------------------
-def _malformed(path: Path, lineno: int, what: str) -> DataFormatError:
-    return DataFormatError(f"{path}:{lineno}: {what}; a Criteo line is a 0/1 label, 13 integer "
-                           "and 26 hex categorical fields, tab-separated (fields may be empty).")
-
-
-def read_criteo_tsv(path: str | os.PathLike, cardinalities: Sequence[int] =
-                    CRITEO_KAGGLE_CARDINALITIES, num_dense: int = CRITEO_NUM_DENSE,
-                    limit: int | None = None) -> CriteoSplit:
-    """Every example of a Criteo-format file (the first ``limit`` if given), in file order.
-
-    Integer features: empty -> 0, negative -> 0, then ``log(1 + x)``. Categorical hex values
-    hash to ``1 + value mod (rows - 1)`` of their table; empty -> id 0 (and a 1-row table maps
-    everything to 0).
-    """
-    path = Path(path)
-    cards = _check_cardinalities(cardinalities)
-    _check_count("num_dense", num_dense, 0)
-    if limit is not None:
-        _check_count("limit", limit, 1)
-    if not path.is_file():
-        raise ConfigError(f"no Criteo file at {path}; give the path of train.txt (Kaggle) or a "
-                          "file in the same format.")
-    n_fields = 1 + num_dense + len(cards)
-    moduli = [max(c - 1, 1) for c in cards]
-    labels: list[int] = []
-    ints: list[int] = []
-    cats: list[int] = []
-    parts: list[CriteoSplit] = []
-
-    def flush() -> None:  # python ints -> compact tensors, every _CHUNK lines
-        n = len(labels)
-        counts = torch.tensor(ints, dtype=torch.float64).reshape(n, num_dense)  # (n, J)
-        parts.append(CriteoSplit(torch.log1p(counts).to(torch.float32),  # (n, J)
-                                 torch.tensor(cats, dtype=torch.int32).reshape(n, len(cards)),
-                                 torch.tensor(labels, dtype=torch.float32)))  # (n,)
-        labels.clear()
-        ints.clear()
-        cats.clear()
-
-    with path.open("rb") as f, progress_bar(f"reading {path.name}", path.stat().st_size) as advance:
-        for lineno, line in enumerate(f, start=1):
-            if limit is not None and lineno > limit:
-                break
-            advance(len(line))
-            fields = line.rstrip(b"\r\n").split(b"\t")
-            if len(fields) != n_fields:
-                raise _malformed(path, lineno, f"{len(fields)} fields, expected {n_fields}")
-            label = fields[0]
-            if label not in (b"0", b"1"):
-                raise _malformed(path, lineno, f"label {label.decode(errors='replace')!r} is "
-                                               "not 0 or 1")
-            labels.append(label == b"1")
-            for j in range(num_dense):
-                raw = fields[1 + j]
-                try:
-                    ints.append(max(int(raw), 0) if raw else 0)
-                except ValueError:
-                    raise _malformed(path, lineno, f"integer feature I{j + 1} is "
-                                                   f"{raw.decode(errors='replace')!r}") from None
-            for t, m in enumerate(moduli):
-                raw = fields[1 + num_dense + t]
-                try:
-                    cats.append(1 + int(raw, 16) % m if raw and cards[t] > 1 else 0)
-                except ValueError:
-                    raise _malformed(path, lineno, f"categorical feature C{t + 1} is "
-                                     f"{raw.decode(errors='replace')!r}, not hex") from None
-            if len(labels) == _CHUNK:
-                flush()
-    if labels or not parts:
-        flush()
-    return CriteoSplit(torch.cat([p.dense for p in parts]),  # (N, J)
-                       torch.cat([p.sparse for p in parts]),  # (N, T)
-                       torch.cat([p.labels for p in parts]))  # (N,)
-
-
-def load_criteo_tsv(path: str | os.PathLike, cardinalities: Sequence[int] =
-                    CRITEO_KAGGLE_CARDINALITIES, fractions: tuple[float, float, float] =
-                    (0.8, 0.1, 0.1), limit: int | None = None,
-                    use_cache: bool = True) -> CriteoData:
-    """Train / val / test from a Criteo file: contiguous parts in file order (time order for
-    the Kaggle data), sized by ``fractions``; cached on disk, keyed by the file's size and
-    modification time and every parameter."""
-    path = Path(path).resolve()
-    cards = _check_cardinalities(cardinalities)
-    fr = tuple(float(x) for x in fractions)
-    if len(fr) != 3 or any(x < 0 for x in fr) or abs(sum(fr) - 1.0) > 1e-9 or fr[0] == 0:
-        raise ConfigError(f"fractions={fractions}; give (train, val, test) shares >= 0 that sum "
-                          "to 1 with a nonzero train share, e.g. (0.8, 0.1, 0.1).")
-    if not path.is_file():
-        raise ConfigError(f"no Criteo file at {path}; give the path of train.txt (Kaggle) or a "
-                          "file in the same format.")
-    stat = path.stat()
-    key = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-           "cardinalities": cards, "fractions": fr, "limit": limit}
-    cache = _cache_path("tsv", key)
-    if use_cache and (cached := _load_cached(cache)) is not None:
-        return cached
-    log.info("reading %s (cache %s)", path, cache)
-    everything = read_criteo_tsv(path, cards, limit=limit)
-    n = len(everything)
-    n_train, n_val = int(n * fr[0]), int(n * fr[1])
-    if n_train == 0:
-        raise ConfigError(f"{path} holds {n} examples: too few for a training split.")
-    data = CriteoData(everything.rows(0, n_train), everything.rows(n_train, n_train + n_val),
-                      everything.rows(n_train + n_val, n), cards)
-    if use_cache:
-        _save_cached(path=cache, data=data)
-    return data
-
-
-def describe_data(data: CriteoData) -> dict:
-    """Sizes and click rates of the splits, for results files."""
-    out = {s: len(data.split(s)) for s in SPLITS}
-    out.update({f"{s}_positive_rate": round(data.split(s).positive_rate(), 4) for s in SPLITS})
-    out["tables"] = len(data.cardinalities)
-    out["table_rows"] = sum(data.cardinalities)
-    return out
-
-
-__all__ = [
-    "CRITEO_KAGGLE_CARDINALITIES",
-    "CRITEO_NUM_DENSE",
-    "CriteoData",
-    "CriteoSplit",
-    "DataFormatError",
-    "SyntheticCriteo",
-    "describe_data",
-    "load_criteo_tsv",
-    "load_synthetic_criteo",
-    "progress_enabled",
-    "read_criteo_tsv",
-    "zipf_ranks",
-]
+__all__ = ["SyntheticCriteo", "load_synthetic_criteo", "zipf_ranks"]

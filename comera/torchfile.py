@@ -1,0 +1,59 @@
+"""Torch files on disk, safely: written atomically, read without running code.
+
+The one home of comera's ``torch.save`` / ``torch.load`` of files it owns (checkpoints, the data
+cache). :func:`write_torch_file` serialises to memory and writes through
+``tncomp.files.atomic_write_bytes`` (temp file, fsync, rename), so a reader sees the old file, the
+new one or none. :func:`read_torch_file` loads with ``weights_only=True``: tensors and plain
+containers only, so a planted pickle is refused before any of it runs. Torch's weights-only errors
+span many lines with terminal colour codes; :func:`load_error_reason` makes them one plain line
+and :func:`refused_global` names the Python object a file asked to unpickle.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tncomp.files import atomic_write_bytes
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+
+
+def write_torch_file(path: Path | str | os.PathLike, obj: Any) -> None:
+    """``torch.save(obj)`` to ``path`` atomically (the directory must exist; ``OSError`` on
+    failure, with nothing left behind)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(Path(path), buffer.getbuffer())
+
+
+def read_torch_file(path: Path | str | os.PathLike) -> Any:
+    """``torch.load(path)`` on the CPU with ``weights_only=True`` (never unpickles code)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def refused_global(exc: BaseException) -> str | None:
+    """The Python object (``module.Name``) a weights-only load refused to unpickle, if that is
+    what ``exc`` reports; None for any other error."""
+    if not isinstance(exc, pickle.UnpicklingError):
+        return None
+    found = _GLOBAL.search(str(exc))
+    return found.group(1).rstrip(".") if found else None
+
+
+def load_error_reason(exc: BaseException) -> str:
+    """``exc`` of a failed load as one plain line: its type and first meaningful line."""
+    text = _ANSI.sub("", str(exc))
+    _, marker, rest = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (rest if marker else text).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
+__all__ = ["load_error_reason", "read_torch_file", "refused_global", "write_torch_file"]
