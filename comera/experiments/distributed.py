@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from comera.errors import ConfigError
+from comera import ConfigError
 
 
 @dataclass(frozen=True)

@@ -9,24 +9,17 @@ binary cross-entropy and the accuracy at logit 0 beside it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from comera.data.criteo import (
-    CRITEO_KAGGLE_CARDINALITIES,
-    SPLITS,
-    CriteoData,
-    SyntheticCriteo,
-    describe_data,
-    load_criteo_tsv,
-    load_synthetic_criteo,
-)
-from comera.errors import ConfigError, NonFiniteLossError
+from comera import ConfigError, NonFiniteLossError
+from comera.data import CriteoData, SyntheticCriteo, load_criteo_tsv, load_synthetic_criteo
+from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, SPLITS, describe_data
 from comera.experiments.task import Task
-from comera.models.dlrm import DLRM, DLRMConfig
+from comera.models import DLRM, DLRMConfig
 
 log = logging.getLogger("comera.experiments")
 
@@ -201,11 +194,6 @@ class DLRMTask(Task):
         return {**describe_data(self.data), "source": self.cfg.tsv_path or "synthetic",
                 "table_sizes": list(dense.table_sizes),
                 "dense_table_parameters": sum(dense.table_sizes) * dense.embedding_dim}
-
-    def with_config(self, **changes: Any) -> DLRMTask:
-        """The same data with some model settings changed (e.g. ``tt_ranks``)."""
-        cfg = replace(self.cfg, **changes)
-        return DLRMTask(cfg, self.data)
 
 
 def _to_device(batch: Batch, model: nn.Module) -> Batch:

@@ -32,7 +32,14 @@ import torch
 from torch import Tensor, nn
 
 import comera
-from comera.errors import CheckpointError, ConfigError, NonFiniteError, TrainingStopped
+from comera import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteError,
+    TrainingStopped,
+    TTLinear,
+    TTMLinear,
+)
 from comera.experiments.distributed import (
     World,
     average_gradients,
@@ -42,7 +49,6 @@ from comera.experiments.distributed import (
     mean_over_workers,
 )
 from comera.experiments.task import IndexStream, Task
-from comera.layers import TTLinear, TTMLinear
 
 log = logging.getLogger("comera.engine")
 

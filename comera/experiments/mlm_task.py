@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera.data.stdlib_corpus import BertMasking, MLMCorpus, load_stdlib_corpus
-from comera.errors import ConfigError
+from comera import ConfigError
+from comera.data import BertMasking, MLMCorpus, load_stdlib_corpus
 from comera.experiments.task import IndexStream, Task
-from comera.models.mlm import MaskedLM, masked_logits
-from comera.models.transformer import TransformerConfig
+from comera.models import MaskedLM, TransformerConfig
+from comera.models.mlm import masked_logits
 
 EVAL_SPLITS = ("val", "test")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from comera.errors import ConfigError
+from comera import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.experiments.task import Task
 

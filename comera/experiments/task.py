@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera.errors import ConfigError
+from comera import ConfigError
 
 Batch = Any  # whatever ``Task.batch`` returns and ``Task.loss`` takes (tensors, tuples of them)
 
@@ -121,7 +121,3 @@ class IndexStream:
         epochs = torch.arange(start, start + self.batch_size) // self.size  # (batch_size,)
         per = self.batch_size // world
         return epochs[rank * per:(rank + 1) * per]
-
-    def epoch_of(self, step: int) -> float:
-        """Epochs completed before ``step`` (fractional): ``step * batch_size / size``."""
-        return step * self.batch_size / self.size
