@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import CheckpointError
-from comera.optimizer_state import check_optimizer_record, optimizer_record, rebuild_optimizer_
+from comera.optimizer_state import check_optimizer, optimizer_record, rebuild_optimizer_
 from comera.size import tt_modules
 from comera.surgery import check_other_keys, layer_spec, match_layers, restore_layers_
 from comera.torchfile import load_error_reason, read_torch_file, refused_global, write_torch_file
@@ -126,9 +126,8 @@ def _check_plain(obj: Any, where: str) -> None:
 
 def _sweep(path: Path) -> None:
     """Remove the temp files of earlier writes of ``path`` whose writers died."""
-    directory = path.parent if str(path.parent) else Path(".")
     try:
-        sweep_temp_files(directory, prefix=f".{path.name}.", older_than_s=STALE_TEMP_S)
+        sweep_temp_files(path.parent, prefix=f".{path.name}.", older_than_s=STALE_TEMP_S)
     except OSError as exc:  # e.g. a read-only folder: the sweep must not block a load
         log.warning("could not sweep stale temp files of %s (%s)", path, exc)
 
@@ -148,9 +147,8 @@ def save_checkpoint(path: PathLike, model: nn.Module,
         payload.update(optimizer_record(model, optimizer))
     payload["checksum"] = _checksum(payload)
     path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    if not directory.is_dir():
-        raise CheckpointError(f"cannot save {path}: the directory {directory} does not exist; "
+    if not path.parent.is_dir():
+        raise CheckpointError(f"cannot save {path}: the directory {path.parent} does not exist; "
                               "create it first.")
     _sweep(path)
     try:
@@ -228,16 +226,14 @@ def load_checkpoint(source: PathLike | Mapping[str, Any], model: nn.Module,
     ``optimizer``, its param groups are rebuilt over the loaded model and the saved state is
     loaded into it (see the module docstring).
     """
-    record = _read(source)
     if not isinstance(source, Mapping):
         _sweep(Path(source))
+    record = _read(source)
     where = record.path
     plan = match_layers(model, record.layers, where)
     check_other_keys(model, record.model, [name for name, _, _ in plan], strict, where)
-    saved_optimizer = {"optimizer": record.optimizer, "optimizer_class": record.optimizer_class,
-                       "optimizer_param_names": record.optimizer_param_names}
     if optimizer is not None:
-        check_optimizer_record(saved_optimizer, optimizer, where)
+        check_optimizer(record.optimizer, record.optimizer_class, optimizer, where)
     restore_layers_(model, plan)
     try:
         model.load_state_dict(record.model, strict=strict)
@@ -245,7 +241,8 @@ def load_checkpoint(source: PathLike | Mapping[str, Any], model: nn.Module,
         raise CheckpointError(f"{where} could not be loaded into the model (it was partly "
                               f"changed; rebuild it before retrying): {exc}") from exc
     if optimizer is not None:
-        rebuild_optimizer_(saved_optimizer, model, optimizer, where)
+        rebuild_optimizer_(record.optimizer, record.optimizer_param_names, model, optimizer,
+                           where)
     return dict(record.extra)
 
 

@@ -44,27 +44,25 @@ def optimizer_record(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             "optimizer_param_names": groups}
 
 
-def check_optimizer_record(record: Mapping[str, Any], optimizer: torch.optim.Optimizer,
-                           where: str) -> None:
-    """Refuse, before anything changes, a record without state or of another optimizer class."""
-    if record.get("optimizer") is None:
+def check_optimizer(saved: Mapping[str, Any] | None, saved_class: str | None,
+                    optimizer: torch.optim.Optimizer, where: str) -> None:
+    """Refuse, before anything changes, a missing saved state or one of another optimizer class
+    than ``optimizer``'s."""
+    if saved is None:
         raise CheckpointError(f"{where} holds no optimizer state (it was saved without "
                               "optimizer=...); call load_checkpoint without an optimizer and "
                               "start a fresh one.")
-    saved = record.get("optimizer_class")
-    if saved != type(optimizer).__name__:
-        raise CheckpointError(f"{where} holds the state of a {saved} optimizer, got a "
+    if saved_class != type(optimizer).__name__:
+        raise CheckpointError(f"{where} holds the state of a {saved_class} optimizer, got a "
                               f"{type(optimizer).__name__}; pass an optimizer of the same class "
                               "(e.g. comera.make_optimizer(model) for AdamW).")
 
 
-def rebuild_optimizer_(record: Mapping[str, Any], model: nn.Module,
+def rebuild_optimizer_(saved: Mapping[str, Any], names: list[list[str]], model: nn.Module,
                        optimizer: torch.optim.Optimizer, where: str) -> None:
-    """Rebuild ``optimizer``'s groups over ``model``'s parameters by name, then load the saved
-    state (moments, steps, learning rates) into it."""
-    saved = record["optimizer"]
+    """Rebuild ``optimizer``'s groups over ``model``'s parameters of the saved ``names`` (one
+    list per group), then load the ``saved`` state (moments, steps, learning rates) into it."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    names = record["optimizer_param_names"]
     missing = [n for group in names for n in group if n not in params]
     if missing:
         raise CheckpointError(f"{where}: the optimizer state refers to parameters the model "
@@ -90,4 +88,4 @@ def rebuild_optimizer_(record: Mapping[str, Any], model: nn.Module,
         raise CheckpointError(f"{where}: the optimizer state could not be loaded: {exc}") from exc
 
 
-__all__ = ["check_optimizer_record", "optimizer_record", "rebuild_optimizer_"]
+__all__ = ["check_optimizer", "optimizer_record", "rebuild_optimizer_"]
