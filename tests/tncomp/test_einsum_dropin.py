@@ -174,3 +174,67 @@ def test_gradcheck_on_a_sample(eq, shapes, one_thread):
     assert eq in {e for _, e, _ in CASES}
     ts = _tensors(shapes, seed=2)
     assert torch.autograd.gradcheck(lambda *xs: tncomp.contract(eq, *xs, disk_cache=False), ts)
+
+
+# -- how equations are read -------------------------------------------------------------------
+
+def test_diagonals_are_views_before_planning():
+    parsed = parse_eq("aab,bcc->ac", (2, 2, 3), (3, 4, 4))
+    assert parsed.terms == (("a", "a", "b"), ("b", "c", "c"))
+    assert parsed.diagonals == (((0, 1),), ((1, 2),))  # torch.diagonal appends the diagonal
+    assert parsed.planned_terms == (("b", "a"), ("b", "c"))
+    net = parsed.network()
+    assert [t.indices for t in net.operands] == [("b", "a"), ("b", "c")]
+    assert parse_eq("iii->i", (3, 3, 3)).diagonals == (((0, 1), (0, 1)),)
+
+
+def test_ellipsis_and_size_one_broadcasting_become_indices():
+    # '...' axes are right-aligned; a size-1 axis against another size gets its own index.
+    net = tncomp.from_eq("...ij,...jk", (2, 1, 3, 4), (5, 4, 2))
+    assert [t.indices for t in net.operands] == [(".0", ".1~0", "i", "j"), (".1", "j", "k")]
+    assert net.output.indices == (".0", ".1", "i", "k")  # implicit: '...' first
+    assert net.size_dict[".1~0"] == 1 and net.size_dict[".1"] == 5
+    net = tncomp.from_eq("bi,bi->b", ("B", 3), (1, 3))
+    assert [t.indices for t in net.operands] == [("b", "i"), ("b~1", "i")]
+    f = tncomp.compile(net, disk_cache=False)
+    x, w = torch.randn(6, 3, dtype=F64), torch.randn(1, 3, dtype=F64)
+    torch.testing.assert_close(f(x, w), torch.einsum("bi,bi->b", x, w), **TOL)
+
+
+def test_contract_keeps_non_contiguous_inputs_and_gradients_through_the_view():
+    base = torch.randn(4, 6, 6, dtype=F64)
+    x = base[:, ::2, ::2].transpose(1, 2).requires_grad_()  # strided, not contiguous
+    w = torch.randn(3, 5, dtype=F64, requires_grad=True)
+    y = tncomp.contract("bii,ij->bj", x, w, disk_cache=False)
+    ry = torch.einsum("bii,ij->bj", x, w)
+    torch.testing.assert_close(y, ry, **TOL)
+    got = torch.autograd.grad(y.sum(), (x, w))
+    want = torch.autograd.grad(ry.sum(), (x, w))
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r, **TOL)
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: parse_eq("ii->i", (3, 4)), r"index 'i' repeats on operand 'T0' .* sizes 3 and 4"),
+    (lambda: parse_eq("ii->i", (1, 3)), r"sizes 1 and 3"),
+    (lambda: parse_eq("...a,...b", (3, 2), (4, 3)),
+     r"an axis of '\.\.\.' has size 3 on one operand and 4 on 'T1'"),
+    (lambda: parse_eq("ij,jk->ik", (2, 3), (4, 5)),
+     r"index 'j' has size 3 on one operand and 4 on 'T1' \(3 on 'T0'\).*or 1, which broadcasts"),
+    (lambda: parse_eq("i->ii", (3,)), r"output index 'i' appears twice"),
+    (lambda: parse_eq("i->...i", (3,)), r"'\.\.\.' in the output but in no operand"),
+    (lambda: parse_eq("i->i->i", (3,)), r"more than one '->'"),
+    (lambda: parse_eq("i.j->ij", (3, 4)), r"letters only, plus at most one '\.\.\.'"),
+    (lambda: parse_eq("......i", (3,)), r"letters only"),
+    (lambda: parse_eq("ab...->a", (3,)), r"names 2 axes besides '\.\.\.' but shape \(3,\)"),
+    (lambda: parse_eq("ij->k", (2, 3)), r"output index 'k' .* is dangling"),
+    (lambda: tncomp.from_eq("ii->i", (2, 2)),
+     r"index 'i' appears twice on tensor 'T0'.*diagonal.*tncomp\.contract"),
+    (lambda: tncomp.contract("ii->i", torch.ones(2, 3)), r"sizes 2 and 3"),
+], ids=["diag-sizes", "diag-size-one", "ellipsis-sizes", "shared-sizes", "output-twice",
+        "output-ellipsis", "two-arrows", "stray-dot", "two-ellipses", "too-few-axes",
+        "dangling", "from-eq-diagonal", "contract-diag-sizes"])
+def test_bad_equations_name_the_problem(call, match):
+    with pytest.raises(tncomp.errors.IRError, match=match) as info:
+        call()
+    assert isinstance(info.value, ValueError)
