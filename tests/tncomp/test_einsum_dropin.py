@@ -194,6 +194,8 @@ def test_ellipsis_and_size_one_broadcasting_become_indices():
     assert [t.indices for t in net.operands] == [(".0", ".1~0", "i", "j"), (".1", "j", "k")]
     assert net.output.indices == (".0", ".1", "i", "k")  # implicit: '...' first
     assert net.size_dict[".1~0"] == 1 and net.size_dict[".1"] == 5
+    # '...' in the output only stands for no axes, as in torch.einsum.
+    assert tncomp.from_eq("ad,db->...a", (3, 2), (2, 3)).output.indices == ("a",)
     net = tncomp.from_eq("bi,bi->b", ("B", 3), (1, 3))
     assert [t.indices for t in net.operands] == [("b", "i"), ("b~1", "i")]
     f = tncomp.compile(net, disk_cache=False)
@@ -222,7 +224,6 @@ def test_contract_keeps_non_contiguous_inputs_and_gradients_through_the_view():
     (lambda: parse_eq("ij,jk->ik", (2, 3), (4, 5)),
      r"index 'j' has size 3 on one operand and 4 on 'T1' \(3 on 'T0'\).*or 1, which broadcasts"),
     (lambda: parse_eq("i->ii", (3,)), r"output index 'i' appears twice"),
-    (lambda: parse_eq("i->...i", (3,)), r"'\.\.\.' in the output but in no operand"),
     (lambda: parse_eq("i->i->i", (3,)), r"more than one '->'"),
     (lambda: parse_eq("i.j->ij", (3, 4)), r"letters only, plus at most one '\.\.\.'"),
     (lambda: parse_eq("......i", (3,)), r"letters only"),
@@ -232,7 +233,7 @@ def test_contract_keeps_non_contiguous_inputs_and_gradients_through_the_view():
      r"index 'i' appears twice on tensor 'T0'.*diagonal.*tncomp\.contract"),
     (lambda: tncomp.contract("ii->i", torch.ones(2, 3)), r"sizes 2 and 3"),
 ], ids=["diag-sizes", "diag-size-one", "ellipsis-sizes", "shared-sizes", "output-twice",
-        "output-ellipsis", "two-arrows", "stray-dot", "two-ellipses", "too-few-axes",
+        "two-arrows", "stray-dot", "two-ellipses", "too-few-axes",
         "dangling", "from-eq-diagonal", "contract-diag-sizes"])
 def test_bad_equations_name_the_problem(call, match):
     with pytest.raises(tncomp.errors.IRError, match=match) as info:

@@ -158,9 +158,6 @@ def _output(eq: str, terms: list[str], rhs: str | None, labelled: list[list[str]
     if rhs is None:  # einsum's rule: '...' first, then the letters that appear once, sorted
         counts = Counter("".join(t.replace(ELLIPSIS, "") for t in terms))
         return ellipsis + sorted(c for c, k in counts.items() if k == 1)
-    if ELLIPSIS in rhs and not any(ELLIPSIS in t for t in terms):
-        raise IRError(f"eq {eq!r} has '...' in the output but in no operand; add it to the "
-                      "operands whose leading axes it stands for.")
     head, _, tail = rhs.partition(ELLIPSIS)
     output = [*head, *(ellipsis if ELLIPSIS in rhs else ()), *tail]
     repeated = [i for i, c in Counter(output).items() if c > 1]
