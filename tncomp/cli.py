@@ -8,6 +8,8 @@ SPEC forms:
   ttm:768x3072:modes=12,8,8|12,16,16:rank=30     interleaved TT-matrix layer
   eq:bi,ij->bj:B,768|768,3072                    einsum with shapes (a name is a symbol)
   path/to/net.json                               {"eq": ..., "shapes": [...]} or {"tt": {...}}
+Unknown SPEC keys are refused; a rank above the layer's full TT rank is clipped to it, with a
+warning. Bad input exits with status 2 and one line on stderr.
 """
 
 from __future__ import annotations
