@@ -342,9 +342,13 @@ _EQ_CACHE = LRUCache(maxsize=128)
 def contract(eq: str, *tensors: torch.Tensor, **options) -> torch.Tensor:
     """``torch.einsum`` through tncomp: planned, cached, with a planned backward.
 
-    ``options`` are ``compile``'s keywords (``optimize``, ``model``, ``disk_cache``, ...).
+    Takes what ``torch.einsum`` takes in its equation form: implicit outputs, ``...``
+    broadcasting (size-1 axes broadcast), and letters repeated within one operand (diagonals
+    and traces such as ``'aab,bcc->ac'``: the diagonal is a strided view taken before
+    planning, so the planner sees distinct indices). ``options`` are ``compile``'s keywords
+    (``optimize``, ``model``, ``disk_cache``, ...).
     """
-    from tncomp.compiler.builders import from_eq
+    from tncomp.compiler.einsum import parse_eq
 
     if not isinstance(eq, str):
         raise IRError(f"eq must be a str such as 'bi,ij->bj', got {eq!r} "
@@ -356,10 +360,20 @@ def contract(eq: str, *tensors: torch.Tensor, **options) -> torch.Tensor:
                           f"compile's: {', '.join(_COMPILE_KEYWORDS)}.")
     settings, model, directory = _settings(**options)
     shapes = tuple(tuple(t.shape) for t in tensors)
-    compiled = _EQ_CACHE.get_or_build(
-        (eq, shapes, settings, model, directory),
-        lambda: CompiledNetwork(from_eq(eq, *shapes), settings, model, _disk(directory)),
-    )
+
+    def build() -> tuple[tuple, CompiledNetwork]:
+        parsed = parse_eq(eq, *shapes)
+        compiled = CompiledNetwork(parsed.network(), settings, model, _disk(directory))
+        return parsed.diagonals, compiled
+
+    diagonals, compiled = _EQ_CACHE.get_or_build((eq, shapes, settings, model, directory), build)
+    if any(diagonals):
+        views = []
+        for t, steps in zip(tensors, diagonals, strict=True):
+            for dim1, dim2 in steps:  # each call appends the diagonal as the last axis
+                t = t.diagonal(0, dim1, dim2)
+            views.append(t)
+        tensors = tuple(views)
     return compiled(*tensors)
 
 

@@ -8,6 +8,8 @@ SPEC forms:
   ttm:768x3072:modes=12,8,8|12,16,16:rank=30     interleaved TT-matrix layer
   eq:bi,ij->bj:B,768|768,3072                    einsum with shapes (a name is a symbol)
   path/to/net.json                               {"eq": ..., "shapes": [...]} or {"tt": {...}}
+Unknown SPEC keys are refused; a rank above the layer's full TT rank is clipped to it, with a
+warning. Bad input exits with status 2 and one line on stderr.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import math
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,15 +35,27 @@ _DIGITS = re.compile(r"^[0-9]+$")  # str.isdigit also takes '²', which int() re
 
 
 def _device(text: str) -> torch.device:
-    """``torch.device(text)``, or an :class:`OptionError` naming the value."""
+    """``torch.device(text)`` if this machine has it, else an :class:`OptionError` naming it."""
     import torch
 
     try:
-        return torch.device(text)
+        device = torch.device(text)
     except (RuntimeError, ValueError):
         raise OptionError(
             f"--device {text!r} is not a torch device; use e.g. cpu or cuda."
         ) from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise OptionError(f"--device {text!r}: tncomp plans for cpu and cuda devices; use "
+                          "--device cpu or --device cuda.")
+    if not torch.cuda.is_available():
+        raise OptionError(f"--device {text!r}: CUDA is not available on this machine (torch "
+                          f"{torch.__version__}, no usable GPU); use --device cpu.")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise OptionError(f"--device {text!r}: this machine has {torch.cuda.device_count()} "
+                          "CUDA device(s); pick an index below that.")
+    return device
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -50,8 +65,66 @@ def _ints(text: str, what: str) -> list[int]:
         raise SpecError(f"{what} {text!r} is not a comma-separated list of ints.") from None
 
 
+class RankClipWarning(UserWarning):
+    """A layer SPEC asked for a rank above the layer's full TT rank (clipped to it)."""
+
+
+SPEC_KEYS = ("modes", "rank")  # the KEY=VALUE fields of tt:/ttm: SPECs
+JSON_KEYS = {"eq": ("eq", "shapes"), "tt": ("in_modes", "out_modes", "ranks", "batch"),
+             "ttm": ("in_modes", "out_modes", "ranks", "batch")}
+
+
+def _warn_if_clipped(spec: str, kind: str, in_modes, out_modes, ranks) -> None:
+    """A :class:`RankClipWarning` when an int rank exceeds the full rank of the train (every
+    bond is then clipped, and the layer is uncompressed)."""
+    from tncomp.compiler.builders import resolve_ranks
+
+    if isinstance(ranks, bool) or not isinstance(ranks, int):
+        return
+    try:
+        train = (list(in_modes) + list(out_modes) if kind == "tt"
+                 else [m * n for m, n in zip(in_modes, out_modes, strict=True)])
+        full = resolve_ranks(max(math.prod(train), 1), train)
+    except (TncompError, TypeError, ValueError):
+        return  # the builder reports a bad layer itself
+    full_rank = max(full)
+    if ranks <= full_rank:
+        return
+    if kind == "tt":
+        sizes = [full[k] * n * full[k + 1] for k, n in enumerate(train)]
+    else:
+        sizes = [full[k] * m * n * full[k + 1]
+                 for k, (m, n) in enumerate(zip(in_modes, out_modes, strict=True))]
+    params, dense = sum(sizes), math.prod(in_modes) * math.prod(out_modes)
+    bigger = f", {params} parameters against {dense} dense" if params > dense else ""
+    warnings.warn(RankClipWarning(
+        f"SPEC {spec!r}: rank={ranks} is above the layer's full TT rank {full_rank}, so every "
+        f"bond is clipped to full rank (uncompressed{bigger}); pick a rank below {full_rank}."
+    ), stacklevel=3)
+
+
+def _spec_options(spec: str, fields: list[str]) -> dict[str, str]:
+    """The KEY=VALUE fields of a tt:/ttm: SPEC, each key known and given once."""
+    opts: dict[str, str] = {}
+    for field in fields:
+        key, eq, value = field.partition("=")
+        if not eq:
+            raise SpecError(f"SPEC {spec!r} has field {field!r}; fields are KEY=VALUE with KEY "
+                            f"one of {', '.join(SPEC_KEYS)}, e.g. rank=30.")
+        if key not in SPEC_KEYS:
+            raise SpecError(f"SPEC {spec!r} has unknown key {key!r}; the keys are "
+                            f"{', '.join(SPEC_KEYS)} (e.g. modes=12,8,8|12,16,16:rank=30).")
+        if key in opts:
+            raise SpecError(f"SPEC {spec!r} gives {key}= twice; give it once.")
+        opts[key] = value
+    return opts
+
+
 def parse_spec(spec: str) -> Network:
-    """The :class:`~tncomp.compiler.ir.Network` a SPEC declares (see the module docstring)."""
+    """The :class:`~tncomp.compiler.ir.Network` a SPEC declares (see the module docstring).
+
+    Unknown keys are refused (:class:`SpecError`); an int rank above the layer's full rank
+    gives a :class:`RankClipWarning`."""
     from tncomp.compiler.builders import from_eq, tt_linear, ttm_linear
 
     if spec.endswith(".json"):
@@ -63,12 +136,15 @@ def parse_spec(spec: str) -> Network:
         except ValueError as exc:
             raise SpecError(f"SPEC file {spec} is not valid JSON: {exc}") from None
         try:
+            _check_json_keys(spec, data)
             if isinstance(data, dict) and "eq" in data:
                 return from_eq(data["eq"], *data.get("shapes", []))
             for kind, build in (("tt", tt_linear), ("ttm", ttm_linear)):
                 if isinstance(data, dict) and kind in data:
                     d = data[kind]
-                    return build(d["in_modes"], d["out_modes"], d["ranks"], d.get("batch", "B"))
+                    net = build(d["in_modes"], d["out_modes"], d["ranks"], d.get("batch", "B"))
+                    _warn_if_clipped(spec, kind, d["in_modes"], d["out_modes"], d["ranks"])
+                    return net
         except KeyError as exc:
             raise SpecError(f"SPEC file {spec}: entry {kind!r} lacks {exc}; give in_modes, "
                             "out_modes and ranks.") from None
@@ -90,7 +166,7 @@ def parse_spec(spec: str) -> Network:
             n_in, n_out = (int(v) for v in fields[0].split("x"))
         except ValueError:
             raise SpecError(f"SPEC {spec!r}: the shape must be INxOUT, e.g. 768x3072.") from None
-        opts = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
+        opts = _spec_options(spec, fields[1:])
         if "modes" not in opts:
             raise SpecError(f"SPEC {spec!r} needs modes=IN|OUT, e.g. modes=12,8,8|12,16,16.")
         ins, _, outs = opts["modes"].partition("|")
@@ -102,11 +178,34 @@ def parse_spec(spec: str) -> Network:
             )
         ranks = _ints(opts.get("rank", "8"), "rank")
         build = tt_linear if kind == "tt" else ttm_linear
-        return build(in_modes, out_modes, ranks[0] if len(ranks) == 1 else ranks)
+        rank = ranks[0] if len(ranks) == 1 else ranks
+        net = build(in_modes, out_modes, rank)
+        _warn_if_clipped(spec, kind, in_modes, out_modes, rank)
+        return net
     raise SpecError(
         f"SPEC {spec!r} is not understood; use tt:INxOUT:modes=..|..:rank=R, ttm:..., "
         "eq:EQUATION:SHAPES, or a .json file."
     )
+
+
+def _check_json_keys(spec: str, data: object) -> None:
+    """A :class:`SpecError` naming a key of a JSON SPEC that nothing would read."""
+    if not isinstance(data, dict):
+        return
+    kind = next((k for k in JSON_KEYS if k in data), None)
+    if kind is None:
+        return  # parse_spec says which entries a SPEC file needs
+    allowed = JSON_KEYS["eq"] if kind == "eq" else (kind,)
+    entry = data[kind]
+    unknown = sorted(set(data) - set(allowed))
+    if kind != "eq" and isinstance(entry, dict):
+        inner = sorted(set(entry) - set(JSON_KEYS[kind]))
+        if inner:
+            raise SpecError(f"SPEC file {spec}: entry {kind!r} has unknown key {inner[0]!r}; "
+                            f"its keys are {', '.join(JSON_KEYS[kind])}.")
+    if unknown:
+        raise SpecError(f"SPEC file {spec} has unknown key {unknown[0]!r} beside {kind!r}; "
+                        f"a SPEC file holds {' and '.join(repr(k) for k in allowed)} only.")
 
 
 def _cmd_inspect(args) -> int:
@@ -135,9 +234,10 @@ def _cmd_plot_costs(args) -> int:
     from tncomp.views.costplot import plot_costs
     from tncomp.views.draw import check_output_path
 
+    device = _device(args.device)  # before anything else: a missing device fails fast
     path = check_output_path(args.output)
     net = parse_spec(args.spec)
-    curves = plot_costs(net, path, args.batch_range, model=model_for(_device(args.device)),
+    curves = plot_costs(net, path, args.batch_range, model=model_for(device),
                         name=f"SPEC {args.spec!r}")
     bps = ", ".join(str(b) for b in curves.breakpoints) or "none"
     print(f"wrote {curves.path}: {len(curves.candidates)} candidate plans over "
@@ -203,12 +303,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except TncompError as exc:
-        message = " ".join(str(exc).split())  # one line, whatever the message holds
-        print(f"tncomp: error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        try:
+            code = args.run(args)
+        except TncompError as exc:  # the error alone: one line
+            message = " ".join(str(exc).split())  # one line, whatever the message holds
+            print(f"tncomp: error: {message}", file=sys.stderr)
+            return EXIT_USAGE
+    for w in caught:  # each warning as one line, not Python's two
+        print(f"tncomp: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -156,6 +156,11 @@ EQ_CASES = {
     "symbolic_two_dims": ("bi,ij,cj->bc", [("B", 3), (3, 4), ("C", 4)]),
     "dot": ("i,i->", [(7,), (7,)]),
     "batched_vec": ("bi,i->b", [("B", 3), (3,)]),
+    # '...' and size-1 broadcasting, read as torch.einsum reads them (tncomp/compiler/einsum.py)
+    "ellipsis_batch": ("...i,ij->...j", [("B", 2, 3), (3, 4)]),
+    "ellipsis_implicit": ("...ij,...jk", [("B", 1, 3, 4), (5, 4, 2)]),
+    "broadcast_size_one": ("bi,bi->bi", [("B", 3), (1, 3)]),
+    "broadcast_summed": ("bij,bj->i", [("B", 2, 3), (1, 3)]),
 }
 
 

@@ -165,7 +165,7 @@ def test_from_eq_errors():
     with pytest.raises(IRError, match="has 2 indices but shape"):
         tncomp.from_eq("ij->ij", (2, 3, 4))
     with pytest.raises(IRError, match=r"'\.\.\.'"):
-        tncomp.from_eq("...i->i", (2,))
+        tncomp.from_eq("...i->i", ())  # "..." is read; the shape lacks the axis i
     with pytest.raises(IRError, match="letters only"):
         tncomp.from_eq("i1,1j->ij", (2, 3), (3, 2))
     with pytest.raises(IRError, match="size of index 'j'"):

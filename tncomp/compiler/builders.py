@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from collections.abc import Sequence
 
+from tncomp.compiler.einsum import parse_eq
 from tncomp.compiler.ir import Dim, Network, Role, Size, make_network
 from tncomp.errors import IRError
 
@@ -159,63 +159,26 @@ def ttm_embedding(
     return make_network(operands, ("y", ["b", *(f"o{k + 1}" for k in range(d))]), sizes, hyper)
 
 
-_EQ_TERM = re.compile(r"^[A-Za-z]*$")
-
-
 def from_eq(eq: str, *shapes: Sequence[Size | str], names: Sequence[str] | None = None) -> Network:
-    """A network from an einsum equation and one shape per operand.
+    """A network from an einsum equation and one shape per operand, read as torch.einsum does.
 
     Letters are indices; sizes are ints, :class:`Dim`, or a symbol name such as ``"B"``.
-    Without ``->`` the output is the letters that appear once, sorted (einsum's rule). Indices on
-    more than two tensors become hyperedges, as in einsum.
+    Without ``->`` the output is ``...`` (if used) then the letters that appear once, sorted
+    (einsum's rule). ``...`` stands for leading axes, right-aligned across operands; an axis of
+    size 1 broadcasts against another size. Indices on more than two tensors become
+    hyperedges, as in einsum. A letter repeated within one operand (a diagonal or trace, such
+    as ``'ii->i'``) has no network over that operand: :func:`tncomp.contract` takes those (it
+    plans over the diagonal view), and so does ``parse_eq(eq, *shapes).network()`` from
+    :mod:`tncomp.compiler.einsum`.
     """
-    if not isinstance(eq, str):
-        raise IRError(f"eq must be a str such as 'bi,ij->bj', got {eq!r}.")
-    text = eq.replace(" ", "")
-    if "." in text:
-        raise IRError(f"eq {eq!r} uses '...'; write every index out explicitly.")
-    lhs, arrow, rhs = text.partition("->")
-    terms = lhs.split(",")
-    if not arrow:
-        counts = Counter("".join(terms))
-        rhs = "".join(sorted(c for c, k in counts.items() if k == 1))
-    for term in (*terms, rhs):
-        if not _EQ_TERM.match(term):
-            raise IRError(f"eq {eq!r} has term {term!r}; terms are letters only, e.g. 'bi,ij->bj'.")
-    if len(terms) != len(shapes):
-        raise IRError(f"eq {eq!r} has {len(terms)} operands but {len(shapes)} shapes were given.")
-    names = list(names) if names is not None else [f"T{k}" for k in range(len(terms))]
-    if len(names) != len(terms):
-        raise IRError(f"names has {len(names)} entries for {len(terms)} operands.")
-    sizes: dict[str, Size] = {}
-    dims: dict[str, Dim] = {}
-    for name, term, shape in zip(names, terms, shapes, strict=True):
-        if isinstance(shape, str | bytes) or not isinstance(shape, Sequence):
-            raise IRError(f"shape of operand {name!r} ({term!r}) is {shape!r}; give a sequence "
-                          f"of {len(term)} sizes such as {tuple(range(2, len(term) + 2))}.")
-        shape = tuple(shape)
-        if len(shape) != len(term):
+    parsed = parse_eq(eq, *shapes, names=names)
+    for name, term in zip(parsed.names, parsed.terms, strict=True):
+        repeated = [i for i, c in Counter(term).items() if c > 1]
+        if repeated:
             raise IRError(
-                f"operand {name!r} ({term!r}) has {len(term)} indices but shape {shape} has "
-                f"{len(shape)} axes."
+                f"index {repeated[0]!r} appears twice on tensor {name!r} in eq {eq!r} (a "
+                "diagonal or trace); a network's tensors carry distinct indices: use "
+                "tncomp.contract, which plans over the diagonal view, or pass "
+                "torch.diagonal(...) of the operand with the index written once."
             )
-        for index, raw in zip(term, shape, strict=True):
-            if isinstance(raw, str) and raw in dims:  # a name refers to its declared Dim
-                raw = dims[raw]
-            size = _as_size(raw, f"size of index {index!r} of {name!r}")
-            if isinstance(size, Dim):
-                known = dims.setdefault(size.name, size)
-                if known != size:
-                    raise IRError(
-                        f"symbol {size.name!r} is declared with bounds [{known.min}, {known.max}]"
-                        f" and [{size.min}, {size.max}]; declare one Dim and reuse it."
-                    )
-            if sizes.setdefault(index, size) != size:
-                raise IRError(
-                    f"index {index!r} has size {sizes[index]} on one operand and {size} on "
-                    f"{name!r}; a shared index needs one size."
-                )
-    counts = Counter("".join(terms) + rhs)
-    hyper = {i for i, c in counts.items() if c > 2}
-    operands = [(n, list(t), Role.INPUT) for n, t in zip(names, terms, strict=True)]
-    return make_network(operands, ("out", list(rhs)), sizes, hyper)
+    return parsed.network()
