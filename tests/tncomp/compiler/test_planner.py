@@ -18,7 +18,7 @@ import tncomp.compiler.planner as planner_module
 from tests.helpers.tn import operands, reference
 from tncomp.compiler.cache import DiskCache, _checksum
 from tncomp.compiler.device_model import CPU_DEFAULT
-from tncomp.compiler.planner import Options, Planner
+from tncomp.compiler.planner import Options, Planner, binding_key
 from tncomp.compiler.problem import Tree
 from tncomp.errors import CacheError
 
@@ -175,6 +175,22 @@ def test_search_plan_is_not_lowered_again(monkeypatch):
     ts = operands(net)
     torch.testing.assert_close(compiled(*ts), reference(net, ts))
     assert lowered == []
+
+
+def test_hot_path_uses_the_binding_key(monkeypatch):
+    """The call's inline key is ``binding_key``: a repeated call finds its runner, no rebuild."""
+    net = tncomp.from_eq("bi,ij->bj", ("B", 3), (3, 4))
+    compiled = tncomp.compile(net, disk_cache=False)
+    builds = []
+    real = compiled._runner_for
+    monkeypatch.setattr(compiled, "_runner_for", lambda *a: builds.append(1) or real(*a))
+    for grad in (True, False):
+        ts = operands(net, 5, requires_grad=[False, True])
+        with torch.set_grad_enabled(grad):
+            for _ in range(3):
+                compiled(*ts)
+        assert binding_key(ts, grad) in compiled._local
+    assert len(builds) == 2
 
 
 def test_planner_takes_values_not_torch():
