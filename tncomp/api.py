@@ -143,7 +143,7 @@ class CompiledNetwork:
             raise SizeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
         needs_grad = tuple(bool(g) for *_, g in key)
         model = self.model(device)
-        memory_key = self._planner.memory_key(sizes, str(dtype), device.type, needs_grad, model)
+        memory_key = self._planner.memory_key(sizes, str(dtype), str(device), needs_grad, model)
 
         def build() -> Runner:
             plan = self.plan_for(sizes, needs_grad, dtype, device, model=model)

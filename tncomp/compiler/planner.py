@@ -80,11 +80,13 @@ class Planner:
         """The bound sizes in canonical index order (what every key holds)."""
         return tuple(sizes[i] for i in self._canonical)
 
-    def memory_key(self, sizes: Mapping[str, int], dtype_name: str, device_type: str,
+    def memory_key(self, sizes: Mapping[str, int], dtype_name: str, device_name: str,
                    needs_grad: Sequence[bool], model: DeviceModel) -> tuple:
-        """The key of a runner in the process-wide plan cache. The device model picks the tree,
-        so it is part of the key: networks planned with different models do not share plans."""
-        return (self.structure, self.bound(sizes), dtype_name, device_type, tuple(needs_grad),
+        """The key of a runner in the process-wide plan cache. ``device_name`` is the whole
+        device (``cuda:1``, not ``cuda``): a runner's pooled buffers live on one device. The
+        device model picks the tree, so it is part of the key: networks planned with different
+        models do not share plans."""
+        return (self.structure, self.bound(sizes), dtype_name, device_name, tuple(needs_grad),
                 self.options, model)
 
     def tree_key(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], itemsize: int,

@@ -165,6 +165,16 @@ def test_relabelled_networks_share_disk_keys(tmp_path):
         sizes_b, grads, "float32", "cpu")
 
 
+def test_runners_on_two_gpus_do_not_share_a_key():
+    """A runner's pooled buffers live on one device: cuda:0 and cuda:1 need their own runners
+    (the key once held only the device type)."""
+    planner = Planner(tncomp.from_eq("bi,ij->bj", ("B", 3), (3, 4)), Options(), None)
+    sizes = {"b": 2, "i": 3, "j": 4}
+    keys = {planner.memory_key(sizes, "float32", device, (True, True), CPU_DEFAULT)
+            for device in ("cuda:0", "cuda:1", "cpu")}
+    assert len(keys) == 3
+
+
 def test_search_plan_is_not_lowered_again(monkeypatch):
     """The plan the search chose is the plan that runs: each candidate is lowered once."""
     net = tncomp.from_eq(*CHAIN)
