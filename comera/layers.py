@@ -20,6 +20,7 @@ import tncomp
 from comera.errors import ConfigError
 from comera.factorize import factorize, factorize_pair
 from comera.ttsvd import matrix_to_tt, matrix_to_ttm, tt_to_matrix, ttm_to_matrix
+from tncomp.compiler.builders import check_modes
 
 DEFAULT_TAU = 1e-2
 Ranks = int | Sequence[int]
@@ -39,7 +40,10 @@ def _check_features(name: str, value: int) -> int:
 
 
 def _check_modes(modes, features: int, what: str) -> tuple[int, ...]:
-    modes = tuple(int(m) for m in modes)
+    try:
+        modes = check_modes(modes, what)  # tncomp's one check of modes
+    except tncomp.errors.IRError as exc:
+        raise ConfigError(str(exc)) from None
     if math.prod(modes) != features:
         raise ConfigError(
             f"{what} {modes} multiply to {math.prod(modes)}, not {features}; choose modes whose "

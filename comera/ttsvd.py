@@ -20,33 +20,18 @@ from collections.abc import Sequence
 import torch
 
 from comera.errors import ConfigError
+from tncomp.compiler.builders import check_modes
+from tncomp.errors import IRError
 
 MaxRanks = int | Sequence[int] | None
 
 
 def _check_modes(modes: Sequence[int], name: str) -> tuple[int, ...]:
-    """``modes`` as a non-empty tuple of ints >= 1, or a ConfigError."""
-    if isinstance(modes, (str, bytes)) or not isinstance(modes, Sequence):
-        raise ConfigError(
-            f"{name} must be a sequence of ints >= 1 such as (8, 8, 12), "
-            f"got {type(modes).__name__} {modes!r}"
-        )
-    if len(modes) == 0:
-        raise ConfigError(f"{name} must hold at least one mode, got an empty sequence")
-    result = []
-    for mode in modes:
-        if isinstance(mode, bool):
-            raise ConfigError(f"{name} must hold ints >= 1, got the bool {mode!r} in {modes!r}")
-        try:
-            value = operator.index(mode)
-        except TypeError:
-            raise ConfigError(
-                f"{name} must hold ints >= 1, got {type(mode).__name__} {mode!r} in {modes!r}"
-            ) from None
-        if value < 1:
-            raise ConfigError(f"{name} must hold ints >= 1, got {value} in {tuple(modes)}")
-        result.append(value)
-    return tuple(result)
+    """``modes`` as a non-empty tuple of ints >= 1 (tncomp's one check), or a ConfigError."""
+    try:
+        return check_modes(modes, name)
+    except IRError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_product(modes: tuple[int, ...], size: int, name: str, what: str) -> None:

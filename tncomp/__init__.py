@@ -6,16 +6,21 @@ forward and backward passes are planned together. ``draw_network`` and ``plot_co
 pictures (matplotlib, imported only when a picture is drawn).
 """
 
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
 from tncomp import errors
 from tncomp.api import CompiledNetwork, cache_info, clear_cache, compile, contract
 from tncomp.compiler.builders import from_eq, resolve_ranks, tt_linear, ttm_embedding, ttm_linear
 from tncomp.compiler.cost import Costs, tree_costs
 from tncomp.compiler.device_model import DeviceModel
-from tncomp.compiler.ir import Dim, Network, Role, TensorSpec, make_network
+from tncomp.compiler.ir import Dim, Network, Role, TensorSpec, bind_dims, make_network
 from tncomp.compiler.plan import Plan
 from tncomp.compiler.problem import Problem, Tree, problem_for
-from tncomp.views.costplot import cost_curves, plot_costs
-from tncomp.views.draw import draw_network, drawing_of
+from tncomp.views import costplot, draw, report
+from tncomp.views.costplot import CostCurves
+from tncomp.views.draw import NetworkDrawing
 from tncomp.views.report import describe_tree
 
 __version__ = "0.1.0"
@@ -53,9 +58,85 @@ __all__ = [
 ]
 
 
+# The views take values (plans, trees, regime tables); these public functions compile first.
+
+def _compiled(net_or_compiled: Any, where: str) -> CompiledNetwork:
+    """The :class:`CompiledNetwork` of a Network (compiled here) or a compiled one."""
+    if isinstance(net_or_compiled, CompiledNetwork):
+        return net_or_compiled
+    if isinstance(net_or_compiled, Network):
+        return compile(net_or_compiled)
+    raise errors.TncompError(f"{where} takes a tncomp.Network (from tt_linear, from_eq, ...) or "
+                             f"a compiled one, got {type(net_or_compiled).__name__}.")
+
+
 def inspect(net: Network, batch: int | None = None, **compile_options) -> str:
     """The cost/regime/plan report of ``net`` as text (what ``tncomp inspect`` prints)."""
-    from tncomp.views.report import inspect as _inspect
+    compiled = net if isinstance(net, CompiledNetwork) else compile(net, **compile_options)
+    network = compiled.network
+    batch = report.shown_batch(network, batch)
+    needs_grad = (True,) * len(network.operands)
+    model = compiled.model("cpu")
+    plan = compiled.plan_for(bind_dims(network, batch), needs_grad)
+    table = (compiled.regimes(needs_grad, plan.itemsize, model) if len(network.dims) == 1
+             else None)
+    return report.report(network, plan, model, batch, table)
 
-    target = net if isinstance(net, CompiledNetwork) else compile(net, **compile_options)
-    return _inspect(target, batch=batch)
+
+def drawing_of(net_or_compiled: Any, batch: int | None = None) -> NetworkDrawing:
+    """Everything :func:`draw_network` shows, computed without drawing (no matplotlib)."""
+    compiled = _compiled(net_or_compiled, "draw_network")
+    net = compiled.network
+    batch = draw.representative_batch(net, batch, "draw_network")
+    tree = compiled.plan_for(bind_dims(net, batch), (True,) * len(net.operands)).tree
+    return draw.network_drawing(net, tree, batch)
+
+
+def draw_network(net_or_compiled: Any, path: str | Path, batch: int | None = None,
+                 ) -> NetworkDrawing:
+    """Draw the network (tensors, labelled bonds, dangling open indices) and, beside it, the
+    forward contraction tree chosen for training, each step labelled with its FLOPs at
+    ``batch`` (default 4096 within the symbol's bounds). Writes a picture to ``path``."""
+    from tncomp.views.figures import check_output_path
+
+    path = check_output_path(path)  # before compiling: a bad path fails fast
+    return draw.draw(drawing_of(net_or_compiled, batch), path)
+
+
+def cost_curves(
+    net_or_compiled: Any,
+    batch_range: Sequence[int] | None = None,
+    *,
+    points: int = costplot.DEFAULT_POINTS,
+    needs_grad: Sequence[bool] | None = None,
+    itemsize: int = 4,
+    model: DeviceModel | None = None,
+    name: str | None = None,
+) -> CostCurves:
+    """FLOPs and modelled fwd+bwd time of every candidate plan and of the dense layer, at about
+    ``points`` batch sizes over ``batch_range`` (default: the symbol's bounds, up to 65536).
+
+    ``needs_grad`` defaults to every operand (training); ``model`` to the compiled network's
+    model for the CPU; ``name`` (e.g. the command line's SPEC) is quoted in errors.
+    """
+    compiled = _compiled(net_or_compiled, "cost_curves")
+    request = costplot.curve_request(
+        compiled.network, batch_range, points, needs_grad, itemsize,
+        model if model is not None else compiled.model("cpu"), name)
+    table = compiled.regimes(request.needs_grad, request.itemsize, request.model)
+    return costplot.curves_of(compiled.network, table, request)
+
+
+def plot_costs(
+    net_or_compiled: Any,
+    path: str | Path,
+    batch_range: Sequence[int] | None = None,
+    **options: Any,
+) -> CostCurves:
+    """Draw FLOPs and modelled time against the batch size (log-log) for every candidate plan
+    and the dense layer, with the regime breakpoints as vertical lines and the plan chosen in
+    each regime drawn thick. Writes ``path``; returns the numbers (see :func:`cost_curves`)."""
+    from tncomp.views.figures import check_output_path
+
+    path = check_output_path(path)
+    return costplot.draw_costs(cost_curves(net_or_compiled, batch_range, **options), path)

@@ -12,23 +12,18 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from tncomp.compiler.cache import DiskCache, LRUCache, default_cache_dir
 from tncomp.compiler.device_model import CPU_DEFAULT, CUDA_DEFAULT, DeviceModel
-from tncomp.compiler.ir import Network, bind_sizes, structural_key
-from tncomp.compiler.plan import Plan, lower
-from tncomp.compiler.problem import Tree, problem_for
-from tncomp.compiler.regimes import (
-    RegimeTable,
-    build_regimes,
-    regimes_from_payload,
-    regimes_to_payload,
-)
-from tncomp.compiler.search import choose_plan
+from tncomp.compiler.ir import Network, bind_sizes
+from tncomp.compiler.plan import Plan
+from tncomp.compiler.planner import OPTIMIZE_CHOICES, Options, Planner, binding_key
+from tncomp.compiler.problem import Tree
+from tncomp.compiler.regimes import RegimeTable
 from tncomp.errors import IRError, OperandError, OptionError, SizeError, TncompError
 from tncomp.runtime.autograd import ContractFunction, Runner
 from tncomp.runtime.codegen import generate
@@ -38,20 +33,8 @@ if os.environ.get("TNCOMP_DEBUG"):
     logging.basicConfig()
     log.setLevel(logging.DEBUG)
 
-OPTIMIZE_CHOICES = ("auto", "search", "flops")
-
 _RUNNERS = LRUCache(maxsize=512)  # process-wide: identical networks share plans
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # compiled networks, so clear_cache reaches them
-
-
-@dataclass(frozen=True)
-class Options:
-    """Everything that changes the plan a network gets (part of every cache key)."""
-
-    optimize: str = "auto"
-    autotune: bool = False
-    cuda_graphs: bool = False
-    pool_buffers: bool = True
 
 
 def clear_cache(disk: bool = False) -> None:
@@ -84,7 +67,11 @@ def model_for(device: torch.device | str) -> DeviceModel:
 
 
 class CompiledNetwork:
-    """A network compiled into ``(*operands) -> output``, differentiable w.r.t. every operand."""
+    """A network compiled into ``(*operands) -> output``, differentiable w.r.t. every operand.
+
+    The public face: it checks operands, keeps this network's runners by binding, and hands
+    planning (trees, plans, regime tables, every cache key) to its
+    :class:`~tncomp.compiler.planner.Planner`."""
 
     def __init__(self, net: Network, options: Options, model: DeviceModel | None,
                  disk_cache: DiskCache | None):
@@ -92,15 +79,15 @@ class CompiledNetwork:
         self.options = options
         self._model = model
         self._disk = disk_cache
-        self._key = structural_key(net)
-        # Bound sizes enter keys in the structural key's canonical index order.
-        self._canonical_indices = tuple(dict.fromkeys(
-            i for t in (*net.operands, net.output) for i in t.indices))
+        self._planner = Planner(net, options, disk_cache)
         self._local: dict = {}
-        self._regimes: dict = {}
-        self._graphed: dict = {}
-        self.captures = 0  # CUDA-graph captures made (tests check replays do not re-capture)
+        self._graphs = None  # CapturedGraphs, made on the first CUDA-graph call
         _LIVE.add(self)
+
+    @property
+    def captures(self) -> int:
+        """CUDA-graph captures made (tests check that replays do not re-capture)."""
+        return self._graphs.captures if self._graphs is not None else 0
 
     def clear(self) -> None:
         """Forget this network's plans, regime tables, graphs and pooled buffers."""
@@ -108,8 +95,9 @@ class CompiledNetwork:
             for pool in runner.code.pools.values():
                 pool.clear()
         self._local.clear()
-        self._regimes.clear()
-        self._graphed.clear()
+        self._planner.clear()
+        if self._graphs is not None:
+            self._graphs.clear()
 
     # -- the hot path -------------------------------------------------------------------------
     def __call__(self, *operands: torch.Tensor) -> torch.Tensor:
@@ -135,14 +123,13 @@ class CompiledNetwork:
         """The plan a call with these operands runs (built and cached now if it is new)."""
         _check_tensors(operands, "plan_of", [t.name for t in self.network.operands])
         grad = torch.is_grad_enabled()
-        key = tuple((t.shape, t.dtype, t.device, grad and t.requires_grad) for t in operands)
-        runner = self._local.get(key)
+        runner = self._local.get(binding_key(operands, grad))
         return (runner if runner is not None else self._runner_for(operands, grad)).plan
 
     # -- building -----------------------------------------------------------------------------
     def _runner_for(self, operands: Sequence[torch.Tensor], grad: bool) -> Runner:
         _check_tensors(operands, "compiled network", [t.name for t in self.network.operands])
-        key = tuple((t.shape, t.dtype, t.device, grad and t.requires_grad) for t in operands)
+        key = binding_key(operands, grad)
         sizes = bind_sizes(self.network, [tuple(t.shape) for t in operands])
         dtype, device = operands[0].dtype, operands[0].device
         for spec, t in zip(self.network.operands, operands, strict=True):
@@ -155,11 +142,8 @@ class CompiledNetwork:
         if not dtype.is_floating_point and not dtype.is_complex:
             raise SizeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
         needs_grad = tuple(bool(g) for *_, g in key)
-        bound = tuple(sizes[i] for i in self._canonical_indices)
-        # The device model picks the tree, so it is part of the key: networks compiled with
-        # different models (or one calibrated meanwhile) do not share plans.
         model = self.model(device)
-        full_key = (self._key, bound, str(dtype), device.type, needs_grad, self.options, model)
+        memory_key = self._planner.memory_key(sizes, str(dtype), str(device), needs_grad, model)
 
         def build() -> Runner:
             plan = self.plan_for(sizes, needs_grad, dtype, device, model=model)
@@ -167,7 +151,8 @@ class CompiledNetwork:
             return Runner(plan, generate(plan, shapes, dtype, device, name=self.network.output.name,
                                          pool=self.options.pool_buffers))
 
-        runner = _RUNNERS.get_or_build(full_key, build, label=f"B={bound}")
+        runner = _RUNNERS.get_or_build(memory_key, build,
+                                       label=f"B={self._planner.bound(sizes)}")
         if len(self._local) > 64:
             self._local.clear()
         self._local[key] = runner
@@ -185,72 +170,34 @@ class CompiledNetwork:
         ``model`` (default: the compiled network's model, else the device's)."""
         device = torch.device(device)
         model = model if model is not None else self.model(device)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        problem = problem_for(self.network, sizes)
-        tree = self.tree_for(sizes, needs_grad, itemsize, model)
+        timer = None
         if self.options.autotune:
-            from tncomp.runtime.autotune import autotune_tree
+            from tncomp.runtime.autotune import time_plans
 
-            tree = autotune_tree(self, problem, sizes, needs_grad, dtype, device, model, tree)
-        return lower(problem, tree, needs_grad, itemsize, model=model)
+            timer = partial(time_plans, dtype=dtype, device=device)
+        return self._planner.plan_for(sizes, needs_grad, dtype.itemsize, model,
+                                      dtype_name=str(dtype), device_type=device.type,
+                                      timer=timer)
 
     def tree_for(self, sizes, needs_grad, itemsize: int, model: DeviceModel) -> Tree:
         """The contraction tree used at these bound sizes: read from the batch regime table
         (``optimize="auto"``, one symbolic size), else searched (least modelled time, or fewest
         FLOPs for ``"flops"``) and kept in the disk cache when there is one."""
-        needs_grad = tuple(needs_grad)
-        if self.options.optimize == "auto" and len(self.network.dims) == 1:
-            table = self.regimes(needs_grad, itemsize, model)
-            dim = table.dim
-            value = next(sizes[i] for i, s in self.network.sizes
-                         if getattr(s, "name", None) == dim.name)
-            return table.tree_for(value)
-        problem = problem_for(self.network, sizes)
-        disk_key = ("tree", self._key, tuple(sorted(sizes.items())), needs_grad, itemsize,
-                    self.options.optimize, model)
-        stored = self._disk.load(disk_key) if self._disk else None
-        if stored is not None:
-            return Tree(stored["n"], tuple(tuple(s) for s in stored["steps"]))
-        if self.options.optimize == "flops":
-            from tncomp.compiler.cost import tree_costs
-            from tncomp.compiler.search import candidate_trees
-
-            tree = min(candidate_trees(problem),
-                       key=lambda t: tree_costs(problem, t, needs_grad).total_flops)
-        else:
-            tree = choose_plan(problem, needs_grad, itemsize, model).plan.tree
-        if self._disk:
-            self._disk.store(disk_key, {"n": tree.n_leaves, "steps": [list(s) for s in tree.steps]})
-        return tree
+        return self._planner.tree_for(sizes, needs_grad, itemsize, model)
 
     def regimes(self, needs_grad: Sequence[bool] | None = None, itemsize: int = 4,
                 model: DeviceModel | None = None) -> RegimeTable:
         """The batch-size regimes of a network with one symbolic size (built once, cached)."""
-        if len(self.network.dims) != 1:
-            raise TncompError(
-                f"regimes need exactly one symbolic size; this network has "
-                f"{len(self.network.dims)} ({', '.join(d.name for d in self.network.dims)})."
-            )
-        needs_grad = tuple(needs_grad) if needs_grad is not None else (True,) * len(
-            self.network.operands)
-        model = model or self.model(torch.device("cpu"))
-        local_key = (needs_grad, itemsize, model)
-        if local_key in self._regimes:
-            return self._regimes[local_key]
-        disk_key = ("regimes", self._key, needs_grad, itemsize, model)
-        stored = self._disk.load(disk_key) if self._disk else None
-        table = regimes_from_payload(self.network.dims[0], stored) if stored else None
-        if table is None:
-            table = build_regimes(self.network, needs_grad, itemsize, model)
-            if self._disk:
-                self._disk.store(disk_key, regimes_to_payload(table))
-        self._regimes[local_key] = table
-        return table
+        if len(self.network.dims) == 1 and model is None:
+            model = self.model(torch.device("cpu"))
+        return self._planner.regimes(needs_grad, itemsize, model)
 
     def _graphed_call(self, runner: Runner, operands):
-        from tncomp.runtime.cudagraph import graphed_call
+        from tncomp.runtime.cudagraph import CapturedGraphs, graphed_call
 
-        return graphed_call(self, runner, operands)
+        if self._graphs is None:
+            self._graphs = CapturedGraphs()
+        return graphed_call(self._graphs, runner, operands)
 
     def __repr__(self) -> str:
         names = ", ".join(t.name for t in self.network.operands)

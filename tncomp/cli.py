@@ -209,16 +209,16 @@ def _check_json_keys(spec: str, data: object) -> None:
 
 
 def _cmd_inspect(args) -> int:
-    from tncomp.api import compile
-    from tncomp.views.report import inspect
+    from tncomp import inspect
 
     net = parse_spec(args.spec)
-    print(inspect(compile(net), batch=args.batch))
+    print(inspect(net, batch=args.batch))
     return 0
 
 
 def _cmd_draw(args) -> int:
-    from tncomp.views.draw import check_output_path, draw_network
+    from tncomp import draw_network
+    from tncomp.views.figures import check_output_path
 
     path = check_output_path(args.output)  # before compiling: a bad path fails fast
     net = parse_spec(args.spec)
@@ -230,9 +230,9 @@ def _cmd_draw(args) -> int:
 
 
 def _cmd_plot_costs(args) -> int:
+    from tncomp import plot_costs
     from tncomp.api import model_for
-    from tncomp.views.costplot import plot_costs
-    from tncomp.views.draw import check_output_path
+    from tncomp.views.figures import check_output_path
 
     device = _device(args.device)  # before anything else: a missing device fails fast
     path = check_output_path(args.output)

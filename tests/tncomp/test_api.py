@@ -232,14 +232,11 @@ def test_a_malformed_calibration_is_ignored_with_a_warning(cache_dir, content, c
 
 def test_picture_functions_and_errors_are_exported():
     from tncomp import cli, errors
-    from tncomp.views import costplot, draw
+    from tncomp.views import figures
 
-    assert tncomp.draw_network is draw.draw_network and tncomp.drawing_of is draw.drawing_of
-    assert tncomp.plot_costs is costplot.plot_costs
-    assert tncomp.cost_curves is costplot.cost_curves
     assert set(tncomp.__all__) >= {"draw_network", "drawing_of", "plot_costs", "cost_curves"}
-    assert draw.PlotError is errors.PlotError and issubclass(errors.PlotError, ValueError)
-    assert draw.PlotDependencyError is errors.PlotDependencyError
+    assert figures.PlotError is errors.PlotError and issubclass(errors.PlotError, ValueError)
+    assert figures.PlotDependencyError is errors.PlotDependencyError
     assert issubclass(errors.PlotDependencyError, ImportError)
     assert cli.OptionError is errors.OptionError and cli.SpecError is errors.SpecError
     for cls in (errors.PlotError, errors.PlotDependencyError, errors.OptionError,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter
 from collections.abc import Sequence
 
@@ -21,17 +22,25 @@ def _as_size(value: Size | str, what: str) -> Size:
     return value
 
 
-def _check_modes(modes: Sequence[int], what: str) -> tuple[int, ...]:
+def check_modes(modes: Sequence[int], what: str) -> tuple[int, ...]:
+    """``modes`` as a non-empty tuple of ints >= 1 (numpy ints too), or an :class:`IRError`
+    naming ``what`` and the bad mode: the one check of a TT layer's modes (comera maps the error
+    to its ConfigError)."""
     if isinstance(modes, str | bytes) or not isinstance(modes, Sequence):
         raise IRError(f"{what} is {modes!r} ({type(modes).__name__}); give a sequence of ints "
                       "such as (8, 8, 12).")
-    modes = tuple(modes)
     if not modes:
         raise IRError(f"{what} is empty; give at least one mode, e.g. (8, 8, 12).")
+    checked = []
     for m in modes:
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        try:
+            value = operator.index(m) if not isinstance(m, bool) else 0
+        except TypeError:
+            value = 0
+        if value < 1:
             raise IRError(f"{what} has mode {m!r}; modes are ints >= 1.")
-    return modes
+        checked.append(value)
+    return tuple(checked)
 
 
 def resolve_ranks(ranks: Ranks, modes: Sequence[int], what: str = "ranks") -> tuple[int, ...]:
@@ -78,8 +87,8 @@ def tt_linear(
     Core k has shape (r_{k-1}, n_k, r_k) over the modes ``in_modes + out_modes`` (all input modes
     first, then all output modes), r_0 = r_2d = 1.
     """
-    in_modes = _check_modes(in_modes, "in_modes")
-    out_modes = _check_modes(out_modes, "out_modes")
+    in_modes = check_modes(in_modes, "in_modes")
+    out_modes = check_modes(out_modes, "out_modes")
     if len(in_modes) != len(out_modes):
         raise IRError(
             f"in_modes {in_modes} and out_modes {out_modes} differ in length; the TT format "
@@ -107,8 +116,8 @@ def ttm_linear(
     batch: Size | str = "B",
 ) -> Network:
     """The interleaved TT-matrix format: cores (r_{k-1}, m_k, n_k, r_k), x (B, *in_modes)."""
-    in_modes = _check_modes(in_modes, "in_modes")
-    out_modes = _check_modes(out_modes, "out_modes")
+    in_modes = check_modes(in_modes, "in_modes")
+    out_modes = check_modes(out_modes, "out_modes")
     if len(in_modes) != len(out_modes):
         raise IRError(
             f"in_modes {in_modes} and out_modes {out_modes} differ in length; a TT-matrix core "
@@ -142,8 +151,8 @@ def ttm_embedding(
     so the operands are the gathered slices (B, r_{k-1}, n_k, r_k) joined by the hyperedge ``b``;
     the output is (B, *col_modes). Gradients flow back to the cores through the gather.
     """
-    row_modes = _check_modes(row_modes, "row_modes")
-    col_modes = _check_modes(col_modes, "col_modes")
+    row_modes = check_modes(row_modes, "row_modes")
+    col_modes = check_modes(col_modes, "col_modes")
     if len(row_modes) != len(col_modes):
         raise IRError(f"row_modes {row_modes} and col_modes {col_modes} differ in length.")
     d = len(row_modes)

@@ -22,11 +22,12 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
+from tncomp.errors import CacheError
 from tncomp.files import atomic_write_bytes, user_cache_dir
 
 log = logging.getLogger("tncomp.compiler.cache")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: trees as Tree.to_payload, regimes as {lo, hi, tree}, canonical sizes
 TEMP_PREFIX = ".tmp-"  # in-progress writes: .tmp-<pid>-<random>.part (never read as entries)
 STALE_TEMP_S = 600.0  # a temp file this old belongs to a writer that died mid-write
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{32}\.json$")
@@ -94,8 +95,13 @@ class DiskCache:
     def _path(self, key: Hashable) -> Path:
         return self.directory / f"{key_digest(key)}.json"
 
-    def load(self, key: Hashable) -> Any | None:
-        """The stored payload, or None when absent, corrupt or written for another key."""
+    def load(self, key: Hashable, parse: Callable[[Any], Any] | None = None) -> Any | None:
+        """The stored payload, or None when absent, corrupt or written for another key.
+
+        ``parse`` (e.g. :meth:`~tncomp.compiler.problem.Tree.from_payload`) turns the payload
+        into its value; a checksum-valid entry that it refuses with a :class:`CacheError`
+        (malformed: a tree over the wrong leaves, a str where an int belongs) is logged and
+        read as absent, so the caller rebuilds it."""
         path = self._path(key)
         try:
             data = path.read_bytes()  # one open: a concurrent rename cannot mix two versions
@@ -121,6 +127,12 @@ class DiskCache:
             log.warning("tncomp disk cache: corrupt entry %s (checksum mismatch); rebuilding it",
                         path)
             return None
+        if parse is not None:
+            try:
+                payload = parse(payload)
+            except CacheError as exc:
+                log.warning("tncomp disk cache: malformed entry %s (%s); rebuilding it", path, exc)
+                return None
         log.debug("disk cache hit %s", path.name)
         return payload
 

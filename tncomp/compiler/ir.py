@@ -264,3 +264,9 @@ def bind_sizes(net: Network, shapes: Sequence[Sequence[int]]) -> dict[str, int]:
                     f"index {index!r}; every tensor must agree on a shared index."
                 )
     return bound
+
+
+def bind_dims(net: Network, value: int) -> dict[str, int]:
+    """Every index's integer size, each symbolic size set to ``value`` (the one home of "bind
+    the batch": regimes, cost curves, pictures and reports all use it)."""
+    return {index: (value if isinstance(size, Dim) else size) for index, size in net.sizes}

@@ -15,7 +15,7 @@ from functools import cached_property
 import sympy
 
 from tncomp.compiler.ir import Dim, Network
-from tncomp.errors import PlanError
+from tncomp.errors import CacheError, PlanError
 
 SizeExpr = int | sympy.Expr
 
@@ -139,6 +139,31 @@ class Tree:
         covers = self.leaves_under()
         return frozenset(frozenset((covers[a], covers[b])) for a, b in self.steps)
 
+    def to_payload(self) -> dict:
+        """A JSON-able form (for the disk cache): ``{"n": n_leaves, "steps": [[a, b], ...]}``."""
+        return {"n": self.n_leaves, "steps": [[a, b] for a, b in self.steps]}
+
+    @classmethod
+    def from_payload(cls, payload: object, n_leaves: int | None = None) -> Tree:
+        """The tree :meth:`to_payload` wrote, checked: a :class:`CacheError` saying what is wrong
+        when ``payload`` is not a tree (over ``n_leaves`` leaves, when given)."""
+        if not isinstance(payload, dict) or not {"n", "steps"} <= set(payload):
+            raise CacheError(f"a stored tree is {_short(payload)}; expected {{'n': ..., "
+                             "'steps': [[a, b], ...]}.")
+        n, steps = payload["n"], payload["steps"]
+        if not _is_int(n) or n < 1:
+            raise CacheError(f"a stored tree has n={_short(n)}; expected an int >= 1.")
+        if n_leaves is not None and n != n_leaves:
+            raise CacheError(f"a stored tree is over {n} leaves; the network has {n_leaves}.")
+        if not isinstance(steps, list) or not all(
+                isinstance(s, list) and len(s) == 2 and all(map(_is_int, s)) for s in steps):
+            raise CacheError(f"a stored tree has steps {_short(steps)}; expected a list of "
+                             "[int, int] pairs.")
+        try:
+            return cls(n, tuple((a, b) for a, b in steps))
+        except PlanError as exc:
+            raise CacheError(f"a stored tree is invalid: {exc}") from None
+
     def to_linear_path(self) -> list[tuple[int, int]]:
         """The opt_einsum-style linear path of this tree (positions in a shrinking list, each result
         appended last): the inverse of :meth:`from_linear_path`."""
@@ -151,3 +176,12 @@ class Tree:
                 live.pop(pos)
             live.append(self.n_leaves + k)
         return path
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: object, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -14,10 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tncomp.compiler.device_model import DeviceModel
-from tncomp.compiler.ir import Dim, Network
+from tncomp.compiler.ir import Dim, Network, bind_dims
 from tncomp.compiler.plan import lower
 from tncomp.compiler.problem import Tree, problem_for
 from tncomp.compiler.search import candidate_trees, sample_points
+from tncomp.errors import CacheError
 
 DEFAULT_MAX = 1 << 20  # upper end of the search for an unbounded Dim
 
@@ -49,11 +50,25 @@ class RegimeTable:
         return tuple(r.lo for r in self.regimes[1:])
 
 
-def _bind_single(net: Network, dim: Dim, value: int) -> dict[str, int]:
-    out = {}
-    for index, size in net.sizes:
-        out[index] = value if isinstance(size, Dim) and size.name == dim.name else size
-    return out
+def upper_bound(dim: Dim) -> int:
+    """The largest size the regime search covers: ``dim.max``, or 2**20 when unbounded."""
+    return dim.max if dim.max is not None else max(DEFAULT_MAX, dim.min)
+
+
+def regime_candidates(net: Network, needs_grad: Sequence[bool], itemsize: int,
+                      model: DeviceModel) -> list[tuple[Tree, tuple[bool, ...]]]:
+    """The trees the regime search compares and the GEMM orientations each is scored with:
+    candidates at sizes sampled over the one symbol's bounds, each lowered where first found."""
+    (dim,) = net.dims
+    found: list[tuple[Tree, tuple[bool, ...]]] = []
+    seen: set = set()
+    for value in sample_points(dim.min, upper_bound(dim), 1):
+        problem = problem_for(net, bind_dims(net, value))
+        for tree in candidate_trees(problem):
+            if tree.signature() not in seen:
+                seen.add(tree.signature())
+                found.append((tree, lower(problem, tree, needs_grad, itemsize, model=model).swaps))
+    return found
 
 
 def build_regimes(
@@ -61,29 +76,20 @@ def build_regimes(
     needs_grad: Sequence[bool],
     itemsize: int,
     model: DeviceModel,
-    per_octave: int = 1,
 ) -> RegimeTable:
     """Search candidates at sampled sizes of the network's one Dim; bisect the breakpoints."""
     (dim,) = net.dims
-    lo, hi = dim.min, dim.max if dim.max is not None else max(DEFAULT_MAX, dim.min)
-    samples = sample_points(lo, hi, per_octave)
-    trees: list[Tree] = []
-    swaps: list[tuple[bool, ...]] = []  # each tree's GEMM orientations, fixed where it was found
-    for value in samples:
-        problem = problem_for(net, _bind_single(net, dim, value))
-        for tree in candidate_trees(problem):
-            if tree.signature() not in {t.signature() for t in trees}:
-                trees.append(tree)
-                swaps.append(lower(problem, tree, needs_grad, itemsize, model=model).swaps)
+    samples = sample_points(dim.min, upper_bound(dim), 1)
+    candidates = regime_candidates(net, needs_grad, itemsize, model)
     with_grad = any(needs_grad)
 
     def best_at(value: int) -> int:
-        problem = problem_for(net, _bind_single(net, dim, value))
+        problem = problem_for(net, bind_dims(net, value))
         times = [
             lower(problem, t, needs_grad, itemsize, swaps=sw).modelled_time(model, with_grad)
-            for t, sw in zip(trees, swaps, strict=True)
+            for t, sw in candidates
         ]
-        return min(range(len(trees)), key=times.__getitem__)
+        return min(range(len(candidates)), key=times.__getitem__)
 
     winners = [best_at(v) for v in samples]
     regimes: list[Regime] = []
@@ -92,9 +98,9 @@ def build_regimes(
         v0, w0, v1, w1 = samples[k - 1], winners[k - 1], samples[k], winners[k]
         if w1 != w0:
             edge = _bisect(v0, v1, w0, best_at)
-            regimes.append(Regime(start, edge - 1, trees[current]))
+            regimes.append(Regime(start, edge - 1, candidates[current][0]))
             start, current = edge, best_at(edge)
-    regimes.append(Regime(start, hi, trees[current]))
+    regimes.append(Regime(start, samples[-1], candidates[current][0]))
     return RegimeTable(dim, tuple(_merge(regimes)))
 
 
@@ -121,14 +127,33 @@ def _merge(regimes: list[Regime]) -> list[Regime]:
 
 def regimes_to_payload(table: RegimeTable) -> dict:
     """A JSON-able form for the disk cache."""
-    return {"regimes": [[r.lo, r.hi, r.tree.n_leaves, [list(s) for s in r.tree.steps]]
+    return {"regimes": [{"lo": r.lo, "hi": r.hi, "tree": r.tree.to_payload()}
                         for r in table.regimes]}
 
 
-def regimes_from_payload(dim: Dim, payload: dict) -> RegimeTable | None:
-    try:
-        regimes = tuple(Regime(lo, hi, Tree(n, tuple(tuple(s) for s in steps)))
-                        for lo, hi, n, steps in payload["regimes"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    return RegimeTable(dim, regimes)
+def regimes_from_payload(dim: Dim, payload: object, n_leaves: int) -> RegimeTable:
+    """The table :func:`regimes_to_payload` wrote for ``dim``, checked: a :class:`CacheError`
+    saying what is wrong unless it holds regimes that cover ``dim``'s bounds without gap or
+    overlap, each with a tree over ``n_leaves`` leaves."""
+    entries = payload.get("regimes") if isinstance(payload, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise CacheError("a stored regime table holds no list of regimes.")
+    regimes = []
+    expected_lo = dim.min
+    for k, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not {"lo", "hi", "tree"} <= set(entry):
+            raise CacheError(f"regime {k} of a stored table is {entry!r:.60}; expected "
+                             "{'lo': ..., 'hi': ..., 'tree': ...}.")
+        lo, hi = entry["lo"], entry["hi"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)):
+            raise CacheError(f"regime {k} of a stored table has lo={lo!r}, hi={hi!r}; expected "
+                             "ints.")
+        if lo != expected_lo or hi < lo:
+            raise CacheError(f"regime {k} of a stored table covers {lo}..{hi}; expected a range "
+                             f"starting at {expected_lo}.")
+        regimes.append(Regime(lo, hi, Tree.from_payload(entry["tree"], n_leaves)))
+        expected_lo = hi + 1
+    if regimes[-1].hi != upper_bound(dim):
+        raise CacheError(f"a stored regime table ends at {regimes[-1].hi}; {dim.name}'s bounds "
+                         f"end at {upper_bound(dim)}.")
+    return RegimeTable(dim, tuple(regimes))

@@ -80,10 +80,14 @@ def _cotengra_path(inputs, output, sizes):
 
 @dataclass(frozen=True)
 class Choice:
-    """The chosen plan of a bound problem and the candidates it beat (by modelled time)."""
+    """The chosen plan of a bound problem and the candidates it beat (by modelled time).
+
+    ``plans`` holds every candidate's lowered plan, best first, so callers (autotune) reuse
+    them instead of lowering again."""
 
     plan: Plan
     candidates: tuple[tuple[Tree, float], ...]
+    plans: tuple[Plan, ...] = ()
 
 
 def choose_plan(
@@ -103,7 +107,8 @@ def choose_plan(
         scored.append((plan.modelled_time(model, backward=any(needs_grad)), plan))
     scored.sort(key=lambda sp: sp[0])
     log.debug("scored %d candidate trees; best %.3g s", len(scored), scored[0][0])
-    return Choice(scored[0][1], tuple((p.tree, t) for t, p in scored))
+    return Choice(scored[0][1], tuple((p.tree, t) for t, p in scored),
+                  tuple(p for _, p in scored))
 
 
 def sample_points(lo: int, hi: int, per_octave: int = 2) -> list[int]:

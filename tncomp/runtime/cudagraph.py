@@ -96,19 +96,35 @@ class _GraphedFunction(torch.autograd.Function):
         return (None, *ctx.graphed.backward(dy))
 
 
-def graphed_call(compiled, runner: Runner, operands) -> torch.Tensor:
-    """Run ``runner`` through its captured graphs (capturing on first use of a binding)."""
-    graphs = compiled._graphed
-    graphed = graphs.get(runner)
+class CapturedGraphs:
+    """One compiled network's captured graphs, one per runner (binding), and a count of the
+    captures made (tests check that replays do not re-capture)."""
+
+    __slots__ = ("by_runner", "captures")
+
+    def __init__(self) -> None:
+        self.by_runner: dict[Runner, GraphedPlan] = {}
+        self.captures = 0
+
+    def clear(self) -> None:
+        """Drop the graphs (and their memory pools); the count of captures stays."""
+        self.by_runner.clear()
+
+
+def graphed_call(graphs: CapturedGraphs, runner: Runner, operands) -> torch.Tensor:
+    """Run ``runner`` through its captured graphs in ``graphs`` (capturing on first use of a
+    binding)."""
+    by_runner = graphs.by_runner
+    graphed = by_runner.get(runner)
     if graphed is None:
-        if len(graphs) >= MAX_GRAPHS_PER_NETWORK:
+        if len(by_runner) >= MAX_GRAPHS_PER_NETWORK:
             raise CudaGraphError(
-                f"this network was captured for {len(graphs)} bindings already; CUDA graphs "
+                f"this network was captured for {len(by_runner)} bindings already; CUDA graphs "
                 "suit fixed shapes: pad inputs to a few sizes or compile without cuda_graphs."
             )
         graphed = GraphedPlan(runner, operands)
-        graphs[runner] = graphed
-        compiled.captures += 1
+        by_runner[runner] = graphed
+        graphs.captures += 1
         log.debug("captured CUDA graphs for binding %s", [tuple(t.shape) for t in operands])
     grad = torch.is_grad_enabled() and graphed.with_grad
     if graphed.in_flight:

@@ -6,7 +6,9 @@ For a network with one symbolic size, the candidate trees are those the regime s
 curves are exactly what :mod:`tncomp.compiler.regimes` compares: at every size the plan of the
 regime table is the lowest modelled-time curve. Each candidate is lowered with its backward pass at
 every plotted size; its FLOPs and time come from that plan (what would run), not from a
-formula. :func:`cost_curves` returns the numbers; :func:`plot_costs` also draws them.
+formula. A view takes values: the caller (``tncomp.cost_curves`` / ``plot_costs``, the CLI)
+checks the request with :func:`curve_request`, builds the regime table, and passes both to
+:func:`curves_of`; :func:`draw_costs` draws the numbers.
 """
 
 from __future__ import annotations
@@ -21,19 +23,12 @@ from typing import Any
 import sympy
 
 from tncomp.compiler.device_model import DeviceModel
-from tncomp.compiler.ir import Dim, Network, Role
+from tncomp.compiler.ir import Dim, Network, Role, bind_dims
 from tncomp.compiler.plan import lower
 from tncomp.compiler.problem import Tree, problem_for
-from tncomp.compiler.regimes import DEFAULT_MAX, Regime
-from tncomp.compiler.search import candidate_trees, sample_points
+from tncomp.compiler.regimes import Regime, RegimeTable, regime_candidates
 from tncomp.errors import SizeError, TncompError
-from tncomp.views.draw import (
-    as_compiled,
-    check_output_path,
-    format_count,
-    new_figure,
-    save_figure,
-)
+from tncomp.views.figures import check_output_path, format_count, new_figure, save_figure
 from tncomp.views.report import dense_equivalent, describe_tree
 
 log = logging.getLogger("tncomp.views.costplot")
@@ -135,27 +130,6 @@ def plotted_batches(lo: int, hi: int, points: int, breakpoints: Sequence[int] = 
     return sorted(values)
 
 
-def _bind(net: Network, dim: Dim, value: int) -> dict[str, int]:
-    return {i: (value if isinstance(s, Dim) else s) for i, s in net.sizes}
-
-
-def regime_candidates(net: Network, dim: Dim, needs_grad: Sequence[bool], itemsize: int,
-                      model: DeviceModel) -> list[tuple[Tree, tuple[bool, ...]]]:
-    """The trees the regime search compares and the GEMM orientations each is scored with:
-    candidates at sizes sampled over the symbol's bounds, each lowered where first found."""
-    hi = dim.max if dim.max is not None else max(DEFAULT_MAX, dim.min)
-    found: list[tuple[Tree, tuple[bool, ...]]] = []
-    seen: set = set()
-    for value in sample_points(dim.min, hi, 1):
-        problem = problem_for(net, _bind(net, dim, value))
-        for tree in candidate_trees(problem):
-            if tree.signature() not in seen:
-                seen.add(tree.signature())
-                swaps = lower(problem, tree, needs_grad, itemsize, model=model).swaps
-                found.append((tree, swaps))
-    return found
-
-
 def _as_int(expr: Any, dim: Dim, value: int) -> int:
     if isinstance(expr, sympy.Expr):
         return int(expr.subs(dim.symbol, value))
@@ -186,24 +160,25 @@ def _dense_series(net: Network, dim: Dim, batches: Sequence[int], needs_grad: Se
     return CostSeries(label, None, tuple(flops), tuple(times))
 
 
-def cost_curves(
-    net_or_compiled: Any,
-    batch_range: Sequence[int] | None = None,
-    *,
-    points: int = DEFAULT_POINTS,
-    needs_grad: Sequence[bool] | None = None,
-    itemsize: int = 4,
-    model: DeviceModel | None = None,
-    name: str | None = None,
-) -> CostCurves:
-    """FLOPs and modelled fwd+bwd time of every candidate plan and of the dense layer, at about
-    ``points`` batch sizes over ``batch_range`` (default: the symbol's bounds, up to 65536).
+@dataclass(frozen=True)
+class CurveRequest:
+    """What a cost plot sweeps, checked: the symbol and its range, how many batches, which
+    gradients, the item size and the device model, and the name quoted in errors."""
 
-    ``needs_grad`` defaults to every operand (training); ``model`` to the compiled network's
-    model for the CPU; ``name`` (e.g. the command line's SPEC) is quoted in errors.
-    """
-    compiled = as_compiled(net_or_compiled, "cost_curves")
-    net: Network = compiled.network
+    name: str
+    dim: Dim
+    lo: int
+    hi: int
+    points: int
+    needs_grad: tuple[bool, ...]
+    itemsize: int
+    model: DeviceModel
+
+
+def curve_request(net: Network, batch_range: Sequence[int] | None, points: int,
+                  needs_grad: Sequence[bool] | None, itemsize: int, model: DeviceModel,
+                  name: str | None) -> CurveRequest:
+    """The checked :class:`CurveRequest` (a clear error naming the bad value otherwise)."""
     name = name if name is not None else f"network {net.output.name}"
     dim = _the_dim(net, name)
     lo, hi = _batch_range(dim, batch_range, name)
@@ -214,29 +189,36 @@ def cost_curves(
     if len(needs_grad) != len(net.operands):
         raise TncompError(f"{name}: needs_grad has {len(needs_grad)} entries for "
                           f"{len(net.operands)} operands.")
-    model = model if model is not None else compiled.model("cpu")
     if not isinstance(model, DeviceModel):
         raise TncompError(f"{name}: model is a {type(model).__name__}; pass a "
                           "tncomp.DeviceModel (or leave it out).")
+    return CurveRequest(name, dim, lo, hi, points, needs_grad, itemsize, model)
 
-    table = compiled.regimes(needs_grad, itemsize, model)
-    candidates = regime_candidates(net, dim, needs_grad, itemsize, model)
+
+def curves_of(net: Network, table: RegimeTable, request: CurveRequest) -> CostCurves:
+    """FLOPs and modelled fwd+bwd time of every regime candidate (the trees
+    :func:`~tncomp.compiler.regimes.build_regimes` compares, and any tree of ``table`` found
+    elsewhere) and of the dense layer, at the batches of ``request``."""
+    name, dim, needs_grad = request.name, request.dim, request.needs_grad
+    itemsize, model = request.itemsize, request.model
+    candidates = regime_candidates(net, needs_grad, itemsize, model)
     by_signature = {tree.signature(): k for k, (tree, _) in enumerate(candidates)}
     for r in table.regimes:  # a table from the disk cache may hold a tree found elsewhere
         if r.tree.signature() not in by_signature:
             by_signature[r.tree.signature()] = len(candidates)
-            problem = problem_for(net, _bind(net, dim, r.lo))
+            problem = problem_for(net, bind_dims(net, r.lo))
             candidates.append((r.tree, lower(problem, r.tree, needs_grad, itemsize,
                                              model=model).swaps))
-    regimes = _clip(table.regimes, lo, hi)
+    regimes = _clip(table.regimes, request.lo, request.hi)
     chosen = tuple(by_signature[r.tree.signature()] for r in regimes)
-    batches = plotted_batches(lo, hi, points, [r.lo for r in regimes[1:]])
+    batches = plotted_batches(request.lo, request.hi, request.points,
+                              [r.lo for r in regimes[1:]])
 
     backward = any(needs_grad)
     flops: list[list[int]] = [[] for _ in candidates]
     times: list[list[float]] = [[] for _ in candidates]
     for b in batches:
-        problem = problem_for(net, _bind(net, dim, b))
+        problem = problem_for(net, bind_dims(net, b))
         for k, (tree, swaps) in enumerate(candidates):
             plan = lower(problem, tree, needs_grad, itemsize, swaps=swaps)
             flops[k].append(plan.forward_flops + (plan.backward_flops if backward else 0))
@@ -251,17 +233,11 @@ def cost_curves(
                       itemsize, model)
 
 
-def plot_costs(
-    net_or_compiled: Any,
-    path: str | Path,
-    batch_range: Sequence[int] | None = None,
-    **options: Any,
-) -> CostCurves:
+def draw_costs(curves: CostCurves, path: str | Path) -> CostCurves:
     """Draw FLOPs and modelled time against the batch size (log-log) for every candidate plan
     and the dense layer, with the regime breakpoints as vertical lines and the plan chosen in
-    each regime drawn thick. Writes ``path``; returns the numbers (see :func:`cost_curves`)."""
+    each regime drawn thick. Writes ``path``; returns ``curves`` with the path."""
     path = check_output_path(path)
-    curves = cost_curves(net_or_compiled, batch_range, **options)
     fig, (ax_flops, ax_time) = new_figure(15, 7.5, 2)
     colours = _colours(len(curves.candidates))
     b = curves.batches

@@ -1,109 +1,32 @@
 """Pictures of a network: its tensors and bonds, and the forward contraction tree it runs.
 
-Matplotlib is optional (``pip install 'tncomp[plot]'``) and imported only when a picture is
-made, on a bare ``Figure`` with the Agg canvas: no pyplot, no backend switch, no global state.
-Layouts come from networkx. :func:`draw_network` returns what it drew (labels, tree, FLOPs) so
-callers and tests can check the numbers behind the picture.
+A view takes values: the network and the tree it runs (the caller, ``tncomp.draw_network`` or
+the CLI, compiles). Layouts come from networkx, figures from :mod:`tncomp.views.figures`.
+:func:`network_drawing` returns what a picture shows (labels, tree, FLOPs) so callers and tests
+can check the numbers behind it; :func:`draw` draws it.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tncomp.compiler.cost import step_infos
-from tncomp.compiler.ir import Dim, Network, Role
+from tncomp.compiler.ir import Dim, Network, Role, bind_dims
 from tncomp.compiler.problem import Tree, problem_for
-from tncomp.errors import PlotDependencyError, PlotError, SizeError, TncompError
-
-if TYPE_CHECKING:
-    from tncomp.api import CompiledNetwork
-
-log = logging.getLogger("tncomp.views.draw")
+from tncomp.errors import SizeError
+from tncomp.views.figures import check_output_path, format_count, new_figure, save_figure
 
 DEFAULT_BATCH = 4096  # the batch a picture's FLOPs are shown at (as in ``tncomp inspect``)
-DPI = 120
 ROLE_COLOURS = {Role.INPUT: "#f4a261", Role.PARAMETER: "#8ecae6"}
 HUB_COLOUR = "#264653"
 OPEN_COLOUR = "#2a9d8f"
 SUMMED_COLOUR = "#9a9a9a"
 STEP_COLOUR = "#fefae0"
 BOX_ASPECT = 1.8  # width / height of a tensor's label box, roughly
-
-
-def require_matplotlib() -> tuple[type, type]:
-    """``(Figure, FigureCanvasAgg)``, or a :class:`PlotDependencyError` saying what to install."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        missing = exc.name or "matplotlib"
-        raise PlotDependencyError(
-            f"pictures need matplotlib, which could not be imported (no {missing!r}); install "
-            "it with: pip install 'tncomp[plot]'"
-        ) from None
-    return Figure, FigureCanvasAgg
-
-
-def check_output_path(path: str | Path) -> Path:
-    """``path`` as a Path if matplotlib can write a picture there, else a :class:`PlotError`."""
-    _, canvas = require_matplotlib()
-    path = Path(path)
-    supported = sorted(canvas.get_supported_filetypes())
-    suffix = path.suffix.lower().lstrip(".")
-    if suffix not in supported:
-        what = f"has suffix .{suffix}" if suffix else "has no suffix"
-        raise PlotError(f"output {str(path)!r} {what}; name a picture file such as net.png "
-                        f"(formats: {', '.join(supported)}).")
-    if path.is_dir():
-        raise PlotError(f"output {str(path)!r} is a directory; give a file name such as "
-                        f"{path / 'net.png'}.")
-    if not path.parent.is_dir():
-        raise PlotError(f"output {str(path)!r}: directory {str(path.parent)!r} does not exist; "
-                        "create it first.")
-    return path
-
-
-def new_figure(width: float, height: float, ncols: int) -> tuple[Any, list[Any]]:
-    """A Figure on an Agg canvas and its ``ncols`` axes in one row."""
-    figure_cls, canvas_cls = require_matplotlib()
-    fig = figure_cls(figsize=(width, height), layout="constrained")
-    canvas_cls(fig)
-    axes = fig.subplots(1, ncols, squeeze=False)[0]
-    return fig, list(axes)
-
-
-def save_figure(fig: Any, path: Path) -> None:
-    """Write ``fig`` to ``path`` (the format from its suffix); a failed write is a PlotError."""
-    try:
-        fig.savefig(path, dpi=DPI)
-    except OSError as exc:
-        raise PlotError(f"could not write {str(path)!r}: {exc}") from None
-    log.info("wrote %s", path)
-
-
-def format_count(value: float, unit: str) -> str:
-    """``1.23 GFLOP``-style text of a count."""
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
-
-
-def as_compiled(net_or_compiled: Any, where: str) -> CompiledNetwork:
-    """The :class:`~tncomp.api.CompiledNetwork` of a Network (compiled here) or a compiled one."""
-    from tncomp.api import CompiledNetwork, compile
-
-    if isinstance(net_or_compiled, CompiledNetwork):
-        return net_or_compiled
-    if isinstance(net_or_compiled, Network):
-        return compile(net_or_compiled)
-    raise TncompError(f"{where} takes a tncomp.Network (from tt_linear, from_eq, ...) or a "
-                      f"compiled one, got {type(net_or_compiled).__name__}.")
 
 
 def representative_batch(net: Network, batch: int | None, where: str) -> int | None:
@@ -128,11 +51,6 @@ def representative_batch(net: Network, batch: int | None, where: str) -> int | N
     return batch
 
 
-def bind_batch(net: Network, batch: int | None) -> dict[str, int]:
-    """Every index's integer size, symbolic ones set to ``batch``."""
-    return {i: (batch if isinstance(s, Dim) else s) for i, s in net.sizes}
-
-
 def size_text(size: int | Dim) -> str:
     return size.name if isinstance(size, Dim) else str(size)
 
@@ -153,28 +71,22 @@ class NetworkDrawing:
     path: Path | None = None
 
 
-def drawing_of(net_or_compiled: Any, batch: int | None = None) -> NetworkDrawing:
-    """Everything :func:`draw_network` shows, computed without drawing (no matplotlib)."""
-    compiled = as_compiled(net_or_compiled, "draw_network")
-    net: Network = compiled.network
-    batch = representative_batch(net, batch, "draw_network")
-    sizes = bind_batch(net, batch)
-    needs_grad = (True,) * len(net.operands)
-    tree = compiled.plan_for(sizes, needs_grad).tree
-    infos = step_infos(problem_for(net, sizes), tree, needs_grad)
+def network_drawing(net: Network, tree: Tree, batch: int | None) -> NetworkDrawing:
+    """Everything a picture of ``net`` running ``tree`` shows, with the symbolic sizes at
+    ``batch`` (from :func:`representative_batch`), computed without drawing (no matplotlib)."""
+    sizes = bind_dims(net, batch)
+    infos = step_infos(problem_for(net, sizes), tree, (True,) * len(net.operands))
     _, kinds = _graph(net)
     labels = {i: f"{i}={size_text(s)}" for i, s in net.sizes}
     return NetworkDrawing(net, batch, labels, kinds["open"], kinds["summed"], kinds["hyper"],
                           tree, tuple(int(s.flops) for s in infos))
 
 
-def draw_network(net_or_compiled: Any, path: str | Path, batch: int | None = None,
-                 ) -> NetworkDrawing:
-    """Draw the network (tensors, labelled bonds, dangling open indices) and, beside it, the
-    forward contraction tree chosen for training, each step labelled with its FLOPs at
-    ``batch`` (default 4096 within the symbol's bounds). Writes a picture to ``path``."""
+def draw(drawing: NetworkDrawing, path: str | Path) -> NetworkDrawing:
+    """Draw the network (tensors, labelled bonds, dangling open indices) and, beside it, its
+    forward contraction tree with each step's FLOPs; write ``path``; return ``drawing`` with
+    the path."""
     path = check_output_path(path)
-    drawing = drawing_of(net_or_compiled, batch)
     fig, (ax_net, ax_tree) = new_figure(15, 6.5, 2)
     _draw_graph(ax_net, drawing.network)
     _draw_tree(ax_tree, drawing.network, drawing.tree, drawing.step_flops, drawing.batch)

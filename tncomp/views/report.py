@@ -1,4 +1,7 @@
-"""Readable reports of a network: costs as formulas, batch regimes, the chosen plan, vs dense."""
+"""Readable reports of a network: costs as formulas, batch regimes, the chosen plan, vs dense.
+
+A view takes values: ``tncomp.inspect`` (and the CLI) compiles, then passes the plan, the
+regime table and the device model to :func:`report`."""
 
 from __future__ import annotations
 
@@ -8,8 +11,11 @@ from dataclasses import dataclass
 import sympy
 
 from tncomp.compiler.cost import Costs, tree_costs
-from tncomp.compiler.ir import Dim, Network, Role
+from tncomp.compiler.device_model import DeviceModel
+from tncomp.compiler.ir import Network, Role
+from tncomp.compiler.plan import Plan
 from tncomp.compiler.problem import Tree, problem_for
+from tncomp.compiler.regimes import RegimeTable
 
 
 def describe_tree(net: Network, tree: Tree) -> str:
@@ -73,22 +79,25 @@ def _si(value: float, unit: str) -> str:
 DEFAULT_BATCH = 4096
 
 
-def inspect(compiled, batch: int | None = None, needs_grad=None, itemsize: int = 4) -> str:
-    """The full report of a compiled network, with the plan shown at ``batch`` (if symbolic;
-    by default 4096, clipped to the symbol's bounds)."""
-    net = compiled.network
+def shown_batch(net: Network, batch: int | None) -> int:
+    """The batch a report shows its plan at: ``batch`` (checked against every symbol's bounds),
+    by default 4096 clipped to the bounds."""
     for dim in net.dims:
         if batch is None:
             hi = dim.max if dim.max is not None else DEFAULT_BATCH
             batch = max(min(DEFAULT_BATCH, hi), dim.min)
         dim.check(batch, "inspect")
-    batch = DEFAULT_BATCH if batch is None else batch
-    needs_grad = tuple(needs_grad) if needs_grad is not None else (True,) * len(net.operands)
-    model = compiled.model("cpu")
+    return DEFAULT_BATCH if batch is None else batch
+
+
+def report(net: Network, plan: Plan, model: DeviceModel, batch: int,
+           table: RegimeTable | None = None) -> str:
+    """The full report of ``net``: the costs of ``plan``'s tree as formulas, the regime
+    ``table`` (for one symbolic size), ``plan`` (bound at ``batch``) timed by ``model``, and
+    the dense layer it stands for."""
+    needs_grad, itemsize = plan.needs_grad, plan.itemsize
     lines = ["== network ==", str(net), ""]
     dims = net.dims
-    bind = {i: (batch if isinstance(s, Dim) else s) for i, s in net.sizes}
-    plan = compiled.plan_for(bind, needs_grad)
     symbolic: Costs = tree_costs(problem_for(net), plan.tree, needs_grad, itemsize)
     at = ", ".join(f"{d.name}={batch}" for d in dims) or "all sizes fixed"
     lines += [f"== costs of the chosen tree (formulas; plan shown at {at}) ==",
@@ -98,8 +107,7 @@ def inspect(compiled, batch: int | None = None, needs_grad=None, itemsize: int =
               f"bytes moved     {_fmt(symbolic.total_bytes)}  (fwd+bwd, {itemsize}-byte items)",
               f"saved for bwd   {_fmt(symbolic.saved_bytes)} bytes",
               f"peak memory     {_fmt(symbolic.peak_bytes)} bytes (intermediates + output)", ""]
-    if len(dims) == 1:
-        table = compiled.regimes(needs_grad, itemsize, model)
+    if table is not None:
         lines.append(f"== {dims[0].name} regimes (breakpoints {list(table.breakpoints)}) ==")
         for r in table.regimes:
             lines.append(f"{dims[0].name} in [{r.lo}, {r.hi}]: {describe_tree(net, r.tree)}")

@@ -10,6 +10,7 @@ import torch
 
 import tncomp
 import tncomp.api
+import tncomp.compiler.planner
 from tests.helpers.tn import F64, compile_net, operands, reference
 from tncomp import Dim, Role
 from tncomp.compiler.cache import DiskCache, LRUCache
@@ -290,7 +291,7 @@ def _forbid(monkeypatch, name):
     def refuse(*args, **kwargs):
         raise AssertionError(f"{name} ran although the disk cache held the result")
 
-    monkeypatch.setattr(tncomp.api, name, refuse)
+    monkeypatch.setattr(tncomp.compiler.planner, name, refuse)
 
 
 def test_regime_table_is_stored_and_reloaded(tmp_path, monkeypatch):
@@ -318,8 +319,8 @@ def test_corrupt_regime_entry_is_rebuilt(tmp_path, monkeypatch):
     (path,) = tmp_path.glob("*.json")
     _corrupt_tampered_regimes(path)
     calls = []
-    real = tncomp.api.build_regimes
-    monkeypatch.setattr(tncomp.api, "build_regimes",
+    real = tncomp.compiler.planner.build_regimes
+    monkeypatch.setattr(tncomp.compiler.planner, "build_regimes",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     assert tncomp.compile(net, disk_cache=tmp_path).regimes() == first
     assert calls == [1]
@@ -329,7 +330,7 @@ def test_corrupt_regime_entry_is_rebuilt(tmp_path, monkeypatch):
 
 def _corrupt_tampered_regimes(path):
     record = json.loads(path.read_text())
-    record["payload"]["regimes"][0][1] += 1
+    record["payload"]["regimes"][0]["hi"] += 1
     path.write_text(json.dumps(record))
 
 

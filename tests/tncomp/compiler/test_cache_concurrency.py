@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import tncomp
-import tncomp.api
+import tncomp.compiler.planner
 from tests.helpers import ROOT
 from tests.helpers.tn import operands, reference
 from tncomp.compiler.cache import STALE_TEMP_S, TEMP_PREFIX, DiskCache
@@ -203,8 +203,8 @@ def test_compile_rebuilds_a_damaged_regime_entry(tmp_path, damage, monkeypatch, 
     good = entry.read_bytes()
     damage(entry)
     builds = []
-    real = tncomp.api.build_regimes
-    monkeypatch.setattr(tncomp.api, "build_regimes",
+    real = tncomp.compiler.planner.build_regimes
+    monkeypatch.setattr(tncomp.compiler.planner, "build_regimes",
                         lambda *a, **k: builds.append(1) or real(*a, **k))
     with caplog.at_level(logging.WARNING, logger="tncomp.compiler.cache"):
         f = tncomp.compile(net, disk_cache=tmp_path)

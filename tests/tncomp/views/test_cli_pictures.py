@@ -22,21 +22,14 @@ import sympy
 
 import tncomp
 from tests.helpers import ROOT
-from tncomp import Dim
+from tncomp import Dim, cost_curves, draw_network, drawing_of, plot_costs
 from tncomp.cli import main
 from tncomp.compiler.cost import tree_costs
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.problem import Tree, problem_for
-from tncomp.errors import SizeError, TncompError
-from tncomp.views.costplot import cost_curves, plot_costs, plotted_batches
-from tncomp.views.draw import (
-    PlotDependencyError,
-    PlotError,
-    draw_network,
-    drawing_of,
-    representative_batch,
-    tree_layout,
-)
+from tncomp.errors import PlotDependencyError, PlotError, SizeError, TncompError
+from tncomp.views.costplot import plotted_batches
+from tncomp.views.draw import representative_batch, tree_layout
 
 TT_SPEC = "tt:15x14:modes=3,5|2,7:rank=3"
 MODEL = DeviceModel(2e9, 1e9, 5e-6, "test model")

@@ -1,0 +1,179 @@
+"""The layering of tncomp, read from the source with ``ast`` (so it cannot rot).
+
+Allowed direction of imports (a module may import its own layer and the layers below it):
+
+    face      tncomp/__init__.py, api.py, cli.py   -> anything in tncomp
+    runtime   tncomp/runtime/*                      -> runtime, compiler, base
+    views     tncomp/views/*                        -> views, compiler, base
+    compiler  tncomp/compiler/*                     -> compiler, base
+    base      tncomp/errors.py, tncomp/files.py     -> base
+
+runtime and views are siblings: neither imports the other (views take plans and tables as
+values; the face compiles). Function-level (lazy) and typing-only imports count like
+module-level ones; the face is the top, so only it may import anything. Besides: no import
+cycle between tncomp modules, no module of tncomp/compiler imports torch (directly, or through
+a tncomp module it imports at import time), and tncomp never imports comera.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+PACKAGE = ROOT / "tncomp"
+FACE = {"tncomp", "tncomp.api", "tncomp.cli"}
+BASE = {"tncomp.errors", "tncomp.files"}
+ALLOWED = {  # layer -> the layers it may import
+    "base": {"base"},
+    "compiler": {"compiler", "base"},
+    "runtime": {"runtime", "compiler", "base"},
+    "views": {"views", "compiler", "base"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _layer(module: str) -> str:
+    if module in FACE:
+        return "face"
+    if module in BASE:
+        return "base"
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in ALLOWED:
+        return parts[1]
+    raise AssertionError(f"{module} belongs to no layer; add it to the layering test.")
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """Every module ``path`` imports, with whether the import runs when the module is imported
+    (module level, outside ``if TYPE_CHECKING``) or later (inside a function, or typing only)."""
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, eager: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, eager) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                assert child.level == 0, f"{path}: use absolute imports"
+                base = child.module or ""
+                found.append((base, eager))
+                for alias in child.names:  # `from tncomp.views import draw` imports a module
+                    if f"{base}.{alias.name}" in MODULES:
+                        found.append((f"{base}.{alias.name}", eager))
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) or (
+                    isinstance(child, ast.If) and _is_type_checking(child)):
+                visit(child, False)  # runs later, or never
+            else:
+                visit(child, eager)
+
+    visit(ast.parse(path.read_text(), filename=str(path)), True)
+    return found
+
+
+IMPORTS = {m: _imports(p) for m, p in MODULES.items()}
+
+
+def _tncomp_imports(module: str, eager_only: bool = False) -> set[str]:
+    return {name for name, eager in IMPORTS[module]
+            if name in MODULES and name != module and (eager or not eager_only)}
+
+
+def test_every_module_has_a_layer():
+    assert {_layer(m) for m in MODULES} == {"face", "base", "compiler", "runtime", "views"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m not in FACE))
+def test_imports_go_down(module):
+    allowed = ALLOWED[_layer(module)]
+    upward = sorted(name for name in _tncomp_imports(module)
+                    if name not in FACE and _layer(name) not in allowed)
+    face = sorted(name for name in _tncomp_imports(module) if name in FACE)
+    assert not upward and not face, (
+        f"{module} ({_layer(module)}) imports {upward + face}; it may import only "
+        f"{sorted(allowed)}")
+
+
+def test_no_import_cycles():
+    graph = {m: _tncomp_imports(m) - {"tncomp"} for m in MODULES}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def walk(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for nxt in sorted(graph[module]):
+            if state.get(nxt) == 1:
+                cycle = [*path[path.index(nxt):], nxt]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if nxt not in state:
+                walk(nxt, [*path, nxt])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) == "compiler"))
+def test_compiler_never_imports_torch(module):
+    """Directly (even lazily), or through a tncomp module it imports at import time."""
+    direct = [name for name, _ in IMPORTS[module] if name.split(".")[0] == "torch"]
+    assert not direct, f"{module} imports {direct}"
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        torch = [n for n, eager in IMPORTS[current] if eager and n.split(".")[0] == "torch"]
+        assert not torch, f"{module} imports torch at import time through {current}"
+        todo.extend(_tncomp_imports(current, eager_only=True))
+
+
+def test_tncomp_never_imports_comera():
+    offenders = sorted(m for m, names in IMPORTS.items()
+                       if any(n.split(".")[0] == "comera" for n, _ in names))
+    assert not offenders, f"tncomp modules importing comera: {offenders}"
+
+
+def test_the_checker_sees_lazy_and_from_imports(tmp_path):
+    """The parser is not vacuous: it finds eager, lazy, typing-only and submodule imports."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\nimport torch\nfrom tncomp.views import draw\n"
+        "if TYPE_CHECKING:\n    import numpy\n"
+        "def f():\n    from tncomp.api import compile\n")
+    found = _imports(source)
+    assert ("torch", True) in found and ("tncomp.views.draw", True) in found
+    assert ("numpy", False) in found and ("tncomp.api", False) in found
+
+
+def test_design_doc_names_every_module_once_and_cites_only_real_files():
+    """docs/design.md is code: one line per module, and no citation of a file that is absent."""
+    import re
+
+    doc = (ROOT / "docs" / "design.md").read_text()
+    for module, path in MODULES.items():
+        if path.name == "__init__.py" and module != "tncomp":
+            continue  # a subpackage's __init__ is its folder, drawn in the diagram
+        rel = path.relative_to(ROOT).as_posix()
+        assert doc.count(f"`{rel}`") == 1, f"docs/design.md should name {rel} exactly once"
+    cited = set(re.findall(r"[\w./-]+/[\w.-]+\.(?:py|md|json|txt)\b", doc))
+    missing = sorted(c for c in cited if not (ROOT / c).exists())
+    assert not missing, f"docs/design.md cites files not in the repository: {missing}"

@@ -1,0 +1,216 @@
+"""The planner: binding -> Tree -> Plan, and every cache key.
+
+A :class:`Planner` belongs to one network compiled with one set of :class:`Options`. It turns
+bound sizes into a plan (from the batch regime table, the disk cache, or a search), measures
+candidates through a timer the runtime passes in when autotuning, and builds every key: the
+per-call binding key, the in-memory plan key and the disk keys. It takes the device model as an
+argument and the dtype as values (item size, dtype name), never torch objects, so planning is
+built and tested without torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from tncomp.compiler.cache import DiskCache
+from tncomp.compiler.cost import tree_costs
+from tncomp.compiler.device_model import DeviceModel
+from tncomp.compiler.ir import Network, structural_key
+from tncomp.compiler.plan import Plan, lower
+from tncomp.compiler.problem import Problem, Tree, problem_for
+from tncomp.compiler.regimes import (
+    RegimeTable,
+    build_regimes,
+    regimes_from_payload,
+    regimes_to_payload,
+)
+from tncomp.compiler.search import candidate_trees, choose_plan
+from tncomp.errors import TncompError
+
+log = logging.getLogger("tncomp.compiler.planner")
+
+OPTIMIZE_CHOICES = ("auto", "search", "flops")
+AUTOTUNE_TOP_K = 3  # candidates timed by autotune: the modelled best and the next two
+
+Timer = Callable[[Sequence[Plan], Sequence[tuple[int, ...]]], Sequence[float]]
+"""Measured seconds of each plan run on operands of the given shapes (the runtime's autotune)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything that changes the plan a network gets (part of every cache key)."""
+
+    optimize: str = "auto"
+    autotune: bool = False
+    cuda_graphs: bool = False
+    pool_buffers: bool = True
+
+
+def binding_key(operands: Sequence[Any], grad: bool) -> tuple:
+    """The per-network key of a call: each operand's shape, dtype, device and whether it needs a
+    gradient. It reads attributes only, so it needs no torch import. ``CompiledNetwork.__call__``
+    builds the same tuple inline (the hot path saves a function call); a test checks they agree."""
+    return tuple((t.shape, t.dtype, t.device, grad and t.requires_grad) for t in operands)
+
+
+class Planner:
+    """Plans of one network under one :class:`Options`; owns the keys and the regime tables."""
+
+    def __init__(self, net: Network, options: Options, disk: DiskCache | None):
+        self.network = net
+        self.options = options
+        self.disk = disk
+        self.structure = structural_key(net)
+        # Bound sizes enter keys in the structural key's canonical index order, so relabelled
+        # networks share entries and equal labels with other roles do not.
+        self._canonical = tuple(dict.fromkeys(
+            i for t in (*net.operands, net.output) for i in t.indices))
+        self._regimes: dict = {}
+
+    def clear(self) -> None:
+        """Forget the regime tables built in this process (the disk keeps its entries)."""
+        self._regimes.clear()
+
+    # -- keys -----------------------------------------------------------------------------------
+    def bound(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """The bound sizes in canonical index order (what every key holds)."""
+        return tuple(sizes[i] for i in self._canonical)
+
+    def memory_key(self, sizes: Mapping[str, int], dtype_name: str, device_name: str,
+                   needs_grad: Sequence[bool], model: DeviceModel) -> tuple:
+        """The key of a runner in the process-wide plan cache. ``device_name`` is the whole
+        device (``cuda:1``, not ``cuda``): a runner's pooled buffers live on one device. The
+        device model picks the tree, so it is part of the key: networks planned with different
+        models do not share plans."""
+        return (self.structure, self.bound(sizes), dtype_name, device_name, tuple(needs_grad),
+                self.options, model)
+
+    def tree_key(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], itemsize: int,
+                 model: DeviceModel) -> tuple:
+        """The disk key of a searched tree."""
+        return ("tree", self.structure, self.bound(sizes), tuple(needs_grad), itemsize,
+                self.options.optimize, model)
+
+    def regimes_key(self, needs_grad: Sequence[bool], itemsize: int, model: DeviceModel) -> tuple:
+        """The disk key of a regime table."""
+        return ("regimes", self.structure, tuple(needs_grad), itemsize, model)
+
+    def autotune_key(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], dtype_name: str,
+                     device_type: str) -> tuple:
+        """The disk key of an autotuned tree (measured on a device type, for a dtype)."""
+        return ("autotune", self.structure, self.bound(sizes), tuple(needs_grad), dtype_name,
+                device_type, self.options.optimize)
+
+    # -- planning -------------------------------------------------------------------------------
+    def plan_for(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], itemsize: int,
+                 model: DeviceModel, *, dtype_name: str = "float32", device_type: str = "cpu",
+                 timer: Timer | None = None) -> Plan:
+        """The plan at these bound sizes: the tree of :meth:`tree_for` (or, with ``autotune``
+        and a ``timer``, the measured fastest of the best candidates) lowered with its backward.
+        A plan the search already lowered is reused, not lowered again."""
+        needs_grad = tuple(bool(g) for g in needs_grad)
+        problem = problem_for(self.network, sizes)
+        tree, plan = self._choose(problem, sizes, needs_grad, itemsize, model)
+        if self.options.autotune and timer is not None:
+            key = self.autotune_key(sizes, needs_grad, dtype_name, device_type)
+            tree, plan = self._autotuned(key, problem, sizes, needs_grad, itemsize, model,
+                                         tree, plan, timer)
+        if plan is None:
+            plan = lower(problem, tree, needs_grad, itemsize, model=model)
+        return plan
+
+    def tree_for(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], itemsize: int,
+                 model: DeviceModel) -> Tree:
+        """The contraction tree at these bound sizes: read from the batch regime table
+        (``optimize="auto"``, one symbolic size), else searched (least modelled time, or fewest
+        FLOPs for ``"flops"``) and kept in the disk cache when there is one."""
+        needs_grad = tuple(bool(g) for g in needs_grad)
+        problem = problem_for(self.network, sizes)
+        return self._choose(problem, sizes, needs_grad, itemsize, model)[0]
+
+    def _choose(self, problem: Problem, sizes, needs_grad: tuple[bool, ...], itemsize: int,
+                model: DeviceModel) -> tuple[Tree, Plan | None]:
+        """The tree, and its plan when the search lowered it already."""
+        net = self.network
+        if self.options.optimize == "auto" and len(net.dims) == 1:
+            table = self.regimes(needs_grad, itemsize, model)
+            index = next(i for i, s in net.sizes if getattr(s, "name", None) == table.dim.name)
+            return table.tree_for(sizes[index]), None
+        key = self.tree_key(sizes, needs_grad, itemsize, model)
+        n = len(net.operands)
+        stored = self._load(key, partial(Tree.from_payload, n_leaves=n))
+        if stored is not None:
+            return stored, None
+        plan = None
+        if self.options.optimize == "flops":
+            tree = min(candidate_trees(problem),
+                       key=lambda t: tree_costs(problem, t, needs_grad).total_flops)
+        else:
+            plan = choose_plan(problem, needs_grad, itemsize, model).plan
+            tree = plan.tree
+        self._store(key, tree.to_payload())
+        return tree, plan
+
+    def _autotuned(self, key: tuple, problem: Problem, sizes, needs_grad: tuple[bool, ...],
+                   itemsize: int, model: DeviceModel, default: Tree, default_plan: Plan | None,
+                   timer: Timer) -> tuple[Tree, Plan | None]:
+        """The measured fastest of ``default`` and the model's next best candidates; the
+        winner is kept on disk, so a process pays for the timing once."""
+        n = len(self.network.operands)
+
+        def parse(payload: object) -> Tree:
+            return Tree.from_payload(payload.get("tree") if isinstance(payload, dict) else None,
+                                     n_leaves=n)
+
+        stored = self._load(key, parse)
+        if stored is not None:
+            return stored, (default_plan if stored == default else None)
+        ranked = choose_plan(problem, needs_grad, itemsize, model).plans
+        if default_plan is None:
+            default_plan = next((p for p in ranked if p.tree == default), None) or lower(
+                problem, default, needs_grad, itemsize, model=model)
+        plans = [default_plan, *[p for p in ranked if p.tree != default][:AUTOTUNE_TOP_K - 1]]
+        shapes = [tuple(sizes[i] for i in t.indices) for t in self.network.operands]
+        times = list(timer(plans, shapes))
+        order = sorted(range(len(plans)), key=times.__getitem__)
+        log.debug("autotune: %s", [(f"{times[k] * 1e3:.3f} ms", plans[k].tree.steps)
+                                   for k in order])
+        best = plans[order[0]]
+        self._store(key, {"tree": best.tree.to_payload(), "times": [times[k] for k in order]})
+        return best.tree, best
+
+    def regimes(self, needs_grad: Sequence[bool] | None = None, itemsize: int = 4,
+                model: DeviceModel | None = None) -> RegimeTable:
+        """The batch-size regimes of a network with one symbolic size (built once, cached in
+        this process and on disk). ``model`` is required; ``needs_grad`` defaults to all."""
+        net = self.network
+        if len(net.dims) != 1:
+            raise TncompError(
+                f"regimes need exactly one symbolic size; this network has "
+                f"{len(net.dims)} ({', '.join(d.name for d in net.dims)})."
+            )
+        needs_grad = (tuple(bool(g) for g in needs_grad) if needs_grad is not None
+                      else (True,) * len(net.operands))
+        local_key = (needs_grad, itemsize, model)
+        table = self._regimes.get(local_key)
+        if table is not None:
+            return table
+        key = self.regimes_key(needs_grad, itemsize, model)
+        table = self._load(key, partial(regimes_from_payload, net.dims[0],
+                                        n_leaves=len(net.operands)))
+        if table is None:
+            table = build_regimes(net, needs_grad, itemsize, model)
+            self._store(key, regimes_to_payload(table))
+        self._regimes[local_key] = table
+        return table
+
+    def _load(self, key: tuple, parse: Callable[[Any], Any]) -> Any | None:
+        return self.disk.load(key, parse) if self.disk is not None else None
+
+    def _store(self, key: tuple, payload: Any) -> None:
+        if self.disk is not None:
+            self.disk.store(key, payload)
