@@ -304,11 +304,11 @@ def _peek(path: Path) -> tuple[str, Any]:
             warnings.simplefilter("ignore")
             return "data", torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        text = str(exc)
-        if text.startswith("Weights only load failed"):
-            found = _GLOBAL.search(text)
-            return "object", found.group(1) if found else "a Python object"
-        return "unreadable", _one_line(text)[:160] or type(exc).__name__
+        found = _GLOBAL.search(str(exc))  # the pickle names a class: an object, not garbage
+        if found:
+            return "object", found.group(1)
+        why = str(exc).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0]
+        return "unreadable", _one_line(why)[:160]
     except Exception as exc:
         return "unreadable", _one_line(f"{type(exc).__name__}: {exc}")[:160]
 
