@@ -55,8 +55,9 @@ def write_plots(summary: dict[str, Any], out: Path) -> list[Path]:
 
     tt_runs = [r for r in summary["runs"] if r["ranks"]]
     if tt_runs:
-        paths.append(_ranks_plot(plt, tt_runs[0], summary["config"], out / f"{name}_ranks.png",
-                                 f"{name}: ranks per layer ({tt_runs[0]['name']})"))
+        fig = ranks_figure(plt, tt_runs[0], summary["config"],
+                           f"{name}: ranks per layer ({tt_runs[0]['name']})")
+        paths.append(_save(fig, plt, out / f"{name}_ranks.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for row in summary["rows"]:
@@ -81,10 +82,11 @@ def layer_kind(name: str) -> tuple[str, str]:
     return kind, ".".join(p for p in parts if p.isdigit())
 
 
-def _ranks_plot(plt, run: dict[str, Any], config: dict[str, Any], path: Path, title: str) -> Path:
-    """Left: one row per layer (grouped by kind, labelled), colour = its rank sum as a share of
-    the first evaluation's, so dozens of layers stay apart. Right: the rank sum per layer kind
-    (q, k, v, o, feed-forward, embedding...), one labelled line each."""
+def ranks_figure(plt, run: dict[str, Any], config: dict[str, Any], title: str):
+    """The rank evolution of one run, as a figure. Left: one labelled row per layer, grouped by
+    kind, coloured by its rank sum as a share of the first evaluation's, so dozens of layers
+    stay apart. Right: the rank sum per layer kind (q, k, v, o, feed-forward, embedding...),
+    one labelled line each."""
     import numpy as np
 
     steps = [s for s, _ in run["ranks"]]
@@ -124,7 +126,7 @@ def _ranks_plot(plt, run: dict[str, Any], config: dict[str, Any], path: Path, ti
     ax_kind.set_ylabel("sum of effective TT ranks, per layer kind")
     ax_kind.legend(fontsize=7)
     fig.suptitle(title)
-    return _save(fig, plt, path)
+    return fig
 
 
 def _natural(text: str) -> tuple[int, ...]:
