@@ -13,34 +13,66 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from comera.errors import ComeraError
+from comera.errors import ComeraError, ConfigError
 
 EXIT_USAGE = 2
 MODELS = ("transformer", "dlrm", "mlm")
 log = logging.getLogger("comera.cli")
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _one_line(text: str) -> str:
+    """An error message as the promised single line: colour codes dropped (torch's messages
+    carry some), newlines and runs of blanks folded into one space."""
+    return " ".join(_ANSI.sub("", text).split())
+
+
 # -- train ----------------------------------------------------------------------------------------
+# EngineConfig field -> the `comera train` option that sets it
+FLAGS = {"target_compression": "--target-compression", "steps_early": "--steps",
+         "steps_late": "--late-steps", "batch_size": "--batch-size",
+         "checkpoint_every": "--checkpoint-every", "seed": "--seed", "eval_every": "--eval-every",
+         "lr": "--lr", "lam": "--lam", "lr_gates": "--lr-gates"}
+
+
 def _engine_config(args, exp) -> Any:
     cfg = exp.engine(args.quick)
     changes: dict[str, Any] = {"stage": args.stage, "device": args.device,
                                "on_nonfinite": args.on_nonfinite}
-    for flag, field_name in (("target_compression", "target_compression"),
-                             ("steps", "steps_early"), ("late_steps", "steps_late"),
-                             ("batch_size", "batch_size"), ("checkpoint_every",
-                                                            "checkpoint_every"),
-                             ("seed", "seed"), ("eval_every", "eval_every"), ("lr", "lr"),
-                             ("lam", "lam"), ("lr_gates", "lr_gates")):
-        value = getattr(args, flag)
+    for field_name, flag in FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             changes[field_name] = value
-    return replace(cfg, **changes)
+    try:
+        return replace(cfg, **changes)
+    except ConfigError as exc:
+        raise _with_flags(exc) from None
+
+
+def _with_flags(exc: ConfigError) -> ConfigError:
+    """The engine names its settings; say which option sets each one it names."""
+    text = str(exc)
+    named = [f"{flag} sets {name}" for name, flag in {**FLAGS, "device": "--device"}.items()
+             if re.search(rf"\b{name}=", text)]
+    return ConfigError(f"{text} ({'; '.join(named)})" if named else text)
+
+
+def _loss_text(event: dict) -> str:
+    """"  loss 0.1234", or nothing before the first training step (there is no loss yet)."""
+    loss = event.get("loss")
+    return "" if loss is None or loss != loss else f"  loss {loss:.4f}"
 
 
 class _Bars:
@@ -80,7 +112,7 @@ class _Bars:
         if self.progress is None:
             if event["kind"] == "eval":
                 print(f"[{name:<6}] {event['stage']:<5} step {event['step']:>6}/{event['total']}"
-                      f"  loss {event['loss']:.4f}  val {event['metric']} {event['value']:.4f}"
+                      f"{_loss_text(event)}  val {event['metric']} {event['value']:.4f}"
                       f"  compression {event['compression']:.1f}x  ranks {event['rank_total']}",
                       flush=True)
             return
@@ -88,7 +120,7 @@ class _Bars:
             self.tasks[name] = self.progress.add_task(name, total=event["total"], name=name,
                                                       stage=event["stage"], info="")
         ev = self.last.get(name)
-        info = f"loss {event['loss']:.4f}"
+        info = _loss_text(event).strip()
         if ev:
             info += (f"  val {ev['metric']} {ev['value']:.4f}  "
                      f"x{event.get('compression', ev['compression']):.1f}  "
@@ -120,29 +152,27 @@ def _launch_workers(args, argv: list[str]) -> int:
 def _cmd_train(args, argv: list[str]) -> int:
     from comera.experiments.distributed import init_from_env
     from comera.experiments.registry import experiment
-    from comera.experiments.results import run_experiment, summary_table
+    from comera.experiments.results import check_experiment, run_experiment, summary_table
 
     if args.nproc < 1:
         raise ComeraError(f"--nproc {args.nproc}: the number of worker processes is >= 1.")
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return _launch_workers(args, argv)
     if args.target_compression is not None and not args.target_compression > 1:
         raise ComeraError(f"--target-compression {args.target_compression}: it must be > 1 "
                           "(dense size / TT size), e.g. 50.")
     exp = experiment(args.model)
     config = _engine_config(args, exp)
-    world = init_from_env(config.device)
-    if config.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ComeraError(f"--device {config.device}: CUDA is not available here; use "
-                              "--device cpu.")
     out = Path(args.out)
     variants = tuple(v for v in args.variants.split(",") if v)
-    bad = [v for v in variants if v not in ("dense", "comera")]
-    if bad or not variants:
+    if not variants or any(v not in ("dense", "comera") for v in variants):
         raise ComeraError(f"--variants {args.variants!r}: choose from dense,comera.")
+    if "WORLD_SIZE" not in os.environ:  # not a launched worker: check before launching any
+        try:
+            check_experiment(config, out, variants, args.resume, args.nproc)
+        except ConfigError as exc:
+            raise _with_flags(exc) from None
+        if args.nproc > 1:
+            return _launch_workers(args, argv)
+    world = init_from_env(config.device)
     task = exp.make_task(args.quick)
     show = world.is_main and not args.no_progress and sys.stdout.isatty() \
         and not os.environ.get("COMERA_NO_PROGRESS")
@@ -165,6 +195,51 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _type_name(hint: Any) -> str:
+    """A type hint in words: ``int | Mapping[str, int]`` -> "int or mapping of str to int"."""
+    origin, params = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(p) for p in params)
+    if hint is type(None):
+        return "null"
+    if origin in (Mapping, dict) and len(params) == 2:
+        return f"mapping of {_type_name(params[0])} to {_type_name(params[1])}"
+    if origin in (Sequence, list, tuple):
+        return f"list of {_type_name(params[0])}" if params else "list"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a ConvertConfig field's type hint (hints it does not know pass:
+    ConvertConfig itself checks those)."""
+    origin, params = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, p) for p in params)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (Mapping, dict):
+        return isinstance(value, dict) and (len(params) != 2 or all(
+            _matches(k, params[0]) and _matches(v, params[1]) for k, v in value.items()))
+    if origin in (Sequence, list, tuple):
+        if not isinstance(value, list | tuple):
+            return False
+        if origin is tuple and params and params[-1] is not Ellipsis:
+            return len(value) == len(params) and all(
+                _matches(v, p) for v, p in zip(value, params, strict=True))
+        return not params or all(_matches(v, params[0]) for v in value)
+    return True
+
+
 def _convert_config(args):
     from comera.convert import ConvertConfig
 
@@ -178,6 +253,9 @@ def _convert_config(args):
             raise ComeraError(
                 f"--config {args.config!r} is neither a JSON file nor JSON text ({exc.msg} at "
                 f"{exc.pos}); e.g. --config '{{\"ranks\": 16}}'.") from None
+        if not isinstance(fields, dict):
+            raise ComeraError(f"--config {args.config!r} is not a JSON object; e.g. --config "
+                              "'{\"ranks\": 16}'.")
     for item in args.set or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -191,7 +269,77 @@ def _convert_config(args):
     for key in ("include", "exclude"):
         if isinstance(fields.get(key), str):
             fields[key] = (fields[key],)
-    return ConvertConfig(**fields)
+    try:
+        hints = typing.get_type_hints(ConvertConfig)
+    except Exception:  # a hint that cannot be evaluated: ConvertConfig checks its own fields
+        hints = {}
+    for key, value in fields.items():
+        if key in hints and not _matches(value, hints[key]):
+            raise ComeraError(f"convert setting {key}={json.dumps(value)}: expected "
+                              f"{_type_name(hints[key])}, e.g. --set ranks=16.")
+    try:
+        return ConvertConfig(**fields)
+    except ComeraError:
+        raise
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ComeraError(f"convert settings {json.dumps(fields)} were refused: {exc}") from None
+
+
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def _peek(path: Path) -> tuple[str, Any]:
+    """What a torch file holds, read with ``weights_only=True`` (no code in the file runs):
+    ("data", the object) for tensors and plain containers, ("object", its class name) for a
+    pickle of other Python objects (e.g. a whole model), ("unreadable", why) otherwise."""
+    import pickle
+    import warnings
+
+    import torch
+
+    if path.stat().st_size == 0:
+        return "unreadable", "empty: 0 bytes"
+    try:
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the answer says it
+            warnings.simplefilter("ignore")
+            return "data", torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = _GLOBAL.search(str(exc))  # the pickle names a class: an object, not garbage
+        if found:
+            return "object", found.group(1)
+        why = str(exc).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0]
+        return "unreadable", _one_line(why)[:160]
+    except Exception as exc:
+        return "unreadable", _one_line(f"{type(exc).__name__}: {exc}")[:160]
+
+
+def _not_a_model(source: Path, data: Any) -> str:
+    """Why a file of plain data (read without running code) cannot be converted."""
+    from torch import Tensor
+
+    if isinstance(data, dict) and data.get("format") == "comera-checkpoint":
+        return (f"{source} is a comera checkpoint, not an nn.Module: it is converted already "
+                f"(see it with `comera report {source}`; load it with "
+                "comera.load_checkpoint(path, model)).")
+    if isinstance(data, Mapping) and data and all(isinstance(v, Tensor) for v in data.values()):
+        what = f"a state dict ({len(data)} tensors)"
+    elif isinstance(data, Tensor):
+        what = f"a tensor of shape {tuple(data.shape)}"
+    else:
+        what = f"a {type(data).__name__}"
+    return (f"{source} holds {what}, not an nn.Module; a state_dict or a tensor cannot be "
+            "converted without its model: save the module itself with torch.save(model, path).")
+
+
+def _check_output(path: Path, flag: str) -> None:
+    """A file a command writes: its folder must exist (nothing creates folders silently)."""
+    if path.is_dir():
+        raise ComeraError(f"{flag} {path} is a directory; give a file name, e.g. "
+                          f"{path / 'model_tt.pt'}.")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ComeraError(f"{flag} {path}: the folder {folder} does not exist; create it first "
+                          f"(mkdir -p {folder}).")
 
 
 def _cmd_convert(args, argv) -> int:
@@ -204,21 +352,26 @@ def _cmd_convert(args, argv) -> int:
     if not source.is_file():
         raise ComeraError(f"model file {source} does not exist; save one with "
                           "torch.save(model, 'model.pt').")
+    out = Path(args.output)
+    _check_output(out, "-o")
     config = _convert_config(args)
-    try:  # a whole pickled module: only load files you trust
+    kind, what = _peek(source)
+    if kind == "unreadable":
+        raise ComeraError(f"{source} is not a torch file ({what}); save the model with "
+                          "torch.save(model, path).")
+    if kind == "data":
+        raise ComeraError(_not_a_model(source, what))
+    try:  # a whole pickled module: this runs code from the file, so only convert trusted files
         model = torch.load(source, map_location="cpu", weights_only=False)
     except Exception as exc:
         raise ComeraError(f"{source} could not be loaded as a torch model ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:160]}); save it with torch.save(model, "
-                          "path), with the model's classes importable.") from exc
+                          f"{_one_line(str(exc))[:160]}); save it with torch.save(model, path), "
+                          "with the model's classes importable.") from exc
     if not isinstance(model, nn.Module):
-        raise ComeraError(f"{source} holds a {type(model).__name__}, not an nn.Module; a "
-                          "state_dict cannot be converted without its model: save the module "
-                          "itself with torch.save(model, path).")
+        raise ComeraError(f"{source} holds a {type(model).__name__}, not an nn.Module; save the "
+                          "module itself with torch.save(model, path).")
     report = comera.convert_(model, config)
     print(report)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     comera.save_checkpoint(out, model, converted_from=str(source))
     print(f"\nwrote {out} (load it into the original architecture with "
           "comera.load_checkpoint(path, model))")
@@ -226,9 +379,24 @@ def _cmd_convert(args, argv) -> int:
 
 
 def _cmd_report(args, argv) -> int:
+    from comera.errors import CheckpointError
     from comera.report import checkpoint_report
 
-    print(checkpoint_report(args.checkpoint))
+    path = Path(args.checkpoint)
+    if path.is_file() and path.stat().st_size == 0:
+        raise ComeraError(f"checkpoint {path} is empty (0 bytes), not a comera checkpoint; "
+                          "write checkpoints with comera.save_checkpoint or comera train.")
+    try:
+        report = checkpoint_report(path)
+    except CheckpointError:
+        kind, what = _peek(path) if path.is_file() else ("", None)
+        if kind == "object":
+            raise ComeraError(
+                f"{path} is a pickled Python object ({what}), e.g. a whole model saved with "
+                f"torch.save(model, path), not a comera checkpoint: convert it first with "
+                f"`comera convert {path} -o {path.with_name(path.stem + '_tt.pt')}`.") from None
+        raise
+    print(report)
     return 0
 
 
@@ -245,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", choices=["early", "late", "both"], default="both")
     p.add_argument("--target-compression", type=float, default=None,
                    help="late stage: TT layers' dense size / TT size to reach")
-    p.add_argument("--steps", type=int, default=None, help="early-stage steps")
+    p.add_argument("--steps", type=int, default=None, help="early-stage steps (>= 1)")
     p.add_argument("--late-steps", type=int, default=None, help="late-stage steps")
     p.add_argument("--batch-size", type=int, default=None, help="global batch size")
     p.add_argument("--lr", type=float, default=None, help="learning rate of cores / dense model")
@@ -253,10 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-gates", type=float, default=None, help="learning rate of the rank gates")
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--out", default="runs/latest", help="output directory")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (one this machine has)")
+    p.add_argument("--out", default="runs/latest",
+                   help="run directory (created if missing; one run at a time)")
     p.add_argument("--variants", default="dense,comera", help="which models: dense,comera")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoints in --out (an error if there are none)")
     p.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints")
     p.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
                    help="a NaN/inf loss or gradient: stop (keep the last checkpoint) or skip")
@@ -264,9 +434,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no bars")
     p.set_defaults(run=_cmd_train)
 
-    p = sub.add_parser("convert", help="replace a saved model's linear/embedding layers by TT")
-    p.add_argument("model", help="a file written by torch.save(model, path)")
-    p.add_argument("-o", "--output", required=True, help="the comera checkpoint to write")
+    p = sub.add_parser(
+        "convert", help="replace a saved model's linear/embedding layers by TT",
+        description="Convert a whole model saved with torch.save(model, path) and write a comera "
+        "checkpoint. The input must be a file you trust: loading a pickled model runs code from "
+        "the file. Files of plain data (a state dict, a checkpoint, a tensor) are refused before "
+        "anything is unpickled.")
+    p.add_argument("model", help="a file written by torch.save(model, path); it is unpickled, so "
+                   "only give files you trust")
+    p.add_argument("-o", "--output", required=True,
+                   help="the comera checkpoint to write (its folder must exist)")
     p.add_argument("--config", help="ConvertConfig as a JSON file or JSON text")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="one ConvertConfig field, e.g. ranks=16 or target_compression=20")
@@ -286,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args, argv)
     except ComeraError as exc:
-        print(f"comera: error: {exc}", file=sys.stderr)
+        print(f"comera: error: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("comera: interrupted (resume with --resume)", file=sys.stderr)

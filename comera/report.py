@@ -37,6 +37,16 @@ class LayerRow:
         """Dense parameters / parameters at the effective ranks."""
         return self.dense_params / max(self.params, 1)
 
+    @property
+    def removed(self) -> bool:
+        """A rank pruned to 0: the layer's weight is gone (its output is the bias alone)."""
+        return 0 in self.ranks
+
+    def ratio_text(self) -> str:
+        """The compression as printed: "removed" for a removed layer, where a ratio would only
+        restate the dense size."""
+        return "removed" if self.removed else f"{self.compression:.1f}x"
+
 
 @dataclass(frozen=True)
 class CheckpointReport:
@@ -70,9 +80,11 @@ class CheckpointReport:
             rows.append((r.name, r.kind, f"{r.shape[0]}x{r.shape[1]}",
                          f"{list(r.modes[0])}x{list(r.modes[1])}", str(list(r.bonds[1:-1])),
                          str(list(r.ranks[1:-1])), f"{r.params:,}", f"{r.dense_params:,}",
-                         f"{r.compression:.1f}x"))
+                         r.ratio_text()))
+        all_removed = bool(self.layers) and all(r.removed for r in self.layers)
         rows.append(("TT layers", "", "", "", "", "", f"{self.tt_params:,}",
-                     f"{self.tt_dense_params:,}", f"{self.compression:.1f}x"))
+                     f"{self.tt_dense_params:,}",
+                     "removed" if all_removed else f"{self.compression:.1f}x"))
         widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
                  for row in rows]

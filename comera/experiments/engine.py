@@ -18,6 +18,7 @@ parameters as an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -48,6 +49,7 @@ from comera.experiments.distributed import (
     current_world,
     mean_over_workers,
 )
+from comera.experiments.rundir import hold_run_directory
 from comera.experiments.task import IndexStream, Task
 
 log = logging.getLogger("comera.engine")
@@ -108,6 +110,50 @@ class EngineConfig:
         return self.steps_early + self.steps_late
 
 
+def check_device(device: str) -> torch.device:
+    """``device`` parsed, if this machine has it: cpu, cuda[:k] (with CUDA) or mps (on Apple)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"device={device!r} is not a device; use cpu, cuda or cuda:1.") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r}: CUDA is not available here; use cpu.")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={device!r}: this machine has {torch.cuda.device_count()} "
+                              "CUDA device(s); use cuda:0 .. cuda:"
+                              f"{torch.cuda.device_count() - 1}.")
+    elif parsed.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError(f"device={device!r}: MPS is not available here; use cpu.")
+    elif parsed.type != "cpu":
+        raise ConfigError(f"device={device!r}: training runs on cpu, cuda or mps, not "
+                          f"{parsed.type}.")
+    return parsed
+
+
+def check_settings(config: EngineConfig, tt: bool = True, world_size: int = 1) -> None:
+    """Refuse, before any training, settings that cannot run to the end: an unknown or absent
+    device, a run of no steps, a late stage without early steps to take its loss target from, a
+    global batch that the workers cannot split evenly. ``tt``: a CoMERA run is among those to
+    come. Each check names the setting and the fix; every engine option is checked here."""
+    check_device(config.device)
+    if world_size < 1:
+        raise ConfigError(f"{world_size} worker processes; use at least 1.")
+    if config.batch_size % world_size:
+        raise ConfigError(f"batch_size={config.batch_size} cannot be split over {world_size} "
+                          "workers; use a multiple of the worker count, e.g. "
+                          f"{max(world_size, config.batch_size // world_size * world_size)}.")
+    steps = config.steps_early if config.stage == "early" else config.total_steps
+    if steps < 1:
+        raise ConfigError(f"steps_early={config.steps_early}, steps_late={config.steps_late} "
+                          f"with stage={config.stage!r}: nothing would be trained; set "
+                          "steps_early >= 1.")
+    if tt and config.stage != "early" and config.steps_late and config.steps_early < 1:
+        raise ConfigError(f"steps_early={config.steps_early}: the late stage takes its loss "
+                          "target from the early stage's last steps; set steps_early >= 1.")
+
+
 @dataclass
 class RunRecord:
     """Everything measured in one run; plain data (it goes into checkpoints and JSON)."""
@@ -129,6 +175,9 @@ class RunRecord:
         return statistics.median(self.step_times) * 1e3 if self.step_times else float("nan")
 
 
+# called with each event: {"kind": "step" | "eval", "name", "stage", "step", "total", "loss"
+# (None at an evaluation before the first step), "compression"; eval: "metric", "value",
+# "rank_total"}
 Progress = Callable[[dict[str, Any]], None]
 
 
@@ -174,7 +223,7 @@ class _Run:
                  world: World, progress: Progress | None):
         self.task, self.name, self.tt, self.config, self.world = task, name, tt, config, world
         self.progress = progress
-        self.device = torch.device(config.device)
+        self.device = check_device(config.device)
         self.checkpoint_path = out / "checkpoints" / f"{name}.pt"
         torch.manual_seed(config.seed)
         random.seed(config.seed)
@@ -304,15 +353,17 @@ class _Run:
         ranks = {n: list(m.ranks) for n, m in comera.tt_modules(self.model)}
         if ranks:
             self.record.ranks.append((self.step, ranks))
-        last = self.record.train_curve[-1][1] if self.record.train_curve else float("nan")
+        # the last training loss; None before the first step (there is none yet)
+        last = self.record.train_curve[-1][1] if self.record.train_curve else None
         sizes = sizes_of(self.model)
         event = {"kind": "eval", "name": self.name, "stage": stage, "step": self.step,
                  "total": self.stages()[-1][2], "loss": last,
                  "metric": self.task.metric, "value": scores[self.task.metric],
                  "compression": sizes.get("tt_compression", 1.0),
                  "rank_total": sum(sum(r) for r in ranks.values())}
-        log.info("%(name)s %(stage)s step %(step)d loss %(loss).4f val %(metric)s %(value).4f "
-                 "compression %(compression).1fx", event)
+        log.info("%s %s step %d%s val %s %.4f compression %.1fx", self.name, stage, self.step,
+                 "" if last is None else f" loss {last:.4f}", self.task.metric,
+                 event["value"], event["compression"])
         if self.progress is not None:
             self.progress(event)
 
@@ -383,8 +434,26 @@ def train_model(task: Task, name: str, tt: bool, config: EngineConfig, out: Path
     """Train one model of ``task`` (dense, or CoMERA with ``tt``); return it and its record.
 
     ``stop_after``: leave after this many steps of this call (a checkpoint is written first),
-    e.g. to split a long run over sessions; ``resume`` continues from ``out``'s checkpoint.
+    e.g. to split a long run over sessions; ``resume`` continues from ``out``'s checkpoint if
+    there is one (and starts fresh otherwise). The settings are checked before anything is
+    built, and ``out`` is held for the call (:func:`~comera.experiments.rundir.hold_run_directory`):
+    a second run on it is refused at once.
     """
+    check_settings(config, tt, current_world().size)
+    with _holding(out):
+        return _train(task, name, tt, config, Path(out), resume, progress, stop_after)
+
+
+def _holding(out: Path | str) -> contextlib.AbstractContextManager:
+    """The run directory, held by the main worker (the only one that writes into it)."""
+    if current_world().is_main:
+        return hold_run_directory(out)
+    return contextlib.nullcontext(Path(out))
+
+
+def _train(task: Task, name: str, tt: bool, config: EngineConfig, out: Path, resume: bool,
+           progress: Progress | None, stop_after: int | None) -> tuple[nn.Module, RunRecord]:
+    """``train_model`` inside a held run directory."""
     world = current_world()
     run = _Run(task, name, tt, config, Path(out), world, progress)
     resumed = run.resume() if resume else False

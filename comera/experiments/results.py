@@ -17,14 +17,23 @@ import logging
 import math
 import platform
 import statistics
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from comera.errors import CheckpointError, ConfigError
 from comera.experiments.distributed import current_world
-from comera.experiments.engine import EngineConfig, Progress, RunRecord, train_model
+from comera.experiments.engine import (
+    EngineConfig,
+    Progress,
+    RunRecord,
+    check_settings,
+    train_model,
+)
+from comera.experiments.rundir import check_run_directory, hold_run_directory
 from comera.experiments.task import Task
 
 log = logging.getLogger("comera.experiments")
@@ -61,11 +70,42 @@ def machine() -> dict[str, Any]:
             "workers": current_world().size}
 
 
+def check_experiment(config: EngineConfig, out: Path, variants: tuple[str, ...] = VARIANTS,
+                     resume: bool = False, world_size: int = 1) -> None:
+    """Refuse, before any training and without writing, an experiment that cannot run: bad
+    settings (:func:`~comera.experiments.engine.check_settings`), unknown variants, ``resume``
+    with no checkpoint to resume from, an ``out`` that is busy or not writable."""
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad or not variants:
+        raise ConfigError(f"variants {','.join(variants)!r}: choose from {','.join(VARIANTS)}.")
+    check_settings(config, "comera" in variants, world_size)
+    out = Path(out)
+    if resume and not any((out / "checkpoints" / f"{v}.pt").is_file() for v in variants):
+        raise CheckpointError(f"--resume: {out / 'checkpoints'} holds no checkpoint of "
+                              f"{' or '.join(variants)} to resume from; point --out at the run's "
+                              "directory, or start without --resume.")
+    if current_world().is_main:  # the other workers find it held by the main one
+        check_run_directory(out)
+
+
 def run_experiment(task: Task, config: EngineConfig, out: Path,
                    variants: tuple[str, ...] = VARIANTS, resume: bool = False,
                    progress: Progress | None = None) -> dict[str, Any]:
-    """Train each variant of ``task`` ("dense", "comera") and write the summary into ``out``."""
+    """Train each variant of ``task`` ("dense", "comera") and write the summary into ``out``.
+
+    Everything is checked before any training (:func:`check_experiment`); ``resume`` continues
+    the experiment in ``out`` and needs at least one of its checkpoints (a variant without one
+    starts fresh); ``out`` is held for the whole experiment, so a second one on it is refused.
+    """
     out = Path(out)
+    check_experiment(config, out, variants, resume, current_world().size)
+    holding = hold_run_directory(out) if current_world().is_main else nullcontext(out)
+    with holding:
+        return _run(task, config, out, variants, resume, progress)
+
+
+def _run(task: Task, config: EngineConfig, out: Path, variants: tuple[str, ...], resume: bool,
+         progress: Progress | None) -> dict[str, Any]:
     records = []
     for name in variants:
         _, record = train_model(task, name, name != "dense", config, out, resume, progress)
@@ -107,6 +147,22 @@ def _fmt_int(value: float | None) -> str:
     return "-" if value is None else f"{int(value):,}"
 
 
+def _fmt(value: float, spec: str, suffix: str = "") -> str:
+    """A number, or "n/a" where there is none (NaN: e.g. a speed-up without a dense row)."""
+    value = float(value)  # a summary read back from JSON spells NaN as "nan"
+    return f"{value:{spec}}{suffix}" if math.isfinite(value) else "n/a"
+
+
+def _ratio(sizes: dict[str, float], kind: str) -> str:
+    """``<kind>_compression``; "removed" when every such layer was pruned away (0 parameters
+    left, where a ratio would print the dense size as if it were a compression)."""
+    if f"{kind}_compression" not in sizes:
+        return "-"
+    if sizes.get(f"{kind}_params", 1) == 0:
+        return "removed"
+    return _fmt(sizes[f"{kind}_compression"], ".1f", "x")
+
+
 def summary_table(summary: dict[str, Any]) -> str:
     """The headline table in markdown: speed, scores, sizes and compression per row."""
     metric = summary["metric"]
@@ -115,14 +171,11 @@ def summary_table(summary: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary["rows"]:
         s = row["sizes"]
-
-        def ratio(key: str, sizes: dict = s) -> str:
-            return f"{sizes[key]:.1f}x" if key in sizes else "-"
-
         lines.append(
-            f"| {row['name']} | {row['ms_per_step']:.1f} | {row['speedup']:.2f}x | "
-            f"{row['val'][metric]:.4f} | {row['test'][metric]:.4f} | "
-            f"{_fmt_int(s.get('tt_params'))} | {ratio('tt_compression')} | "
-            f"{ratio('linear_compression')} | {ratio('embedding_compression')} | "
+            f"| {row['name']} | {_fmt(row['ms_per_step'], '.1f')} | "
+            f"{_fmt(row['speedup'], '.2f', 'x')} | "
+            f"{_fmt(row['val'][metric], '.4f')} | {_fmt(row['test'][metric], '.4f')} | "
+            f"{_fmt_int(s.get('tt_params'))} | {_ratio(s, 'tt')} | "
+            f"{_ratio(s, 'linear')} | {_ratio(s, 'embedding')} | "
             f"{_fmt_int(s.get('model_params'))} |")
     return "\n".join(lines)

@@ -100,3 +100,29 @@ def test_report_refuses_a_damaged_checkpoint(tmp_path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     result = run_cli("report", str(path))
     assert result.returncode == 2 and "truncated, corrupt" in result.stderr
+
+
+def test_progress_line_before_the_first_step_has_no_loss(capsys):
+    from comera.cli import _Bars
+
+    event = {"kind": "eval", "name": "comera", "stage": "early", "step": 0, "total": 20,
+             "loss": None, "metric": "loss", "value": 1.25, "compression": 1.0, "rank_total": 9}
+    _Bars(False)(event)
+    _Bars(False)({**event, "step": 5, "loss": 0.5})
+    first, later = capsys.readouterr().out.splitlines()
+    assert "nan" not in first and "loss 0." not in first and "val loss 1.2500" in first
+    assert "loss 0.5000" in later
+
+
+def test_report_says_removed_for_a_layer_pruned_to_nothing(tmp_path):
+    from comera.report import checkpoint_report
+
+    model = _tt_model()
+    with torch.no_grad():
+        model[0].gates[1].zero_()  # every rank of one bond pruned: the weight is gone
+    path = tmp_path / "ckpt.pt"
+    comera.save_checkpoint(path, model)
+    text = str(checkpoint_report(path))
+    dense = model[0].dense_num_parameters()
+    assert "removed" in text
+    assert f"{dense / max(model[0].num_parameters(True), 1):.1f}x" not in text

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import comera
-from comera.experiments.engine import EngineConfig, sizes_of, train_model
+from comera.experiments.engine import EngineConfig, check_settings, sizes_of, train_model
 from comera.experiments.results import run_experiment, summary_table
+from comera.experiments.rundir import LOCK_NAME, hold_run_directory
 from comera.experiments.task import IndexStream
 from tests.helpers import ROOT
 from tests.helpers.toy_task import ToyTask
@@ -161,9 +162,12 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
                 break
         time.sleep(0.05)
     assert proc.poll() is None, "the training process ended before it could be killed"
+    with pytest.raises(comera.ConfigError, match=f"in use by another run \\(pid {proc.pid}\\)"):
+        train_model(ToyTask(), "comera", True, cfg, tmp_path / "killed", resume=True)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     step_at_kill = torch.load(ckpt, weights_only=True)["extra"]["engine"]["step"]
+    # the kernel dropped the killed run's lock: the resume below may hold the directory
     assert 8 <= step_at_kill < cfg.total_steps
     resumed, _ = train_model(ToyTask(), "comera", True, cfg, tmp_path / "killed", resume=True)
     whole, _ = train_model(ToyTask(), "comera", True, cfg, tmp_path / "whole")
@@ -203,6 +207,108 @@ def test_nonfinite_gradient_is_refused_before_the_optimizer_step():
         trainer.step(loss)
     _assert_identical(before, _params(model))
     assert all(p.grad is None for p in model.parameters())
+
+
+# -- settings and the run directory, checked before any training -------------------------------
+class _CountingTask(ToyTask):
+    """ToyTask that counts the batches it serves (zero: nothing was trained)."""
+
+    served = 0
+
+    def batch(self, indices):
+        type(self).served += 1
+        return super().batch(indices)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"steps_early": 0}, "steps_early=0"),  # the dense run used to train, then comera refused
+    ({"device": "tpu"}, "tpu"),
+    ({"device": "cuda:7"} if torch.cuda.is_available() else {"device": "cuda"}, "cuda"),
+    ({"steps_early": 0, "steps_late": 0, "stage": "both"}, "nothing would be trained"),
+])
+def test_run_experiment_checks_settings_before_any_training(tmp_path, changes, match):
+    _CountingTask.served = 0
+    with pytest.raises(comera.ConfigError, match=match):
+        run_experiment(_CountingTask(), replace(CFG, **changes), tmp_path / "run")
+    assert _CountingTask.served == 0
+    assert not (tmp_path / "run").exists()
+
+
+def test_check_settings_refuses_a_batch_the_workers_cannot_split():
+    check_settings(CFG, True, world_size=2)  # 16 over 2
+    with pytest.raises(comera.ConfigError, match="multiple of the worker count"):
+        check_settings(replace(CFG, batch_size=7), True, world_size=2)
+    check_settings(replace(CFG, steps_early=0), tt=False)  # a dense run alone needs no early steps
+
+
+def test_resume_without_a_checkpoint_is_refused_and_writes_nothing(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(comera.CheckpointError, match="no checkpoint"):
+        run_experiment(ToyTask(), CFG, tmp_path, resume=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoints"]
+    assert not any((tmp_path / "checkpoints").iterdir())
+
+
+_TRY_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("free")
+except BlockingIOError:
+    print("busy")
+"""
+
+
+def test_a_held_run_directory_is_locked_and_names_its_holder(tmp_path):
+    with hold_run_directory(tmp_path) as held:
+        assert (held / LOCK_NAME).read_text().strip() == str(os.getpid())
+        with hold_run_directory(tmp_path):  # nested in the same process: allowed
+            pass
+        # another process cannot take the lock (a plain flock: no torch import, fast)
+        done = subprocess.run([sys.executable, "-c", _TRY_LOCK, str(held / LOCK_NAME)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.stdout.strip() == "busy", done.stderr
+    assert not (tmp_path / LOCK_NAME).exists()  # released and removed on a clean exit
+    with hold_run_directory(tmp_path):
+        pass
+
+
+def test_an_unwritable_run_directory_is_refused_before_training(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("x")
+    _CountingTask.served = 0
+    with pytest.raises(comera.ConfigError, match="is a file"):
+        train_model(_CountingTask(), "dense", False, CFG, target)
+    if os.geteuid() != 0:
+        folder = tmp_path / "ro"
+        folder.mkdir()
+        folder.chmod(0o555)
+        try:
+            with pytest.raises(comera.ConfigError, match="not writable"):
+                train_model(_CountingTask(), "dense", False, CFG, folder)
+        finally:
+            folder.chmod(0o755)
+    assert _CountingTask.served == 0
+
+
+def test_progress_events_carry_no_loss_before_the_first_step(tmp_path):
+    events = []
+    train_model(ToyTask(), "dense", False, replace(CFG, steps_early=6, steps_late=0), tmp_path,
+                progress=events.append)
+    evals = [e for e in events if e["kind"] == "eval"]
+    assert evals[0]["step"] == 0 and evals[0]["loss"] is None  # was nan
+    assert all(isinstance(e["loss"], float) for e in evals[1:])
+
+
+def test_summary_table_says_n_a_and_removed_instead_of_nan_and_dense_sizes(tmp_path):
+    summary = run_experiment(ToyTask(), CFG, tmp_path, variants=("comera",))
+    table = summary_table(summary)
+    assert "nan" not in table and "| n/a |" in table  # no dense row: no speed-up
+    row = summary["rows"][-1]
+    removed = {**row, "sizes": {**row["sizes"], "tt_params": 0, "tt_compression": 5e5}}
+    table = summary_table({**summary, "rows": [removed]})
+    assert "removed" in table and "500000.0x" not in table
 
 
 def test_engine_config_rejects_bad_values():
