@@ -19,8 +19,8 @@ the cost of a step). Time: median of interleaved repeats after warm-up
 during one step (see ``MEMORY_COUNTED``). Writes benchmarks/results/dlrm_step_cpu.{json,md}
 (with ``--max-rows N``: dlrm_step_rows{N}_cpu).
 
-    python benchmarks/bench_dlrm.py --max-rows 20000 --batch 256 --threads 1   # seconds
-    python benchmarks/bench_dlrm.py --threads 2     # full tables: ~10 GB RAM, minutes
+    python -m benchmarks.bench_dlrm --max-rows 20000 --batch 256 --threads 1   # seconds
+    python -m benchmarks.bench_dlrm --threads 2     # full tables: ~10 GB RAM, minutes
 """
 
 from __future__ import annotations
@@ -38,13 +38,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import comera
-from benchmarks.harness import (
+from benchmarks.lib.harness import (
     interleaved_medians,
-    machine_info,
     markdown_table,
     measure_step_memory,
     ratio,
@@ -54,6 +50,7 @@ from comera.data.criteo import SyntheticCriteo
 from comera.errors import ConfigError
 from comera.experiments.dlrm_task import DLRMTaskConfig
 from comera.experiments.registry import experiment
+from comera.experiments.results import machine
 from comera.models.dlrm import DLRM, DLRMConfig
 
 log = logging.getLogger("bench_dlrm")
@@ -258,7 +255,7 @@ def run_benchmark(bench: BenchConfig) -> dict:
     for v in variants.values():
         v.info["steps_run"] = v.trainer.steps
     payload: dict = {
-        "machine": machine_info(),
+        "machine": machine(),
         "load": {"before": load_before, "after": _load()},
         "model": asdict(cfg), "bench": asdict(bench),
         "batch": {"size": bench.batch, "unique_ids_per_table": [

@@ -6,7 +6,7 @@ random token ids (no padding). Variants (``--variants``):
 
 - ``dense``: the dense model with ``torch.optim.AdamW``;
 - ``galore``: the dense model with ``galore_torch.GaLoreAdamW`` (the GaLore recipe; see
-  benchmarks/model_baselines.py for the rank);
+  benchmarks/lib/model_baselines.py for the rank);
 - ``comera_early``: TT layers at the initial ranks, the rank regulariser in the objective, via
   ``comera.CoMERATrainer``;
 - ``comera_late``: gates pruned to one max rank chosen so the TT layers reach the paper's
@@ -20,8 +20,8 @@ Time: median of interleaved repeats after warm-up (harness.interleaved_medians).
 bytes before the step plus the peak allocated during one step (see ``MEMORY_COUNTED``). Writes
 benchmarks/results/transformer_cpu.{json,md} (``--small``: transformer_small_cpu).
 
-    python benchmarks/bench_transformer.py --small --repeats 3 --threads 1
-    python benchmarks/bench_transformer.py                  # the paper's model: minutes per step
+    python -m benchmarks.bench_transformer --small --repeats 3 --threads 1
+    python -m benchmarks.bench_transformer                  # the paper's model: minutes per step
 """
 
 from __future__ import annotations
@@ -33,25 +33,20 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import comera
-from benchmarks.harness import (
+from benchmarks.lib.harness import (
     interleaved_medians,
-    machine_info,
     markdown_table,
     measure_step_memory,
     ratio,
     write_results_to,
 )
-from benchmarks.model_baselines import (
+from benchmarks.lib.model_baselines import (
     GaLoreConfig,
     default_galore_rank,
     galore_targets,
@@ -59,6 +54,7 @@ from benchmarks.model_baselines import (
     tltorch_transformer,
 )
 from comera.errors import ConfigError
+from comera.experiments.results import machine
 from comera.models.transformer import PairClassifier, TransformerConfig
 
 log = logging.getLogger("bench_transformer")
@@ -375,7 +371,7 @@ def run_benchmark(cfg: TransformerConfig, bench: BenchConfig) -> dict:
     seq_len = bench.seq_len or cfg.max_len
     results = [run_batch(variants, make_batch(cfg, b, seq_len, bench.seed + b), bench)
                for b in bench.batches]
-    return {"machine": machine_info(), "model": asdict(cfg), "bench": asdict(bench),
+    return {"machine": machine(), "model": asdict(cfg), "bench": asdict(bench),
             "variants": {n: v.info for n, v in variants.items()},
             "memory_counted": MEMORY_COUNTED, "results": results,
             "targets": check_targets(results)}

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import comera
-from benchmarks.baselines import tt_to_dense
 from benchmarks.bench_transformer import (
     BenchConfig,
     build_variant,
@@ -27,8 +26,9 @@ from benchmarks.bench_transformer import (
     run_benchmark,
     tt_layer_compression,
 )
-from benchmarks.harness import num_threads, resident_bytes, write_results_to
-from benchmarks.model_baselines import GaLoreConfig, TltorchTTLinear, tltorch_transformer
+from benchmarks.lib.baselines import tt_to_dense
+from benchmarks.lib.harness import num_threads, resident_bytes, write_results_to
+from benchmarks.lib.model_baselines import GaLoreConfig, TltorchTTLinear, tltorch_transformer
 from comera.errors import ConfigError
 from comera.models.transformer import TransformerConfig
 
