@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from tncomp.compiler.problem import Problem, Tree
 
 # Objectives the chain search minimises, each giving one candidate tree. Modelled time uses
@@ -89,15 +91,17 @@ def find_chain(problem: Problem) -> Chain | None:
     return None
 
 
-# A step cost: (flops of the pairwise GEMM, elements of left, right and result, whether the
-# left / right child needs an adjoint) -> cost; costs of a tree are summed.
-StepCost = Callable[[float, float, float, float, bool, bool], float]
+# A step cost, evaluated for all moves at once: (FLOPs of each pairwise GEMM, element counts of
+# its left child, right child and result, whether the left / right child needs an adjoint) ->
+# the cost of each move; the cost of a tree is the sum over its steps.
+StepCost = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+                    np.ndarray]
 
 
 def flops_cost(backward: bool) -> StepCost:
     """FLOPs of the forward GEMM, plus one GEMM per child adjoint when ``backward``."""
     def cost(flops, left, right, out, adj_left, adj_right):
-        return flops * (1 + (adj_left + adj_right if backward else 0))
+        return flops * (1 + adj_left + adj_right) if backward else flops
 
     return cost
 
@@ -105,41 +109,43 @@ def flops_cost(backward: bool) -> StepCost:
 def time_cost(rate: float, bandwidth: float, overhead: float, itemsize: int = 4) -> StepCost:
     """Modelled seconds of the forward GEMM and the child adjoints' GEMMs (no copies)."""
     def cost(flops, left, right, out, adj_left, adj_right):
-        one = max(flops / rate, (left + right + out) * itemsize / bandwidth) + overhead
+        one = np.maximum(flops / rate, (left + right + out) * (itemsize / bandwidth)) + overhead
         return one * (1 + adj_left + adj_right)
 
     return cost
 
 
-# A state is an interval ``a..b`` of the path (inclusive) with or without the hub; a move makes
-# it from two states: ((a, m, left_hub), (m + 1, b, right_hub)), or ("hub", (a, b, False)) for
-# the hub joining the bare interval.
-State = tuple[int, int, bool]
+@dataclass(frozen=True)
+class _Structure:
+    """The states of a chain and the moves that make them, independent of sizes.
 
+    A state is an interval ``a..b`` of the path with or without the hub, numbered shortest
+    first; state 0..n-1 are the path's leaves and state ``hub_state`` the hub alone. Move k
+    makes state ``target[k]`` from ``left[k]`` and ``right[k]``; ``sets[*_set[k]]`` are the
+    index sets of the step (both children, left, right, result); ``*_mask[k]`` the leaves
+    under each child. Moves that would be outer products are left out.
+    """
 
-@dataclass(frozen=True, slots=True)
-class _Move:
-    """One way to make a state: its two children, the index sets of the step (both children,
-    left, right, result) and whether each child needs an adjoint."""
-
-    left: State | str
-    right: State
-    union: frozenset[str]
-    left_kept: frozenset[str]
-    right_kept: frozenset[str]
-    out_kept: frozenset[str]
-    adj_left: bool
-    adj_right: bool
+    states: tuple[tuple[int, int, bool], ...]
+    hub_state: int
+    first_move: tuple[int, ...]  # moves of state s: first_move[s] .. first_move[s + 1] - 1
+    left: tuple[int, ...]
+    right: tuple[int, ...]
+    union_set: tuple[int, ...]
+    left_set: tuple[int, ...]
+    right_set: tuple[int, ...]
+    out_set: tuple[int, ...]
+    left_mask: tuple[int, ...]
+    right_mask: tuple[int, ...]
+    sets: tuple[tuple[str, ...], ...]
 
 
 @lru_cache(maxsize=32)
-def _structure(leaf_kept: tuple[tuple[str, ...], ...], output: tuple[str, ...], chain: Chain,
-               grads: tuple[bool, ...]) -> tuple[tuple[State, tuple[_Move, ...]], ...]:
-    """Every state of the chain, shortest first, with the moves that make it; moves that would
-    be outer products are left out. Sizes play no part, so the regime search's samples of one
-    network share it (bounded cache)."""
+def _structure(leaf_kept: tuple[tuple[str, ...], ...], output: tuple[str, ...],
+               chain: Chain) -> _Structure:
+    """The states and moves of ``chain`` (a bounded cache: the regime search's samples of one
+    network share it, since sizes play no part)."""
     n_leaves = len(leaf_kept)
-    grad_mask = sum(1 << k for k, g in enumerate(grads) if g)
     owners: dict[str, int] = {}
     for k, term in enumerate(leaf_kept):
         for i in term:
@@ -153,97 +159,115 @@ def _structure(leaf_kept: tuple[tuple[str, ...], ...], output: tuple[str, ...], 
             kept_of[mask] = frozenset(i for i in indices if i in out or owners[i] & ~mask)
         return kept_of[mask]
 
+    set_ids: dict[frozenset[str], int] = {}
+
+    def set_id(indices: frozenset[str]) -> int:
+        return set_ids.setdefault(indices, len(set_ids))
+
     path, hub = chain.path, chain.hub
     n = len(path)
     prefix = [0]
     for leaf in path:
         prefix.append(prefix[-1] | (1 << leaf))
     hub_bit = 0 if hub is None else 1 << hub
+    states: list[tuple[int, int, bool]] = [(p, p, False) for p in range(n)]
+    if hub is not None:
+        states.append((0, -1, True))  # the hub alone: an empty interval
+    for length in range(2, n + 1):
+        states += [(a, a + length - 1, False) for a in range(n - length + 1)]
+    if hub is not None:
+        for length in range(1, n + 1):
+            states += [(a, a + length - 1, True) for a in range(n - length + 1)]
+    # Order: by interval length, bare before hub, so every child precedes its parent.
+    states.sort(key=lambda st: (st[1] - st[0], st[2]))
+    index = {st: k for k, st in enumerate(states)}
 
-    def mask(state: State | str) -> int:
-        if state == "hub":
-            return hub_bit
+    def mask(state: tuple[int, int, bool]) -> int:
         a, b, with_hub = state
-        return (prefix[b + 1] & ~prefix[a]) | (hub_bit if with_hub else 0)
+        return (prefix[b + 1] & ~prefix[a] if b >= a else 0) | (hub_bit if with_hub else 0)
 
-    table = []
-    for length in range(1, n + 1):
-        for a in range(n - length + 1):
-            b = a + length - 1
-            for with_hub in ((False, True) if hub is not None else (False,)):
-                state = (a, b, with_hub)
-                pairs: list[tuple[State | str, State]] = []
-                for m in range(a, b):
-                    pairs.append(((a, m, with_hub), (m + 1, b, False)))
-                    if with_hub:
-                        pairs.append(((a, m, False), (m + 1, b, True)))
-                if with_hub:
-                    pairs.append(("hub", (a, b, False)))
-                out_kept = kept(mask(state))
-                moves = []
-                for left, right in pairs:
-                    lm, rm = mask(left), mask(right)
-                    lk, rk = kept(lm), kept(rm)
-                    if lk & rk:  # no outer products
-                        moves.append(_Move(left, right, lk | rk, lk, rk, out_kept,
-                                           bool(lm & grad_mask), bool(rm & grad_mask)))
-                table.append((state, tuple(moves)))
-    return tuple(table)
+    cols: dict[str, list[int]] = {c: [] for c in (
+        "left", "right", "union_set", "left_set", "right_set", "out_set", "left_mask",
+        "right_mask")}
+    first_move = []
+    for a, b, with_hub in states:
+        first_move.append(len(cols["left"]))
+        if b - a + with_hub < 1:
+            continue  # a leaf
+        pairs = [((a, m, with_hub), (m + 1, b, False)) for m in range(a, b)]
+        if with_hub:
+            pairs += [((a, m, False), (m + 1, b, True)) for m in range(a, b)]
+            pairs.append(((0, -1, True), (a, b, False)))
+        out_kept = kept(mask((a, b, with_hub)))
+        for lst, rst in pairs:
+            lm, rm = mask(lst), mask(rst)
+            lk, rk = kept(lm), kept(rm)
+            if not lk & rk:
+                continue  # an outer product
+            for col, value in (("left", index[lst]), ("right", index[rst]),
+                               ("union_set", set_id(lk | rk)), ("left_set", set_id(lk)),
+                               ("right_set", set_id(rk)), ("out_set", set_id(out_kept)),
+                               ("left_mask", lm), ("right_mask", rm)):
+                cols[col].append(value)
+    first_move.append(len(cols["left"]))
+    sets = [tuple(sorted(s)) for s, _ in sorted(set_ids.items(), key=lambda kv: kv[1])]
+    return _Structure(tuple(states), index.get((0, -1, True), -1), tuple(first_move),
+                      *(tuple(cols[c]) for c in cols), tuple(sets))
 
 
-class _Moves:
-    """The chain's states and moves with each step's raw numbers at the problem's sizes
-    (FLOPs, element counts of both children and the result, the children's adjoint flags)."""
+class _Search:
+    """The interval dynamic program of one chain problem at its bound sizes."""
 
-    def __init__(self, problem: Problem, chain: Chain, needs_grad: Sequence[bool] | None):
-        grads = ((True,) * problem.n_leaves if needs_grad is None
-                 else tuple(bool(g) for g in needs_grad))
-        table = _structure(problem.leaf_kept, tuple(problem.output), chain, grads)
-        self.n, self.has_hub = len(chain.path), chain.hub is not None
-        volumes: dict[frozenset[str], float] = {}
+    def __init__(self, problem: Problem, chain: Chain):
+        self.problem, self.chain = problem, chain
+        st = _structure(problem.leaf_kept, tuple(problem.output), chain)
+        self.st = st
+        sizes = problem.size_dict
+        volumes = np.array([float(math.prod(sizes[i] for i in s)) for s in st.sets])
+        self.flops = 2 * volumes[list(st.union_set)]
+        self.sizes = (volumes[list(st.left_set)], volumes[list(st.right_set)],
+                      volumes[list(st.out_set)])
 
-        def vol(indices: frozenset[str]) -> float:
-            if indices not in volumes:
-                volumes[indices] = float(problem.volume(indices))
-            return volumes[indices]
+    def adjoints(self, needs_grad: Sequence[bool]) -> tuple[np.ndarray, np.ndarray]:
+        """Whether each move's left and right child hold a leaf that needs a gradient."""
+        grad_mask = sum(1 << k for k, g in enumerate(needs_grad) if g)
+        return (np.array([bool(m & grad_mask) for m in self.st.left_mask], dtype=float),
+                np.array([bool(m & grad_mask) for m in self.st.right_mask], dtype=float))
 
-        self.order = [state for state, _ in table]
-        self.moves = {
-            state: [(m.left, m.right, (2 * vol(m.union), vol(m.left_kept), vol(m.right_kept),
-                                       vol(m.out_kept), m.adj_left, m.adj_right))
-                    for m in moves]
-            for state, moves in table
-        }
-
-    def best_tree(self, problem: Problem, chain: Chain, cost: StepCost) -> Tree | None:
-        best: dict[object, tuple[float, tuple | None]] = {"hub": (0.0, None)}
-        for pos in range(self.n):
-            best[(pos, pos, False)] = (0.0, None)
-        for state in self.order:
-            if state in best:
+    def best_tree(self, cost: StepCost, needs_grad: Sequence[bool]) -> Tree | None:
+        """The tree of least summed ``cost``; None when every tree needs an outer product."""
+        st = self.st
+        costs = cost(self.flops, *self.sizes, *self.adjoints(needs_grad)).tolist()
+        left, right, first = st.left, st.right, st.first_move
+        n_states = len(st.states)
+        best = [0.0] * n_states
+        choice = [-1] * n_states
+        for s in range(n_states):
+            lo, hi = first[s], first[s + 1]
+            if lo == hi:
+                a, b, with_hub = st.states[s]
+                if b - a + with_hub >= 1:
+                    best[s] = math.inf  # no move without an outer product
                 continue
-            choice, least = None, math.inf
-            for left, right, raw in self.moves[state]:
-                c = best[left][0] + best[right][0]
+            least, pick = math.inf, -1
+            for k in range(lo, hi):
+                c = best[left[k]] + best[right[k]] + costs[k]
                 if c < least:
-                    c += cost(*raw)
-                    if c < least:
-                        choice, least = (left, right), c
-            best[state] = (least, choice)
-        root = (0, self.n - 1, self.has_hub)
-        if best[root][0] == math.inf:
+                    least, pick = c, k
+            best[s], choice[s] = least, pick
+        root = n_states - 1
+        if best[root] == math.inf:
             return None
         steps: list[tuple[int, int]] = []
-        n_leaves = problem.n_leaves
+        n_leaves = self.problem.n_leaves
 
-        def build(state) -> int:
-            if state == "hub":
-                return chain.hub
-            choice = best[state][1]
-            if choice is None:
-                return chain.path[state[0]]
-            left, right = build(choice[0]), build(choice[1])
-            steps.append((left, right))
+        def build(s: int) -> int:
+            k = choice[s]
+            if k < 0:
+                a, _, with_hub = st.states[s]
+                return self.chain.hub if with_hub else self.chain.path[a]
+            node_l, node_r = build(left[k]), build(right[k])
+            steps.append((node_l, node_r))
             return n_leaves + len(steps) - 1
 
         build(root)
@@ -253,8 +277,10 @@ class _Moves:
 def best_chain_tree(problem: Problem, chain: Chain, cost: StepCost,
                     needs_grad: Sequence[bool] | None = None) -> Tree | None:
     """The tree of least summed ``cost`` among those whose every node is an interval of the
-    chain, with or without the hub; None when every such tree needs an outer product."""
-    return _Moves(problem, chain, needs_grad).best_tree(problem, chain, cost)
+    chain, with or without the hub; None when every such tree needs an outer product.
+    ``needs_grad`` (default: every operand) decides which children need an adjoint."""
+    grads = [True] * problem.n_leaves if needs_grad is None else list(needs_grad)
+    return _Search(problem, chain).best_tree(cost, grads)
 
 
 # The objectives of :func:`chain_trees`: (name, step cost, whether the hub needs a gradient).
@@ -274,15 +300,13 @@ def chain_trees(problem: Problem) -> list[Tree] | None:
     chain = find_chain(problem)
     if chain is None:
         return None
-    moves: dict[bool, _Moves] = {}
+    search = _Search(problem, chain)
     found: list[Tree] = []
     for _, cost, hub_grad in OBJECTIVES:
-        if hub_grad not in moves:
-            grads = [True] * problem.n_leaves
-            if chain.hub is not None:
-                grads[chain.hub] = hub_grad
-            moves[hub_grad] = _Moves(problem, chain, grads)
-        tree = moves[hub_grad].best_tree(problem, chain, cost)
+        grads = [True] * problem.n_leaves
+        if chain.hub is not None:
+            grads[chain.hub] = hub_grad
+        tree = search.best_tree(cost, grads)
         if tree is None:
             return None
         if tree.signature() not in {t.signature() for t in found}:
