@@ -69,3 +69,9 @@ def test_tt_linear_ratios_carry_their_spread(payloads):
         assert spread["min"] <= spread["q1"] <= spread["q3"] <= spread["max"]
     assert set(payload["dispatch_overhead"]) == {
         "call_us", "einsum_us", "call_with_autograd_us", "einsum_with_autograd_us"}
+
+
+def test_no_script_patches_the_import_path():
+    # scripts run as modules from the repository root; the library is benchmarks.lib
+    patched = [p.name for p in (ROOT / "benchmarks").rglob("*.py") if "sys.path" in p.read_text()]
+    assert patched == []
