@@ -74,7 +74,8 @@ def _as_path(graph: list[set[int]], nodes: list[int]) -> tuple[int, ...] | None:
 
 
 def find_chain(problem: Problem) -> Chain | None:
-    """The chain structure of ``problem`` (a path of leaves plus at most one hub), or None."""
+    """The chain structure of ``problem``, or None: its leaves joined by summed indices form a
+    path, or a path plus one hub bonded to one contiguous run of it."""
     n = problem.n_leaves
     if n < 3:
         return None
@@ -86,7 +87,12 @@ def find_chain(problem: Problem) -> Chain | None:
         if not graph[hub]:
             continue
         path = _as_path(graph, [k for k in range(n) if k != hub])
-        if path is not None:
+        if path is None:
+            continue
+        # The hub must touch one run of the chain (x: the input-side cores). A hub joining
+        # the two ends (a ring) would need nodes the interval family leaves out.
+        touched = sorted(path.index(k) for k in graph[hub])
+        if touched == list(range(touched[0], touched[-1] + 1)):
             return Chain(path, hub)
     return None
 

@@ -45,9 +45,13 @@ def test_tt_layers_are_chains_with_x_as_hub():
     assert found.hub == 0 and sorted(found.path) == [1, 2, 3]
 
 
-def test_a_matrix_chain_is_a_bare_chain_and_a_complete_graph_is_not_a_chain():
+def test_a_matrix_chain_is_a_bare_chain_and_rings_and_complete_graphs_are_not_chains():
     bare = tncomp.from_eq("ab,bc,cd,de->ae", (2, 3), (3, 4), (4, 5), (5, 6))
     assert find_chain(problem_for(bare)).hub is None
+    # a tensor ring: any tensor is a hub joining the two ends of the others' path, whose
+    # contraction orders (arcs through the hub) the interval family does not hold
+    ring = tncomp.from_eq("ab,bc,cd,de,ea->", (2, 3), (3, 4), (4, 5), (5, 6), (6, 2))
+    assert find_chain(problem_for(ring)) is None
     # every pair of the four tensors shares an index: no hub leaves a path behind
     k4 = tncomp.from_eq("abc,ade,bdf,cef->", *[(3, 3, 3)] * 4)
     assert find_chain(problem_for(k4)) is None
