@@ -26,13 +26,19 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -m 'not gpu'
 
+# the speed and memory benchmarks, run as modules from the repository root; results go to
+# benchmarks/results/ (the smoke test in tests/benchmarks runs each script with --smoke)
 bench: $(STAMP)
 	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[bench]'
-	$(VENV)/bin/python benchmarks/bench_tt_linear.py
-	$(VENV)/bin/python benchmarks/bench_transformer.py
+	$(VENV)/bin/python -m benchmarks.bench_tt_linear
+	$(VENV)/bin/python -m benchmarks.bench_planning
+	$(VENV)/bin/python -m benchmarks.bench_transformer
 
+# the paper's experiments in quick mode, dense vs CoMERA side by side (comera train per task)
 experiments: $(STAMP)
-	$(VENV)/bin/python benchmarks/run_experiments.py --quick
+	for task in transformer dlrm mlm; do \
+		$(VENV)/bin/comera train $$task --quick --out benchmarks/results/$${task}_quick || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tncomp comera tests benchmarks docs

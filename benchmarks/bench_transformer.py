@@ -6,7 +6,7 @@ random token ids (no padding). Variants (``--variants``):
 
 - ``dense``: the dense model with ``torch.optim.AdamW``;
 - ``galore``: the dense model with ``galore_torch.GaLoreAdamW`` (the GaLore recipe; see
-  benchmarks/model_baselines.py for the rank);
+  benchmarks/lib/model_baselines.py for the rank);
 - ``comera_early``: TT layers at the initial ranks, the rank regulariser in the objective, via
   ``comera.CoMERATrainer``;
 - ``comera_late``: gates pruned to one max rank chosen so the TT layers reach the paper's
@@ -20,8 +20,9 @@ Time: median of interleaved repeats after warm-up (harness.interleaved_medians).
 bytes before the step plus the peak allocated during one step (see ``MEMORY_COUNTED``). Writes
 benchmarks/results/transformer_cpu.{json,md} (``--small``: transformer_small_cpu).
 
-    python benchmarks/bench_transformer.py --small --repeats 3 --threads 1
-    python benchmarks/bench_transformer.py                  # the paper's model: minutes per step
+    python -m benchmarks.bench_transformer --smoke --out /tmp/t   # the quickest run
+    python -m benchmarks.bench_transformer --small --repeats 3 --threads 1
+    python -m benchmarks.bench_transformer                  # the paper's model: minutes per step
 """
 
 from __future__ import annotations
@@ -29,29 +30,27 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import comera
-from benchmarks.harness import (
-    interleaved_medians,
-    machine_info,
+from benchmarks.lib.harness import (
+    interleaved_times,
     markdown_table,
     measure_step_memory,
     ratio,
+    ratio_spread,
+    spread_text,
     write_results_to,
 )
-from benchmarks.model_baselines import (
+from benchmarks.lib.model_baselines import (
     GaLoreConfig,
     default_galore_rank,
     galore_targets,
@@ -59,6 +58,7 @@ from benchmarks.model_baselines import (
     tltorch_transformer,
 )
 from comera.errors import ConfigError
+from comera.experiments.results import machine
 from comera.models.transformer import PairClassifier, TransformerConfig
 
 log = logging.getLogger("bench_transformer")
@@ -314,9 +314,9 @@ def run_batch(variants: dict[str, Variant], batch: Batch, bench: BenchConfig) ->
     """Interleaved timing, per-variant memory and ratios at one batch size."""
     size = int(batch.ids.shape[0])
     log.info("batch %d: timing %s", size, ", ".join(variants))
-    medians = interleaved_medians({n: (lambda v=v: v.step(batch)) for n, v in variants.items()},
-                                  bench.repeats, bench.warmup)
-    ms = {n: t * 1e3 for n, t in medians.items()}
+    times = interleaved_times({n: (lambda v=v: v.step(batch)) for n, v in variants.items()},
+                              bench.repeats, bench.warmup)
+    ms = {n: statistics.median(ts) * 1e3 for n, ts in times.items()}
     out: dict = {"batch": size, "seq_len": int(batch.ids.shape[1]), "ms": ms}
     if "galore" in variants:
         gap = variants["galore"].info["update_proj_gap"]
@@ -329,11 +329,14 @@ def run_batch(variants: dict[str, Variant], batch: Batch, bench: BenchConfig) ->
     peak = {n: m["peak_total_bytes"] for n, m in memory.items()}
     if "dense" in variants:
         out["speedup_vs_dense"] = {n: ratio(ms["dense"], t) for n, t in ms.items()}
+        out["speedup_vs_dense_spread"] = {n: ratio_spread(times["dense"], ts)
+                                          for n, ts in times.items()}
         out["memory_ratio_vs_dense"] = {n: ratio(peak["dense"], p) for n, p in peak.items()}
     if "galore" in variants:
         amortized = out["galore_refresh"]["amortized_ms"]
         out["comera_vs_galore"] = {
             n: {"speedup": ratio(ms["galore"], ms[n]),
+                "speedup_spread": ratio_spread(times["galore"], times[n]),
                 "speedup_amortized_refresh": ratio(amortized, ms[n]),
                 "memory_ratio": ratio(peak["galore"], peak[n])}
             for n in COMERA_VARIANTS if n in variants}
@@ -375,7 +378,7 @@ def run_benchmark(cfg: TransformerConfig, bench: BenchConfig) -> dict:
     seq_len = bench.seq_len or cfg.max_len
     results = [run_batch(variants, make_batch(cfg, b, seq_len, bench.seed + b), bench)
                for b in bench.batches]
-    return {"machine": machine_info(), "model": asdict(cfg), "bench": asdict(bench),
+    return {"machine": machine(), "model": asdict(cfg), "bench": asdict(bench),
             "variants": {n: v.info for n, v in variants.items()},
             "memory_counted": MEMORY_COUNTED, "results": results,
             "targets": check_targets(results)}
@@ -385,8 +388,21 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def smoke_config() -> TransformerConfig:
+    """A toy model (one block, d_model 64, vocabulary 1,000, two modes per side: planning d=2
+    trains is quick on a cold cache) for ``--smoke`` and the tests."""
+    return TransformerConfig.small(
+        vocab_size=1000, d_model=64, n_heads=2, d_ff=256, n_layers=1, rank=4, embedding_rank=4,
+        max_len=16, attn_modes=((8, 8), (8, 8)), ffn_in_modes=((8, 8), (16, 16)),
+        ffn_out_modes=((16, 16), (8, 8)), embedding_modes=((25, 40), (8, 8)))
+
+
 def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+def _spread(spread: dict | None) -> str:
+    return "-" if spread is None else spread_text(spread)
 
 
 def render_markdown(payload: dict) -> str:
@@ -399,7 +415,8 @@ def render_markdown(payload: dict) -> str:
         f"{m['date']}. Model: d_model {cfg['d_model']}, FFN {cfg['d_ff']}, {cfg['n_layers']} "
         f"layers, vocab {cfg['vocab_size']}, TT rank {cfg['rank']}. One step = forward, loss, "
         f"backward, optimizer step. Median of {bench['repeats']} interleaved repeats after "
-        f"{bench['warmup']} warm-up steps; ratios within this run.",
+        f"{bench['warmup']} warm-up steps; ratios within this run, each with the quartiles and "
+        "range of its per-round ratios.",
     ]
     for r in payload["results"]:
         rows = []
@@ -407,7 +424,7 @@ def render_markdown(payload: dict) -> str:
             mem = r["memory"][name]
             res = mem["resident_bytes"]
             rows.append([
-                name, f"{t:.1f}", _times(r.get("speedup_vs_dense", {}).get(name)),
+                name, f"{t:.1f}", _spread(r.get("speedup_vs_dense_spread", {}).get(name)),
                 _mib(mem["peak_total_bytes"]), _times(r.get("memory_ratio_vs_dense", {}).get(name)),
                 _mib(res["params"]), _mib(mem["grads_bytes"]), _mib(res["optimizer_state"]),
                 _mib(mem["activations_and_temporaries_bytes"]),
@@ -422,7 +439,7 @@ def render_markdown(payload: dict) -> str:
                           f"every {g['update_proj_gap']} steps: {g['amortized_ms']:.1f} ms/step "
                           "amortized."]
         for name, c in r.get("comera_vs_galore", {}).items():
-            lines.append(f"{name} vs GaLore: {c['speedup']:.2f}x faster "
+            lines.append(f"{name} vs GaLore: {spread_text(c['speedup_spread'])} faster "
                          f"({c['speedup_amortized_refresh']:.2f}x with refreshes amortized), "
                          f"{c['memory_ratio']:.2f}x less peak memory.")
     if payload["targets"]:
@@ -461,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true",
                         help="TransformerConfig.small (d_model 256, 2 layers) instead of the "
                              "paper's model")
+    parser.add_argument("--smoke", action="store_true",
+                        help="quickest run: a one-block toy model, batch 1, one repeat, no "
+                             "GaLore (checks the script, measures nothing)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -479,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads < 1:
             parser.error(f"--threads {args.threads}; give at least 1")
         torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.batch, args.repeats, args.warmup, args.late_compression = [1], 1, 1, 60.0
+        args.variants = [v for v in args.variants if v != "galore"]
     try:
         bench = BenchConfig(batches=tuple(args.batch), repeats=args.repeats,
                             warmup=args.warmup, variants=tuple(dict.fromkeys(args.variants)),
@@ -487,10 +510,12 @@ def main(argv: list[str] | None = None) -> int:
                             tltorch_rank=args.tltorch_rank)
     except ConfigError as exc:
         parser.error(str(exc))
-    cfg = TransformerConfig.small(SMALL_VOCAB) if args.small else TransformerConfig()
+    cfg = (smoke_config() if args.smoke else TransformerConfig.small(SMALL_VOCAB) if args.small
+           else TransformerConfig())
     payload = run_benchmark(cfg, bench)
     markdown = render_markdown(payload)
-    out = args.out or ("transformer_small_cpu" if args.small else "transformer_cpu")
+    out = args.out or ("transformer_smoke_cpu" if args.smoke else "transformer_small_cpu"
+                       if args.small else "transformer_cpu")
     json_path, md_path = write_results_to(out, payload, markdown)
     print(markdown)
     print(f"wrote {json_path} and {md_path}")

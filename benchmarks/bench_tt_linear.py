@@ -1,28 +1,29 @@
 """Forward+backward of one TT linear layer: tncomp vs dense, hand-derived CoMERA and peers.
 
 All methods run side by side in one process, timed round-robin (median of repeats after
-warm-up). Reports time, ratios, FLOPs, measured peak memory, time over the plan's floor
-(FLOPs at the measured GEMM rate / bytes at the measured bandwidth), and the dispatch overhead
-of a cached plan. Writes benchmarks/results/tt_linear_cpu.{json,md}.
+warm-up, with the spread of the per-round ratios). Reports time, ratios, FLOPs, measured peak
+memory, time over the plan's floor (FLOPs at the measured GEMM rate / bytes at the measured
+bandwidth), and the per-call cost of a cached plan. Writes
+benchmarks/results/tt_linear_cpu.{json,md}.
 
-    python benchmarks/bench_tt_linear.py            # full
-    python benchmarks/bench_tt_linear.py --quick    # fewer repeats and cases
+    python -m benchmarks.bench_tt_linear            # full
+    python -m benchmarks.bench_tt_linear --quick    # fewer repeats and cases
+    python -m benchmarks.bench_tt_linear --smoke --out /tmp/tt   # one repeat, smallest case
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
+import string
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from baselines import (
+import tncomp
+from benchmarks.lib.baselines import (
     dense_linear,
     hand_derived_comera,
     make_cores,
@@ -30,15 +31,15 @@ from baselines import (
     opt_einsum_optimal,
     tensorly_torch_tt,
 )
-from harness import (
-    interleaved_medians,
-    machine_info,
+from benchmarks.lib.harness import (
+    interleaved_times,
     markdown_table,
     peak_allocated_bytes,
-    write_results,
+    ratio_spread,
+    spread_text,
+    write_results_to,
 )
-
-import tncomp
+from comera.experiments.results import machine
 from tncomp.runtime.calibrate import calibrate
 
 CASES = [  # (label, in_modes, out_modes, max rank)
@@ -48,6 +49,7 @@ CASES = [  # (label, in_modes, out_modes, max rank)
     ("768x3072 d=4", (4, 4, 6, 8), (4, 8, 8, 12), 30),
 ]
 BATCHES = (128, 4096)
+SMOKE_CASE = ("768x768 d=3", (12, 8, 8), (8, 8, 12), 30)
 
 
 def tltorch_rank_like(in_modes, out_modes, n_params: int) -> int:
@@ -62,7 +64,8 @@ def tltorch_rank_like(in_modes, out_modes, n_params: int) -> int:
     return best
 
 
-def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_baselines):
+def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_baselines,
+             warmup=3):
     torch.manual_seed(0)
     n_in, n_out = math.prod(in_modes), math.prod(out_modes)
     ranks = tncomp.resolve_ranks(rank, in_modes + out_modes)
@@ -86,7 +89,8 @@ def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_basel
                                         tltorch_rank_like(in_modes, out_modes, n_params))]
     for b in baselines:
         methods[b.name] = (lambda b=b: b.run(x, dy))
-    medians = interleaved_medians(methods, repeats)
+    times = interleaved_times(methods, repeats, warmup)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
     # Pooled buffers live between calls and would not show as new allocations: measure the
     # same plan with pooling off, so every byte it uses is counted.
     unpooled = tncomp.compile(compiled.network, disk_cache=False, pool_buffers=False)
@@ -109,6 +113,8 @@ def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_basel
         "peak_mb": {k: v / 2**20 for k, v in peaks.items()},
         "speedup_vs_dense": medians["dense"] / t,
         "speedup_vs_hand": medians["hand_derived_comera"] / t,
+        "spread": {"vs_dense": ratio_spread(times["dense"], times["tncomp"]),
+                   "vs_hand": ratio_spread(times["hand_derived_comera"], times["tncomp"])},
         "plan_flops": plan.forward_flops + plan.backward_flops, "dense_flops": dense_flops,
         "plan_floor_ms": floor * 1e3, "over_floor": t / floor,
         "tree": tncomp.describe_tree(compiled.network, plan.tree),
@@ -117,16 +123,19 @@ def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_basel
 
 
 def dispatch_overhead(repeats: int = 2000) -> dict:
-    """Per-call cost tncomp adds on a cached plan: lookup + wrapper, without/with autograd."""
+    """Per-call cost of a cached plan on a tiny network (2x2 modes, rank 2), where the
+    arithmetic is negligible: the call is almost all lookup, wrapper and dispatch. Next to it,
+    ``torch.einsum`` on the same operands, and both again with autograd."""
     net = tncomp.tt_linear((2, 2), (2, 2), 2)
     f = tncomp.compile(net, disk_cache=False)
     ops = [torch.randn(1, 2, 2)] + [torch.randn(*(s for s in net.shape(t)))
                                     for t in net.operands[1:]]
-    f(*ops)
-    runner = next(iter(f._local.values()))
+    letter = {index: string.ascii_letters[k] for k, (index, _) in enumerate(net.sizes)}
+    eq = (",".join("".join(letter[i] for i in t.indices) for t in net.operands) + "->"
+          + "".join(letter[i] for i in net.output.indices))
 
     def per_call(fn):
-        for _ in range(200):
+        for _ in range(min(200, repeats)):
             fn()
         best = math.inf
         for _ in range(5):
@@ -136,74 +145,93 @@ def dispatch_overhead(repeats: int = 2000) -> dict:
             best = min(best, (time.perf_counter() - start) / repeats)
         return best
 
-    raw = per_call(lambda: runner.code.forward(*ops))
     called = per_call(lambda: f(*ops))
+    einsum = per_call(lambda: torch.einsum(eq, *ops))
     grad_ops = [o.clone().requires_grad_() for o in ops]
-    f(*grad_ops)
-    runner_g = f._local[tuple((t.shape, t.dtype, True) for t in grad_ops)]
-    raw_g = per_call(lambda: runner_g.code.forward(*grad_ops))
     called_g = per_call(lambda: f(*grad_ops))
-    return {"raw_forward_us": raw * 1e6, "call_us": called * 1e6,
-            "overhead_us": (called - raw) * 1e6,
-            "raw_forward_grad_plan_us": raw_g * 1e6, "call_with_autograd_us": called_g * 1e6,
-            "overhead_with_autograd_us": (called_g - raw_g) * 1e6}
+    einsum_g = per_call(lambda: torch.einsum(eq, *grad_ops))
+    return {"call_us": called * 1e6, "einsum_us": einsum * 1e6,
+            "call_with_autograd_us": called_g * 1e6, "einsum_with_autograd_us": einsum_g * 1e6}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases and repeats")
+    parser.add_argument("--smoke", action="store_true",
+                        help="quickest run: smallest case, B=128, one repeat, default device "
+                             "model (no calibration); checks the script, measures nothing")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--out", default="tt_linear_cpu",
+                        help="results name under benchmarks/results/ or a path stem")
     args = parser.parse_args(argv)
-    model = calibrate("cpu", save=False)
-    print(f"calibrated: GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, bandwidth "
-          f"{model.bytes_per_s / 1e9:.1f} GB/s, step {model.step_overhead_s * 1e6:.1f} us")
-    cases = CASES[:1] if args.quick else CASES
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}; give at least 1")
+    model = tncomp.DeviceModel() if args.smoke else calibrate("cpu", save=False)
+    print(f"device model ({model.source}): GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, "
+          f"bandwidth {model.bytes_per_s / 1e9:.1f} GB/s, "
+          f"step {model.step_overhead_s * 1e6:.1f} us")
+    cases = [SMOKE_CASE] if args.smoke else CASES[:1] if args.quick else CASES
+    batches = BATCHES[:1] if args.smoke else BATCHES
     results = []
     for label, in_modes, out_modes, rank in cases:
-        for batch in BATCHES:
-            repeats = args.repeats or (5 if args.quick else (9 if batch > 1000 else 25))
-            slow = not args.quick and label == CASES[0][0]
-            r = run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow)
+        for batch in batches:
+            repeats = args.repeats or (1 if args.smoke else 5 if args.quick
+                                       else 9 if batch > 1000 else 25)
+            slow = not (args.quick or args.smoke) and label == CASES[0][0]
+            r = run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow,
+                         warmup=1 if args.smoke else 3)
             results.append(r)
             print(f"{label} B={batch}: tncomp {r['ms']['tncomp']:.2f} ms, "
-                  f"{r['speedup_vs_dense']:.2f}x dense, {r['speedup_vs_hand']:.2f}x hand, "
-                  f"{r['over_floor']:.2f}x floor")
-    overhead = dispatch_overhead()
-    print(f"dispatch overhead of a cached plan: {overhead['overhead_us']:.1f} us "
-          f"(with autograd {overhead['overhead_with_autograd_us']:.1f} us)")
-    payload = {"machine": machine_info(), "model": {
-        "gemm_gflops": model.gemm_flops_per_s / 1e9, "bandwidth_gbs": model.bytes_per_s / 1e9},
+                  f"{spread_text(r['spread']['vs_dense'])} dense, "
+                  f"{spread_text(r['spread']['vs_hand'])} hand, {r['over_floor']:.2f}x floor")
+    overhead = dispatch_overhead(20 if args.smoke else 2000)
+    print(f"cached plan call: {overhead['call_us']:.1f} us (torch.einsum "
+          f"{overhead['einsum_us']:.1f} us); with autograd {overhead['call_with_autograd_us']:.1f}"
+          f" us (einsum {overhead['einsum_with_autograd_us']:.1f} us)")
+    payload = {"machine": machine(), "model": {
+        "source": model.source, "gemm_gflops": model.gemm_flops_per_s / 1e9,
+        "bandwidth_gbs": model.bytes_per_s / 1e9},
+        "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
+        "note_spread": "spread: the ratio of medians, and the quartiles (q1, q3) and range of "
+                       "the per-round ratios of interleaved repeats",
         "results": results, "dispatch_overhead": overhead}
+    json_path, md_path = write_results_to(args.out, payload, render_markdown(payload))
+    print(render_markdown(payload))
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def render_markdown(payload: dict) -> str:
+    """The results as a markdown table: times, ratios with their spread, floor and memory."""
     rows = []
-    for r in results:
+    for r in payload["results"]:
         others = " / ".join(f"{k} {v:.1f}" for k, v in r["ms"].items()
                             if k not in ("tncomp", "dense", "hand_derived_comera"))
         rows.append([r["case"], r["batch"], f"{r['ms']['tncomp']:.2f}",
                      f"{r['ms']['hand_derived_comera']:.2f}", f"{r['ms']['dense']:.1f}",
-                     f"**{r['speedup_vs_dense']:.2f}x**", f"**{r['speedup_vs_hand']:.2f}x**",
+                     spread_text(r["spread"]["vs_dense"]), spread_text(r["spread"]["vs_hand"]),
                      f"{r['over_floor']:.2f}x", f"{r['peak_mb']['tncomp']:.1f} / "
                      f"{r['peak_mb']['hand_derived_comera']:.1f} / {r['peak_mb']['dense']:.1f}",
                      others or "-"])
-    m = payload["machine"]
-    md = "\n".join([
+    m, model, overhead = payload["machine"], payload["model"], payload["dispatch_overhead"]
+    return "\n".join([
         "# TT linear layer, forward + backward (CPU)",
         "",
-        f"torch {m['torch']}, {m['cpu']}, {m['threads']} threads, commit {m['commit']}, "
-        f"{m['date']}. Calibrated GEMM {payload['model']['gemm_gflops']:.1f} GFLOP/s, "
-        f"bandwidth {payload['model']['bandwidth_gbs']:.1f} GB/s. Median of interleaved "
-        "repeats after warm-up; ratios within one run.",
+        f"torch {m['torch']}, {m['cpu']} ({m['cores']} cores), {m['threads']} threads, commit "
+        f"{m['commit']}, {m['date']}; {payload['mode']} mode. Device model {model['source']}: "
+        f"GEMM {model['gemm_gflops']:.1f} GFLOP/s, bandwidth {model['bandwidth_gbs']:.1f} GB/s. "
+        "Median of interleaved repeats after warm-up; each ratio with the quartiles and range "
+        "of its per-round ratios; ratios within one run.",
         "",
         markdown_table(["layer", "B", "tncomp ms", "hand-derived ms", "dense ms",
                         "vs dense", "vs hand", "time / floor",
                         "peak MiB tncomp / hand / dense", "other baselines (ms)"], rows),
         "",
-        f"Dispatch overhead of a cached plan: {overhead['overhead_us']:.1f} us per call "
-        f"(no grad), {overhead['overhead_with_autograd_us']:.1f} us with the autograd Function.",
+        f"A cached plan's call on a tiny network (2x2 modes, rank 2: almost all dispatch): "
+        f"{overhead['call_us']:.1f} us (torch.einsum {overhead['einsum_us']:.1f} us); with "
+        f"autograd {overhead['call_with_autograd_us']:.1f} us (einsum "
+        f"{overhead['einsum_with_autograd_us']:.1f} us).",
     ])
-    json_path, md_path = write_results("tt_linear_cpu", payload, md)
-    print(md)
-    print(f"wrote {json_path} and {md_path}")
-    return 0
 
 
 if __name__ == "__main__":

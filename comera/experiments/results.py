@@ -12,11 +12,14 @@ written into ``out``: ``<task>.json``, ``<task>.md`` and the plots of :mod:`.plo
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import logging
 import math
+import os
 import platform
 import statistics
+import subprocess
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -62,12 +65,39 @@ def rows_of(record: RunRecord, config: EngineConfig) -> list[dict[str, Any]]:
     return rows
 
 
-def machine() -> dict[str, Any]:
-    """Where the run was timed (torch and Python versions, CPU, threads, data-parallel
-    workers), recorded with every summary so timings are compared only within one machine."""
-    return {"torch": torch.__version__, "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "workers": current_world().size}
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parent, check=False,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Where a result was measured: torch and Python versions, CPU model, cores, torch
+    threads, data-parallel workers, the device's name, the git commit and the UTC date. Every
+    experiment summary and benchmark result records it (the one home of this fingerprint), so
+    timings are compared only within one machine."""
+    device = torch.device(device)
+    cpu = _cpu_model()
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            and torch.cuda.is_available() else cpu)
+    return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "workers": current_world().size, "device": str(device), "device_name": name,
+            "commit": _commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
 
 def check_experiment(config: EngineConfig, out: Path, variants: tuple[str, ...] = VARIANTS,

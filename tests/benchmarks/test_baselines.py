@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-# Make the repo root importable so `benchmarks` resolves under plain `pytest`, too.
-from benchmarks.baselines import (
+from benchmarks.lib.baselines import (
     Baseline,
     all_core_baselines,
     dense_linear,

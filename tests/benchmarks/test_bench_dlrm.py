@@ -26,7 +26,7 @@ from benchmarks.bench_dlrm import (
     render_markdown,
     run_benchmark,
 )
-from benchmarks.harness import num_threads
+from benchmarks.lib.harness import num_threads
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES
 from comera.errors import ConfigError
 

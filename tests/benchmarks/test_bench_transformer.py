@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import comera
-from benchmarks.baselines import tt_to_dense
 from benchmarks.bench_transformer import (
     BenchConfig,
     build_variant,
@@ -25,10 +24,12 @@ from benchmarks.bench_transformer import (
     measure_memory,
     render_markdown,
     run_benchmark,
+    smoke_config,
     tt_layer_compression,
 )
-from benchmarks.harness import num_threads, resident_bytes, write_results_to
-from benchmarks.model_baselines import GaLoreConfig, TltorchTTLinear, tltorch_transformer
+from benchmarks.lib.baselines import tt_to_dense
+from benchmarks.lib.harness import num_threads, resident_bytes, write_results_to
+from benchmarks.lib.model_baselines import GaLoreConfig, TltorchTTLinear, tltorch_transformer
 from comera.errors import ConfigError
 from comera.models.transformer import TransformerConfig
 
@@ -37,11 +38,8 @@ VOCAB, D, FF, SEQ = 1000, 64, 256, 16
 
 
 def tiny_config() -> TransformerConfig:
-    """Two modes per side: planning d=2 trains is ~3x quicker than d=3 on a cold cache."""
-    return TransformerConfig.small(
-        vocab_size=VOCAB, d_model=D, n_heads=2, d_ff=FF, n_layers=1, rank=4, embedding_rank=4,
-        max_len=SEQ, attn_modes=((8, 8), (8, 8)), ffn_in_modes=((8, 8), (16, 16)),
-        ffn_out_modes=((16, 16), (8, 8)), embedding_modes=((25, 40), (8, 8)))
+    """The script's --smoke model: one block, d_model 64, two modes per side."""
+    return smoke_config()
 
 
 def dense_param_count() -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import opt_einsum
 
+from tncomp.compiler.chain import chain_trees
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.plan import Plan, lower
 from tncomp.compiler.problem import Problem, Tree
@@ -41,22 +42,32 @@ def _sequential(n: int) -> Tree:
     return Tree(n, tuple(steps))
 
 
-def candidate_trees(problem: Problem) -> list[Tree]:
-    """Distinct trees from several optimizers for a problem whose sizes are all ints."""
+def candidate_trees(problem: Problem, structured: bool = True) -> list[Tree]:
+    """Distinct trees from several optimizers for a problem whose sizes are all ints.
+
+    A chain network (a TT layer) gets the interval dynamic program of :mod:`chain` (polynomial
+    time) in place of the exponential exact search, unless ``structured`` is False."""
     n = problem.n_leaves
     if n == 1:
         return [Tree(1, ())]
     inputs, output, sizes = _opt_inputs(problem)
     found: list[Tree] = []
 
-    def add(path) -> None:
-        tree = Tree.from_linear_path(n, path)
+    def keep(tree: Tree) -> None:
         if tree.signature() not in {t.signature() for t in found}:
             found.append(tree)
 
+    def add(path) -> None:
+        keep(Tree.from_linear_path(n, path))
+
+    chain = chain_trees(problem) if structured else None
+    for tree in chain or ():
+        keep(tree)
     if n <= EXACT_OPTIMAL_LIMIT:
         add(opt_einsum.paths.optimal(inputs, output, sizes))
-    if n <= EXACT_DP_LIMIT:
+    if chain is not None:
+        pass  # the interval DP replaces the exponential exact search on chains
+    elif n <= EXACT_DP_LIMIT:
         for minimize in ("flops", "size"):
             dp = opt_einsum.paths.DynamicProgramming(minimize=minimize, search_outer=True)
             add(dp(list(inputs), output, sizes))

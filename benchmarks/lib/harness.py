@@ -4,13 +4,9 @@ resident bytes plus the profiled peak of one training step), and writing their r
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import json
 import math
-import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -21,31 +17,15 @@ from torch import Tensor, nn
 import comera
 from comera.errors import ConfigError
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
-def machine_info() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent, check=False).stdout.strip()
-    except OSError:
-        commit = ""
-    return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "commit": commit,
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-
-
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int,
-                        warmup: int = 3) -> dict[str, float]:
-    """Median seconds per call of each function, timed round-robin so drift hits all alike."""
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int,
+                      warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds of every call of each function, timed round-robin (round k calls every function
+    once, in order) after ``warmup`` untimed calls each, so drift hits all alike."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats={repeats!r}; time each function at least once.")
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -55,7 +35,34 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int,
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int,
+                        warmup: int = 3) -> dict[str, float]:
+    """Median seconds per call of each function (:func:`interleaved_times`)."""
+    return {name: statistics.median(ts)
+            for name, ts in interleaved_times(fns, repeats, warmup).items()}
+
+
+def ratio_spread(num: list[float], den: list[float]) -> dict[str, float | int]:
+    """How much a time ratio ``num / den`` moves over interleaved repeats: the ratio of the
+    medians, and the quartiles and range of the per-round ratios ``num[k] / den[k]`` (round k
+    timed both within moments of each other)."""
+    if len(num) != len(den) or not num:
+        raise ConfigError(f"ratio_spread needs two equal, non-empty lists of times; got "
+                          f"{len(num)} and {len(den)}.")
+    rounds = sorted(ratio(a, b) for a, b in zip(num, den, strict=True))
+    q1, _, q3 = (statistics.quantiles(rounds, n=4, method="inclusive") if len(rounds) > 1
+                 else (rounds[0],) * 3)
+    return {"ratio": ratio(statistics.median(num), statistics.median(den)), "q1": q1, "q3": q3,
+            "min": rounds[0], "max": rounds[-1], "repeats": len(rounds)}
+
+
+def spread_text(spread: dict) -> str:
+    """``1.12x (IQR 1.05-1.20, range 0.99-1.31 over 25)``: a ratio with its spread."""
+    return (f"{spread['ratio']:.2f}x (IQR {spread['q1']:.2f}-{spread['q3']:.2f}, range "
+            f"{spread['min']:.2f}-{spread['max']:.2f} over {spread['repeats']})")
 
 
 def peak_allocated_bytes(fn: Callable[[], object]) -> int:
