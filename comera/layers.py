@@ -59,6 +59,13 @@ def resolve_modes(in_features: int, out_features: int, in_modes, out_modes, d: i
     return in_modes, out_modes
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes matmuls in on ``device_type`` now (None when off)."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def _check_tau(tau: float) -> float:
     if not isinstance(tau, int | float) or tau < 0 or math.isnan(tau):
         raise ConfigError(f"tau={tau!r}; the gate threshold is a number >= 0 (default 1e-2).")
@@ -162,12 +169,16 @@ class GatedTrain(nn.Module):
             )
         lead = x.shape[:-1]
         rows = math.prod(lead)
+        low = autocast_dtype(x.device.type)
         if rows == 0:
-            y = x.new_zeros(*lead, self.out_features)
+            y = x.new_zeros(*lead, self.out_features, dtype=low or x.dtype)
         else:
             xm = x.reshape(rows, *self.in_modes)
-            y = self.compiled()(xm, *self.gated_cores()).reshape(*lead, self.out_features)
-        return y + self.bias if self.bias is not None else y
+            cores = self.gated_cores()
+            if low is not None:  # as nn.Linear: compute in the autocast dtype, keep params as is
+                xm, cores = xm.to(low), [c.to(low) for c in cores]
+            y = self.compiled()(xm, *cores).reshape(*lead, self.out_features)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
 
     def __getstate__(self):  # compiled plans hold generated code: rebuild after unpickling
         state = self.__dict__.copy()
