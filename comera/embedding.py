@@ -37,7 +37,6 @@ from comera.layers import (
 )
 from comera.ttsvd import matrix_to_ttm, ttm_to_matrix
 
-
 _MERGE_EQ = "pimq,qjnr->ijpmnr"  # two TT-matrix cores -> one table over (m1 m2) x (n1 n2)
 
 
