@@ -5,6 +5,7 @@ Layers (``TTLinear``, ``TTMLinear``, ``TTEmbedding``) carry diagonal rank gates;
 physically; ``convert_`` turns an existing torch model into a TT model.
 """
 
+from comera.attention import TTMultiheadAttention
 from comera.checkpoint import layer_spec, load_checkpoint, save_checkpoint
 from comera.convert import ConversionReport, ConvertConfig, convert_
 from comera.embedding import TTEmbedding
@@ -24,6 +25,7 @@ from comera.errors import (
 from comera.factorize import factorize, factorize_pair, suggest_padded_size
 from comera.layers import GatedTrain, TTLinear, TTMLinear
 from comera.objective import LateStage, rank_regularizer, soft_size
+from comera.pretrained import from_pretrained, save_pretrained
 from comera.size import compression_ratio, dense_size, model_size, tt_modules
 from comera.train import (
     CoMERATrainer,
@@ -57,6 +59,7 @@ __all__ = [
     "TTEmbedding",
     "TTLinear",
     "TTMLinear",
+    "TTMultiheadAttention",
     "TrainingStopped",
     "TruncationReport",
     "compression_ratio",
@@ -64,6 +67,7 @@ __all__ = [
     "dense_size",
     "factorize",
     "factorize_pair",
+    "from_pretrained",
     "layer_spec",
     "load_checkpoint",
     "make_optimizer",
@@ -71,6 +75,7 @@ __all__ = [
     "param_groups",
     "rank_regularizer",
     "save_checkpoint",
+    "save_pretrained",
     "soft_size",
     "suggest_padded_size",
     "truncate_",
