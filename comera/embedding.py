@@ -195,7 +195,7 @@ class TTEmbedding(GatedTrain):
         strides = _mixed_radix_strides(self.row_modes)
         for group, table in zip(self.groups(), self.merged_tables(), strict=True):
             stride = strides[group[-1]]
-            size = math.prod(self.row_modes[k] for k in group)
+            size = math.prod([self.row_modes[k] for k in group])
             digits = torch.div(ids, stride, rounding_mode="floor") % size
             slices.append(table.index_select(0, digits))  # (U, r_in, N_g, r_out)
         rows = self.compiled()(*slices).reshape(ids.shape[0], self.embedding_dim)
