@@ -30,7 +30,8 @@ log = logging.getLogger("comera.cli")
 def _engine_config(args, exp) -> Any:
     cfg = exp.engine(args.quick)
     changes: dict[str, Any] = {"stage": args.stage, "device": args.device,
-                               "on_nonfinite": args.on_nonfinite}
+                               "on_nonfinite": args.on_nonfinite,
+                               "precision": args.precision, "compile": args.compile}
     for flag, field_name in (("target_compression", "target_compression"),
                              ("steps", "steps_early"), ("late_steps", "steps_late"),
                              ("batch_size", "batch_size"), ("checkpoint_every",
@@ -260,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints")
     p.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
                    help="a NaN/inf loss or gradient: stop (keep the last checkpoint) or skip")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="forward under torch.autocast: bf16, or fp16 (CUDA, with a GradScaler)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
     p.add_argument("--nproc", type=int, default=1, help="data-parallel worker processes")
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no bars")
     p.set_defaults(run=_cmd_train)
