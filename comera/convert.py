@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,10 @@ from comera.layers import DEFAULT_TAU, GatedTrain, TTLinear, TTMLinear
 
 FORMATS = ("tt", "ttm")
 IN_PROJ = ("split", "packed")
+HF_SAVE_WARNING = (
+    "converted a HuggingFace model: its own save_pretrained does not keep the TT layers, and "
+    "from_pretrained of that folder returns dense layers with fresh random weights. Save with "
+    "comera.save_pretrained(model, folder) and load with comera.from_pretrained(folder, cls).")
 
 
 @dataclass(frozen=True)
@@ -321,4 +326,6 @@ def convert_(
         setattr(parent, child, layer)
         reports += [_layer_report(*part) for part in parts]
     _fast_paths_off_(model)
+    if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):
+        warnings.warn(HF_SAVE_WARNING, UserWarning, stacklevel=2)
     return ConversionReport(tuple(reports), tuple(sorted(tied)))

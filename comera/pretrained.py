@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from comera import checkpoint as _ckpt
-from comera.convert import ConvertConfig, convert_
+from comera.convert import HF_SAVE_WARNING, ConvertConfig, convert_
 from comera.errors import CheckpointError
 from comera.layers import GatedTrain
 from comera.size import tt_modules
@@ -136,9 +138,12 @@ def _convert_like_(model: nn.Module, layers: dict[str, dict]) -> None:
         groups.setdefault(key, {})[name] = (spec["in_modes"], spec["out_modes"])
         groups[key].setdefault(target, (spec["in_modes"], spec["out_modes"]))
     for (fmt, embedding, packed), modes in groups.items():
-        convert_(model, ConvertConfig(include=tuple(modes), linear=not embedding,
-                                      embedding=embedding, ranks=1, format=fmt, modes=modes,
-                                      attention_in_proj="packed" if packed else "split"))
+        with warnings.catch_warnings():  # loading is how HF_SAVE_WARNING's advice is followed
+            warnings.filterwarnings("ignore", message=re.escape(HF_SAVE_WARNING[:40]))
+            convert_(model, ConvertConfig(include=tuple(modes), linear=not embedding,
+                                          embedding=embedding, ranks=1, format=fmt,
+                                          modes=modes,
+                                          attention_in_proj="packed" if packed else "split"))
     for name, spec in layers.items():
         module = _get(model, name)
         if spec.get("merge_pairs") is not None and module is not None:

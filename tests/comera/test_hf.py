@@ -5,6 +5,7 @@ every core and lowers the loss; save_pretrained / from_pretrained round-trips a 
 truncated model exactly, and HuggingFace's own loader refuses comera's folder."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -52,7 +53,8 @@ def test_convert_train_and_round_trip(name, tmp_path):
     model = MODELS[name]().eval()
     dense = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB, (2, 8))
-    report = comera.convert_(model, ranks=FULL)
+    with pytest.warns(UserWarning, match=r"comera\.save_pretrained"):  # HF's own would lose it
+        report = comera.convert_(model, ranks=FULL)
     kinds = {type(model.get_submodule(r.name)).__name__ for r in report.layers}
     assert kinds == {"TTLinear"} and len(report.layers) >= 4
     with torch.no_grad():  # full rank: what the original computed
@@ -79,7 +81,9 @@ def test_convert_train_and_round_trip(name, tmp_path):
     model.eval()
     want = model(ids).logits
     comera.save_pretrained(model, tmp_path)
-    loaded = comera.from_pretrained(tmp_path, type(model))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="converted a HuggingFace")  # not on load
+        loaded = comera.from_pretrained(tmp_path, type(model))
     assert {n: m.bonds for n, m in comera.tt_modules(loaded)} == \
         {n: m.bonds for n, m in comera.tt_modules(model)}
     assert torch.equal(loaded(ids).logits, want)
