@@ -21,9 +21,11 @@ inspect: $(STAMP)
 	$(VENV)/bin/tncomp inspect '$(SPEC)'
 
 test: $(STAMP)
+	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[hf]'
 	$(VENV)/bin/python -m pytest
 
 test-all: $(STAMP)
+	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[hf]'
 	$(VENV)/bin/python -m pytest -m 'not gpu'
 
 # the speed and memory benchmarks, run as modules from the repository root; results go to

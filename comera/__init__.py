@@ -5,6 +5,7 @@ Layers (``TTLinear``, ``TTMLinear``, ``TTEmbedding``) carry diagonal rank gates;
 physically; ``convert_`` turns an existing torch model into a TT model.
 """
 
+from comera.attention import TTMultiheadAttention
 from comera.checkpoint import CheckpointRecord, load_checkpoint, read_checkpoint, save_checkpoint
 from comera.convert import ConversionReport, ConvertConfig, convert_
 from comera.embedding import TTEmbedding
@@ -24,6 +25,7 @@ from comera.errors import (
 from comera.factorize import factorize, factorize_pair, suggest_padded_size
 from comera.layers import GatedTrain, TTLinear, TTMLinear
 from comera.objective import LateStage, rank_regularizer, soft_size
+from comera.pretrained import from_pretrained, save_pretrained
 from comera.size import compression_ratio, dense_size, model_size, tt_modules
 from comera.surgery import layer_spec
 from comera.train import (
@@ -59,6 +61,7 @@ __all__ = [
     "TTEmbedding",
     "TTLinear",
     "TTMLinear",
+    "TTMultiheadAttention",
     "TrainingStopped",
     "TruncationReport",
     "compression_ratio",
@@ -66,6 +69,7 @@ __all__ = [
     "dense_size",
     "factorize",
     "factorize_pair",
+    "from_pretrained",
     "layer_spec",
     "load_checkpoint",
     "make_optimizer",
@@ -74,6 +78,7 @@ __all__ = [
     "rank_regularizer",
     "read_checkpoint",
     "save_checkpoint",
+    "save_pretrained",
     "soft_size",
     "suggest_padded_size",
     "truncate_",

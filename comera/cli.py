@@ -50,7 +50,8 @@ FLAGS = {"target_compression": "--target-compression", "steps_early": "--steps",
 def _engine_config(args, exp) -> Any:
     cfg = exp.engine(args.quick)
     changes: dict[str, Any] = {"stage": args.stage, "device": args.device,
-                               "on_nonfinite": args.on_nonfinite}
+                               "on_nonfinite": args.on_nonfinite,
+                               "precision": args.precision, "compile": args.compile}
     for field_name, flag in FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
@@ -430,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints")
     p.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
                    help="a NaN/inf loss or gradient: stop (keep the last checkpoint) or skip")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="forward under torch.autocast: bf16, or fp16 (CUDA, with a GradScaler)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
     p.add_argument("--nproc", type=int, default=1, help="data-parallel worker processes")
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no bars")
     p.set_defaults(run=_cmd_train)

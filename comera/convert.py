@@ -3,22 +3,39 @@
 As in PEFT: validate the config, match modules by qualified name and type, replace each match
 with a TT layer initialised by TT-SVD of its trained weight, and return a report. When nothing
 matches, the error lists the modules that were searched.
+
+Besides ``nn.Linear`` and ``nn.Embedding`` it converts HuggingFace's ``Conv1D`` (GPT-2; its weight
+is stored transposed) and ``nn.MultiheadAttention``, which becomes a
+:class:`~comera.attention.TTMultiheadAttention` (q/k/v projections as three TT layers, or one with
+3x outputs, and ``out_proj``). The eval fast paths of ``nn.TransformerEncoderLayer`` /
+``nn.TransformerEncoder`` read dense weights, so they are switched off where a layer was converted.
+A layer whose weight is tied to another module (GPT-2's ``lm_head`` shares ``wte``'s table) is
+left dense and listed in the report as skipped: converting it would silently untie the two.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
+from comera.attention import TTMultiheadAttention
 from comera.embedding import TTEmbedding
 from comera.errors import ConfigError, ConversionError
-from comera.layers import DEFAULT_TAU, TTLinear, TTMLinear
+from comera.layers import DEFAULT_TAU, GatedTrain, TTLinear, TTMLinear
 from comera.surgery import swap_submodule
 
 FORMATS = ("tt", "ttm")
+IN_PROJ = ("split", "packed")
+HF_SAVE_WARNING = (
+    "converted a HuggingFace model: its own save_pretrained does not keep the TT layers, and "
+    "from_pretrained of that folder returns dense layers with fresh random weights. Save with "
+    "comera.save_pretrained(model, folder) and load with comera.from_pretrained(folder, cls).")
 
 
 @dataclass(frozen=True)
@@ -41,10 +58,16 @@ class ConvertConfig:
     tau: float = DEFAULT_TAU
     format: str = "tt"
     modes: Mapping[str, tuple[Sequence[int], Sequence[int]]] = field(default_factory=dict)
+    # nn.MultiheadAttention's packed q/k/v projection: three TT layers ("split": <name>.q_proj,
+    # .k_proj, .v_proj) or one with 3 x embed_dim outputs ("packed": <name>.in_proj)
+    attention_in_proj: str = "split"
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ConfigError(f"format={self.format!r}; choose one of {', '.join(FORMATS)}.")
+        if self.attention_in_proj not in IN_PROJ:
+            raise ConfigError(f"attention_in_proj={self.attention_in_proj!r}; choose one of "
+                              f"{', '.join(IN_PROJ)}.")
         if self.target_compression is not None and not self.target_compression > 1:
             raise ConfigError(f"target_compression={self.target_compression}; it must be > 1 "
                               "(dense size / TT size).")
@@ -81,9 +104,11 @@ class LayerReport:
 
 @dataclass(frozen=True)
 class ConversionReport:
-    """Per converted layer: shapes, modes, ranks and parameters before/after."""
+    """Per converted layer: shapes, modes, ranks and parameters before/after; ``skipped``: the
+    matching layers left dense because their weight is tied to another module."""
 
     layers: tuple[LayerReport, ...]
+    skipped: tuple[str, ...] = ()
 
     @property
     def before(self) -> int:
@@ -109,6 +134,8 @@ class ConversionReport:
         lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True))
                  for row in rows]
         lines.insert(1, "-" * len(lines[0]))
+        if self.skipped:
+            lines.append(f"left dense (weight tied to another module): {', '.join(self.skipped)}")
         return "\n".join(lines)
 
 
@@ -137,8 +164,32 @@ def _rank_for_target(make, dense: int, target: float) -> int:
     return lo
 
 
+def _conv1d_types() -> tuple[type, ...]:
+    """HuggingFace's ``Conv1D`` (a linear layer storing its weight as (in, out)), when loaded."""
+    if "transformers" not in sys.modules:  # a model holding one has imported it already
+        return ()
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return ()
+    return (Conv1D,)
+
+
+def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` holding ``weight`` (out, in) and ``bias``: the input of ``from_linear``."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias is not None,
+                       dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
 def _convert_one(name: str, module: nn.Module, config: ConvertConfig):
     modes = config.modes.get(name, (None, None))
+    if isinstance(module, _conv1d_types()):  # weight (in, out), y = x @ weight + bias
+        module = _dense_linear(module.weight.detach().T, module.bias)
     if isinstance(module, nn.Linear):
         cls = TTLinear if config.format == "tt" else TTMLinear
 
@@ -161,20 +212,94 @@ def _convert_one(name: str, module: nn.Module, config: ConvertConfig):
     return TTEmbedding.from_embedding(module, rank, modes[0], modes[1], config.tau, config.d)
 
 
+def _convert_attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig):
+    """A :class:`TTMultiheadAttention` computing what ``mha`` does, and its projections as
+    (qualified name, the dense projection, its TT layer)."""
+    if mha.bias_k is not None or mha.add_zero_attn:
+        raise ConversionError(f"{name}: nn.MultiheadAttention with add_bias_kv / add_zero_attn "
+                              "is not supported; leave it dense with exclude=[...].")
+    E = mha.embed_dim
+    bias = mha.in_proj_bias
+    pieces = {}
+    if config.attention_in_proj == "packed":
+        if not mha._qkv_same_embed_dim:
+            raise ConversionError(f"{name}: attention_in_proj='packed' needs kdim == vdim == "
+                                  f"embed_dim (got {mha.kdim}, {mha.vdim}, {E}); use 'split'.")
+        pieces["in_proj"] = _dense_linear(mha.in_proj_weight.detach(), bias)
+    else:
+        if mha._qkv_same_embed_dim:
+            weights = mha.in_proj_weight.detach().chunk(3)
+        else:
+            weights = (mha.q_proj_weight.detach(), mha.k_proj_weight.detach(),
+                       mha.v_proj_weight.detach())
+        biases = bias.detach().chunk(3) if bias is not None else (None,) * 3
+        for part, w, b in zip(("q_proj", "k_proj", "v_proj"), weights, biases, strict=True):
+            pieces[part] = _dense_linear(w, b)
+    pieces["out_proj"] = mha.out_proj
+    layers = {part: _convert_one(f"{name}.{part}", dense, config)
+              for part, dense in pieces.items()}
+    attention = TTMultiheadAttention(E, mha.num_heads, dropout=mha.dropout,
+                                     batch_first=mha.batch_first, kdim=mha.kdim, vdim=mha.vdim,
+                                     **layers)
+    attention.train(mha.training)
+    return attention, [(f"{name}.{part}", pieces[part], layers[part]) for part in pieces]
+
+
+def _tied(model: nn.Module, chosen: list[tuple[str, nn.Module]]) -> set[str]:
+    """Names of chosen modules whose weight another module of ``model`` also holds."""
+    owners: dict[int, set[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(name)
+    return {name for name, module in chosen
+            if isinstance(getattr(module, "weight", None), nn.Parameter)
+            and len(owners.get(id(module.weight), ())) > 1}
+
+
+def _shape(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
+    return tuple(module.weight.shape)  # Conv1D: (in, out)
+
+
+def _layer_report(name: str, dense: nn.Module, layer) -> LayerReport:
+    before = sum(p.numel() for p in dense.parameters())
+    return LayerReport(name, type(layer).__name__, _shape(dense),
+                       (layer.in_modes, layer.out_modes), layer.ranks, before,
+                       layer.num_parameters(effective=True))
+
+
+def _fast_paths_off_(model: nn.Module) -> None:
+    """Switch off torch's transformer fast paths where they would read a converted weight."""
+    def converted(module: nn.Module) -> bool:
+        return any(isinstance(m, GatedTrain | TTMultiheadAttention) for m in module.modules())
+
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoderLayer) and converted(module):
+            module.activation_relu_or_gelu = 0  # the fast path requires relu/gelu flagged
+        elif isinstance(module, nn.TransformerEncoder) and converted(module):
+            module.use_nested_tensor = False
+
+
 def convert_(
     model: nn.Module, config: ConvertConfig | None = None, **overrides
 ) -> ConversionReport:
-    """Replace the matching Linear/Embedding modules of ``model`` by TT layers, in place."""
+    """Replace the matching Linear/Embedding (and Conv1D, MultiheadAttention) modules of
+    ``model`` by TT layers, in place."""
     if config is None:
         config = ConvertConfig(**overrides)
     elif overrides:
         raise ConfigError("pass either a ConvertConfig or keyword options, not both.")
     types: tuple[type, ...] = ()
     if config.linear:
-        types += (nn.Linear,)
+        types += (nn.Linear, nn.MultiheadAttention, *_conv1d_types())
     if config.embedding:
         types += (nn.Embedding,)
-    candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, types) and n]
+    attention = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, types) and n
+                  and not any(n.startswith(a + ".") for a in attention)]  # out_proj goes with
     chosen = [(n, m) for n, m in candidates if _matches(n, config)]
     if not chosen:
         searched = ", ".join(n for n, _ in candidates) or "none"
@@ -183,16 +308,25 @@ def convert_(
             f"no {kinds} module matches include={list(config.include)} "
             f"exclude={list(config.exclude)}; modules of that type searched: {searched}."
         )
+    tied = _tied(model, chosen)
+    if len(tied) == len(chosen):
+        raise ConversionError(f"every matching module has its weight tied to another module "
+                              f"({', '.join(sorted(tied))}); converting would untie them. Select "
+                              "other modules, or untie the weights first.")
     reports = []
     for name, module in chosen:
-        layer = _convert_one(name, module, config)
+        if name in tied:
+            continue
+        if isinstance(module, nn.MultiheadAttention):
+            layer, parts = _convert_attention(name, module, config)
+        else:
+            layer = _convert_one(name, module, config)
+            parts = [(name, module, layer)]
         swap_submodule(model, name, layer)
-        shape = ((module.in_features, module.out_features) if isinstance(module, nn.Linear)
-                 else (module.num_embeddings, module.embedding_dim))
-        before = sum(p.numel() for p in module.parameters())
-        reports.append(LayerReport(name, type(layer).__name__, shape,
-                                   (layer.in_modes, layer.out_modes), layer.ranks, before,
-                                   layer.num_parameters(effective=True)))
-    return ConversionReport(tuple(reports))
+        reports += [_layer_report(*part) for part in parts]
+    _fast_paths_off_(model)
+    if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):
+        warnings.warn(HF_SAVE_WARNING, UserWarning, stacklevel=2)
+    return ConversionReport(tuple(reports), tuple(sorted(tied)))
 
 

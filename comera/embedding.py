@@ -3,7 +3,8 @@
 The table (rows x dim, rows = prod(row_modes) >= num_embeddings, padded) is a TT-matrix with
 cores (r_{k-1}, m_k, n_k, r_k). A lookup:
 
-1. deduplicates the batch's ids (``unique`` + ``inverse``), so a frequent token costs once;
+1. deduplicates the batch's ids (``unique`` + ``inverse``), so a frequent token costs once
+   (in eager mode; under ``torch.compile`` every id is looked up, without data-dependent shapes);
 2. merges the gated cores pairwise, once per step, into tables over (m_a*m_b) rows, which makes
    the per-row slices small (at the paper's ranks, 512 and 1,536 floats instead of 8,192);
 3. gathers one slice per unique id from each merged table and contracts them with a compiled
@@ -15,6 +16,7 @@ Gradients reach the cores through the gather (a scatter-add) and the planned mer
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -34,6 +36,8 @@ from comera.layers import (
     _load_cores_,
 )
 from comera.ttsvd import matrix_to_ttm, ttm_to_matrix
+
+_MERGE_EQ = "pimq,qjnr->ijpmnr"  # two TT-matrix cores -> one table over (m1 m2) x (n1 n2)
 
 
 def _mixed_radix_strides(modes: Sequence[int]) -> list[int]:
@@ -109,21 +113,41 @@ class TTEmbedding(GatedTrain):
         return tncomp.ttm_embedding(rows, cols, bonds)
 
     # -- compute --------------------------------------------------------------------------------
+    def _merges(self) -> list[tncomp.CompiledNetwork | None]:
+        """Per group, the compiled pairwise merge of its two cores (None for a single core);
+        held by the layer like ``compiled()``, so a traced forward looks nothing up in tncomp."""
+        shapes = (tuple(tuple(c.shape) for c in self.cores), self._structure(),
+                  tuple(sorted(self.compile_options.items())))
+        if getattr(self, "_merges_for", None) != shapes:
+            self._merge_nets = [
+                tncomp.compile(tncomp.from_eq(_MERGE_EQ, tuple(self.cores[g[0]].shape),
+                                              tuple(self.cores[g[1]].shape)),
+                               **self.compile_options) if len(g) == 2 else None
+                for g in self.groups()]
+            self._merges_for = shapes
+        return self._merge_nets
+
     def merged_tables(self) -> list[Tensor]:
         """Per group, the table (M_g, r_in, N_g, r_out) whose rows are gathered by id digits."""
         cores = self.gated_cores()
         tables = []
-        for group in self.groups():
+        for group, merge in zip(self.groups(), self._merges(), strict=True):
             first = cores[group[0]]
-            if len(group) == 1:
+            if merge is None:
                 tables.append(first.permute(1, 0, 2, 3).contiguous())
                 continue
             second = cores[group[1]]
             r0, m1, n1, _ = first.shape
             _, m2, n2, r2 = second.shape
-            merged = tncomp.contract("pimq,qjnr->ijpmnr", first, second)
+            merged = merge(first, second)  # (m1, m2, r0, n1, n2, r2)
             tables.append(merged.reshape(m1 * m2, r0, n1 * n2, r2))
         return tables
+
+    def __getstate__(self):  # compiled merges hold generated code, as compiled() does
+        state = super().__getstate__()
+        state["_merge_nets"] = None
+        state["_merges_for"] = None
+        return state
 
     def forward(self, ids: Tensor) -> Tensor:
         """Rows of the table at integer ``ids`` (any shape): a tensor of shape
@@ -139,25 +163,45 @@ class TTEmbedding(GatedTrain):
         flat = ids.reshape(-1)
         if flat.numel() == 0:
             return self.cores[0].new_zeros(*ids.shape, self.embedding_dim)
+        device = ids.device.type
+        # as nn.Embedding, the rows come in the table's dtype under autocast: no low precision
+        exact = (torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device)
+                 else contextlib.nullcontext())
+        with exact:
+            if torch.compiler.is_compiling():
+                # traced: no data-dependent Python (no unique, no int() of a tensor); one row per
+                # id, and the range check runs as an op (a RuntimeError when it fails)
+                torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
+                                    f"TTEmbedding: an id is out of range; ids must lie in "
+                                    f"[0, {self.num_embeddings}).")
+                rows = self._rows(flat)
+            else:
+                self._check_range(flat)
+                unique, inverse = torch.unique(flat, return_inverse=True)
+                rows = self._rows(unique).index_select(0, inverse)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def _check_range(self, flat: Tensor) -> None:
         lo, hi = int(flat.min()), int(flat.max())
         if lo < 0 or hi >= self.num_embeddings:
             bad = lo if lo < 0 else hi
             raise LookupIndexError(f"id {bad} is out of range for a table of "
                                    f"{self.num_embeddings} rows; ids must lie in "
                                    f"[0, {self.num_embeddings}).")
-        unique, inverse = torch.unique(flat, return_inverse=True)
+
+    def _rows(self, ids: Tensor) -> Tensor:
+        """The table rows at the 1-d ``ids`` (in range): (len(ids), embedding_dim)."""
         slices = []
         strides = _mixed_radix_strides(self.row_modes)
         for group, table in zip(self.groups(), self.merged_tables(), strict=True):
             stride = strides[group[-1]]
-            size = math.prod(self.row_modes[k] for k in group)
-            digits = torch.div(unique, stride, rounding_mode="floor") % size
+            size = math.prod([self.row_modes[k] for k in group])
+            digits = torch.div(ids, stride, rounding_mode="floor") % size
             slices.append(table.index_select(0, digits))  # (U, r_in, N_g, r_out)
-        rows = self.compiled()(*slices).reshape(unique.numel(), self.embedding_dim)
+        rows = self.compiled()(*slices).reshape(ids.shape[0], self.embedding_dim)
         if self.padding_idx is not None:
-            keep = (unique != self.padding_idx).to(rows.dtype).unsqueeze(1)
-            rows = rows * keep
-        return rows.index_select(0, inverse).reshape(*ids.shape, self.embedding_dim)
+            rows = rows * (ids != self.padding_idx).to(rows.dtype).unsqueeze(1)
+        return rows
 
     def to_dense(self) -> Tensor:
         """The table as ``nn.Embedding.weight``: (num_embeddings, embedding_dim)."""

@@ -63,6 +63,19 @@ def resolve_modes(in_features: int, out_features: int, in_modes, out_modes, d: i
     return in_modes, out_modes
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes matmuls in on ``device_type`` now (None when off)."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _autocast_cast(t: Tensor, low: torch.dtype) -> Tensor:
+    """What autocast does to a matmul operand: float32/float16/bfloat16 to ``low``; float64 (and
+    non-float) tensors are left alone."""
+    return t.to(low) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+
 def _check_tau(tau: float) -> float:
     if not isinstance(tau, int | float) or tau < 0 or math.isnan(tau):
         raise ConfigError(f"tau={tau!r}; the gate threshold is a number >= 0 (default 1e-2).")
@@ -166,12 +179,17 @@ class GatedTrain(nn.Module):
             )
         lead = x.shape[:-1]
         rows = math.prod(lead)
+        low = autocast_dtype(x.device.type)
         if rows == 0:
-            y = x.new_zeros(*lead, self.out_features)
+            y = _autocast_cast(x, low).new_zeros(*lead, self.out_features) if low else \
+                x.new_zeros(*lead, self.out_features)
         else:
             xm = x.reshape(rows, *self.in_modes)
-            y = self.compiled()(xm, *self.gated_cores()).reshape(*lead, self.out_features)
-        return y + self.bias if self.bias is not None else y
+            cores = self.gated_cores()
+            if low is not None:  # as nn.Linear: compute in the autocast dtype, keep params as is
+                xm, cores = _autocast_cast(xm, low), [_autocast_cast(c, low) for c in cores]
+            y = self.compiled()(xm, *cores).reshape(*lead, self.out_features)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
 
     def __getstate__(self):  # compiled plans hold generated code: rebuild after unpickling
         state = self.__dict__.copy()

@@ -106,16 +106,29 @@ class _Stepper:
     max_grad_norm: float | None
     grad_hook: GradHook | None
     steps: int
+    # float16 training: backward on the scaled objective, unscale before the checks and the
+    # clip; a step with overflowing gradients raises NonFiniteGradientError and lowers the scale
+    scaler: torch.amp.GradScaler | None = None
 
     def _apply(self, total: Tensor) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        total.backward()
+        scaler = self.scaler
+        (total if scaler is None else scaler.scale(total)).backward()
         if self.grad_hook is not None:
             self.grad_hook(self.model)  # e.g. average gradients over data-parallel workers
-        _check_gradients(self.model, self.steps)
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        try:
+            _check_gradients(self.model, self.steps)
+        except NonFiniteGradientError:
+            if scaler is not None:
+                scaler.update()  # the next step runs at a lower scale
+            raise
         if self.max_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
+        if scaler is not None:
+            scaler.update()
 
 
 class DenseTrainer(_Stepper):

@@ -37,6 +37,7 @@ from comera import (
     CheckpointError,
     ConfigError,
     NonFiniteError,
+    NonFiniteGradientError,
     TrainingStopped,
     TTLinear,
     TTMLinear,
@@ -56,6 +57,7 @@ log = logging.getLogger("comera.engine")
 
 STAGES = ("early", "late", "both")
 ON_NONFINITE = ("stop", "skip")
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class EngineConfig:
     max_grad_norm: float | None = 1.0
     seed: int = 0
     device: str = "cpu"
+    precision: str = "fp32"  # "bf16" / "fp16": the forward under torch.autocast (fp16: CUDA only,
+    compile: bool = False  # with a GradScaler); compile: torch.compile the training forward
 
     def __post_init__(self) -> None:
         for name in ("steps_early", "steps_late", "warmup", "checkpoint_every", "max_skips",
@@ -100,6 +104,12 @@ class EngineConfig:
         if self.on_nonfinite not in ON_NONFINITE:
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}; choose one of "
                               f"{', '.join(ON_NONFINITE)}.")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r}; choose one of "
+                              f"{', '.join(PRECISIONS)}.")
+        if self.precision == "fp16" and not self.device.startswith("cuda"):
+            raise ConfigError(f"precision='fp16' trains with a CUDA GradScaler; device "
+                              f"{self.device!r} has none: use precision='bf16' on the CPU.")
         if not self.target_compression > 1:
             raise ConfigError(f"target_compression={self.target_compression}; it must be > 1 "
                               "(dense size / TT size).")
@@ -247,6 +257,11 @@ class _Run:
             self.trainer = comera.DenseTrainer(self.model, opt, config.max_grad_norm,
                                                average_gradients)
         self.optimizer = opt
+        self.scaler = (torch.amp.GradScaler(self.device.type) if config.precision == "fp16"
+                       else None)
+        self.trainer.scaler = self.scaler
+        # the training forward; checkpoints, sizes and evaluation use the model itself
+        self.forward_model = torch.compile(self.model) if config.compile else self.model
         self.stream = IndexStream(task.train_size(), config.batch_size, config.seed)
         self.record = RunRecord(name, tt)
         self.step = 0
@@ -285,6 +300,11 @@ class _Run:
         return comera.model_size(self.model) - comera.model_size(self.model, only=comera.GatedTrain)
 
     # -- one step -----------------------------------------------------------------------------
+    def _autocast(self):
+        dtype = PRECISIONS[self.config.precision]
+        return (contextlib.nullcontext() if dtype is None
+                else torch.autocast(self.device.type, dtype=dtype))
+
     def _set_lr(self) -> None:
         factor = _lr_factor(self.step, self.config.warmup)
         for group in self.optimizer.param_groups:
@@ -295,7 +315,8 @@ class _Run:
         batch = _to(batch, self.device)
         self._set_lr()
         start = time.perf_counter()
-        loss = self.task.loss(self.model, batch)
+        with self._autocast():
+            loss = self.task.loss(self.forward_model, batch)
         global_loss = mean_over_workers(float(loss.detach()), self.device)
         try:
             if not math.isfinite(global_loss):  # every worker sees it: all skip or stop alike
@@ -303,6 +324,14 @@ class _Run:
                     f"step {self.step}: the loss is {global_loss} (mean over workers); the step "
                     "was not applied.")
             stats = self.trainer.step(loss, decision_loss=global_loss)
+        except NonFiniteGradientError as exc:
+            if self.scaler is None:
+                self._on_nonfinite(exc)
+            else:  # fp16 overflow: the scaler lowered its scale, as GradScaler.step skips
+                self.optimizer.zero_grad(set_to_none=True)
+                self.record.skipped += 1
+            self.step += 1
+            return
         except NonFiniteError as exc:
             self._on_nonfinite(exc)
             self.step += 1
@@ -337,7 +366,7 @@ class _Run:
     def evaluate(self, split: str) -> dict[str, float]:
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 scores = self.task.evaluate(self.model, split)
         finally:
             self.model.train()
@@ -385,7 +414,8 @@ class _Run:
                     "rng_torch": torch.get_rng_state(), "rng_python": random.getstate(),
                     "record": asdict(self.record), "config": asdict(self.config),
                     "task": self.task.name, "tt": self.tt,
-                    "consecutive_skips": self.consecutive_skips})
+                    "consecutive_skips": self.consecutive_skips,
+                    "scaler": self.scaler.state_dict() if self.scaler is not None else None})
         log.info("%s: checkpoint at step %d -> %s", self.name, self.step, self.checkpoint_path)
 
     def resume(self) -> bool:
@@ -402,8 +432,10 @@ class _Run:
             raise CheckpointError(
                 f"{self.checkpoint_path} belongs to task {state['task']!r} (tt={state['tt']}), "
                 f"not {self.task.name!r} (tt={self.tt}); point --out at that run's directory.")
-        saved = {k: v for k, v in state["config"].items() if k not in ("device",)}
-        mine = {k: v for k, v in asdict(self.config).items() if k not in ("device",)}
+        defaults = asdict(EngineConfig())  # settings a checkpoint predates have their default
+        saved = {k: v for k, v in {**defaults, **state["config"]}.items()
+                 if k not in ("device", "compile")}
+        mine = {k: v for k, v in asdict(self.config).items() if k not in ("device", "compile")}
         changed = sorted(k for k in mine if saved.get(k) != mine[k] and k != "steps_late"
                          and k != "checkpoint_every")
         if changed:
@@ -414,6 +446,8 @@ class _Run:
         self.trainer.load_state_dict(state["trainer"])
         self.step = int(state["step"])
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng_torch"])
         random.setstate(_as_tuple(state["rng_python"]))
         self.record = RunRecord(**state["record"])

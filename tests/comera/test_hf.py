@@ -1,0 +1,118 @@
+"""HuggingFace transformers (the optional ``hf`` extra): convert_ on BERT, GPT-2 (Conv1D layers,
+weights stored transposed) and a Llama-style model, each built from a tiny config with random
+weights (no downloads). At full rank the logits equal the original's; a training step reaches
+every core and lowers the loss; save_pretrained / from_pretrained round-trips a converted and
+truncated model exactly, and HuggingFace's own loader refuses comera's folder."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import comera
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+VOCAB, FULL = 64, 64  # FULL: above every TT-SVD bond bound here, the conversion is exact
+
+
+def _bert():
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=16,
+                                     max_position_embeddings=16, num_labels=3)
+    return transformers.BertForSequenceClassification(config)
+
+
+def _gpt2():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1,
+                                     n_head=2, n_inner=16, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=16,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(config)
+
+
+MODELS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}
+
+
+def _loss(model, ids):
+    if isinstance(model, transformers.BertForSequenceClassification):
+        return model(ids, labels=torch.tensor([0, 2])).loss
+    return model(ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_convert_train_and_round_trip(name, tmp_path):
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    dense = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with pytest.warns(UserWarning, match=r"comera\.save_pretrained"):  # HF's own would lose it
+        report = comera.convert_(model, ranks=FULL)
+    kinds = {type(model.get_submodule(r.name)).__name__ for r in report.layers}
+    assert kinds == {"TTLinear"} and len(report.layers) >= 4
+    with torch.no_grad():  # full rank: what the original computed
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-4, atol=1e-5)
+    if name == "gpt2":  # Conv1D weights are (in, out): a transposed conversion would differ
+        assert "transformer.h.0.attn.c_attn" in {r.name for r in report.layers}
+        assert report.skipped == ("lm_head",)  # tied to wte: left dense
+
+    model.train()
+    opt = comera.make_optimizer(model, comera.OptimizerConfig(1e-2, 1e-2, 1e-2))
+    loss = _loss(model, ids)
+    loss.backward()
+    cores = [c for _, m in comera.tt_modules(model) for c in m.cores]
+    assert all(c.grad is not None and c.grad.abs().sum() > 0 for c in cores)
+    opt.step()
+    with torch.no_grad():
+        assert _loss(model, ids) < loss
+
+    # prune a rank slice of every layer, truncate, save, load: exactly the same model
+    for _, layer in comera.tt_modules(model):
+        with torch.no_grad():
+            layer.gates[0][0] = 0.0
+    comera.truncate_(model)
+    model.eval()
+    want = model(ids).logits
+    comera.save_pretrained(model, tmp_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="converted a HuggingFace")  # not on load
+        loaded = comera.from_pretrained(tmp_path, type(model))
+    assert {n: m.bonds for n, m in comera.tt_modules(loaded)} == \
+        {n: m.bonds for n, m in comera.tt_modules(model)}
+    assert torch.equal(loaded(ids).logits, want)
+    # HuggingFace's loader refuses the folder instead of returning random dense layers
+    with pytest.raises(OSError, match=r"model\.safetensors"):
+        transformers.AutoModel.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_into_a_built_model_and_refusals(tmp_path):
+    torch.manual_seed(0)
+    model = _gpt2().eval()
+    fresh = copy.deepcopy(model)  # the unconverted architecture, other weights
+    comera.convert_(model, ranks=4, embedding=True, exclude=["lm_head", "transformer.wte"])
+    comera.save_pretrained(model, tmp_path / "tt")
+    ids = torch.randint(0, VOCAB, (2, 8))
+    loaded = comera.from_pretrained(tmp_path / "tt", fresh)
+    assert loaded is fresh
+    assert type(loaded.transformer.wpe).__name__ == "TTEmbedding"
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    # the files of HuggingFace's own save_pretrained do not hold the TT layers: say so
+    model.save_pretrained(tmp_path / "hf")
+    with pytest.raises(comera.CheckpointError, match="HuggingFace's save_pretrained"):
+        comera.from_pretrained(tmp_path / "hf", _gpt2())
+    # a changed tensor fails the checksum before the model is touched
+    st = pytest.importorskip("safetensors.torch")
+    tensors = st.load_file(tmp_path / "tt" / "comera_model.safetensors")
+    tensors["transformer.h.0.attn.c_attn.cores.0"] += 1
+    st.save_file(tensors, tmp_path / "tt" / "comera_model.safetensors")
+    target = _gpt2()
+    with pytest.raises(comera.CheckpointError, match="checksum"):
+        comera.from_pretrained(tmp_path / "tt", target)
+    assert not any(True for _ in comera.tt_modules(target))
