@@ -3,8 +3,8 @@
 ``torch.compile`` cannot trace into generated code, a plan cache or a disk cache, so under
 dynamo a call becomes one opaque operator, ``tncomp::contract(network, needs_grad, operands)``,
 whose backward is a second one, ``tncomp::contract_backward``. Both refer to the compiled
-network by an integer id in a registry of weak references (operators take tensors, ints and
-bools, not Python objects); their fake implementations give output shapes from the operand
+network by an id (a string) in a registry of weak references (operators take tensors, numbers
+and strings, not Python objects); their fake implementations give output shapes from the operand
 shapes alone (symbolic sizes welcome), so tracing needs no plan. At run time the real
 implementations look the network up and run its cached plan. The backward operator recomputes
 the forward intermediates (an operator cannot hand Python objects to its backward).
@@ -30,14 +30,15 @@ _NETWORKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _IDS = itertools.count()
 
 
-def register(compiled) -> int:
-    """A fresh integer id under which the ``tncomp::`` operators find ``compiled``."""
-    op_id = next(_IDS)
+def register(compiled) -> str:
+    """A fresh id under which the ``tncomp::`` operators find ``compiled`` (a string: dynamo
+    keeps strings constant, where an int that differs between layers would turn symbolic)."""
+    op_id = str(next(_IDS))
     _NETWORKS[op_id] = compiled
     return op_id
 
 
-def lookup(op_id: int):
+def lookup(op_id: str):
     """The compiled network registered as ``op_id``."""
     compiled = _NETWORKS.get(op_id)
     if compiled is None:
@@ -156,7 +157,7 @@ def _own(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.library.custom_op("tncomp::contract", mutates_args=())
-def contract_op(network: int, needs_grad: list[bool], operands: list[torch.Tensor]
+def contract_op(network: str, needs_grad: list[bool], operands: list[torch.Tensor]
                 ) -> torch.Tensor:
     """Contract ``operands`` with compiled network #``network``."""
     compiled = lookup(network)
@@ -171,7 +172,7 @@ def _contract_fake(network, needs_grad, operands):
 
 
 @torch.library.custom_op("tncomp::contract_backward", mutates_args=())
-def contract_backward_op(network: int, needs_grad: list[bool], operands: list[torch.Tensor],
+def contract_backward_op(network: str, needs_grad: list[bool], operands: list[torch.Tensor],
                          dy: torch.Tensor) -> list[torch.Tensor]:
     """The gradients of the operands flagged in ``needs_grad``, in order."""
     compiled = lookup(network)
