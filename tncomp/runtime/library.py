@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tncomp.compiler.ir import Dim
 from tncomp.errors import DtypeError, OperandError, SizeError, TncompError
 from tncomp.runtime.autograd import FuncContractFunction
 
@@ -73,7 +74,7 @@ def check_operands(net, operands: Sequence) -> None:
     for name, t in zip(names, operands, strict=True):
         if t.device != device:
             raise SizeError(f"tensor {name!r} is on {t.device} but {names[0]!r} is on {device}; "
-                            "pass all operands on one device.")
+                            "pass all operands with one dtype and device.")
         if t.dtype != dtype:
             raise DtypeError(
                 f"tensor {name!r} is {t.dtype} but {names[0]!r} is {dtype}; pass all operands "
@@ -117,7 +118,8 @@ def einsum_args(net) -> tuple[list[list[int]], list[int]]:
 
 def empty_result(net, operands: Sequence[torch.Tensor]) -> torch.Tensor:
     """What ``torch.einsum`` gives for operands with an empty axis (differentiable, zero
-    gradients), after the usual checks of shapes and dtypes."""
+    gradients), after the usual checks of shapes and dtypes. A symbolic size may be 0 unless
+    its :class:`~tncomp.Dim` declares ``min`` above 1."""
     check_operands(net, operands)
     bound: dict[str, int] = {}
     declared = net.size_dict
@@ -127,6 +129,8 @@ def empty_result(net, operands: Sequence[torch.Tensor]) -> torch.Tensor:
                             f"({', '.join(spec.indices)}), got shape {tuple(t.shape)}.")
         for axis, (index, value) in enumerate(zip(spec.indices, t.shape, strict=True)):
             fixed = declared[index]
+            if isinstance(fixed, Dim) and (value or fixed.min > 1):
+                fixed.check(value, f"tensor {spec.name!r} axis {axis} ({index})")
             clash = isinstance(fixed, int) and value != fixed
             if clash or bound.setdefault(index, value) != value:
                 raise SizeError(f"tensor {spec.name!r} axis {axis} ({index}): size {value} "
