@@ -123,3 +123,23 @@ def test_project_transformer_has_no_graph_breaks(one_thread):
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_autocast_inside_compiled_function_matches_eager_autocast(one_thread):
+    net = tncomp.tt_linear([2, 3], [3, 2], 2)
+    f = compile_net(net)
+    ts = operands(net, 4, seed=3, dtype=torch.float32, requires_grad=True)
+
+    def g(*xs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return f(*xs)
+
+    torch._dynamo.reset()
+    got = torch.compile(g, fullgraph=True, backend="eager")(*ts)
+    want = g(*ts)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+    (gx,) = torch.autograd.grad(got.float().sum(), ts[1])
+    (wx,) = torch.autograd.grad(want.float().sum(), ts[1])
+    assert gx.dtype == torch.float32
+    torch.testing.assert_close(gx, wx)
