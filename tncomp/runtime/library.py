@@ -195,22 +195,84 @@ def _setup_context(ctx, inputs, output) -> None:
     network, needs_grad, operands = inputs
     ctx.network = network
     ctx.needs_grad = list(needs_grad)
+    ctx.n_saved = 0
     ctx.save_for_backward(*operands)
 
 
-def _backward(ctx, dy):
-    operands = ctx.saved_tensors
+def _backward(ctx, dy, *_saved_grads):
+    tensors = ctx.saved_tensors
+    n = len(tensors) - ctx.n_saved
+    operands, saved = tensors[:n], tensors[n:]
     needs_grad = ctx.needs_grad
     if not any(needs_grad):
         return None, None, [None] * len(operands)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph, eager
         runner = lookup(ctx.network)._runner_for(operands, True, needs_grad)
         return None, None, list(runner.differentiable_grads(operands, dy))
-    grads = iter(contract_backward_op(ctx.network, needs_grad, list(operands), dy))
+    if ctx.n_saved:
+        grads = contract_backward_saved_op(ctx.network, needs_grad, list(operands),
+                                           list(saved), dy)
+    else:
+        grads = contract_backward_op(ctx.network, needs_grad, list(operands), dy)
+    grads = iter(grads)
     return None, None, [next(grads) if g else None for g in needs_grad]
 
 
 contract_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# With static shapes the plan is known while tracing, so the forward can hand its saved
+# intermediates to the backward as extra outputs (no recomputation).
+@torch.library.custom_op("tncomp::contract_saving", mutates_args=())
+def contract_saving_op(network: str, needs_grad: list[bool], operands: list[torch.Tensor]
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Contract ``operands``; also return the intermediates the backward reads."""
+    runner = lookup(network)._runner_for(operands, True, needs_grad)
+    y, saved = runner.code.forward(*operands)
+    y = _own(y, operands)
+    kept = [y]
+    for t in saved:
+        kept.append(_own(t, [*operands, *kept]))
+    return y, kept[1:]
+
+
+@contract_saving_op.register_fake
+def _contract_saving_fake(network, needs_grad, operands):
+    runner = lookup(network)._runner_for(operands, True, needs_grad)
+    y, saved = runner.plain().forward(*operands)
+    return y.new_empty(y.shape), [t.new_empty(t.shape) for t in saved]
+
+
+@torch.library.custom_op("tncomp::contract_backward_saved", mutates_args=())
+def contract_backward_saved_op(network: str, needs_grad: list[bool],
+                               operands: list[torch.Tensor], saved: list[torch.Tensor],
+                               dy: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of the operands flagged in ``needs_grad`` from the forward's ``saved``."""
+    runner = lookup(network)._runner_for(operands, True, needs_grad)
+    grads = runner.code.backward(operands, tuple(saved), dy)
+    return [_own(g, [*operands, *saved, dy]) for g in grads if g is not None]
+
+
+@contract_backward_saved_op.register_fake
+def _contract_backward_saved_fake(network, needs_grad, operands, saved, dy):
+    return [t.new_empty(t.shape) for t, g in zip(operands, needs_grad, strict=True) if g]
+
+
+def _setup_saving_context(ctx, inputs, output) -> None:
+    network, needs_grad, operands = inputs
+    _y, saved = output
+    ctx.network = network
+    ctx.needs_grad = list(needs_grad)
+    ctx.n_saved = len(saved)
+    ctx.mark_non_differentiable(*saved)
+    ctx.save_for_backward(*operands, *saved)
+
+
+contract_saving_op.register_autograd(_backward, setup_context=_setup_saving_context)
+
+
+def _static(operands) -> bool:
+    return all(isinstance(s, int) for t in operands for s in t.shape)
 
 
 def traced_call(compiled, operands: tuple) -> torch.Tensor:
@@ -222,6 +284,8 @@ def traced_call(compiled, operands: tuple) -> torch.Tensor:
     if torch.compiler.is_compiling():
         check_operands(compiled.network, operands)
         needs_grad = [grad and t.requires_grad for t in operands]
+        if any(needs_grad) and _static(operands):
+            return contract_saving_op(compiled._op_id, needs_grad, list(operands))[0]
         return contract_op(compiled._op_id, needs_grad, list(operands))
     runner = compiled._runner_for(operands, grad)
     if grad and any(runner.plan.needs_grad):
