@@ -5,7 +5,8 @@ A 2-layer MLP (768 -> 3072 -> 768, GELU) at batch 256 is converted with ``comera
 (public API only); the dense model is the same MLP unconverted. Each variant runs one SGD step
 (forward, loss, backward, update); variants are timed round-robin, so load drift hits all alike,
 and the report gives the median with the spread (min, max) of the repeats, the first call (for
-torch.compile: the compile time) and the machine (torch, CPU, threads, commit).
+torch.compile: the compile time, with fresh inductor and tncomp caches unless --warm-caches)
+and the machine (torch, CPU, threads, commit).
 
     python benchmarks/bench_stack.py                 # the 768/3072 MLP, inductor
     python benchmarks/bench_stack.py --transformer   # plus the paper-size transformer step
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -126,7 +129,9 @@ def render(payload: dict) -> str:
     lines = ["# One training step in the user's stack (CPU)", ""]
     m = payload["machine"]
     lines.append(f"torch {m['torch']}, {m['cpu']}, {m['threads']} threads, commit "
-                 f"{m['commit']}, {m['date']}; torch.compile backend `{payload['backend']}`.")
+                 f"{m['commit']}, {m['date']}; torch.compile backend `{payload['backend']}`; "
+                 f"{'fresh' if payload['fresh_caches'] else 'warm'} compile and plan caches "
+                 "(first call = planning + compiling).")
     for case in payload["cases"]:
         lines += ["", f"## {case['case']}", ""]
         base = case["variants"]["tt eager fp32"]["median_s"]
@@ -150,7 +155,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--backend", default=None, help="torch.compile backend")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="results name under benchmarks/results/")
+    parser.add_argument("--warm-caches", action="store_true",
+                        help="keep inductor's and tncomp's caches (default: fresh ones, so the "
+                             "first call is the compile a new user waits for)")
     args = parser.parse_args(argv)
+    if not args.warm_caches:
+        fresh = tempfile.mkdtemp(prefix="bench_stack_")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
+        os.environ["TNCOMP_CACHE_DIR"] = os.path.join(fresh, "tncomp")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     backend = args.backend or ("aot_eager" if args.quick else "inductor")
@@ -163,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.transformer:
             cases.append(transformer_case(backend, repeats, warmup))
     payload = {"benchmark": "stack", "backend": backend, "machine": machine_info(),
-               "cases": cases}
+               "fresh_caches": not args.warm_caches, "cases": cases}
     name = args.out or ("stack_cpu_quick" if args.quick else "stack_cpu")
     json_path, md_path = write_results(name, payload, render(payload))
     print(render(payload))
