@@ -51,6 +51,11 @@ if os.environ.get("TNCOMP_DEBUG"):
 
 OPTIMIZE_CHOICES = ("auto", "search", "flops")
 
+# The hot path's checks, bound once (dynamo recognises the functions themselves).
+_autocast_on = torch._C._is_any_autocast_enabled
+_transforms_on = torch._C._are_functorch_transforms_active
+_compiling = torch.compiler.is_compiling
+
 _RUNNERS = LRUCache(maxsize=512)  # process-wide: identical networks share plans
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # compiled networks, so clear_cache reaches them
 
@@ -136,9 +141,9 @@ class CompiledNetwork:
         first, as ``nn.Linear`` does; under ``torch.compile`` the call is one opaque operator
         (``tncomp::contract``), and under torch.func transforms a transform-friendly Function.
         Operands with an empty axis give ``torch.einsum``'s empty (or zero) result."""
-        if torch._C._is_any_autocast_enabled():
+        if _autocast_on():
             operands = autocast_operands(operands)
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        if _transforms_on() or _compiling():
             return traced_call(self, operands)
         grad = torch.is_grad_enabled()
         try:
