@@ -92,3 +92,23 @@ def test_tt_linear_layer_trains_under_autocast(one_thread):
     for g, p in zip(low, layer.parameters(), strict=True):
         assert g.dtype == p.dtype == torch.float32
         assert _rel(g, p.grad) < 5e-2
+
+
+@pytest.mark.slow
+def test_project_transformer_with_tt_embedding_trains_under_bf16_autocast(one_thread):
+    """The issue's table row: the project's transformer (TT layers and a TT embedding) runs
+    forward and backward under bf16 autocast, close to float32, with float32 gradients."""
+    from comera.models.transformer import PairClassifier, TransformerConfig
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig.small(vocab_size=100, dropout=0.0,
+                                  embedding_modes=((5, 5, 4), (8, 8, 4)))
+    model = PairClassifier(cfg)
+    ids = torch.randint(1, 100, (4, 16))
+    want = model(ids).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(ids)
+    got.float().sum().backward()
+    assert got.dtype == torch.bfloat16 and _rel(got, want) < 5e-2
+    params = list(model.parameters())
+    assert all(p.grad is not None and p.grad.dtype == p.dtype == torch.float32 for p in params)
