@@ -24,14 +24,30 @@ from tncomp.compiler.plan import Plan
 from tncomp.compiler.planner import OPTIMIZE_CHOICES, Options, Planner, binding_key
 from tncomp.compiler.problem import Tree
 from tncomp.compiler.regimes import RegimeTable
-from tncomp.errors import IRError, OperandError, OptionError, SizeError, TncompError
+from tncomp.errors import IRError, OptionError, TncompError
 from tncomp.runtime.autograd import ContractFunction, Runner
 from tncomp.runtime.codegen import generate
+from tncomp.runtime.library import (
+    autocast_operands,
+    check_operands,
+    empty_result,
+    is_empty,
+    register,
+    traced_call,
+)
+from tncomp.runtime.library import (
+    check_tensors as _check_tensors,
+)
 
 log = logging.getLogger("tncomp")
 if os.environ.get("TNCOMP_DEBUG"):
     logging.basicConfig()
     log.setLevel(logging.DEBUG)
+
+# The hot path's checks, bound once (dynamo recognises the functions themselves).
+_autocast_on = torch._C._is_any_autocast_enabled
+_transforms_on = torch._C._are_functorch_transforms_active
+_compiling = torch.compiler.is_compiling
 
 _RUNNERS = LRUCache(maxsize=512)  # process-wide: identical networks share plans
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # compiled networks, so clear_cache reaches them
@@ -82,6 +98,7 @@ class CompiledNetwork:
         self._planner = Planner(net, options, disk_cache)
         self._local: dict = {}
         self._graphs = None  # CapturedGraphs, made on the first CUDA-graph call
+        self._op_id = register(self)  # how the tncomp::contract operator refers to it
         _LIVE.add(self)
 
     @property
@@ -106,12 +123,23 @@ class CompiledNetwork:
         The first call at a new binding (shapes, dtype, device, which operands need gradients)
         builds and caches its plan; later calls look it up. Under autograd the result is
         differentiable w.r.t. every operand that requires grad; with ``cuda_graphs`` a CUDA call
-        replays a captured graph."""
+        replays a captured graph.
+
+        Inside ``torch.autocast`` floating operands (not float64) are cast to the autocast dtype
+        first, as ``nn.Linear`` does; under ``torch.compile`` the call is one opaque operator
+        (``tncomp::contract``), and under torch.func transforms a transform-friendly Function.
+        Operands with an empty axis give ``torch.einsum``'s empty (or zero) result."""
+        if _autocast_on():
+            operands = autocast_operands(operands)
+        if _transforms_on() or _compiling():
+            return traced_call(self, operands)
         grad = torch.is_grad_enabled()
         try:
             key = tuple((t.shape, t.dtype, t.device, grad and t.requires_grad) for t in operands)
             runner = self._local[key]
         except (KeyError, AttributeError, TypeError):
+            if is_empty(operands):
+                return empty_result(self.network, operands)
             runner = self._runner_for(operands, grad)
         if self.options.cuda_graphs and operands[0].is_cuda:
             return self._graphed_call(runner, operands)
@@ -127,21 +155,20 @@ class CompiledNetwork:
         return (runner if runner is not None else self._runner_for(operands, grad)).plan
 
     # -- building -----------------------------------------------------------------------------
-    def _runner_for(self, operands: Sequence[torch.Tensor], grad: bool) -> Runner:
-        _check_tensors(operands, "compiled network", [t.name for t in self.network.operands])
-        key = binding_key(operands, grad)
+    def _runner_for(self, operands: Sequence[torch.Tensor], grad: bool,
+                    needs_grad: Sequence[bool] | None = None) -> Runner:
+        """The runner of this binding (``needs_grad`` overrides ``grad and requires_grad``)."""
+        check_operands(self.network, operands)
+        if needs_grad is None:
+            needs_grad = tuple(grad and t.requires_grad for t in operands)
+        needs_grad = tuple(bool(g) for g in needs_grad)
+        key = tuple((t.shape, t.dtype, t.device, g) for t, g in zip(operands, needs_grad,
+                                                                       strict=True))
+        runner = self._local.get(key)
+        if runner is not None:
+            return runner
         sizes = bind_sizes(self.network, [tuple(t.shape) for t in operands])
         dtype, device = operands[0].dtype, operands[0].device
-        for spec, t in zip(self.network.operands, operands, strict=True):
-            if t.dtype != dtype or t.device != device:
-                raise SizeError(
-                    f"tensor {spec.name!r} is {t.dtype} on {t.device} but "
-                    f"{self.network.operands[0].name!r} is {dtype} on {device}; pass all "
-                    "operands with one dtype and device."
-                )
-        if not dtype.is_floating_point and not dtype.is_complex:
-            raise SizeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
-        needs_grad = tuple(bool(g) for *_, g in key)
         model = self.model(device)
         memory_key = self._planner.memory_key(sizes, str(dtype), str(device), needs_grad, model)
 
@@ -149,7 +176,7 @@ class CompiledNetwork:
             plan = self.plan_for(sizes, needs_grad, dtype, device, model=model)
             shapes = [tuple(t.shape) for t in operands]
             return Runner(plan, generate(plan, shapes, dtype, device, name=self.network.output.name,
-                                         pool=self.options.pool_buffers))
+                                         pool=self.options.pool_buffers), shapes, dtype, device)
 
         runner = _RUNNERS.get_or_build(memory_key, build,
                                        label=f"B={self._planner.bound(sizes)}")
@@ -269,18 +296,6 @@ def _disk_directory(disk_cache: bool | str | os.PathLike | None) -> Path | None:
 
 def _disk(directory: Path | None) -> DiskCache | None:
     return DiskCache(directory) if directory is not None else None
-
-
-def _check_tensors(operands: Sequence, what: str, names: Sequence[str] = ()) -> None:
-    """An :class:`OperandError` naming the first operand that is not a torch tensor."""
-    for k, t in enumerate(operands):
-        if not isinstance(t, torch.Tensor):
-            name = f" ({names[k]!r})" if k < len(names) else ""
-            got = "None" if t is None else f"a {type(t).__name__}"
-            raise OperandError(
-                f"{what} takes torch tensors; operand {k}{name} is {got}. Convert it with "
-                "torch.as_tensor(...) first."
-            )
 
 
 _EQ_CACHE = LRUCache(maxsize=128)

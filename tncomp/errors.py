@@ -19,6 +19,12 @@ class SizeError(TncompError, ValueError):
     """Sizes that cannot be bound: a symbol out of its bounds, a shape that does not match."""
 
 
+class DtypeError(SizeError, TypeError):
+    """Operands whose dtypes (or devices) cannot be contracted together, such as float32 cores
+    with a bfloat16 input outside ``torch.autocast``. Also a :class:`SizeError` (what earlier
+    versions raised) and a ``TypeError``."""
+
+
 class PlanError(TncompError, RuntimeError):
     """No valid contraction plan could be built for a network."""
 

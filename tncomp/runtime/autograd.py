@@ -1,26 +1,55 @@
-"""One torch.autograd.Function that runs a plan's forward steps and its gradient steps."""
+"""The autograd Functions that run a plan's forward steps and its gradient steps.
+
+:class:`ContractFunction` is the eager fast path: pooled buffers, forward intermediates kept for
+the backward. Its backward runs the plan's gradient steps directly when no graph is being built;
+when it is (``create_graph=True``: gradient penalties, Hessian-vector products, MAML-style inner
+steps) it recomputes the forward from the saved operands and runs the gradient steps with the
+plain (unpooled) code under autograd, so the gradients are themselves differentiable, to any
+order. :class:`FuncContractFunction` is the same contraction in the form torch.func needs
+(``setup_context``, a generated vmap rule): used while a torch.func transform is active.
+"""
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from tncomp.runtime.codegen import GeneratedCode
+from tncomp.runtime.codegen import GeneratedCode, generate
 
 
 class Runner:
-    """A plan ready to run: generated code plus which operands the backward reads."""
+    """A plan ready to run: generated code plus which operands the backward reads.
 
-    __slots__ = ("code", "n_operands", "plan")
+    ``code`` is the fast code (large results in pooled buffers); :meth:`plain` is the same plan
+    without ``out=`` buffers, which autograd, fake tensors and vmap can all run through."""
 
-    def __init__(self, plan, code: GeneratedCode):
+    __slots__ = ("_plain", "code", "device", "dtype", "n_operands", "plan", "shapes")
+
+    def __init__(self, plan, code: GeneratedCode, shapes=(), dtype=None, device=None):
         self.plan = plan
         self.code = code
         self.n_operands = plan.n_operands
+        self.shapes = tuple(tuple(s) for s in shapes)
+        self.dtype = dtype
+        self.device = device
+        self._plain: GeneratedCode | None = None if code.pools else code
+
+    def plain(self) -> GeneratedCode:
+        """The plan's code with no pooled buffers (generated on first use)."""
+        if self._plain is None:
+            self._plain = generate(self.plan, self.shapes, self.dtype, self.device,
+                                   name="differentiable", pool=False)
+        return self._plain
+
+    def differentiable_grads(self, operands, dy: torch.Tensor) -> tuple:
+        """The gradients as a graph of torch ops (recomputing the forward from ``operands``)."""
+        code = self.plain()
+        _y, saved = code.forward(*operands)
+        return code.backward(operands, saved, dy)
 
 
 class ContractFunction(torch.autograd.Function):
-    """``y = contract(*operands)`` with the plan's own backward (first-order gradients only)."""
+    """``y = contract(*operands)`` with the plan's own backward (differentiable when
+    ``create_graph=True``)."""
 
     @staticmethod
     def forward(ctx, runner: Runner, *operands: torch.Tensor) -> torch.Tensor:
@@ -31,8 +60,30 @@ class ContractFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy: torch.Tensor):
         operands = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: build the gradients as a graph
+            return (None, *ctx.runner.differentiable_grads(operands, dy))
         grads = ctx.runner.code.backward(operands, ctx.intermediates, dy)
         return (None, *grads)
+
+
+class FuncContractFunction(torch.autograd.Function):
+    """The contraction for torch.func (``grad``, ``vjp``, ``jacrev``, ``vmap``): no ctx in
+    ``forward``, no pooled buffers, and a backward that recomputes the forward, so every
+    transform (and any order of derivative) sees plain torch ops."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(runner: Runner, *operands: torch.Tensor) -> torch.Tensor:
+        return runner.plain().forward(*operands)[0]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.runner = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return (None, *ctx.runner.differentiable_grads(ctx.saved_tensors, dy))

@@ -1,0 +1,189 @@
+"""One TT-layer training step in the stack users train with: eager float32, torch.compile,
+bf16 autocast, against the dense model (eager and compiled).
+
+A 2-layer MLP (768 -> 3072 -> 768, GELU) at batch 256 is converted with ``comera.convert_``
+(public API only); the dense model is the same MLP unconverted. Each variant runs one SGD step
+(forward, loss, backward, update); variants are timed round-robin, so load drift hits all alike,
+and the report gives the median with the spread (min, max) of the repeats, the first call (for
+torch.compile: the compile time, with fresh inductor and tncomp caches unless --warm-caches)
+and the machine (torch, CPU, threads, commit).
+
+    python benchmarks/bench_stack.py                 # the 768/3072 MLP, inductor
+    python benchmarks/bench_stack.py --transformer   # plus the paper-size transformer step
+    python benchmarks/bench_stack.py --quick         # 1 repeat, small MLP, aot_eager: seconds
+
+Writes benchmarks/results/stack_cpu.{json,md} (``--quick``: stack_cpu_quick.{json,md}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness import machine_info, markdown_table, write_results
+
+import comera
+
+
+def mlp(d_model: int, d_ff: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
+
+
+def prebuild(model: nn.Module) -> None:
+    """Build each TT layer's compiled network before tracing (its creation is not traced)."""
+    for layer in model.modules():
+        if hasattr(layer, "compiled"):
+            layer.compiled()
+
+
+def make_step(model: nn.Module, batch: tuple, autocast: bool = False) -> Callable[[], float]:
+    """One SGD training step of ``model`` on ``batch`` (the loss is a float32 mean square)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(*batch)
+        loss = out.float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    return step
+
+
+def variants(dense: nn.Module, tt: nn.Module, batch: tuple, backend: str) -> dict:
+    prebuild(tt)
+    tt_compiled = copy.deepcopy(tt)
+    prebuild(tt_compiled)
+    dense_compiled = copy.deepcopy(dense)
+    return {
+        "dense eager": make_step(dense, batch),
+        "dense compiled": make_step(torch.compile(dense_compiled, backend=backend), batch),
+        "tt eager fp32": make_step(tt, batch),
+        "tt compiled": make_step(torch.compile(tt_compiled, backend=backend), batch),
+        "tt bf16 autocast": make_step(copy.deepcopy(tt), batch, autocast=True),
+    }
+
+
+def time_case(steps: dict[str, Callable[[], float]], repeats: int, warmup: int) -> dict:
+    """First-call seconds, then ``repeats`` interleaved timed steps after ``warmup`` more."""
+    first = {}
+    for name, step in steps.items():
+        start = time.perf_counter()
+        step()
+        first[name] = time.perf_counter() - start
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: {"first_call_s": first[name], "median_s": statistics.median(ts),
+                   "min_s": min(ts), "max_s": max(ts), "repeats": len(ts)}
+            for name, ts in times.items()}
+
+
+def mlp_case(d_model: int, d_ff: int, batch: int, rank: int, backend: str, repeats: int,
+             warmup: int) -> dict:
+    torch.manual_seed(0)
+    dense = mlp(d_model, d_ff)
+    tt = copy.deepcopy(dense)
+    report = comera.convert_(tt, ranks=rank)
+    x = torch.randn(batch, d_model)
+    result = time_case(variants(dense, tt, (x,), backend), repeats, warmup)
+    return {"case": f"MLP {d_model}x{d_ff}/{d_ff}x{d_model} batch {batch} rank {rank}",
+            "compression": report.before / report.after, "variants": result}
+
+
+def transformer_case(backend: str, repeats: int, warmup: int, batch: int = 8,
+                     seq: int = 128) -> dict:
+    from comera.models.transformer import PairClassifier, TransformerConfig
+
+    torch.manual_seed(0)
+    tt = PairClassifier(TransformerConfig(tt_embedding=False, dropout=0.0))
+    dense = PairClassifier(TransformerConfig(tt=False, dropout=0.0))
+    ids = torch.randint(1, tt.cfg.vocab_size, (batch, seq))
+    result = time_case(variants(dense, tt, (ids,), backend), repeats, warmup)
+    return {"case": f"paper-size transformer (TT layers, dense embedding) batch {batch} x {seq}",
+            "variants": result}
+
+
+def render(payload: dict) -> str:
+    lines = ["# One training step in the user's stack (CPU)", ""]
+    m = payload["machine"]
+    lines.append(f"torch {m['torch']}, {m['cpu']}, {m['threads']} threads, commit "
+                 f"{m['commit']}, {m['date']}; torch.compile backend `{payload['backend']}`; "
+                 f"{'fresh' if payload['fresh_caches'] else 'warm'} compile and plan caches "
+                 "(first call = planning + compiling).")
+    for case in payload["cases"]:
+        lines += ["", f"## {case['case']}", ""]
+        base = case["variants"]["tt eager fp32"]["median_s"]
+        rows = []
+        for name, v in case["variants"].items():
+            rows.append([name, f"{v['median_s'] * 1e3:.1f}",
+                         f"{v['min_s'] * 1e3:.1f}-{v['max_s'] * 1e3:.1f}",
+                         f"{base / v['median_s']:.2f}x", f"{v['first_call_s']:.2f}"])
+        lines.append(markdown_table(["variant", "median ms", "spread ms", "speed vs TT eager",
+                                     "first call s"], rows))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="1 repeat of a small MLP with the aot_eager backend (seconds)")
+    parser.add_argument("--transformer", action="store_true",
+                        help="also time the paper-size transformer step (minutes)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--backend", default=None, help="torch.compile backend")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None, help="results name under benchmarks/results/")
+    parser.add_argument("--warm-caches", action="store_true",
+                        help="keep inductor's and tncomp's caches (default: fresh ones, so the "
+                             "first call is the compile a new user waits for)")
+    args = parser.parse_args(argv)
+    if not args.warm_caches:
+        fresh = tempfile.mkdtemp(prefix="bench_stack_")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
+        os.environ["TNCOMP_CACHE_DIR"] = os.path.join(fresh, "tncomp")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    backend = args.backend or ("aot_eager" if args.quick else "inductor")
+    # Start the compiler once (worker pool, imports) so no variant's first call pays for it.
+    torch.compile(lambda t: t.sin() + 1, backend=backend)(torch.zeros(3))
+    repeats = args.repeats or (1 if args.quick else 15)
+    warmup = 1 if args.quick else 3
+    if args.quick:
+        cases = [mlp_case(64, 256, 32, 4, backend, repeats, warmup)]
+    else:
+        cases = [mlp_case(768, 3072, 256, 30, backend, repeats, warmup)]
+        if args.transformer:
+            cases.append(transformer_case(backend, repeats, warmup))
+    payload = {"benchmark": "stack", "backend": backend, "machine": machine_info(),
+               "fresh_caches": not args.warm_caches, "cases": cases}
+    name = args.out or ("stack_cpu_quick" if args.quick else "stack_cpu")
+    json_path, md_path = write_results(name, payload, render(payload))
+    print(render(payload))
+    print(f"wrote {json_path} and {md_path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
