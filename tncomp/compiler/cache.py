@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -33,31 +34,41 @@ STALE_TEMP_S = 600.0  # a temp file this old belongs to a writer that died mid-w
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{32}\.json$")
 
 
+_MISSING = object()
+
+
 class LRUCache:
-    """A bounded mapping that evicts the least recently used entry; counts hits and misses."""
+    """A bounded mapping that evicts the least recently used entry; counts hits and misses.
+
+    Safe to share between threads: lookups, inserts and evictions hold a lock; ``build`` runs
+    outside it, so two threads missing one key at once may both build (wasted work, one wins)."""
 
     def __init__(self, maxsize: int = 256):
         if maxsize < 1:
             raise ValueError(f"maxsize={maxsize}; an LRU cache holds at least one entry.")
         self.maxsize = maxsize
         self._data: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
     def get_or_build(self, key: Hashable, build: Callable[[], Any], label: str = "") -> Any:
-        try:
-            value = self._data[key]
-        except KeyError:
-            self.misses += 1
-            log.debug("plan cache miss %s key=%s", label, key)
-            value = build()
-            self._data[key] = value
-            if len(self._data) > self.maxsize:
-                self._data.popitem(last=False)
+        with self._lock:
+            value = self._data.get(key, _MISSING)
+            if value is not _MISSING:
+                self.hits += 1
+                self._data.move_to_end(key)
+        if value is not _MISSING:
+            log.debug("plan cache hit %s", label)
             return value
-        self.hits += 1
-        self._data.move_to_end(key)
-        log.debug("plan cache hit %s", label)
+        log.debug("plan cache miss %s key=%s", label, key)
+        value = build()
+        with self._lock:
+            self.misses += 1
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
         return value
 
     def __len__(self) -> int:
@@ -67,8 +78,9 @@ class LRUCache:
         return key in self._data
 
     def clear(self) -> None:
-        self._data.clear()
-        self.hits = self.misses = 0
+        with self._lock:
+            self._data.clear()
+            self.hits = self.misses = 0
 
 
 def default_cache_dir() -> Path:
