@@ -93,6 +93,7 @@ class TTEmbedding(GatedTrain):
                   for k, (m, n) in enumerate(zip(self.row_modes, self.col_modes, strict=True))]
         super().__init__(shapes, False, embedding_dim, _check_tau(tau), dtype, device)
         self._gaussian_init_(len(shapes))
+        self.build_compiled()
 
     # -- structure ------------------------------------------------------------------------------
     def groups(self) -> list[tuple[int, ...]]:
@@ -142,6 +143,12 @@ class TTEmbedding(GatedTrain):
             merged = merge(first, second)  # (m1, m2, r0, n1, n2, r2)
             tables.append(merged.reshape(m1 * m2, r0, n1 * n2, r2))
         return tables
+
+    def build_compiled(self) -> None:
+        """Build the lookup's compiled network and the pairwise merges now (see
+        :meth:`GatedTrain.build_compiled`)."""
+        super().build_compiled()
+        self._merges()
 
     def __getstate__(self):  # compiled merges hold generated code, as compiled() does
         state = super().__getstate__()

@@ -191,6 +191,16 @@ class GatedTrain(nn.Module):
             y = self.compiled()(xm, *cores).reshape(*lead, self.out_features)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
+    def build_compiled(self) -> None:
+        """Build the compiled networks of the current core shapes now. Layers call it whenever
+        their shapes change (construction, loading, truncation, unpickling), so a forward traced
+        by ``torch.compile`` only looks them up: creating one inside a trace breaks the graph."""
+        self.compiled()
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self.build_compiled()
+
     def __getstate__(self):  # compiled plans hold generated code: rebuild after unpickling
         state = self.__dict__.copy()
         state["_compiled"] = None
@@ -238,6 +248,7 @@ class _LinearTrain(GatedTrain):
         shapes = self._core_shapes(ranks)
         super().__init__(shapes, bias, out_features, tau, dtype, device)
         self._gaussian_init_(len(shapes))
+        self.build_compiled()
 
     def _core_shapes(self, ranks: Ranks) -> list[tuple[int, ...]]:
         raise NotImplementedError
@@ -319,3 +330,4 @@ def _load_cores_(layer: GatedTrain, cores: Sequence[Tensor], bias: Tensor | None
                                                          device=gate.device))
         if bias is not None and layer.bias is not None:
             layer.bias.copy_(bias.detach())
+    layer.build_compiled()

@@ -93,6 +93,7 @@ def resize_(module: GatedTrain, bonds: tuple[int, ...]) -> None:
         if gate.numel() != bonds[k + 1]:
             module.gates[k] = nn.Parameter(gate.new_ones(bonds[k + 1]),
                                            requires_grad=gate.requires_grad)
+    module.build_compiled()
 
 
 # -- matching a model against records ------------------------------------------------------------

@@ -86,6 +86,7 @@ def truncate_layer_(layer: GatedTrain, optimizer=None, fold_gates: bool = True) 
         with torch.no_grad():
             for gate in layer.gates:
                 gate.zero_()
+    layer.build_compiled()
 
 
 def truncate_(model: nn.Module, optimizer=None, fold_gates: bool = True) -> TruncationReport:
