@@ -3,6 +3,7 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-stamp
+TEST_STAMP := $(VENV)/.installed-test-stamp
 SPEC := tt:768x3072:modes=12,8,8|12,16,16:rank=30
 
 .PHONY: run inspect test test-all bench experiments lint clean
@@ -13,6 +14,11 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev]'
 	touch $(STAMP)
 
+# the optional integrations the tests cover (HuggingFace), installed once next to the dev set
+$(TEST_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev,hf]'
+	touch $(TEST_STAMP)
+
 # the main job: DLRM dense vs CoMERA on the embedded synthetic Criteo-shaped data (a few minutes)
 run: $(STAMP)
 	$(VENV)/bin/comera train dlrm --quick --out runs/quick
@@ -20,12 +26,10 @@ run: $(STAMP)
 inspect: $(STAMP)
 	$(VENV)/bin/tncomp inspect '$(SPEC)'
 
-test: $(STAMP)
-	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[hf]'
+test: $(TEST_STAMP)
 	$(VENV)/bin/python -m pytest
 
-test-all: $(STAMP)
-	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[hf]'
+test-all: $(TEST_STAMP)
 	$(VENV)/bin/python -m pytest -m 'not gpu'
 
 # the speed and memory benchmarks, run as modules from the repository root; results go to
