@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.bench_tt_linear
 	$(VENV)/bin/python -m benchmarks.bench_planning
 	$(VENV)/bin/python -m benchmarks.bench_transformer
+	$(VENV)/bin/python -m benchmarks.bench_stack
 
 # the paper's experiments in quick mode, dense vs CoMERA side by side (comera train per task)
 experiments: $(STAMP)

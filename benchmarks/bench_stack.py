@@ -8,11 +8,11 @@ and the report gives the median with the spread (min, max) of the repeats, the f
 torch.compile: the compile time, with fresh inductor and tncomp caches unless --warm-caches)
 and the machine (torch, CPU, threads, commit).
 
-    python benchmarks/bench_stack.py                 # the 768/3072 MLP, inductor
-    python benchmarks/bench_stack.py --transformer   # plus the paper-size transformer step
-    python benchmarks/bench_stack.py --quick         # 1 repeat, small MLP, aot_eager: seconds
+    python -m benchmarks.bench_stack                 # the 768/3072 MLP, inductor
+    python -m benchmarks.bench_stack --transformer   # plus the paper-size transformer step
+    python -m benchmarks.bench_stack --smoke --out /tmp/s   # 1 repeat, small MLP, aot_eager
 
-Writes benchmarks/results/stack_cpu.{json,md} (``--quick``: stack_cpu_quick.{json,md}).
+Writes benchmarks/results/stack_cpu.{json,md} (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -21,32 +21,20 @@ import argparse
 import copy
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from harness import machine_info, markdown_table, write_results
-
 import comera
+from benchmarks.lib.harness import markdown_table, ratio_spread, spread_text, write_results_to
+from comera.experiments.results import machine
 
 
 def mlp(d_model: int, d_ff: int) -> nn.Module:
     return nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
-
-
-def prebuild(model: nn.Module) -> None:
-    """Build each TT layer's compiled network before tracing (its creation is not traced)."""
-    for layer in model.modules():
-        if hasattr(layer, "compiled"):
-            layer.compiled()
 
 
 def make_step(model: nn.Module, batch: tuple, autocast: bool = False) -> Callable[[], float]:
@@ -66,9 +54,7 @@ def make_step(model: nn.Module, batch: tuple, autocast: bool = False) -> Callabl
 
 
 def variants(dense: nn.Module, tt: nn.Module, batch: tuple, backend: str) -> dict:
-    prebuild(tt)
     tt_compiled = copy.deepcopy(tt)
-    prebuild(tt_compiled)
     dense_compiled = copy.deepcopy(dense)
     return {
         "dense eager": make_step(dense, batch),
@@ -95,8 +81,10 @@ def time_case(steps: dict[str, Callable[[], float]], repeats: int, warmup: int) 
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
+    base = times["tt eager fp32"]
     return {name: {"first_call_s": first[name], "median_s": statistics.median(ts),
-                   "min_s": min(ts), "max_s": max(ts), "repeats": len(ts)}
+                   "min_s": min(ts), "max_s": max(ts), "repeats": len(ts),
+                   "speed_vs_tt_eager": ratio_spread(base, ts)}
             for name, ts in times.items()}
 
 
@@ -134,12 +122,11 @@ def render(payload: dict) -> str:
                  "(first call = planning + compiling).")
     for case in payload["cases"]:
         lines += ["", f"## {case['case']}", ""]
-        base = case["variants"]["tt eager fp32"]["median_s"]
         rows = []
         for name, v in case["variants"].items():
             rows.append([name, f"{v['median_s'] * 1e3:.1f}",
                          f"{v['min_s'] * 1e3:.1f}-{v['max_s'] * 1e3:.1f}",
-                         f"{base / v['median_s']:.2f}x", f"{v['first_call_s']:.2f}"])
+                         spread_text(v["speed_vs_tt_eager"]), f"{v['first_call_s']:.2f}"])
         lines.append(markdown_table(["variant", "median ms", "spread ms", "speed vs TT eager",
                                      "first call s"], rows))
     return "\n".join(lines)
@@ -147,14 +134,15 @@ def render(payload: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
+    parser.add_argument("--smoke", "--quick", dest="quick", action="store_true",
                         help="1 repeat of a small MLP with the aot_eager backend (seconds)")
     parser.add_argument("--transformer", action="store_true",
                         help="also time the paper-size transformer step (minutes)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--backend", default=None, help="torch.compile backend")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=None, help="results name under benchmarks/results/")
+    parser.add_argument("--out", default=None,
+                        help="results name under benchmarks/results/ or a path stem")
     parser.add_argument("--warm-caches", action="store_true",
                         help="keep inductor's and tncomp's caches (default: fresh ones, so the "
                              "first call is the compile a new user waits for)")
@@ -176,10 +164,10 @@ def main(argv: list[str] | None = None) -> dict:
         cases = [mlp_case(768, 3072, 256, 30, backend, repeats, warmup)]
         if args.transformer:
             cases.append(transformer_case(backend, repeats, warmup))
-    payload = {"benchmark": "stack", "backend": backend, "machine": machine_info(),
+    payload = {"benchmark": "stack", "backend": backend, "machine": machine(),
                "fresh_caches": not args.warm_caches, "cases": cases}
     name = args.out or ("stack_cpu_quick" if args.quick else "stack_cpu")
-    json_path, md_path = write_results(name, payload, render(payload))
+    json_path, md_path = write_results_to(name, payload, render(payload))
     print(render(payload))
     print(f"wrote {json_path} and {md_path}")
     return payload
