@@ -6,7 +6,13 @@ physically; ``convert_`` turns an existing torch model into a TT model.
 """
 
 from comera.attention import TTMultiheadAttention
-from comera.checkpoint import CheckpointRecord, load_checkpoint, read_checkpoint, save_checkpoint
+from comera.checkpoint import (
+    CheckpointRecord,
+    checkpoint_payload,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
 from comera.convert import ConversionReport, ConvertConfig, convert_
 from comera.embedding import TTEmbedding
 from comera.errors import (
@@ -64,6 +70,7 @@ __all__ = [
     "TTMultiheadAttention",
     "TrainingStopped",
     "TruncationReport",
+    "checkpoint_payload",
     "compression_ratio",
     "convert_",
     "dense_size",

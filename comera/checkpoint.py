@@ -133,19 +133,30 @@ def _sweep(path: Path) -> None:
 
 
 # -- save -----------------------------------------------------------------------------------------
+def checkpoint_payload(model_state: Mapping[str, Tensor], layers: Mapping[str, Any],
+                       optimizer: Mapping[str, Any] | None = None,
+                       extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The checkpoint format as a dict (what :func:`save_checkpoint` writes and
+    :func:`read_checkpoint` / :func:`load_checkpoint` accept): a model state dict, TT layer
+    records (:func:`comera.layer_spec`), an optimizer record, ``extra``, and their checksum."""
+    payload: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION, "model": model_state, "layers": dict(layers),
+        "optimizer": None, "optimizer_class": None, "optimizer_param_names": None,
+        "extra": dict(extra or {}),
+    }
+    payload.update(optimizer or {})
+    payload["checksum"] = _checksum(payload)
+    return payload
+
+
 def save_checkpoint(path: PathLike, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
     """Write model, TT layer records, optimizer state and ``extra`` to ``path``, atomically."""
     _check_plain(extra, "extra")
     layers = {name: layer_spec(layer) for name, layer in tt_modules(model)}
-    payload: dict[str, Any] = {
-        "format": FORMAT, "version": VERSION, "model": model.state_dict(), "layers": layers,
-        "optimizer": None, "optimizer_class": None, "optimizer_param_names": None,
-        "extra": dict(extra),
-    }
-    if optimizer is not None:
-        payload.update(optimizer_record(model, optimizer))
-    payload["checksum"] = _checksum(payload)
+    payload = checkpoint_payload(
+        model.state_dict(), layers,
+        optimizer_record(model, optimizer) if optimizer is not None else None, extra)
     path = Path(path)
     if not path.parent.is_dir():
         raise CheckpointError(f"cannot save {path}: the directory {path.parent} does not exist; "

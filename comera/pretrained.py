@@ -73,11 +73,10 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> Path:
     tensors, aliases = _deduplicated(model.state_dict())
     layers = {name: _ckpt.layer_spec(layer) for name, layer in tt_modules(model)}
     every = {**tensors, **{a: tensors[t] for a, t in aliases.items()}}
-    payload = {"model": dict(sorted(every.items())),
-               "layers": layers, "optimizer": None, "optimizer_param_names": None, "extra": {}}
+    payload = _ckpt.checkpoint_payload(dict(sorted(every.items())), layers)
     records = {"format": FORMAT, "version": VERSION,
                "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-               "layers": layers, "aliases": aliases, "checksum": _ckpt._checksum(payload)}
+               "layers": layers, "aliases": aliases, "checksum": payload["checksum"]}
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):  # a HuggingFace model
         config.save_pretrained(directory)
@@ -172,12 +171,9 @@ def from_pretrained(directory: PathLike, model_or_class: nn.Module | type) -> nn
         raise CheckpointError(f"{directory / WEIGHTS} cannot be read ({type(exc).__name__}: "
                               f"{exc}); the folder is damaged.") from exc
     tensors.update({alias: tensors[name] for alias, name in records["aliases"].items()})
-    payload = {"format": _ckpt.FORMAT, "version": _ckpt.VERSION,
-               "model": dict(sorted(tensors.items())),
-               "layers": records["layers"], "optimizer": None, "optimizer_class": None,
-               "optimizer_param_names": None, "extra": {}}
-    payload["checksum"] = records["checksum"]
-    _ckpt._read(payload)  # checks the checksum before the model is changed
+    payload = _ckpt.checkpoint_payload(dict(sorted(tensors.items())), records["layers"])
+    payload["checksum"] = records["checksum"]  # the stored one: read_checkpoint verifies it
+    _ckpt.read_checkpoint(payload)  # before the model is changed
     _convert_like_(model, records["layers"])
     _ckpt.load_checkpoint(payload, model)
     return model
