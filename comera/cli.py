@@ -22,7 +22,7 @@ from typing import Any
 from comera.errors import ComeraError
 
 EXIT_USAGE = 2
-MODELS = ("transformer", "dlrm", "mlm")
+MODELS = ("transformer", "transformer-code", "dlrm", "mlm")
 log = logging.getLogger("comera.cli")
 
 

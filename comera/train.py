@@ -257,7 +257,8 @@ class CoMERATrainer(_Stepper):
                 if missing <= 0:
                     continue
                 lost = (old.abs() > layer.tau) & ~alive
-                order = sorted(lost.nonzero().flatten().tolist(), key=lambda i: -float(old[i].abs()))
+                order = sorted(lost.nonzero().flatten().tolist(),
+                               key=lambda i, old=old: -float(old[i].abs()))
                 back = order[:missing]
                 for i in back:
                     gate[i] = old[i]
