@@ -143,7 +143,11 @@ def _cmd_train(args, argv: list[str]) -> int:
     bad = [v for v in variants if v not in ("dense", "comera")]
     if bad or not variants:
         raise ComeraError(f"--variants {args.variants!r}: choose from dense,comera.")
-    task = exp.make_task(args.quick)
+    if args.init_from and not exp.init_from:
+        raise ComeraError(f"--init-from: the {exp.name} experiment cannot start from a "
+                          "checkpoint; it works for transformer and transformer-code.")
+    task = (exp.make_task(args.quick, init_from=args.init_from) if args.init_from
+            else exp.make_task(args.quick))
     show = world.is_main and not args.no_progress and sys.stdout.isatty() \
         and not os.environ.get("COMERA_NO_PROGRESS")
     with _Bars(show) as bars:
@@ -260,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints")
     p.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
                    help="a NaN/inf loss or gradient: stop (keep the last checkpoint) or skip")
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start the classifier's encoder from a `comera train mlm` checkpoint "
+                        "(transformer, transformer-code)")
     p.add_argument("--nproc", type=int, default=1, help="data-parallel worker processes")
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no bars")
     p.set_defaults(run=_cmd_train)

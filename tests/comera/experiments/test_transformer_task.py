@@ -105,3 +105,13 @@ def test_init_from_refuses_a_checkpoint_of_another_task(tmp_path):
         read_pretrained(tmp_path / "checkpoints" / "dense.pt")
     with pytest.raises(comera.CheckpointError, match="no such file"):
         read_pretrained(tmp_path / "nothing.pt")
+
+
+def test_cli_init_from_errors_exit_2_in_one_line(tmp_path, capsys):
+    from comera.cli import main
+
+    code = main(["train", "dlrm", "--quick", "--init-from", str(tmp_path / "x.pt"),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot start from a checkpoint" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
