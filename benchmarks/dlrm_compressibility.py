@@ -7,9 +7,10 @@ The quick DLRM run's label is a logistic function of a hidden vector per (table,
 the id, independent from id to id (:meth:`comera.data.SyntheticCriteo.hidden_vectors`). The best
 any embedding table can do is represent that (rows x h) table. This script takes it for every TT
 table of the quick run, rounds it to a TT-matrix with the same row modes as the model's table at
-several ranks (TT-SVD, the best-known rounding), and reports the relative error, plain and
-weighted by how often the training data looks each id up, and with the ``C`` most frequent ids
-exact (a hot-row cache). Results: ``benchmarks/results/dlrm_compressibility/compressibility.{json,md}``.
+several ranks (TT-SVD: within sqrt(d - 1) of the best error at those ranks), and reports the
+relative error, plain and weighted by how often the training data looks each id up, and with the
+``C`` most frequent ids exact (a hot-row cache). Results:
+``benchmarks/results/dlrm_compressibility/compressibility.{json,md}``.
 """
 
 from __future__ import annotations
