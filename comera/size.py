@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from comera.cached_embedding import CachedTTEmbedding
 from comera.layers import GatedTrain
 
 
@@ -28,15 +29,11 @@ def tt_modules(model: nn.Module) -> Iterator[tuple[str, GatedTrain]]:
 
 def _caches(model: nn.Module) -> dict[int, int]:
     """id(TT table) -> parameters of its hot-row cache."""
-    from comera.cached_embedding import CachedTTEmbedding
-
     return {id(m.tt): m.cache.numel() for m in model.modules()
             if isinstance(m, CachedTTEmbedding)}
 
 
 def _non_tt_parameters(model: nn.Module) -> int:
-    from comera.cached_embedding import CachedTTEmbedding
-
     inside = {id(p) for _, m in tt_modules(model) for p in m.parameters()}
     inside |= {id(m.cache) for m in model.modules() if isinstance(m, CachedTTEmbedding)}
     return sum(p.numel() for p in model.parameters() if id(p) not in inside)
