@@ -74,6 +74,8 @@ def run(args) -> dict:
     task = SmallReviews(ReviewsTaskConfig(max_len=args.max_len))
     result = {"task": "reviews (title, review) -> recommended", "data": task.describe(),
               "settings": vars(args) | {"out": str(args.out)}, "rows": []}
+    if args.append and (args.out / "frontier.json").is_file():
+        result["rows"] = json.loads((args.out / "frontier.json").read_text())["rows"]
     lr = {"cores": args.lr, "gates": args.lr_gates, "other": args.lr}
 
     def save():
@@ -191,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows already in the results file (more seeds)")
     p.add_argument("--summarise-only", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

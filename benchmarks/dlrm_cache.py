@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--target-compression", type=float, default=99.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows already in the results file (more seeds)")
     p.add_argument("--runs", type=Path, default=Path("runs/dlrm_cache"),
                    help="checkpoints (large; not results)")
     args = p.parse_args(argv)
@@ -68,6 +70,9 @@ def main(argv=None) -> int:
     result = {"settings": {"cache_rows": args.cache_rows, "seeds": args.seeds,
                            "target_compression": args.target_compression,
                            "engine": engine.__dict__}, "rows": []}
+    if args.append and (args.out / "dlrm_cache.json").is_file():
+        result["rows"] = json.loads((args.out / "dlrm_cache.json").read_text())["rows"]
+        result["settings"]["seeds"] = sorted({r["seed"] for r in result["rows"]} | set(args.seeds))
     variants = (("dense", plain, False), ("tt", plain, True), ("tt+cache", cached, True))
     for seed in args.seeds:
         config = replace(engine, seed=seed)
