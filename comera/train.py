@@ -234,7 +234,7 @@ class CoMERATrainer(_Stepper):
                 self._clear_moments_(prune_to_(self.model, scheduled, self.min_rank, lower))
         self.steps += 1
         size = model_size(self.model)
-        if late and size > self.late.target_size:
+        if late and (size > self.late.target_size or self._late_note.startswith("below")):
             note = self._late_note
         return StepStats(float(loss.detach()), float(total.detach()), self.stage, which,
                          size, dense_size(self.model) / max(size, 1), scheduled, note)
@@ -320,6 +320,10 @@ class CoMERATrainer(_Stepper):
         """Why the late stage may not reach S* (empty when it will): said up front and in the
         step stats, never silently."""
         floor = floor_size(self.model, self.min_rank)
+        if size < 0.95 * late.target_size:
+            return (f"below: the stage starts at {size:.0f} parameters, under the target "
+                    f"{late.target_size:.0f} (the early stage pruned past it, and ranks are not "
+                    "grown back); lower lam or the early steps to land on the target")
         if floor > late.target_size:
             return (f"unreachable: the target {late.target_size:.0f} parameters is below the "
                     f"min_rank={self.min_rank} floor of {floor} (lower min_rank or raise the "

@@ -83,6 +83,17 @@ def test_an_unreachable_target_is_said_up_front_and_the_floor_holds(caplog):
     assert all(m.ranks == (1, 2, 2, 2, 2, 2, 2, 2, 1) for m in student)
 
 
+def test_a_stage_that_starts_below_its_target_says_so(caplog):
+    """The early stage may prune past the late stage's target; ranks are not grown back, so
+    the late stage cannot land: it says so when it starts and in every step's note."""
+    teacher, student = _student_and_data()
+    trainer = CoMERATrainer(student)
+    with caplog.at_level(logging.WARNING, logger="comera.train"):
+        trainer.start_late_stage(LateStage(2 * comera.model_size(student), steps=5))
+    assert "below: the stage starts at" in caplog.text
+    assert all(s.note.startswith("below") for s in _train(trainer, student, teacher, 2))
+
+
 def test_late_stage_budget_survives_a_checkpoint_round_trip():
     teacher, student = _student_and_data()
     trainer = CoMERATrainer(student)
