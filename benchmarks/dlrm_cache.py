@@ -33,20 +33,23 @@ OUT = ROOT / "benchmarks" / "results" / "dlrm_cache"
 
 def summarise(result: dict) -> str:
     lines = [f"DLRM quick (synthetic Criteo, tables capped at 20,000 rows), target "
-             f"{result['settings']['target_compression']:g}x on the TT tables (cache counted), "
-             f"cache {result['settings']['cache_rows']} rows per TT table.", "",
-             "| variant | seeds | test AUC (mean ± sd) | TT-table compression | table params |",
-             "|---|---|---|---|---|"]
+             f"{result['settings']['target_compression']:g}x on the TT tables (cache counted); "
+             "tt+cacheC: C hot rows per TT table.", "",
+             "| variant | seeds | test AUC (mean ± sd) | vs dense | TT-table compression per seed "
+             "| table params (mean) |", "|---|---|---|---|---|---|"]
     groups: dict = {}
     for row in result["rows"]:
         groups.setdefault(row["variant"], []).append(row)
+    dense = [r["test"]["auc"] for r in groups.get("dense", [])]
     for name, rows in groups.items():
         auc = [r["test"]["auc"] for r in rows]
         sd = statistics.stdev(auc) if len(auc) > 1 else float("nan")
-        comp = [r["sizes"].get("embedding_compression", 1.0) for r in rows]
+        gap = (f"{100 * (statistics.fmean(auc) - statistics.fmean(dense)):+.2f} pts"
+               if dense else "-")
+        comp = ", ".join(f"{r['sizes'].get('embedding_compression', 1.0):.1f}x" for r in rows)
         params = [r["table_params"] for r in rows]
-        lines.append(f"| {name} | {len(rows)} | {statistics.fmean(auc):.4f} ± {sd:.4f} | "
-                     f"{statistics.fmean(comp):.1f}x | {statistics.fmean(params):,.0f} |")
+        lines.append(f"| {name} | {len(rows)} | {statistics.fmean(auc):.4f} ± {sd:.4f} | {gap} | "
+                     f"{comp} | {statistics.fmean(params):,.0f} |")
     return "\n".join(lines)
 
 
@@ -56,6 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--cache-rows", type=int, default=64)
     p.add_argument("--target-compression", type=float, default=99.0)
+    p.add_argument("--variants", nargs="+", default=["dense", "tt", "tt+cache"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--append", action="store_true",
@@ -73,7 +77,9 @@ def main(argv=None) -> int:
     if args.append and (args.out / "dlrm_cache.json").is_file():
         result["rows"] = json.loads((args.out / "dlrm_cache.json").read_text())["rows"]
         result["settings"]["seeds"] = sorted({r["seed"] for r in result["rows"]} | set(args.seeds))
-    variants = (("dense", plain, False), ("tt", plain, True), ("tt+cache", cached, True))
+    variants = [(f"tt+cache{args.cache_rows}" if name == "tt+cache" else name, task, tt)
+                for name, task, tt in (("dense", plain, False), ("tt", plain, True),
+                                       ("tt+cache", cached, True)) if name in args.variants]
     for seed in args.seeds:
         config = replace(engine, seed=seed)
         for name, task, tt in variants:
