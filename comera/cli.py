@@ -26,7 +26,7 @@ from typing import Any
 from comera.errors import ComeraError, ConfigError
 
 EXIT_USAGE = 2
-MODELS = ("transformer", "dlrm", "mlm")
+MODELS = ("transformer", "transformer-code", "dlrm", "mlm")
 log = logging.getLogger("comera.cli")
 
 
@@ -166,6 +166,9 @@ def _cmd_train(args, argv: list[str]) -> int:
     variants = tuple(v for v in args.variants.split(",") if v)
     if not variants or any(v not in ("dense", "comera") for v in variants):
         raise ComeraError(f"--variants {args.variants!r}: choose from dense,comera.")
+    if args.init_from and not exp.init_from:
+        raise ComeraError(f"--init-from: the {exp.name} experiment cannot start from a "
+                          "checkpoint; it works for transformer and transformer-code.")
     if "WORLD_SIZE" not in os.environ:  # not a launched worker: check before launching any
         try:
             check_experiment(config, out, variants, args.resume, args.nproc)
@@ -174,7 +177,8 @@ def _cmd_train(args, argv: list[str]) -> int:
         if args.nproc > 1:
             return _launch_workers(args, argv)
     world = init_from_env(config.device)
-    task = exp.make_task(args.quick)
+    task = (exp.make_task(args.quick, init_from=args.init_from) if args.init_from
+            else exp.make_task(args.quick))
     show = world.is_main and not args.no_progress and sys.stdout.isatty() \
         and not os.environ.get("COMERA_NO_PROGRESS")
     with _Bars(show) as bars:
@@ -434,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="forward under torch.autocast: bf16, or fp16 (CUDA, with a GradScaler)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start the classifier's encoder from a `comera train mlm` checkpoint "
+                        "(transformer, transformer-code)")
     p.add_argument("--nproc", type=int, default=1, help="data-parallel worker processes")
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no bars")
     p.set_defaults(run=_cmd_train)

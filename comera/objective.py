@@ -8,6 +8,15 @@ loss gap ``(L - L*) / L`` with the relative size gap ``(S - S*) / S`` and weight
 objective is further from its target (a tie goes to the loss): the loss, or a differentiable
 size surrogate (the size formula with each rank replaced by the l1 norm of its gate). Once
 S <= S*, only the loss is minimised: shrinking stops at the target.
+
+A step budget (``LateStage(..., steps=N)``) makes landing a promise instead of a hope: Adam moves
+a gate by about its learning rate per step, so at lr 1e-3 carrying a gate from 1 to tau takes
+~1,000 steps, and the loss/size choice alone may change nothing in 300. With a budget, the size
+follows a geometric schedule from the stage's starting size S0 to S* over the first ``landing``
+fraction of the budget (:meth:`LateStage.scheduled_size`); whenever the model is above the
+schedule after a step, :func:`prune_to_` removes the least salient rank slices (smallest
+``|gate| * |left slice| * |right slice|`` per parameter saved) until it is not. The rest of the
+budget trains at S*. Each slice is removed alone, so the size ends at most one slice below S*.
 """
 
 from __future__ import annotations
@@ -72,27 +81,51 @@ def soft_size(model: nn.Module) -> Tensor:
 
 @dataclass(frozen=True)
 class LateStage:
-    """Targets of the late stage: ``target_size`` S* in parameters, ``target_loss`` L*."""
+    """Targets of the late stage: ``target_size`` S* in parameters, ``target_loss`` L*.
+
+    ``steps``: the step budget. With it the trainer lands on S* (within one rank slice) after
+    ``landing * steps`` steps, whatever the learning rates (see the module docstring). Without
+    it (None) only the loss/size objective moves the gates, at the optimizer's pace: the trainer
+    then warns when it starts and reports ``behind`` in every step's stats while above S*.
+    """
 
     target_size: float
     target_loss: float = 0.0
     size_weight: float = 1.0
+    steps: int | None = None
+    landing: float = 0.75
 
     def __post_init__(self) -> None:
         if not self.target_size > 0:
             raise ConfigError(f"target_size={self.target_size}; it must be > 0 parameters.")
         if self.target_loss < 0:
             raise ConfigError(f"target_loss={self.target_loss}; a loss target is >= 0.")
+        if self.steps is not None and (isinstance(self.steps, bool) or self.steps < 1):
+            raise ConfigError(f"steps={self.steps!r}; the late stage's step budget is an int "
+                              ">= 1 (or None: no schedule).")
+        if not 0 < self.landing <= 1:
+            raise ConfigError(f"landing={self.landing}; the fraction of the budget spent "
+                              "shrinking is in (0, 1].")
 
     @classmethod
     def from_ratio(cls, model: nn.Module, ratio: float, target_loss: float = 0.0,
-                   size_weight: float = 1.0, dense_reference: int | None = None) -> LateStage:
+                   size_weight: float = 1.0, dense_reference: int | None = None,
+                   steps: int | None = None, landing: float = 0.75) -> LateStage:
         """S* = reference / ratio: ``dense_reference`` (a compression ratio) or, by default,
         the model's effective size now (shrink by ``ratio`` from the start of the stage)."""
         if not ratio > 1:
             raise ConfigError(f"target compression {ratio}; it must be > 1 (a ratio of sizes).")
         reference = dense_reference if dense_reference is not None else model_size(model)
-        return cls(reference / ratio, target_loss, size_weight)
+        return cls(reference / ratio, target_loss, size_weight, steps, landing)
+
+    def scheduled_size(self, start_size: float, step: int) -> float:
+        """The size to be at after ``step`` steps of the stage (0-based; S* without a budget):
+        geometric from ``start_size`` to S* over ``landing * steps`` steps, then S*."""
+        if self.steps is None or start_size <= self.target_size:
+            return self.target_size
+        span = max(1, math.floor(self.landing * self.steps))
+        t = min(1.0, (step + 1) / span)
+        return start_size * (self.target_size / start_size) ** t
 
     def choose(self, loss: float, size: float) -> str:
         """'loss' or 'size': which objective this step weights (see the module docstring)."""
@@ -116,3 +149,107 @@ class LateStage:
             return loss, which
         reference = size_reference if size_reference is not None else max(size, 1)
         return loss + self.size_weight * soft_size(model) / reference, which
+
+
+def floor_size(model: nn.Module, min_rank: int) -> int:
+    """The smallest size pruning may reach: every bond at ``min(min_rank, its rank now)``."""
+    total = 0
+    for _, layer in tt_modules(model):
+        if layer.is_removed():
+            total += layer.num_parameters()
+            continue
+        ranks = [min(min_rank, r) for r in layer.ranks]
+        ranks[0] = ranks[-1] = 1
+        total += sum(ranks[k] * math.prod(c.shape[1:-1]) * ranks[k + 1]
+                     for k, c in enumerate(layer.cores))
+        total += layer.bias.numel() if layer.bias is not None else 0
+    return total + model_size(model) - sum(m.num_parameters() for _, m in tt_modules(model))
+
+
+def _saliency(layer, k: int) -> Tensor:
+    """Per entry of gate k: ``|d_i| * |G_k[..., i]| * |G_{k+1}[i, ...]|`` (detached)."""
+    left = layer.cores[k].detach()
+    right = layer.cores[k + 1].detach()
+    left_norm = left.reshape(-1, left.shape[-1]).norm(dim=0)  # (r_k,)
+    right_norm = right.reshape(right.shape[0], -1).norm(dim=1)  # (r_k,)
+    return layer.gates[k].detach().abs() * left_norm * right_norm
+
+
+def prune_to_(model: nn.Module, size_limit: float, min_rank: int = 1,
+              lower: float | None = None) -> list[tuple[Tensor, int]]:
+    """Zero the least salient live gate entries, one rank slice at a time, until
+    ``model_size(model) <= size_limit`` or every bond is at ``min_rank``.
+
+    The order is saliency (see :func:`_saliency`) per parameter the slice costs, over all TT
+    layers at once. ``lower``: a first pass skips a slice whose removal would take the size
+    below it (a cheaper, less precise slice is taken instead); only if that pass cannot reach
+    the limit does a second pass take slices in plain order. Returns the (gate, index) pairs it
+    zeroed; the caller clears their optimizer moments.
+    """
+    pruned = _prune_pass_(model, size_limit, min_rank, lower)
+    if lower is not None and model_size(model) > size_limit:
+        pruned += _prune_pass_(model, size_limit, min_rank, -math.inf)
+    return pruned
+
+
+def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int,
+                 lower: float | None) -> list[tuple[Tensor, int]]:
+    size = model_size(model)
+    if size <= size_limit:
+        return []
+    layers = [m for _, m in tt_modules(model) if not m.is_removed()]
+    candidates = []
+    for layer in layers:
+        ranks = layer.ranks
+        for k, gate in enumerate(layer.gates):
+            alive = gate.detach().abs() > layer.tau
+            inner_left = math.prod(layer.cores[k].shape[1:-1])
+            inner_right = math.prod(layer.cores[k + 1].shape[1:-1])
+            cost = inner_left * ranks[k] + inner_right * ranks[k + 2]
+            score = _saliency(layer, k) / max(cost, 1)
+            for i in alive.nonzero().flatten().tolist():
+                candidates.append((float(score[i]), id(gate), i, layer, gate))
+    candidates.sort(key=lambda c: (c[0], c[1], c[2]))
+    pruned = []
+    with torch.no_grad():
+        for _, _, i, layer, gate in candidates:
+            if size <= size_limit:
+                break
+            if int((gate.detach().abs() > layer.tau).sum()) <= min_rank:
+                continue
+            before = layer.num_parameters()
+            value = float(gate[i])
+            gate[i] = 0.0
+            change = layer.num_parameters() - before
+            if lower is not None and size + change < lower:
+                gate[i] = value  # too coarse a step this close to the limit
+                continue
+            if lower == -math.inf and size + change <= size_limit:
+                gate[i] = value  # the last slice: take the one landing closest below the limit
+                return pruned + _closest_landing_(candidates, size, size_limit, min_rank)
+            size += change
+            pruned.append((gate, i))
+    return pruned
+
+
+def _closest_landing_(candidates, size: float, size_limit: float,
+                      min_rank: int) -> list[tuple[Tensor, int]]:
+    """Zero the one live entry whose removal leaves the largest size at or below the limit."""
+    best = None
+    with torch.no_grad():
+        for _, _, i, layer, gate in candidates:
+            if not float(gate[i].abs()) > layer.tau:
+                continue
+            if int((gate.detach().abs() > layer.tau).sum()) <= min_rank:
+                continue
+            before = layer.num_parameters()
+            value = float(gate[i])
+            gate[i] = 0.0
+            after = size + layer.num_parameters() - before
+            gate[i] = value
+            if after <= size_limit and (best is None or after > best[0]):
+                best = (after, gate, i)
+        if best is None:
+            return []
+        best[1][best[2]] = 0.0
+    return [(best[1], best[2])]

@@ -4,8 +4,9 @@
     trainer = comera.CoMERATrainer(model, opt)         # early stage: L + lam * R
     for batch in data:
         stats = trainer.step(loss_fn(model, batch))    # backward + optimizer step
-    trainer.start_late_stage(comera.LateStage.from_ratio(model, 3.0, target_loss=0.3))
-    ...                                                # late stage: loss or size, each step
+    trainer.start_late_stage(comera.LateStage.from_ratio(model, 3.0, target_loss=0.3,
+                                                         steps=300))
+    ...                                                # late stage: lands on S* in 300 steps
 
 The stage boundary truncates the pruned ranks physically (``truncate_``), which also slices the
 optimizer state; the compiled plans re-plan for the new shapes on the next forward.
@@ -13,6 +14,7 @@ optimizer state; the compiled plans re-plan for the new shapes on the next forwa
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteGradientError, NonFiniteLossError
-from comera.objective import REGULARIZERS, LateStage, rank_regularizer
+from comera.objective import REGULARIZERS, LateStage, floor_size, prune_to_, rank_regularizer
 from comera.size import dense_size, model_size, tt_modules
 from comera.truncate import TruncationReport, truncate_
+
+log = logging.getLogger("comera.train")
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,9 @@ def make_optimizer(model: nn.Module, config: OptimizerConfig = OptimizerConfig()
 class StepStats:
     """What one trainer step did: the loss, the objective it minimised, the stage, which term
     was weighted, and the model's size (parameters at the effective ranks) and compression
-    (dense size / size) after the step."""
+    (dense size / size) after the step. Late stage: ``scheduled_size`` is the size the step
+    budget asks for after this step (S* without a budget), and ``note`` says, while the size is
+    above it, why ("no step budget ...", "unreachable ...")."""
 
     loss: float
     objective: float
@@ -72,6 +78,8 @@ class StepStats:
     weighted: str  # "loss+rank" (early), "loss" / "size" (late), "loss" (dense)
     size: int
     compression: float
+    scheduled_size: float | None = None
+    note: str = ""
 
 
 GradHook = Callable[[nn.Module], None]
@@ -171,11 +179,19 @@ class CoMERATrainer(_Stepper):
     data-parallel gradient average goes there). ``step`` raises :class:`NonFiniteLossError` /
     :class:`NonFiniteGradientError` without touching parameters or optimizer state, so a caller
     may skip the batch or stop.
+
+    ``min_rank`` (default 1) is a floor on every bond of every TT layer, in both stages: a step
+    that would leave a gate with fewer than ``min_rank`` entries above tau keeps the largest of
+    the entries it pruned at their previous values, and the late stage's schedule never prunes
+    below it. So no layer is pruned to nothing (a TT token table at rank 0 would map every token
+    to the same vector). ``min_rank=0`` allows removing a layer entirely (its weight is then
+    exactly zero). A late-stage target below the floor's size is reported when the stage starts
+    and in every step's ``note``.
     """
 
     def __init__(self, model: nn.Module, optimizer=None, lam: float = 0.01,
                  regularizer: str = "l1", max_grad_norm: float | None = None,
-                 grad_hook: GradHook | None = None):
+                 grad_hook: GradHook | None = None, min_rank: int = 1):
         if not any(True for _ in tt_modules(model)):
             raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
         if not (lam >= 0 and math.isfinite(lam)):
@@ -183,6 +199,10 @@ class CoMERATrainer(_Stepper):
         if regularizer not in REGULARIZERS:
             raise ConfigError(f"regularizer {regularizer!r}; choose one of "
                               f"{', '.join(REGULARIZERS)}.")
+        if isinstance(min_rank, bool) or not isinstance(min_rank, int) or min_rank < 0:
+            raise ConfigError(f"min_rank={min_rank!r}; the rank floor is an int >= 0 (default 1; "
+                              "0 lets a layer be pruned away).")
+        self.min_rank = min_rank
         self.model = model
         self.optimizer = optimizer if optimizer is not None else make_optimizer(model)
         self.lam = lam
@@ -192,6 +212,8 @@ class CoMERATrainer(_Stepper):
         self.stage = "early"
         self.late: LateStage | None = None
         self._size_reference: float | None = None
+        self._late_start: tuple[int, float] | None = None  # (trainer step, size) at the start
+        self._late_note = ""
         self.steps = 0
 
     def objective(self, loss: Tensor, decision_loss: float | None = None) -> tuple[Tensor, str]:
@@ -211,15 +233,49 @@ class CoMERATrainer(_Stepper):
         pruned = [(g, ~m) for layer in layers
                   for g, m in zip(layer.gates, layer.gate_masks(), strict=True)]
         late = self.stage == "late"
-        before = [g.detach().clone() for layer in layers for g in layer.gates] if late else []
+        before = [g.detach().clone() for layer in layers for g in layer.gates]  # tiny vectors
         self._apply(total)
         self._keep_pruned_(pruned)
+        self._hold_floor_([(layer, g) for layer in layers for g in layer.gates], before)
+        scheduled, note = None, ""
         if late:
             self._hold_size_target_(layers, before)
+            scheduled = self.late.scheduled_size(self._late_start[1],
+                                                 self.steps - self._late_start[0])
+            if self.late.steps is not None:  # the budget's schedule; else the optimizer's pace
+                lower = scheduled - 0.05 * self.late.target_size  # land within 5% of S*
+                self._clear_moments_(prune_to_(self.model, scheduled, self.min_rank, lower))
         self.steps += 1
         size = model_size(self.model)
+        if late and (size > self.late.target_size or self._late_note.startswith("below")):
+            note = self._late_note
         return StepStats(float(loss.detach()), float(total.detach()), self.stage, which,
-                         size, dense_size(self.model) / max(size, 1))
+                         size, dense_size(self.model) / max(size, 1), scheduled, note)
+
+    def _clear_moments_(self, entries) -> None:
+        """Zero the optimizer's per-entry state (Adam's moments) at (gate, index) pairs."""
+        with torch.no_grad():
+            for gate, i in entries:
+                for moment in self.optimizer.state.get(gate, {}).values():
+                    if isinstance(moment, Tensor) and moment.shape == gate.shape:
+                        moment[i] = 0.0
+
+    def _hold_floor_(self, gates, before: list[Tensor]) -> None:
+        """The ``min_rank`` floor: a gate left with fewer than ``min_rank`` live entries by this
+        step gets its largest just-pruned entries back at their previous values."""
+        with torch.no_grad():
+            for (layer, gate), old in zip(gates, before, strict=True):
+                alive = gate.detach().abs() > layer.tau
+                missing = self.min_rank - int(alive.sum())
+                if missing <= 0:
+                    continue
+                lost = (old.abs() > layer.tau) & ~alive
+                order = sorted(lost.nonzero().flatten().tolist(),
+                               key=lambda i, old=old: -float(old[i].abs()))
+                back = order[:missing]
+                for i in back:
+                    gate[i] = old[i]
+                self._clear_moments_([(gate, i) for i in back])
 
     def _keep_pruned_(self, pruned) -> None:
         """A pruned gate gets no gradient, but Adam's momentum would carry it back past tau:
@@ -265,8 +321,35 @@ class CoMERATrainer(_Stepper):
         report = self.truncate() if truncate else None
         self.stage = "late"
         self.late = late
-        self._size_reference = float(model_size(self.model))
+        size = float(model_size(self.model))
+        self._size_reference = size
+        self._late_start = (self.steps, size)
+        self._late_note = self._plan_note(late, size)
+        if self._late_note:
+            log.warning("late stage: %s", self._late_note)
         return report
+
+    def _plan_note(self, late: LateStage, size: float) -> str:
+        """Why the late stage may not reach S* (empty when it will): said up front and in the
+        step stats, never silently."""
+        floor = floor_size(self.model, self.min_rank)
+        if size < 0.95 * late.target_size:
+            return (f"below: the stage starts at {size:.0f} parameters, under the target "
+                    f"{late.target_size:.0f} (the early stage pruned past it, and ranks are not "
+                    "grown back); lower lam or the early steps to land on the target")
+        if floor > late.target_size:
+            return (f"unreachable: the target {late.target_size:.0f} parameters is below the "
+                    f"min_rank={self.min_rank} floor of {floor} (lower min_rank or raise the "
+                    "target)")
+        if late.steps is None and size > late.target_size:
+            lrs = [g["lr"] for g in self.optimizer.param_groups if g.get("name") == "gates"]
+            lr = lrs[0] if lrs else float("nan")
+            tau = max((m.tau for _, m in tt_modules(self.model)), default=0.0)
+            need = math.ceil((1.0 - tau) / lr) if lr > 0 else "many"
+            return (f"no step budget: the size moves only as fast as the gates' learning rate "
+                    f"(lr {lr:g}: ~{need} steps to carry a gate from 1 to tau); give LateStage "
+                    "steps=N to land on the target in N steps")
+        return ""
 
     def truncate(self) -> TruncationReport:
         """Remove pruned ranks now (model and optimizer state)."""
@@ -276,9 +359,12 @@ class CoMERATrainer(_Stepper):
         """Plain data for a checkpoint's ``extra``: stage, step count, late-stage targets."""
         late = None if self.late is None else {
             "target_size": self.late.target_size, "target_loss": self.late.target_loss,
-            "size_weight": self.late.size_weight}
+            "size_weight": self.late.size_weight, "steps": self.late.steps,
+            "landing": self.late.landing}
         return {"stage": self.stage, "steps": self.steps, "late": late,
-                "size_reference": self._size_reference, "lam": self.lam}
+                "size_reference": self._size_reference, "lam": self.lam,
+                "late_start": None if self._late_start is None else list(self._late_start),
+                "late_note": self._late_note, "min_rank": self.min_rank}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore stage, step count, late-stage targets and ``lam`` from :meth:`state_dict`'s data
@@ -291,3 +377,9 @@ class CoMERATrainer(_Stepper):
         self.late = None if state["late"] is None else LateStage(**state["late"])
         self._size_reference = state["size_reference"]
         self.lam = float(state.get("lam", self.lam))
+        start = state.get("late_start")
+        if start is None and self.late is not None:  # saved before step budgets existed
+            start = (self.steps, self._size_reference or 0.0)
+        self._late_start = None if start is None else (int(start[0]), float(start[1]))
+        self._late_note = str(state.get("late_note", ""))
+        self.min_rank = int(state.get("min_rank", self.min_rank))

@@ -79,6 +79,7 @@ class DLRMTaskConfig:
     tt_min_rows: int = 1_000  # smaller tables stay nn.Embedding in the TT model
     tt_d: int = 3
     tau: float = 1e-2
+    tt_cache_rows: int = 0  # TT-Rec hot-row cache per TT table (chosen from the training ids)
     zipf_exponent: float = 1.05
     data_seed: int = 0
     tsv_path: str | None = None  # a real Criteo file instead of the synthetic data
@@ -119,7 +120,8 @@ class DLRMTaskConfig:
         return DLRMConfig(cardinalities=self.cardinalities, embedding_dim=self.embedding_dim,
                           bottom_mlp=self.bottom_mlp, top_mlp=self.top_mlp,
                           max_rows=self.max_rows, tt=tt, tt_ranks=self.tt_ranks,
-                          tt_min_rows=self.tt_min_rows, tt_d=self.tt_d, tau=self.tau)
+                          tt_min_rows=self.tt_min_rows, tt_d=self.tt_d, tau=self.tau,
+                          tt_cache_rows=self.tt_cache_rows)
 
 
 class DLRMTask(Task):
@@ -153,7 +155,12 @@ class DLRMTask(Task):
 
     # -- the Task protocol ----------------------------------------------------------------------
     def build_model(self, tt: bool) -> nn.Module:
-        return DLRM(self.cfg.model_config(tt))
+        model = DLRM(self.cfg.model_config(tt))
+        if tt and self.cfg.tt_cache_rows:
+            shares = model.choose_hot_rows_(self.data.train.sparse)
+            log.info("hot-row caches of %d rows answer %s%% of the training lookups per table",
+                     self.cfg.tt_cache_rows, shares)
+        return model
 
     def train_size(self) -> int:
         return len(self.data.train)

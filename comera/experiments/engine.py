@@ -284,7 +284,9 @@ class _Run:
             dense_reference=comera.dense_size(self.model, only=comera.GatedTrain),
         )
         # the target counts TT layers only; the model size the controller sees includes the rest
-        late = comera.LateStage(target.target_size + self._non_tt_params(), self._loss_target())
+        # the step budget makes the stage land on the target by its end, whatever lr_gates is
+        late = comera.LateStage(target.target_size + self._non_tt_params(), self._loss_target(),
+                                steps=max(1, self.config.steps_late))
         report = self.trainer.start_late_stage(late)
         log.info("%s: late stage from step %d, target %.0f parameters; %s", self.name,
                  self.step, late.target_size, report)

@@ -7,7 +7,7 @@ are the paper-scale runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from comera import ConfigError
 from comera.experiments.engine import EngineConfig
@@ -18,18 +18,27 @@ from comera.experiments.task import Task
 class Experiment:
     name: str
     description: str
-    make_task: Callable[[bool], Task]  # quick -> task
+    make_task: Callable[..., Task]  # (quick, init_from=None) -> task
     quick: EngineConfig
     full: EngineConfig
+    init_from: bool = False  # whether the task can start from a `comera train mlm` checkpoint
 
     def engine(self, quick: bool) -> EngineConfig:
         return self.quick if quick else self.full
 
 
-def _transformer(quick: bool) -> Task:
-    from comera.experiments.pair_task import PairTask, PairTaskConfig
+def _transformer(quick: bool, init_from: str | None = None) -> Task:
+    from comera.experiments.transformer_task import ReviewsTask, ReviewsTaskConfig
 
-    return PairTask(PairTaskConfig() if quick else PairTaskConfig.full())
+    config = ReviewsTaskConfig() if quick else ReviewsTaskConfig.full()
+    return ReviewsTask(replace(config, init_from=init_from))
+
+
+def _transformer_code(quick: bool, init_from: str | None = None) -> Task:
+    from comera.experiments.pair_task import CodePairTask, CodePairTaskConfig
+
+    config = CodePairTaskConfig() if quick else CodePairTaskConfig.full()
+    return CodePairTask(replace(config, init_from=init_from))
 
 
 def _dlrm(quick: bool) -> Task:
@@ -46,13 +55,24 @@ def _mlm(quick: bool) -> Task:
 
 EXPERIMENTS: dict[str, Experiment] = {
     "transformer": Experiment(
-        "transformer", "six-encoder transformer on the stdlib docstring/code pair task",
-        _transformer,
+        "transformer", "six-encoder transformer on (title, review) -> recommended, Women's "
+        "E-Commerce Clothing Reviews", _transformer,
         quick=EngineConfig(steps_early=400, steps_late=200, batch_size=32, lr=1e-3, warmup=100,
                            lam=0.05, target_compression=150.0, eval_every=100),
         full=EngineConfig(steps_early=6000, steps_late=3000, batch_size=32, lr=3e-4,
                           warmup=500, lam=0.05, target_compression=150.0, eval_every=500,
                           checkpoint_every=1000),
+        init_from=True,
+    ),
+    "transformer-code": Experiment(
+        "transformer-code", "six-encoder transformer on the stdlib docstring/code pair task",
+        _transformer_code,
+        quick=EngineConfig(steps_early=400, steps_late=200, batch_size=32, lr=1e-3, warmup=100,
+                           lam=0.05, target_compression=150.0, eval_every=100),
+        full=EngineConfig(steps_early=6000, steps_late=3000, batch_size=32, lr=3e-4,
+                          warmup=500, lam=0.05, target_compression=150.0, eval_every=500,
+                          checkpoint_every=1000),
+        init_from=True,
     ),
     "dlrm": Experiment(
         "dlrm", "DLRM on synthetic Criteo-shaped click data (TT embedding tables)", _dlrm,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from comera.cached_embedding import CachedTTEmbedding
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, CRITEO_NUM_DENSE
 from comera.embedding import TTEmbedding
 from comera.errors import ConfigError, LookupIndexError
@@ -70,6 +71,9 @@ class DLRMConfig:
     tt_min_rows: int = 10_000  # smaller tables stay nn.Embedding when tt=True
     tt_d: int = 3  # number of TT-matrix cores per table
     tau: float = DEFAULT_TAU
+    # TT-Rec hot-row cache: dense rows for this many most frequent ids of each TT table
+    # (comera.cached_embedding); choose them from the training data with choose_hot_rows_
+    tt_cache_rows: int = 0
 
     def __post_init__(self) -> None:
         _positive_int("num_dense", self.num_dense)
@@ -95,6 +99,7 @@ class DLRMConfig:
         _positive_int("tt_ranks", self.tt_ranks)
         _positive_int("tt_min_rows", self.tt_min_rows)
         _positive_int("tt_d", self.tt_d)
+        _positive_int("tt_cache_rows", self.tt_cache_rows, minimum=0)
         if not isinstance(self.tau, int | float) or math.isnan(self.tau) or self.tau < 0:
             raise ConfigError(f"tau={self.tau!r}; the gate threshold is a number >= 0.")
 
@@ -152,8 +157,11 @@ class DLRM(nn.Module):
         tables: list[nn.Module] = []
         for k, rows in enumerate(cfg.table_sizes):
             if cfg.is_tt_table(k):
-                tables.append(TTEmbedding(rows, cfg.embedding_dim, ranks=cfg.tt_ranks,
-                                          tau=cfg.tau, d=cfg.tt_d))
+                table = TTEmbedding(rows, cfg.embedding_dim, ranks=cfg.tt_ranks, tau=cfg.tau,
+                                    d=cfg.tt_d)
+                if cfg.tt_cache_rows:
+                    table = CachedTTEmbedding(table, min(cfg.tt_cache_rows, rows))
+                tables.append(table)
             else:
                 tables.append(_dense_table(rows, cfg.embedding_dim))
         self.embeddings = nn.ModuleList(tables)
@@ -207,9 +215,22 @@ class DLRM(nn.Module):
 
     # -- sizes ----------------------------------------------------------------------------------
     def table_parameters(self, effective: bool = True) -> int:
-        """Parameters of all embedding tables; TT tables at their effective ranks."""
-        return sum(t.num_parameters(effective) if isinstance(t, GatedTrain) else t.weight.numel()
-                   for t in self.embeddings)
+        """Parameters of all embedding tables; TT tables at their effective ranks (with their
+        hot-row caches)."""
+        return sum(t.num_parameters(effective) if isinstance(t, GatedTrain | CachedTTEmbedding)
+                   else t.weight.numel() for t in self.embeddings)
+
+    def choose_hot_rows_(self, sparse: Tensor) -> list[int]:
+        """Cache, in each cached TT table, its ``tt_cache_rows`` most frequent ids in ``sparse``
+        (the training ids, (N, T)). Returns, per cached table, the share of ``sparse``'s
+        lookups the cache answers (in percent, rounded)."""
+        shares = []
+        for k, table in enumerate(self.embeddings):
+            if isinstance(table, CachedTTEmbedding):
+                ids = sparse[:, k].long()
+                table.choose_hot_ids_(torch.bincount(ids, minlength=table.num_embeddings))
+                shares.append(round(100 * table.hit_rate(ids)))
+        return shares
 
     def dense_table_parameters(self) -> int:
         """Parameters the same tables take as dense ``nn.Embedding`` weights."""

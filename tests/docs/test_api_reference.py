@@ -77,8 +77,8 @@ def test_signatures_read_as_inspect_reports_them(gen, rendered):
     # a method is shown without self; a class with the arguments of its constructor
     assert gen.signature_text("step", comera.CoMERATrainer.step, drop_first=True) == (
         "step(loss: Tensor, decision_loss: float | None = None) -> StepStats")
-    assert "LateStage(target_size: float, target_loss: float = 0.0, size_weight: float = 1.0)" \
-        in rendered
+    assert ("LateStage(\n    target_size: float,\n    target_loss: float = 0.0,\n"
+            "    size_weight: float = 1.0,\n    steps: int | None = None,") in rendered
 
 
 def test_no_executable_code_fence(rendered):
