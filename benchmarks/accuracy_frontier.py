@@ -1,6 +1,6 @@
 """Seeds and a compression/accuracy frontier for the transformer on the reviews task.
 
-    python benchmarks/accuracy_frontier.py --seeds 0 1 2 --targets 10 30 100 300
+    python -m benchmarks.accuracy_frontier --seeds 0 1 2 --targets 10 30 100 300
 
 Per seed, on the same split and the same number of steps: a dense model (``early + late``
 steps), and a CoMERA model whose early stage (``early`` steps, loss + lam * R) is then copied
@@ -18,23 +18,20 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import comera
+from benchmarks.lib.harness import RESULTS
+from comera.experiments.engine import sizes_of
+from comera.experiments.task import IndexStream
+from comera.experiments.transformer_task import ReviewsTask, ReviewsTaskConfig
+from comera.models import TransformerConfig
 
-import comera  # noqa: E402
-from comera.experiments.engine import sizes_of  # noqa: E402
-from comera.experiments.task import IndexStream  # noqa: E402
-from comera.experiments.transformer_task import ReviewsTask, ReviewsTaskConfig  # noqa: E402
-from comera.models import TransformerConfig  # noqa: E402
-
-OUT = ROOT / "benchmarks" / "results" / "reviews_frontier"
+OUT = RESULTS / "reviews_frontier"
 
 
 class SmallReviews(ReviewsTask):

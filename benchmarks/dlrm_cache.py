@@ -1,7 +1,7 @@
 """DLRM on the quick synthetic Criteo data: dense tables vs plain TT vs TT + hot-row cache, at the
 same total table size (the late stage's target counts the cache), over seeds.
 
-    python benchmarks/dlrm_cache.py --seeds 0 1 2 --cache-rows 64
+    python -m benchmarks.dlrm_cache --seeds 0 1 2 --cache-rows 64
 
 Every variant trains with the registry's quick ``dlrm`` engine settings (same steps, same data,
 same split); the TT variants' late stage lands on ``target_compression`` of their embedding
@@ -14,21 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.lib.harness import RESULTS
+from comera.experiments.dlrm_task import DLRMTask, DLRMTaskConfig
+from comera.experiments.engine import train_model
+from comera.experiments.registry import EXPERIMENTS
 
-from comera.experiments.dlrm_task import DLRMTask, DLRMTaskConfig  # noqa: E402
-from comera.experiments.engine import train_model  # noqa: E402
-from comera.experiments.registry import EXPERIMENTS  # noqa: E402
-
-OUT = ROOT / "benchmarks" / "results" / "dlrm_cache"
+OUT = RESULTS / "dlrm_cache"
 
 
 def summarise(result: dict) -> str:

@@ -1,7 +1,7 @@
 """How compressible is the planted DLRM table? TT-SVD errors of the synthetic data's hidden
 per-id vectors, with and without a hot-row cache.
 
-    python benchmarks/dlrm_compressibility.py
+    python -m benchmarks.dlrm_compressibility
 
 The quick DLRM run's label is a logistic function of a hidden vector per (table, id): a hash of
 the id, independent from id to id (:meth:`comera.data.SyntheticCriteo.hidden_vectors`). The best
@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.lib.harness import RESULTS
+from comera.experiments.dlrm_task import DLRMTask, DLRMTaskConfig
+from comera.factorize import factorize
+from comera.models.dlrm import DLRM
+from comera.ttsvd import matrix_to_ttm, ttm_to_matrix
 
-from comera.experiments.dlrm_task import DLRMTask, DLRMTaskConfig  # noqa: E402
-from comera.factorize import factorize  # noqa: E402
-from comera.models.dlrm import DLRM  # noqa: E402
-from comera.ttsvd import matrix_to_ttm, ttm_to_matrix  # noqa: E402
-
-OUT = ROOT / "benchmarks" / "results" / "dlrm_compressibility"
+OUT = RESULTS / "dlrm_compressibility"
 
 
 def planted_table(generator, table: int, rows: int) -> torch.Tensor:
