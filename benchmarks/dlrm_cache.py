@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = replace(EXPERIMENTS["dlrm"].quick, target_compression=args.target_compression)
-    plain = DLRMTask(DLRMTaskConfig.quick())
-    cached = plain.with_config(tt_cache_rows=args.cache_rows)
+    plain = DLRMTask(DLRMTaskConfig.quick(tt_cache_rows=0))
+    cached = DLRMTask(replace(plain.cfg, tt_cache_rows=args.cache_rows), plain.data)  # same data
     result = {"settings": {"cache_rows": args.cache_rows, "seeds": args.seeds,
                            "target_compression": args.target_compression,
                            "engine": engine.__dict__}, "rows": []}

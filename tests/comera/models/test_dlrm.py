@@ -226,7 +226,8 @@ def tiny_task(tmp_path_factory):
         patch.setenv("COMERA_CACHE_DIR", str(tmp_path_factory.mktemp("comera-cache")))
         cfg = DLRMTaskConfig(cardinalities=(40, 7, 300, 1500), max_rows=1000, n_train=2048,
                              n_val=1024, n_test=512, embedding_dim=4, bottom_mlp=(16, 4),
-                             top_mlp=(16, 1), tt_min_rows=100, tt_ranks=4, eval_batch_size=300)
+                             top_mlp=(16, 1), tt_min_rows=100, tt_ranks=4, eval_batch_size=300,
+                             tt_cache_rows=0)  # plain TT tables; the cache has its own tests
         return DLRMTask(cfg)
 
 
