@@ -18,7 +18,7 @@ def test_quick_run_writes_every_variant(tmp_path):
     assert stored["cases"] == json.loads(json.dumps(payload["cases"]))
     variants = stored["cases"][0]["variants"]
     assert set(variants) == {"dense eager", "dense compiled", "tt eager fp32", "tt compiled",
-                             "tt bf16 autocast"}
+                             "tt bf16 autocast", "dense bf16 autocast"}
     for timing in variants.values():
         assert math.isfinite(timing["median_s"]) and timing["median_s"] > 0
         assert timing["min_s"] <= timing["median_s"] <= timing["max_s"]
