@@ -29,7 +29,13 @@ import torch
 from torch import nn
 
 import comera
-from benchmarks.lib.harness import markdown_table, ratio_spread, spread_text, write_results_to
+from benchmarks.lib.harness import (
+    interleaved_times,
+    markdown_table,
+    ratio_spread,
+    spread_text,
+    write_results_to,
+)
 from comera.experiments.results import machine
 
 
@@ -68,21 +74,14 @@ def variants(dense: nn.Module, tt: nn.Module, batch: tuple, backend: str) -> dic
 
 
 def time_case(steps: dict[str, Callable[[], float]], repeats: int, warmup: int) -> dict:
-    """First-call seconds, then ``repeats`` interleaved timed steps after ``warmup`` more."""
+    """First-call seconds (planning, compiling), then ``repeats`` interleaved timed steps after
+    ``warmup`` more (:func:`~benchmarks.lib.harness.interleaved_times`)."""
     first = {}
     for name, step in steps.items():
         start = time.perf_counter()
         step()
         first[name] = time.perf_counter() - start
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
+    times = interleaved_times(steps, repeats, warmup)
     base = times["tt eager fp32"]
     return {name: {"first_call_s": first[name], "median_s": statistics.median(ts),
                    "min_s": min(ts), "max_s": max(ts), "repeats": len(ts),

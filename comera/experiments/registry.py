@@ -53,25 +53,24 @@ def _mlm(quick: bool) -> Task:
     return MLMTask(MLMTaskConfig() if quick else MLMTaskConfig.full())
 
 
+# Both transformer tasks train the same classifier the same way.
+_TRANSFORMER_QUICK = EngineConfig(steps_early=400, steps_late=200, batch_size=32, lr=1e-3,
+                                  warmup=100, lam=0.05, target_compression=150.0, eval_every=100)
+_TRANSFORMER_FULL = EngineConfig(steps_early=6000, steps_late=3000, batch_size=32, lr=3e-4,
+                                 warmup=500, lam=0.05, target_compression=150.0, eval_every=500,
+                                 checkpoint_every=1000)
+
 EXPERIMENTS: dict[str, Experiment] = {
     "transformer": Experiment(
         "transformer", "six-encoder transformer on (title, review) -> recommended, Women's "
         "E-Commerce Clothing Reviews", _transformer,
-        quick=EngineConfig(steps_early=400, steps_late=200, batch_size=32, lr=1e-3, warmup=100,
-                           lam=0.05, target_compression=150.0, eval_every=100),
-        full=EngineConfig(steps_early=6000, steps_late=3000, batch_size=32, lr=3e-4,
-                          warmup=500, lam=0.05, target_compression=150.0, eval_every=500,
-                          checkpoint_every=1000),
+        quick=_TRANSFORMER_QUICK, full=_TRANSFORMER_FULL,
         init_from=True,
     ),
     "transformer-code": Experiment(
         "transformer-code", "six-encoder transformer on the stdlib docstring/code pair task",
         _transformer_code,
-        quick=EngineConfig(steps_early=400, steps_late=200, batch_size=32, lr=1e-3, warmup=100,
-                           lam=0.05, target_compression=150.0, eval_every=100),
-        full=EngineConfig(steps_early=6000, steps_late=3000, batch_size=32, lr=3e-4,
-                          warmup=500, lam=0.05, target_compression=150.0, eval_every=500,
-                          checkpoint_every=1000),
+        quick=_TRANSFORMER_QUICK, full=_TRANSFORMER_FULL,
         init_from=True,
     ),
     "dlrm": Experiment(
