@@ -121,3 +121,25 @@ def test_compile_fullgraph_matches_eager():
         torch.testing.assert_close(p.grad, grad)
     with pytest.raises(RuntimeError, match="out of range"):
         compiled(torch.tensor([[0, 60, 1, 2, 3], [0, 1, 2, 3, 4]]))
+
+
+def test_compiled_training_over_changing_batch_sizes_equals_eager():
+    """A compiled model called with a new batch size (an uneven last batch) recompiles with a
+    dynamic size; it trains and equals eager (regression: the saving operator's fake
+    implementation crashed on the symbolic size, `unhashable type: non-nested SymInt`)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    comera.convert_(model, comera.ConvertConfig(ranks=4))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for batch in (8, 5, 3):
+        x = torch.randn(batch, 16)
+        model.zero_grad()
+        model(x).square().sum().backward()
+        want = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        got = compiled(x)
+        got.square().sum().backward()
+        torch.testing.assert_close(got, model(x))
+        for p, grad in zip(model.parameters(), want, strict=True):
+            torch.testing.assert_close(p.grad, grad)

@@ -238,6 +238,12 @@ def contract_saving_op(network: str, needs_grad: list[bool], operands: list[torc
 
 @contract_saving_op.register_fake
 def _contract_saving_fake(network, needs_grad, operands):
+    # The saved intermediates' shapes come from the plan of concrete sizes. Dynamo hides
+    # symbolic sizes from traced code (a SymInt passes isinstance(s, int) there), so a size
+    # made dynamic by a recompile (a new batch size) arrives here: specialize it (int() adds a
+    # guard, so each batch size gets its own graph, as with static shapes).
+    if any(isinstance(s, torch.SymInt) for t in operands for s in t.shape):
+        operands = [t.new_empty(tuple(int(s) for s in t.shape)) for t in operands]
     runner = lookup(network)._runner_for(operands, True, needs_grad)
     y, saved = runner.plain().forward(*operands)
     return y.new_empty(y.shape), [t.new_empty(t.shape) for t in saved]
@@ -272,7 +278,11 @@ contract_saving_op.register_autograd(_backward, setup_context=_setup_saving_cont
 
 
 def _static(operands) -> bool:
-    return all(isinstance(s, int) for t in operands for s in t.shape)
+    """Whether every operand size is a plain int. Under ``torch.compile(dynamic=True)`` sizes
+    are symbolic from the first trace and this is False; a size that a recompile made dynamic
+    still reads as an int here (dynamo hides it), and the saving operator's fake
+    implementation specializes it."""
+    return not any(isinstance(s, torch.SymInt) for t in operands for s in t.shape)
 
 
 def traced_call(compiled, operands: tuple) -> torch.Tensor:
