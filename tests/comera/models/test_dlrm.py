@@ -268,7 +268,8 @@ def test_task_trains_with_index_stream(tiny_task, tt):
 
 def test_task_configs():
     quick, full = DLRMTaskConfig.quick(), DLRMTaskConfig.full()
-    assert quick == DLRMTaskConfig() and max(quick.model_config(False).table_sizes) == 20_000
+    assert quick == DLRMTaskConfig(tt_cache_rows=112)
+    assert max(quick.model_config(False).table_sizes) == 20_000
     paper = full.model_config(tt=True)
     assert paper.table_sizes == CRITEO_KAGGLE_CARDINALITIES and paper.tt_ranks == 32
     assert (paper.bottom_mlp, paper.top_mlp) == ((512, 256, 64, 16), (512, 256, 1))
