@@ -221,8 +221,9 @@ def _backward(ctx, dy, *_saved_grads):
 contract_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# With static shapes the plan is known while tracing, so the forward can hand its saved
-# intermediates to the backward as extra outputs (no recomputation).
+# The plan of concrete sizes is known while tracing (a size dynamo made symbolic is specialized
+# by the fake implementation), so the forward hands its saved intermediates to the backward as
+# extra outputs (no recomputation).
 @torch.library.custom_op("tncomp::contract_saving", mutates_args=())
 def contract_saving_op(network: str, needs_grad: list[bool], operands: list[torch.Tensor]
                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -277,14 +278,6 @@ def _setup_saving_context(ctx, inputs, output) -> None:
 contract_saving_op.register_autograd(_backward, setup_context=_setup_saving_context)
 
 
-def _static(operands) -> bool:
-    """Whether every operand size is a plain int. Under ``torch.compile(dynamic=True)`` sizes
-    are symbolic from the first trace and this is False; a size that a recompile made dynamic
-    still reads as an int here (dynamo hides it), and the saving operator's fake
-    implementation specializes it."""
-    return not any(isinstance(s, torch.SymInt) for t in operands for s in t.shape)
-
-
 def traced_call(compiled, operands: tuple) -> torch.Tensor:
     """A call while dynamo traces (one ``tncomp::contract`` node) or while a torch.func
     transform is active (:class:`FuncContractFunction`)."""
@@ -294,7 +287,7 @@ def traced_call(compiled, operands: tuple) -> torch.Tensor:
     if torch.compiler.is_compiling():
         check_operands(compiled.network, operands)
         needs_grad = [grad and t.requires_grad for t in operands]
-        if any(needs_grad) and _static(operands):
+        if any(needs_grad):  # sizes dynamo made symbolic are specialized by the fake impl
             return contract_saving_op(compiled._op_id, needs_grad, list(operands))[0]
         return contract_op(compiled._op_id, needs_grad, list(operands))
     runner = compiled._runner_for(operands, grad)
