@@ -57,6 +57,7 @@ log = logging.getLogger("comera.checkpoint")
 FORMAT = "comera-checkpoint"
 VERSION = 2  # 2: the checksum covers ``extra``
 STALE_TEMP_S = 600.0  # a checkpoint temp file this old belongs to a writer that died mid-write
+LEGACY_TEMP_SUFFIX = ".tmp"  # what checkpoint temp files ended in before tncomp.files
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, Tensor, torch.dtype, torch.device,
           torch.Size)
 
@@ -128,6 +129,9 @@ def _sweep(path: Path) -> None:
     """Remove the temp files of earlier writes of ``path`` whose writers died."""
     try:
         sweep_temp_files(path.parent, prefix=f".{path.name}.", older_than_s=STALE_TEMP_S)
+        # checkpoints written before tncomp.files existed left ".NAME.HEX.tmp"
+        sweep_temp_files(path.parent, prefix=f".{path.name}.", older_than_s=STALE_TEMP_S,
+                         suffix=LEGACY_TEMP_SUFFIX)
     except OSError as exc:  # e.g. a read-only folder: the sweep must not block a load
         log.warning("could not sweep stale temp files of %s (%s)", path, exc)
 

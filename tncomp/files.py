@@ -86,9 +86,10 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def sweep_temp_files(directory: Path | str, prefix: str = ".",
-                     older_than_s: float = 0.0) -> list[Path]:
+                     older_than_s: float = 0.0, suffix: str = TEMP_SUFFIX) -> list[Path]:
     """Remove the temp files that interrupted writes left in ``directory`` (names starting
-    with ``prefix`` and ending in ``.part``), if at least ``older_than_s`` old; the removed."""
+    with ``prefix`` and ending in ``suffix``, ``.part`` by default), if at least
+    ``older_than_s`` old; the removed."""
     directory = Path(directory)
     try:
         names = os.listdir(directory)
@@ -96,7 +97,7 @@ def sweep_temp_files(directory: Path | str, prefix: str = ".",
         return []
     removed, now = [], time.time()
     for name in names:
-        if not (name.startswith(prefix) and name.endswith(TEMP_SUFFIX)):
+        if not (name.startswith(prefix) and name.endswith(suffix)):
             continue
         tmp = directory / name
         try:

@@ -321,6 +321,17 @@ def test_stale_temp_files_of_a_killed_writer_are_swept(trained, tmp_path, action
     assert fresh.exists() and other.exists()
 
 
+def test_stale_temp_files_of_the_old_format_are_swept(trained, tmp_path):
+    old = tmp_path / ".run.pt.0123456789ab.tmp"  # how checkpoint temp files were named before
+    old.write_bytes(b"x" * 1000)
+    when = time.time() - STALE_TEMP_S - 60
+    os.utime(old, (when, when))
+    young = tmp_path / ".run.pt.ba9876543210.tmp"
+    young.write_bytes(b"x")
+    load_checkpoint(trained["path"], Net())
+    assert not old.exists() and young.exists()
+
+
 def test_read_checkpoint_returns_the_verified_contents(trained):
     record = comera.read_checkpoint(trained["path"])
     assert isinstance(record, comera.CheckpointRecord)

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 
 import tncomp
-from tncomp import Dim, Network
+from tncomp import Network
+from tncomp.compiler.ir import bind_dims as bind  # tests say bind(net, batch)
 
 F64 = torch.float64
 
@@ -23,11 +24,6 @@ def einsum_eq(net: Network) -> str:
                 letters[index] = next(pool)
     lhs = ",".join("".join(letters[i] for i in t.indices) for t in net.operands)
     return lhs + "->" + "".join(letters[i] for i in net.output.indices)
-
-
-def bind(net: Network, batch: int) -> dict[str, int]:
-    """Every index's size with each symbolic size set to ``batch``."""
-    return {i: (batch if isinstance(s, Dim) else s) for i, s in net.sizes}
 
 
 def shapes(net: Network, batch: int) -> list[tuple[int, ...]]:
