@@ -5,7 +5,7 @@
 
 The public API is ``tncomp.__all__``, ``comera.__all__``, and the public classes and functions
 defined in ``comera.experiments.engine``, ``comera.experiments.task``,
-``comera.experiments.results`` and ``comera.report`` (names without a leading underscore). Each
+``comera.experiments.results``, ``comera.experiments.rundir`` and ``comera.report`` (names without a leading underscore). Each
 name gets its signature and docstring, grouped by the module that defines it; a class also gets
 its public methods, properties and class attributes, including those of the tncomp / comera
 classes it inherits from. ``tests/test_api_reference.py`` checks that the committed file is what
@@ -36,6 +36,7 @@ NAMESPACES = (
     ("comera.experiments.engine", "defined"),
     ("comera.experiments.task", "defined"),
     ("comera.experiments.results", "defined"),
+    ("comera.experiments.rundir", "defined"),
     ("comera.report", "defined"),
 )
 HIDDEN_MEMBERS = frozenset({"extra_repr"})  # nn.Module's repr hook: not something users call
