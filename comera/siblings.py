@@ -3,7 +3,7 @@
 Attention's q, k and v projections all read the same tensor. Called one by one, each layer
 reads x and runs its own input-side GEMM with a narrow (rank-wide) output. :class:`Siblings`
 stacks their gated cores along a new leading axis ``s`` and contracts them through
-:func:`tncomp.compiler.builders.stack_siblings` of their network: x is read once, the input-side
+:func:`tncomp.stack_siblings` of their network: x is read once, the input-side
 GEMM is one ``n * r`` wide product, the per-sibling steps are batched GEMMs, and autograd splits
 the stacked gradient back into each layer's own cores and gates (``torch.stack`` in forward).
 The layers themselves stay as they are: their parameters, state_dict and checkpoints.
@@ -14,8 +14,8 @@ removes the pruned slices physically): each core is padded with zero slices up t
 bond. That is exact: a zero slice adds exactly zero to every sum, and the padding is a
 constant, so no gradient reaches it (rank pruning by gates already computes on such zeros).
 Padding costs work, so the siblings stack only while the padded bonds sum to at most
-``MAX_PADDING`` times the stored ones (interior bonds); beyond that, and for inputs with no rows, they run one
-by one.
+``MAX_PADDING`` times the stored ones (interior bonds); beyond that, and for inputs with no
+rows, they run one by one.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 import tncomp
 from comera.layers import TTLinear, TTMLinear, _autocast_cast, autocast_dtype
-from tncomp.compiler.builders import stack_siblings
+from tncomp import stack_siblings
 
 # The network of each stackable layer class, at given modes and bonds.
 BUILDERS = {TTLinear: tncomp.tt_linear, TTMLinear: tncomp.ttm_linear}
