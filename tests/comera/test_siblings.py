@@ -210,3 +210,26 @@ def test_the_transformer_block_stacks_q_k_v(calls):
     q, k, v = (p(x).view(b, s, 2, 8).transpose(1, 2) for p in (block.q, block.k, block.v))
     att = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
     torch.testing.assert_close(got, block.o(att.transpose(1, 2).reshape(b, s, d)), **TIGHT)
+
+
+def test_packed_self_attention_projects_once_with_the_sequence_axis_first(calls):
+    """Regression: the identity test ran after the (L, B, E) transposes made new tensors, so
+    self-attention with batch_first=False ran in_proj three times."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.MultiheadAttention(16, 2, dtype=F64))
+    comera.convert_(model, ranks=4, attention_in_proj="packed")
+    x = torch.randn(5, 3, 16, dtype=F64)
+    got = model[0](x, x, x)[0]
+    assert calls == [model[0].in_proj.compiled(), model[0].out_proj.compiled()]
+    torch.testing.assert_close(got, model[0](x, x.clone(), x.clone())[0], **TIGHT)
+
+
+def test_stacked_layers_follow_autocast():
+    layers = [layer.float() for layer in _layers()]
+    x = torch.randn(6, 12)
+    with torch.autocast("cpu", torch.bfloat16):
+        want = [layer(x) for layer in layers]
+        got = Siblings()(layers, x)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
