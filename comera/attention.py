@@ -8,6 +8,8 @@ call signature, attributes and results, and runs the projections through TT laye
     q, k, v = q_proj(query), k_proj(key), v_proj(value)     # or in_proj: one TT layer, 3x out
     out = out_proj(softmax(q k^T / sqrt(head_dim) + mask) v)  # per head
 
+For self-attention (``query is key is value``) the three projections read the input once: they
+run as one stacked contraction (:class:`comera.siblings.Siblings`), and ``in_proj`` as one call.
 It has no dense ``in_proj_weight`` (None) and ``_qkv_same_embed_dim`` is False, so the fast
 paths of ``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder`` take the regular path.
 """
@@ -22,6 +24,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.layers import GatedTrain
+from comera.siblings import Siblings
 
 
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -65,21 +68,37 @@ class TTMultiheadAttention(nn.Module):
         else:
             self.q_proj, self.k_proj, self.v_proj = q_proj, k_proj, v_proj
         self.out_proj = out_proj
+        self._siblings = Siblings()  # q/k/v of self-attention as one stacked contraction
+        self.build_compiled()
 
-    def _project(self, query: Tensor, key: Tensor, value: Tensor):
+    def build_compiled(self) -> None:
+        """Build the stacked q/k/v network of the current shapes now (outside any
+        ``torch.compile`` trace); forward rebuilds it itself after a truncation."""
+        if not hasattr(self, "in_proj"):
+            self._siblings.build_compiled((self.q_proj, self.k_proj, self.v_proj))
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_siblings", Siblings())  # pickled before siblings existed
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, same: bool):
         if hasattr(self, "in_proj"):
-            if key is query and value is query:  # self-attention: one pass
+            if same:  # self-attention: one pass
                 return self.in_proj(query).chunk(3, dim=-1)
             E = self.embed_dim
             q, k, v = (self.in_proj(t) for t in (query, key, value))
             return q[..., :E], k[..., E:2 * E], v[..., 2 * E:]
-        return self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if same:  # self-attention: x read once, one stacked contraction
+            return self._siblings(projections, query)
+        return tuple(p(t) for p, t in zip(projections, (query, key, value), strict=True))
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Tensor | None = None, need_weights: bool = True,
                 attn_mask: Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
         """As ``nn.MultiheadAttention.forward``: ``(attn_output, attn_weights or None)``."""
+        same = key is query and value is query  # before the transposes below make new tensors
         batched = query.dim() == 3
         if not batched:  # (L, E) -> (1, L, E)
             query, key, value = (t.unsqueeze(0) for t in (query, key, value))
@@ -90,7 +109,7 @@ class TTMultiheadAttention(nn.Module):
         B, L, _ = query.shape
         S = key.shape[1]
         H, D = self.num_heads, self.head_dim
-        q, k, v = self._project(query, key, value)
+        q, k, v = self._project(query, key, value, same)
         q = q.reshape(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
         k = k.reshape(B, S, H, D).transpose(1, 2)  # (B, H, S, D)
         v = v.reshape(B, S, H, D).transpose(1, 2)  # (B, H, S, D)

@@ -12,7 +12,14 @@ from typing import Any
 
 from tncomp import errors
 from tncomp.api import CompiledNetwork, cache_info, clear_cache, compile, contract
-from tncomp.compiler.builders import from_eq, resolve_ranks, tt_linear, ttm_embedding, ttm_linear
+from tncomp.compiler.builders import (
+    from_eq,
+    resolve_ranks,
+    stack_siblings,
+    tt_linear,
+    ttm_embedding,
+    ttm_linear,
+)
 from tncomp.compiler.cost import Costs, tree_costs
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Dim, Network, Role, TensorSpec, bind_dims, make_network
@@ -51,6 +58,7 @@ __all__ = [
     "plot_costs",
     "problem_for",
     "resolve_ranks",
+    "stack_siblings",
     "tree_costs",
     "tt_linear",
     "ttm_embedding",

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from comera.embedding import TTEmbedding
 from comera.errors import ConfigError
 from comera.layers import TTLinear
+from comera.siblings import Siblings
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ class SelfAttention(nn.Module):
         self.v = linear(cfg, d, d, cfg.attn_modes)
         self.o = linear(cfg, d, d, cfg.attn_modes)
         self.dropout = cfg.dropout
+        self._siblings = Siblings()  # q, k, v read x once: one stacked contraction
+        self._siblings.build_compiled((self.q, self.k, self.v))
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_siblings", Siblings())  # pickled before siblings existed
 
     def forward(self, x: Tensor, pad_mask: Tensor) -> Tensor:
         b, s, d = x.shape
@@ -86,7 +93,7 @@ class SelfAttention(nn.Module):
         def heads(t: Tensor) -> Tensor:
             return t.view(b, s, h, d // h).transpose(1, 2)  # (b, h, s, d/h)
 
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        q, k, v = (heads(t) for t in self._siblings((self.q, self.k, self.v), x))
         mask = pad_mask[:, None, None, :]  # (b, 1, 1, s): True where a real token
         att = nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)

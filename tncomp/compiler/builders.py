@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from tncomp.compiler.einsum import parse_eq
-from tncomp.compiler.ir import Dim, Network, Role, Size, make_network
+from tncomp.compiler.ir import Dim, Network, Role, Size, TensorSpec, make_network
 from tncomp.errors import IRError
 
 Ranks = int | Sequence[int]
@@ -166,6 +166,35 @@ def ttm_embedding(
     ]
     hyper = {"b"} if d >= 2 else set()
     return make_network(operands, ("y", ["b", *(f"o{k + 1}" for k in range(d))]), sizes, hyper)
+
+
+def stack_siblings(net: Network, n: int, index: str = "s") -> Network:
+    """``n`` copies of ``net`` that share its inputs, as one network: every parameter and the
+    output get a leading stack index of size ``n`` (``index``; a fresh name when ``net`` uses
+    it already), the inputs are left alone.
+
+    Sibling layers applied to one tensor (attention's q, k and v projections) become one
+    contraction ``y[s] = net(x, *params[s])``: the planner joins the input-side steps into one
+    wider GEMM (x read once) and runs the per-sibling steps as batched GEMMs over ``s``.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise IRError(f"n={n!r}; the number of stacked siblings is an int >= 1.")
+    if not any(t.role is Role.PARAMETER for t in net.operands):
+        raise IRError("the network has no parameter operand to stack; stack_siblings gives "
+                      "every parameter a sibling axis (declare the weights Role.PARAMETER).")
+    sizes = net.size_dict
+    while index in sizes:
+        index += "_"
+
+    def stacked(t: TensorSpec) -> TensorSpec:
+        if t.role is Role.INPUT:
+            return t
+        return TensorSpec(t.name, (index, *t.indices), t.role)
+
+    operands = tuple(stacked(t) for t in net.operands)
+    holders = sum(index in t.indices for t in operands) + 1  # and the output
+    hyper = net.hyper | {index} if holders > 2 else net.hyper
+    return Network(operands, stacked(net.output), ((index, n), *net.sizes), hyper)
 
 
 def from_eq(eq: str, *shapes: Sequence[Size | str], names: Sequence[str] | None = None) -> Network:
