@@ -20,6 +20,7 @@ import torch
 from tncomp.compiler.cache import DiskCache, LRUCache, default_cache_dir
 from tncomp.compiler.device_model import CPU_DEFAULT, CUDA_DEFAULT, DeviceModel
 from tncomp.compiler.ir import Network, bind_sizes
+from tncomp.compiler.memory import Memory, check_memory
 from tncomp.compiler.plan import Plan
 from tncomp.compiler.planner import OPTIMIZE_CHOICES, Options, Planner, binding_key
 from tncomp.compiler.problem import Tree
@@ -240,6 +241,7 @@ def compile(
     model: DeviceModel | None = None,
     disk_cache: bool | str | os.PathLike = True,
     pool_buffers: bool = True,
+    memory: Memory = "fast",
 ) -> CompiledNetwork:
     """Compile ``net`` into a callable ``(*operands) -> output`` with a planned backward pass.
 
@@ -251,6 +253,11 @@ def compile(
     calibration, else a default). ``disk_cache``: True (the default directory), False or None,
     or a directory. ``pool_buffers`` reuses large result buffers between calls once nothing
     references them (a caching allocator; ``tncomp.clear_cache()`` releases them).
+    ``memory`` trades time for the memory the forward keeps for the backward: ``"fast"`` saves
+    every intermediate the backward reads, ``"min"`` none (the backward recomputes them from
+    the operands), ``"balanced"`` drops the saves whose recomputation costs little modelled
+    time (at most 10% more in all), and an int is a budget in bytes for the saved
+    intermediates at each binding (``"min"`` is the floor). See ``Plan.saved_bytes``.
     """
     if not isinstance(net, Network):
         raise TncompError(
@@ -258,13 +265,14 @@ def compile(
             f"{type(net).__name__}."
         )
     options, model, directory = _settings(optimize, autotune, cuda_graphs, model, disk_cache,
-                                          pool_buffers)
+                                          pool_buffers, memory)
     return CompiledNetwork(net, options, model, _disk(directory))
 
 
 def _settings(optimize: str = "auto", autotune: bool = False, cuda_graphs: bool = False,
               model: DeviceModel | None = None, disk_cache: bool | str | os.PathLike = True,
-              pool_buffers: bool = True) -> tuple[Options, DeviceModel | None, Path | None]:
+              pool_buffers: bool = True, memory: Memory = "fast",
+              ) -> tuple[Options, DeviceModel | None, Path | None]:
     """``compile``'s keywords checked: the options, the model, the disk-cache directory."""
     if not isinstance(optimize, str) or optimize not in OPTIMIZE_CHOICES:
         raise OptionError(f"optimize={optimize!r}; choose one of {', '.join(OPTIMIZE_CHOICES)}.")
@@ -274,8 +282,9 @@ def _settings(optimize: str = "auto", autotune: bool = False, cuda_graphs: bool 
             "tncomp.runtime.calibrate.calibrate('cuda')) or None for the device's calibrated "
             "default."
         )
-    return (Options(optimize, bool(autotune), bool(cuda_graphs), bool(pool_buffers)), model,
-            _disk_directory(disk_cache))
+    memory = check_memory(memory)
+    return (Options(optimize, bool(autotune), bool(cuda_graphs), bool(pool_buffers), memory),
+            model, _disk_directory(disk_cache))
 
 
 def _disk_directory(disk_cache: bool | str | os.PathLike | None) -> Path | None:
@@ -340,4 +349,4 @@ def contract(eq: str, *tensors: torch.Tensor, **options) -> torch.Tensor:
 
 
 _COMPILE_KEYWORDS = ("optimize", "autotune", "cuda_graphs", "model", "disk_cache",
-                     "pool_buffers")
+                     "pool_buffers", "memory")
