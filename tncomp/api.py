@@ -12,6 +12,7 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -219,6 +220,15 @@ class CompiledNetwork:
         if len(self.network.dims) == 1 and model is None:
             model = self.model(torch.device("cpu"))
         return self._planner.regimes(needs_grad, itemsize, model)
+
+    def with_memory(self, memory: Memory) -> CompiledNetwork:
+        """This network compiled with the same options and model under another memory mode
+        (``self`` when it is the same)."""
+        memory = check_memory(memory)
+        if memory == self.options.memory:
+            return self
+        return CompiledNetwork(self.network, replace(self.options, memory=memory), self._model,
+                               self._disk)
 
     def _graphed_call(self, runner: Runner, operands):
         from tncomp.runtime.cudagraph import CapturedGraphs, graphed_call

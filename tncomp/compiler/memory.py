@@ -80,7 +80,7 @@ def with_recompute(plan: Plan, drop: Iterable[int]) -> Plan:
         op = producer[slot]
         for r in op.reads:
             rebuild(r)
-        backward.append(op)
+        backward.append(replace(op, note=f"{op.note} (recompute)"))
         ready.add(slot)
 
     for op in plan.backward:
