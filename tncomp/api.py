@@ -21,7 +21,7 @@ import torch
 from tncomp.compiler.cache import DiskCache, LRUCache, default_cache_dir
 from tncomp.compiler.device_model import CPU_DEFAULT, CUDA_DEFAULT, DeviceModel
 from tncomp.compiler.ir import Network, bind_sizes
-from tncomp.compiler.memory import Memory, check_memory
+from tncomp.compiler.memory import check_memory
 from tncomp.compiler.plan import Plan
 from tncomp.compiler.planner import OPTIMIZE_CHOICES, Options, Planner, binding_key
 from tncomp.compiler.problem import Tree
@@ -221,7 +221,7 @@ class CompiledNetwork:
             model = self.model(torch.device("cpu"))
         return self._planner.regimes(needs_grad, itemsize, model)
 
-    def with_memory(self, memory: Memory) -> CompiledNetwork:
+    def with_memory(self, memory: str | int) -> CompiledNetwork:
         """This network compiled with the same options and model under another memory mode
         (``self`` when it is the same)."""
         memory = check_memory(memory)
@@ -251,7 +251,7 @@ def compile(
     model: DeviceModel | None = None,
     disk_cache: bool | str | os.PathLike = True,
     pool_buffers: bool = True,
-    memory: Memory = "fast",
+    memory: str | int = "fast",
 ) -> CompiledNetwork:
     """Compile ``net`` into a callable ``(*operands) -> output`` with a planned backward pass.
 
@@ -281,7 +281,7 @@ def compile(
 
 def _settings(optimize: str = "auto", autotune: bool = False, cuda_graphs: bool = False,
               model: DeviceModel | None = None, disk_cache: bool | str | os.PathLike = True,
-              pool_buffers: bool = True, memory: Memory = "fast",
+              pool_buffers: bool = True, memory: str | int = "fast",
               ) -> tuple[Options, DeviceModel | None, Path | None]:
     """``compile``'s keywords checked: the options, the model, the disk-cache directory."""
     if not isinstance(optimize, str) or optimize not in OPTIMIZE_CHOICES:
