@@ -43,7 +43,8 @@ def test_cost_curves_size_every_plan_under_the_mode(memory):
 
 def test_plot_costs_draws_the_memory_panel(tmp_path, capsys):
     out = tmp_path / "costs.png"
-    assert main(["plot-costs", SPEC, "-o", str(out), "--batch-range", "1", "256",
+    assert main(["plot-costs", "tt:16x16:modes=4,4|4,4:rank=4", "-o", str(out),
+                 "--batch-range", "1", "64",
                  "--memory", "balanced"]) == 0
     assert out.stat().st_size > 0
     assert "wrote" in capsys.readouterr().out
