@@ -51,7 +51,8 @@ def _engine_config(args, exp) -> Any:
     cfg = exp.engine(args.quick)
     changes: dict[str, Any] = {"stage": args.stage, "device": args.device,
                                "on_nonfinite": args.on_nonfinite,
-                               "precision": args.precision, "compile": args.compile}
+                               "precision": args.precision, "compile": args.compile,
+                               "memory": args.memory}
     for field_name, flag in FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
@@ -438,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="forward under torch.autocast: bf16, or fp16 (CUDA, with a GradScaler)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
+    p.add_argument("--memory", choices=["fast", "balanced", "min"], default="fast",
+                   help="what TT layers keep for the backward: every intermediate (fast), "
+                        "the costly-to-recompute ones (balanced), none: recompute (min)")
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start the classifier's encoder from a `comera train mlm` checkpoint "
                         "(transformer, transformer-code)")

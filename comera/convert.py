@@ -27,7 +27,7 @@ from torch import nn
 from comera.attention import TTMultiheadAttention
 from comera.embedding import TTEmbedding
 from comera.errors import ConfigError, ConversionError
-from comera.layers import DEFAULT_TAU, GatedTrain, TTLinear, TTMLinear
+from comera.layers import DEFAULT_TAU, GatedTrain, TTLinear, TTMLinear, check_memory
 from comera.surgery import swap_submodule
 
 FORMATS = ("tt", "ttm")
@@ -61,6 +61,9 @@ class ConvertConfig:
     # nn.MultiheadAttention's packed q/k/v projection: three TT layers ("split": <name>.q_proj,
     # .k_proj, .v_proj) or one with 3 x embed_dim outputs ("packed": <name>.in_proj)
     attention_in_proj: str = "split"
+    # what the TT layers keep for the backward (tncomp's memory option, GatedTrain.memory):
+    # "fast", "balanced", "min" or a byte budget per layer call
+    memory: str | int = "fast"
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -75,6 +78,7 @@ class ConvertConfig:
             raise ConfigError(f"ranks={self.ranks}; a rank is at least 1.")
         if self.d < 1:
             raise ConfigError(f"d={self.d}; a TT layer has at least one mode per side.")
+        check_memory(self.memory)
         if not (self.linear or self.embedding):
             raise ConfigError("linear and embedding are both False: nothing would be converted.")
 
@@ -245,6 +249,11 @@ def _convert_attention(name: str, mha: nn.MultiheadAttention, config: ConvertCon
     return attention, [(f"{name}.{part}", pieces[part], layers[part]) for part in pieces]
 
 
+def _tt_parts(layer: nn.Module):
+    """The gated TT layers inside a converted module (itself, or those of a wrapper)."""
+    return ((n, m) for n, m in layer.named_modules() if isinstance(m, GatedTrain))
+
+
 def _tied(model: nn.Module, chosen: list[tuple[str, nn.Module]]) -> set[str]:
     """Names of chosen modules whose weight another module of ``model`` also holds."""
     owners: dict[int, set[str]] = {}
@@ -322,6 +331,9 @@ def convert_(
         else:
             layer = _convert_one(name, module, config)
             parts = [(name, module, layer)]
+        if config.memory != "fast":
+            for _, part in _tt_parts(layer):
+                part.memory = config.memory
         swap_submodule(model, name, layer)
         reports += [_layer_report(*part) for part in parts]
     _fast_paths_off_(model)

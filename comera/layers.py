@@ -21,6 +21,7 @@ from comera.errors import ConfigError
 from comera.factorize import factorize, factorize_pair
 from comera.ttsvd import matrix_to_tt, matrix_to_ttm, tt_to_matrix, ttm_to_matrix
 from tncomp.compiler.builders import check_modes
+from tncomp.compiler.memory import check_memory as _check_tncomp_memory
 
 DEFAULT_TAU = 1e-2
 Ranks = int | Sequence[int]
@@ -76,6 +77,15 @@ def _autocast_cast(t: Tensor, low: torch.dtype) -> Tensor:
     return t.to(low) if t.is_floating_point() and t.dtype != torch.float64 else t
 
 
+def check_memory(memory) -> str | int:
+    """A tncomp memory mode (``"fast"``, ``"balanced"``, ``"min"`` or a byte budget), else a
+    :class:`ConfigError` naming the value and the choices."""
+    try:
+        return _check_tncomp_memory(memory)
+    except tncomp.errors.OptionError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _check_tau(tau: float) -> float:
     if not isinstance(tau, int | float) or tau < 0 or math.isnan(tau):
         raise ConfigError(f"tau={tau!r}; the gate threshold is a number >= 0 (default 1e-2).")
@@ -89,7 +99,7 @@ class GatedTrain(nn.Module):
     out_features: int
 
     def __init__(self, core_shapes, bias: bool, out_features: int, tau: float,
-                 dtype=None, device=None):
+                 dtype=None, device=None, memory: str | int = "fast"):
         super().__init__()
         self.tau = _check_tau(tau)
         factory = {"dtype": dtype, "device": device}
@@ -101,8 +111,24 @@ class GatedTrain(nn.Module):
         self._compiled_for: tuple | None = None
         self._compiled = None
         # Options for tncomp.compile, e.g. {"cuda_graphs": True} to replay the contraction
-        # from a captured CUDA graph, or {"autotune": True}.
+        # from a captured CUDA graph, or {"autotune": True}; ``memory`` sets "memory".
         self.compile_options: dict = {}
+        if check_memory(memory) != "fast":
+            self.compile_options["memory"] = memory
+
+    @property
+    def memory(self) -> str | int:
+        """What the forward keeps for the backward (tncomp's ``memory`` option): ``"fast"``
+        (every intermediate the backward reads), ``"balanced"``, ``"min"`` (only the input and
+        the cores: the backward recomputes the rest) or a byte budget. Setting it re-plans."""
+        return self.compile_options.get("memory", "fast")
+
+    @memory.setter
+    def memory(self, memory: str | int) -> None:
+        memory = check_memory(memory)
+        options = {k: v for k, v in self.compile_options.items() if k != "memory"}
+        self.compile_options = options if memory == "fast" else {**options, "memory": memory}
+        self.build_compiled()
 
     # -- structure ------------------------------------------------------------------------------
     @property
@@ -234,7 +260,8 @@ class _LinearTrain(GatedTrain):
     def __init__(self, in_features: int, out_features: int,
                  in_modes: Sequence[int] | None = None, out_modes: Sequence[int] | None = None,
                  ranks: Ranks = 16, bias: bool = True, tau: float = DEFAULT_TAU, d: int = 3,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 memory: str | int = "fast"):
         self.in_features = _check_features("in_features", in_features)
         self.out_features = _check_features("out_features", out_features)
         in_modes, out_modes = resolve_modes(in_features, out_features, in_modes, out_modes, d)
@@ -246,7 +273,7 @@ class _LinearTrain(GatedTrain):
                 f"{self.format_name} format pairs d input modes with d output modes."
             )
         shapes = self._core_shapes(ranks)
-        super().__init__(shapes, bias, out_features, tau, dtype, device)
+        super().__init__(shapes, bias, out_features, tau, dtype, device, memory)
         self._gaussian_init_(len(shapes))
         self.build_compiled()
 
@@ -261,13 +288,14 @@ class _LinearTrain(GatedTrain):
     def from_linear(cls, linear: nn.Linear, ranks: Ranks = 16,
                     in_modes: Sequence[int] | None = None,
                     out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
-                    d: int = 3):
+                    d: int = 3, memory: str | int = "fast"):
         """A layer initialised by TT-SVD of a trained ``nn.Linear`` (exact at full rank)."""
         if not isinstance(linear, nn.Linear):
             raise ConfigError(f"from_linear takes an nn.Linear, got {type(linear).__name__}.")
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, in_modes, out_modes, ranks,
-                    linear.bias is not None, tau, d, dtype=w.dtype, device=w.device)
+                    linear.bias is not None, tau, d, dtype=w.dtype, device=w.device,
+                    memory=memory)
         cores = cls._decompose(w.detach().T, layer.in_modes, layer.out_modes,
                                list(layer.bonds[1:-1]))
         _load_cores_(layer, cores, linear.bias)

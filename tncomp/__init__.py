@@ -23,7 +23,7 @@ from tncomp.compiler.builders import (
 from tncomp.compiler.cost import Costs, tree_costs
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Dim, Network, Role, TensorSpec, bind_dims, make_network
-from tncomp.compiler.plan import Plan
+from tncomp.compiler.plan import Plan, lower
 from tncomp.compiler.problem import Problem, Tree, problem_for
 from tncomp.views import costplot, draw, report
 from tncomp.views.costplot import CostCurves
@@ -79,16 +79,21 @@ def _compiled(net_or_compiled: Any, where: str) -> CompiledNetwork:
 
 
 def inspect(net: Network, batch: int | None = None, **compile_options) -> str:
-    """The cost/regime/plan report of ``net`` as text (what ``tncomp inspect`` prints)."""
+    """The cost/regime/plan report of ``net`` as text (what ``tncomp inspect`` prints); with
+    ``memory=`` (a ``compile`` option) it shows what that mode saves and what it recomputes."""
     compiled = net if isinstance(net, CompiledNetwork) else compile(net, **compile_options)
     network = compiled.network
     batch = report.shown_batch(network, batch)
     needs_grad = (True,) * len(network.operands)
     model = compiled.model("cpu")
-    plan = compiled.plan_for(bind_dims(network, batch), needs_grad)
+    sizes = bind_dims(network, batch)
+    plan = compiled.plan_for(sizes, needs_grad)
     table = (compiled.regimes(needs_grad, plan.itemsize, model) if len(network.dims) == 1
              else None)
-    return report.report(network, plan, model, batch, table)
+    saving_all = lower(problem_for(network, sizes), plan.tree, needs_grad, plan.itemsize,
+                       model=model)
+    return report.report(network, plan, model, batch, table, compiled.options.memory,
+                         saving_all.saved_bytes)
 
 
 def drawing_of(net_or_compiled: Any, batch: int | None = None) -> NetworkDrawing:
@@ -120,17 +125,22 @@ def cost_curves(
     itemsize: int = 4,
     model: DeviceModel | None = None,
     name: str | None = None,
+    memory: str | int | None = None,
 ) -> CostCurves:
-    """FLOPs and modelled fwd+bwd time of every candidate plan and of the dense layer, at about
-    ``points`` batch sizes over ``batch_range`` (default: the symbol's bounds, up to 65536).
+    """FLOPs, modelled fwd+bwd time and bytes saved for the backward of every candidate plan
+    and of the dense layer, at about ``points`` batch sizes over ``batch_range`` (default: the
+    symbol's bounds, up to 65536).
 
     ``needs_grad`` defaults to every operand (training); ``model`` to the compiled network's
-    model for the CPU; ``name`` (e.g. the command line's SPEC) is quoted in errors.
+    model for the CPU; ``name`` (e.g. the command line's SPEC) is quoted in errors; ``memory``
+    (a ``compile`` memory mode) to the compiled network's: plans are timed and sized under it.
     """
     compiled = _compiled(net_or_compiled, "cost_curves")
+    if memory is not None:
+        compiled = compiled.with_memory(memory)
     request = costplot.curve_request(
         compiled.network, batch_range, points, needs_grad, itemsize,
-        model if model is not None else compiled.model("cpu"), name)
+        model if model is not None else compiled.model("cpu"), name, compiled.options.memory)
     table = compiled.regimes(request.needs_grad, request.itemsize, request.model)
     return costplot.curves_of(compiled.network, table, request)
 
@@ -139,12 +149,17 @@ def plot_costs(
     net_or_compiled: Any,
     path: str | Path,
     batch_range: Sequence[int] | None = None,
+    *,
+    show_memory: bool = False,
     **options: Any,
 ) -> CostCurves:
     """Draw FLOPs and modelled time against the batch size (log-log) for every candidate plan
     and the dense layer, with the regime breakpoints as vertical lines and the plan chosen in
-    each regime drawn thick. Writes ``path``; returns the numbers (see :func:`cost_curves`)."""
+    each regime drawn thick; ``show_memory`` adds the bytes each plan saves for the backward
+    (under ``memory=``, default the compiled network's mode). Writes ``path``; returns the
+    numbers (see :func:`cost_curves`)."""
     from tncomp.views.figures import check_output_path
 
     path = check_output_path(path)
-    return costplot.draw_costs(cost_curves(net_or_compiled, batch_range, **options), path)
+    return costplot.draw_costs(cost_curves(net_or_compiled, batch_range, **options), path,
+                               show_memory)

@@ -12,6 +12,7 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 from tncomp.compiler.cache import DiskCache, LRUCache, default_cache_dir
 from tncomp.compiler.device_model import CPU_DEFAULT, CUDA_DEFAULT, DeviceModel
 from tncomp.compiler.ir import Network, bind_sizes
+from tncomp.compiler.memory import check_memory
 from tncomp.compiler.plan import Plan
 from tncomp.compiler.planner import OPTIMIZE_CHOICES, Options, Planner, binding_key
 from tncomp.compiler.problem import Tree
@@ -219,6 +221,15 @@ class CompiledNetwork:
             model = self.model(torch.device("cpu"))
         return self._planner.regimes(needs_grad, itemsize, model)
 
+    def with_memory(self, memory: str | int) -> CompiledNetwork:
+        """This network compiled with the same options and model under another memory mode
+        (``self`` when it is the same)."""
+        memory = check_memory(memory)
+        if memory == self.options.memory:
+            return self
+        return CompiledNetwork(self.network, replace(self.options, memory=memory), self._model,
+                               self._disk)
+
     def _graphed_call(self, runner: Runner, operands):
         from tncomp.runtime.cudagraph import CapturedGraphs, graphed_call
 
@@ -240,6 +251,7 @@ def compile(
     model: DeviceModel | None = None,
     disk_cache: bool | str | os.PathLike = True,
     pool_buffers: bool = True,
+    memory: str | int = "fast",
 ) -> CompiledNetwork:
     """Compile ``net`` into a callable ``(*operands) -> output`` with a planned backward pass.
 
@@ -251,6 +263,11 @@ def compile(
     calibration, else a default). ``disk_cache``: True (the default directory), False or None,
     or a directory. ``pool_buffers`` reuses large result buffers between calls once nothing
     references them (a caching allocator; ``tncomp.clear_cache()`` releases them).
+    ``memory`` trades time for the memory the forward keeps for the backward: ``"fast"`` saves
+    every intermediate the backward reads, ``"min"`` none (the backward recomputes them from
+    the operands), ``"balanced"`` drops the saves whose recomputation costs little modelled
+    time (at most 10% more in all), and an int is a budget in bytes for the saved
+    intermediates at each binding (``"min"`` is the floor). See ``Plan.saved_bytes``.
     """
     if not isinstance(net, Network):
         raise TncompError(
@@ -258,13 +275,14 @@ def compile(
             f"{type(net).__name__}."
         )
     options, model, directory = _settings(optimize, autotune, cuda_graphs, model, disk_cache,
-                                          pool_buffers)
+                                          pool_buffers, memory)
     return CompiledNetwork(net, options, model, _disk(directory))
 
 
 def _settings(optimize: str = "auto", autotune: bool = False, cuda_graphs: bool = False,
               model: DeviceModel | None = None, disk_cache: bool | str | os.PathLike = True,
-              pool_buffers: bool = True) -> tuple[Options, DeviceModel | None, Path | None]:
+              pool_buffers: bool = True, memory: str | int = "fast",
+              ) -> tuple[Options, DeviceModel | None, Path | None]:
     """``compile``'s keywords checked: the options, the model, the disk-cache directory."""
     if not isinstance(optimize, str) or optimize not in OPTIMIZE_CHOICES:
         raise OptionError(f"optimize={optimize!r}; choose one of {', '.join(OPTIMIZE_CHOICES)}.")
@@ -274,8 +292,9 @@ def _settings(optimize: str = "auto", autotune: bool = False, cuda_graphs: bool 
             "tncomp.runtime.calibrate.calibrate('cuda')) or None for the device's calibrated "
             "default."
         )
-    return (Options(optimize, bool(autotune), bool(cuda_graphs), bool(pool_buffers)), model,
-            _disk_directory(disk_cache))
+    memory = check_memory(memory)
+    return (Options(optimize, bool(autotune), bool(cuda_graphs), bool(pool_buffers), memory),
+            model, _disk_directory(disk_cache))
 
 
 def _disk_directory(disk_cache: bool | str | os.PathLike | None) -> Path | None:
@@ -340,4 +359,4 @@ def contract(eq: str, *tensors: torch.Tensor, **options) -> torch.Tensor:
 
 
 _COMPILE_KEYWORDS = ("optimize", "autotune", "cuda_graphs", "model", "disk_cache",
-                     "pool_buffers")
+                     "pool_buffers", "memory")

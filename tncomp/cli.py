@@ -208,11 +208,21 @@ def _check_json_keys(spec: str, data: object) -> None:
                         f"a SPEC file holds {' and '.join(repr(k) for k in allowed)} only.")
 
 
+def _memory(text: str | None) -> str | int | None:
+    """``--memory``: fast, balanced, min, or a budget in bytes (an OptionError otherwise)."""
+    from tncomp.compiler.memory import check_memory
+
+    if text is None:
+        return None
+    return check_memory(int(text) if text.strip().isdigit() else text)
+
+
 def _cmd_inspect(args) -> int:
     from tncomp import inspect
 
+    memory = _memory(args.memory)  # before parsing the SPEC: a bad value fails fast
     net = parse_spec(args.spec)
-    print(inspect(net, batch=args.batch))
+    print(inspect(net, batch=args.batch, memory=memory or "fast"))
     return 0
 
 
@@ -235,10 +245,12 @@ def _cmd_plot_costs(args) -> int:
     from tncomp.views.figures import check_output_path
 
     device = _device(args.device)  # before anything else: a missing device fails fast
+    memory = _memory(args.memory)
     path = check_output_path(args.output)
     net = parse_spec(args.spec)
     curves = plot_costs(net, path, args.batch_range, model=model_for(device),
-                        name=f"SPEC {args.spec!r}")
+                        name=f"SPEC {args.spec!r}", memory=memory,
+                        show_memory=memory is not None)
     bps = ", ".join(str(b) for b in curves.breakpoints) or "none"
     print(f"wrote {curves.path}: {len(curves.candidates)} candidate plans over "
           f"{curves.dim.name}={curves.batches[0]}..{curves.batches[-1]}, breakpoints {bps}"
@@ -276,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec", help="layer SPEC (see tncomp --help)")
     p.add_argument("--batch", type=int, default=None,
                    help="batch size to show the plan at (default 4096, within the bounds)")
+    p.add_argument("--memory", default=None, metavar="MODE",
+                   help="what the forward keeps for the backward: fast (all), balanced, min "
+                        "(recompute all), or a budget in bytes")
     p.set_defaults(run=_cmd_inspect)
     p = sub.add_parser("draw", help="picture of the network and its forward contraction tree")
     p.add_argument("spec", help="layer SPEC (see tncomp --help)")
@@ -290,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch sizes to sweep (default: the symbol's bounds, up to 65536)")
     p.add_argument("--device", default="cpu",
                    help="device whose cost model (calibrated, else default) times the plans")
+    p.add_argument("--memory", default=None, metavar="MODE",
+                   help="also plot the bytes each plan saves for the backward under MODE: "
+                        "fast, balanced, min, or a budget in bytes (plans are timed under it)")
     p.set_defaults(run=_cmd_plot_costs)
     p = sub.add_parser("calibrate", help="measure this device's GEMM rate and bandwidth")
     p.add_argument("--device", default="cpu")

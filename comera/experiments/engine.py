@@ -52,6 +52,7 @@ from comera.experiments.distributed import (
 )
 from comera.experiments.rundir import hold_run_directory
 from comera.experiments.task import IndexStream, Task
+from comera.layers import check_memory
 
 log = logging.getLogger("comera.engine")
 
@@ -87,6 +88,8 @@ class EngineConfig:
     device: str = "cpu"
     precision: str = "fp32"  # "bf16" / "fp16": the forward under torch.autocast (fp16: CUDA only,
     compile: bool = False  # with a GradScaler); compile: torch.compile the training forward
+    # what TT layers keep for the backward (tncomp's memory option): "fast", "balanced", "min"
+    memory: str = "fast"
 
     def __post_init__(self) -> None:
         for name in ("steps_early", "steps_late", "warmup", "checkpoint_every", "max_skips",
@@ -110,6 +113,7 @@ class EngineConfig:
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ConfigError(f"precision='fp16' trains with a CUDA GradScaler; device "
                               f"{self.device!r} has none: use precision='bf16' on the CPU.")
+        check_memory(self.memory)
         if not self.target_compression > 1:
             raise ConfigError(f"target_compression={self.target_compression}; it must be > 1 "
                               "(dense size / TT size).")
@@ -239,6 +243,9 @@ class _Run:
         random.seed(config.seed)
         self.model = task.build_model(tt).to(self.device)
         broadcast_parameters_(self.model)
+        for _, layer in comera.tt_modules(self.model):  # time for memory: no change in results
+            if layer.memory != config.memory:
+                layer.memory = config.memory
         if tt and not any(True for _ in comera.tt_modules(self.model)):
             raise ConfigError(f"task {task.name!r} built a model without TT layers for tt=True; "
                               "build_model(tt=True) must use comera's TT layers.")
@@ -435,9 +442,9 @@ class _Run:
                 f"{self.checkpoint_path} belongs to task {state['task']!r} (tt={state['tt']}), "
                 f"not {self.task.name!r} (tt={self.tt}); point --out at that run's directory.")
         defaults = asdict(EngineConfig())  # settings a checkpoint predates have their default
-        saved = {k: v for k, v in {**defaults, **state["config"]}.items()
-                 if k not in ("device", "compile")}
-        mine = {k: v for k, v in asdict(self.config).items() if k not in ("device", "compile")}
+        free = ("device", "compile", "memory")  # settings that leave the results unchanged
+        saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in free}
+        mine = {k: v for k, v in asdict(self.config).items() if k not in free}
         changed = sorted(k for k in mine if saved.get(k) != mine[k] and k != "steps_late"
                          and k != "checkpoint_every")
         if changed:

@@ -34,6 +34,10 @@ BAD = {
     "unknown-key-draw": (["draw", f"{SPEC}:foo=1", "-o", "{out}"], "unknown key 'foo'", False),
     "field-without-value": (["inspect", "tt:6x6:modes=2,3|3,2:rank"], "KEY=VALUE", False),
     "key-twice": (["inspect", f"{SPEC}:rank=3"], "gives rank= twice", False),
+    "memory-unknown": (["inspect", SPEC, "--memory", "low"], "memory='low'; choose one of",
+                       False),
+    "memory-plot-negative": (["plot-costs", SPEC, "-o", "{out}", "--memory", "-5"],
+                             "memory='-5'", False),
 }
 SUBPROCESS_DEFAULT = ("calibrate-cuda",)
 

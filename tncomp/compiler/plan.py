@@ -27,7 +27,11 @@ class Plan:
 
     Slots ``0..n_operands-1`` hold the operands and slot ``dy_slot`` the output gradient.
     ``saved`` lists the forward slots the backward reads; ``grad_slots[k]`` holds the gradient
-    of operand k after the backward steps (``None`` when not requested).
+    of operand k after the backward steps (``None`` when not requested). ``recomputed`` lists
+    the forward slots a memory mode dropped from ``saved``: the backward steps rebuild each
+    from the operands (and kept slots) by replaying the forward steps that made it, just before
+    its first use (:mod:`tncomp.compiler.memory`). ``layouts[s]`` is the index order of forward
+    slot ``s`` (its size as a formula in the symbolic sizes).
     """
 
     n_operands: int
@@ -45,6 +49,8 @@ class Plan:
     backward_frees: tuple[tuple[int, ...], ...]
     n_slots: int
     swaps: tuple[bool, ...] = field(default=())
+    layouts: tuple[tuple[str, ...], ...] = field(default=())
+    recomputed: tuple[int, ...] = field(default=())
 
     @property
     def forward_flops(self) -> int:
@@ -70,6 +76,29 @@ class Plan:
     def copy_bytes(self) -> int:
         """Bytes moved by permute copies (zero for a layout-perfect plan)."""
         return sum(op.nbytes for op in (*self.forward, *self.backward) if isinstance(op, Permute))
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of the forward intermediates kept for the backward (the operands, which the
+        caller holds and autograd saves anyway, not counted)."""
+        elements = slot_elements(self)
+        return sum(elements[s] for s in self.saved) * self.itemsize
+
+    @property
+    def recompute_ops(self) -> tuple[Op, ...]:
+        """The forward steps the backward replays to rebuild the ``recomputed`` slots."""
+        return tuple(op for op in self.backward if op.dst < self.dy_slot)
+
+    @property
+    def recompute_flops(self) -> int:
+        """FLOPs of the replayed forward steps (part of :attr:`backward_flops`)."""
+        return sum(op.flops for op in self.recompute_ops)
+
+    def recompute_time(self, model: DeviceModel) -> float:
+        """Seconds ``model`` predicts for the replayed forward steps (part of
+        :meth:`modelled_time`)."""
+        return sum(model.op_time(op.flops, op.nbytes) for op in self.recompute_ops
+                   if _costs_time(op))
 
     def modelled_time(self, model: DeviceModel, backward: bool = True) -> float:
         """Seconds ``model`` predicts for the forward steps (and the backward ones, by default):
@@ -104,6 +133,23 @@ class Plan:
 
 def _costs_time(op: Op) -> bool:
     return not isinstance(op, Reshape)
+
+
+def slot_elements(plan: Plan) -> dict[int, int]:
+    """Elements of every value the forward steps make, by slot."""
+    out: dict[int, int] = {}
+    for op in plan.forward:
+        if isinstance(op, MatMul):
+            rows = op.lhs.rows_cols[0]
+            cols = op.rhs.rows_cols[1]
+            out[op.dst] = (op.lhs.shape[0] if len(op.lhs.shape) == 3 else 1) * rows * cols
+        elif isinstance(op, Sum):
+            out[op.dst] = math.prod(s for k, s in enumerate(op.shape) if k not in op.dims)
+        elif isinstance(op, Permute | Reshape):
+            out[op.dst] = math.prod(op.shape)
+        else:  # an Expand only appears in backward passes
+            out[op.dst] = math.prod(op.shape)
+    return out
 
 
 @dataclass
@@ -151,6 +197,8 @@ class _Lowering:
         self.next_slot = self.n
         self.fwd: list[Op] = []
         self.bwd: list[Op] = []
+        self.layouts: dict[int, tuple[str, ...]] = {
+            k: self.nonunit(problem.inputs[k]) for k in range(self.n)}
 
     def slot(self) -> int:
         self.next_slot += 1
@@ -170,6 +218,7 @@ class _Lowering:
         op = Permute(self.slot(), value.slot, self.shape(value.layout), perm,
                      2 * self.vol(target) * self.itemsize, note)
         ops.append(op)
+        self.layouts[op.dst] = target
         return _Value(op.dst, target)
 
     def leaf(self, k: int) -> _Value:
@@ -181,6 +230,7 @@ class _Lowering:
             op = Sum(self.slot(), k, full, tuple(summed), math.prod(full),
                      (math.prod(full) + self.vol(kept)) * self.itemsize, f"reduce operand {k}")
             self.fwd.append(op)
+            self.layouts[op.dst] = self.nonunit(kept)
             return _Value(op.dst, self.nonunit(kept))
         return _Value(k, self.nonunit(kept))
 
@@ -246,6 +296,7 @@ class _Lowering:
         nbytes = (nb * (m * kk + kk * n + m * n)) * self.itemsize
         op = MatMul(self.slot(), lhs, rhs, flops, nbytes, f"step {k}: node {self.n + k}")
         self.fwd.append(op)
+        self.layouts[op.dst] = layout
         return _Value(op.dst, layout), _StepRecord(oa, ob, swap, out_shape)
 
     def adjoint_of(self, rec_op: _Operand, other: _Operand, d_out: MatView, left: bool, note):
@@ -296,6 +347,7 @@ class _Lowering:
             root = self.permute(self.fwd, root, out_layout, "output layout")
         final = Reshape(self.slot(), root.slot, output_shape, "output")
         self.fwd.append(final)
+        self.layouts[final.dst] = out_layout
 
         # Backward: the reversed tree.
         adj = adjoint_nodes(tree, self.needs_grad)
@@ -342,19 +394,20 @@ class _Lowering:
         first_bwd_slot = dy_slot
         saved = sorted({s for op in self.bwd for s in op.reads if n <= s < first_bwd_slot})
         keep_fwd = set(saved) | {output_slot}
-        fwd_frees = _frees(self.fwd, keep_fwd | set(range(n)))
+        fwd_frees = frees_after(self.fwd, keep_fwd | set(range(n)))
         keep_bwd = {s for s in grad_slots if s is not None} | set(range(n))
-        bwd_frees = _frees(self.bwd, keep_bwd)
+        bwd_frees = frees_after(self.bwd, keep_bwd)
         return Plan(
             n_operands=n, tree=self.tree, needs_grad=self.needs_grad, itemsize=self.itemsize,
             forward=tuple(self.fwd), backward=tuple(self.bwd), output_slot=output_slot,
             output_shape=output_shape, dy_slot=dy_slot, grad_slots=grad_slots,
             saved=tuple(saved), forward_frees=fwd_frees, backward_frees=bwd_frees,
             n_slots=self.next_slot, swaps=swaps,
+            layouts=tuple(self.layouts.get(s, ()) for s in range(first_bwd_slot)),
         )
 
 
-def _frees(ops: Sequence[Op], keep: set[int]) -> tuple[tuple[int, ...], ...]:
+def frees_after(ops: Sequence[Op], keep: set[int]) -> tuple[tuple[int, ...], ...]:
     """For every op, the slots whose last read it is (and that are not kept)."""
     last: dict[int, int] = {}
     for k, op in enumerate(ops):

@@ -20,6 +20,7 @@ from tncomp.compiler.cache import DiskCache
 from tncomp.compiler.cost import tree_costs
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Network, structural_key
+from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.plan import Plan, lower
 from tncomp.compiler.problem import Problem, Tree, problem_for
 from tncomp.compiler.regimes import (
@@ -48,6 +49,13 @@ class Options:
     autotune: bool = False
     cuda_graphs: bool = False
     pool_buffers: bool = True
+    memory: Memory = "fast"  # see tncomp.compiler.memory
+
+    @property
+    def memory_part(self) -> tuple:
+        """The memory mode as disk keys hold it: nothing for ``"fast"``, so the entries
+        written before memory modes existed stay valid."""
+        return () if self.memory == "fast" else (("memory", self.memory),)
 
 
 def binding_key(operands: Sequence[Any], grad: bool) -> tuple:
@@ -93,25 +101,27 @@ class Planner:
                  model: DeviceModel) -> tuple:
         """The disk key of a searched tree."""
         return ("tree", self.structure, self.bound(sizes), tuple(needs_grad), itemsize,
-                self.options.optimize, model)
+                self.options.optimize, model, *self.options.memory_part)
 
     def regimes_key(self, needs_grad: Sequence[bool], itemsize: int, model: DeviceModel) -> tuple:
         """The disk key of a regime table."""
-        return ("regimes", self.structure, tuple(needs_grad), itemsize, model)
+        return ("regimes", self.structure, tuple(needs_grad), itemsize, model,
+                *self.options.memory_part)
 
     def autotune_key(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], dtype_name: str,
                      device_type: str) -> tuple:
         """The disk key of an autotuned tree (measured on a device type, for a dtype)."""
         return ("autotune", self.structure, self.bound(sizes), tuple(needs_grad), dtype_name,
-                device_type, self.options.optimize)
+                device_type, self.options.optimize, *self.options.memory_part)
 
     # -- planning -------------------------------------------------------------------------------
     def plan_for(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], itemsize: int,
                  model: DeviceModel, *, dtype_name: str = "float32", device_type: str = "cpu",
                  timer: Timer | None = None) -> Plan:
         """The plan at these bound sizes: the tree of :meth:`tree_for` (or, with ``autotune``
-        and a ``timer``, the measured fastest of the best candidates) lowered with its backward.
-        A plan the search already lowered is reused, not lowered again."""
+        and a ``timer``, the measured fastest of the best candidates) lowered with its backward,
+        under the memory mode. A plan the search already lowered is reused, not lowered
+        again."""
         needs_grad = tuple(bool(g) for g in needs_grad)
         problem = problem_for(self.network, sizes)
         tree, plan = self._choose(problem, sizes, needs_grad, itemsize, model)
@@ -120,8 +130,14 @@ class Planner:
             tree, plan = self._autotuned(key, problem, sizes, needs_grad, itemsize, model,
                                          tree, plan, timer)
         if plan is None:
-            plan = lower(problem, tree, needs_grad, itemsize, model=model)
+            plan = self._lower(problem, tree, needs_grad, itemsize, model)
         return plan
+
+    def _lower(self, problem: Problem, tree: Tree, needs_grad: tuple[bool, ...], itemsize: int,
+               model: DeviceModel) -> Plan:
+        """``tree`` lowered, then saving what the memory mode lets it save."""
+        plan = lower(problem, tree, needs_grad, itemsize, model=model)
+        return apply_memory(plan, self.options.memory, model)
 
     def tree_for(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], itemsize: int,
                  model: DeviceModel) -> Tree:
@@ -150,7 +166,8 @@ class Planner:
             tree = min(candidate_trees(problem),
                        key=lambda t: tree_costs(problem, t, needs_grad).total_flops)
         else:
-            plan = choose_plan(problem, needs_grad, itemsize, model).plan
+            plan = choose_plan(problem, needs_grad, itemsize, model,
+                               memory=self.options.memory).plan
             tree = plan.tree
         self._store(key, tree.to_payload())
         return tree, plan
@@ -169,10 +186,11 @@ class Planner:
         stored = self._load(key, parse)
         if stored is not None:
             return stored, (default_plan if stored == default else None)
-        ranked = choose_plan(problem, needs_grad, itemsize, model).plans
+        ranked = choose_plan(problem, needs_grad, itemsize, model,
+                             memory=self.options.memory).plans
         if default_plan is None:
-            default_plan = next((p for p in ranked if p.tree == default), None) or lower(
-                problem, default, needs_grad, itemsize, model=model)
+            default_plan = next((p for p in ranked if p.tree == default), None) or self._lower(
+                problem, default, needs_grad, itemsize, model)
         plans = [default_plan, *[p for p in ranked if p.tree != default][:AUTOTUNE_TOP_K - 1]]
         shapes = [tuple(sizes[i] for i in t.indices) for t in self.network.operands]
         times = list(timer(plans, shapes))
@@ -203,7 +221,7 @@ class Planner:
         table = self._load(key, partial(regimes_from_payload, net.dims[0],
                                         n_leaves=len(net.operands)))
         if table is None:
-            table = build_regimes(net, needs_grad, itemsize, model)
+            table = build_regimes(net, needs_grad, itemsize, model, self.options.memory)
             self._store(key, regimes_to_payload(table))
         self._regimes[local_key] = table
         return table

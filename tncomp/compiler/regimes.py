@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Dim, Network, bind_dims
+from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.plan import lower
 from tncomp.compiler.problem import Tree, problem_for
 from tncomp.compiler.search import candidate_trees, sample_points
@@ -76,8 +77,10 @@ def build_regimes(
     needs_grad: Sequence[bool],
     itemsize: int,
     model: DeviceModel,
+    memory: Memory = "fast",
 ) -> RegimeTable:
-    """Search candidates at sampled sizes of the network's one Dim; bisect the breakpoints."""
+    """Search candidates at sampled sizes of the network's one Dim; bisect the breakpoints.
+    Candidates are timed under the memory mode (recomputation included)."""
     (dim,) = net.dims
     samples = sample_points(dim.min, upper_bound(dim), 1)
     candidates = regime_candidates(net, needs_grad, itemsize, model)
@@ -86,7 +89,8 @@ def build_regimes(
     def best_at(value: int) -> int:
         problem = problem_for(net, bind_dims(net, value))
         times = [
-            lower(problem, t, needs_grad, itemsize, swaps=sw).modelled_time(model, with_grad)
+            apply_memory(lower(problem, t, needs_grad, itemsize, swaps=sw), memory,
+                         model).modelled_time(model, with_grad)
             for t, sw in candidates
         ]
         return min(range(len(candidates)), key=times.__getitem__)

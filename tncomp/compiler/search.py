@@ -17,6 +17,7 @@ import opt_einsum
 
 from tncomp.compiler.chain import chain_trees
 from tncomp.compiler.device_model import DeviceModel
+from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.plan import Plan, lower
 from tncomp.compiler.problem import Problem, Tree
 from tncomp.errors import PlanError
@@ -107,14 +108,17 @@ def choose_plan(
     itemsize: int,
     model: DeviceModel,
     trees: Sequence[Tree] | None = None,
+    memory: Memory = "fast",
 ) -> Choice:
-    """Lower every candidate tree and keep the one with the least modelled fwd+bwd time."""
+    """Lower every candidate tree under the memory mode and keep the one with the least
+    modelled fwd+bwd time (recomputation included)."""
     trees = list(trees) if trees is not None else candidate_trees(problem)
     if not trees:
         raise PlanError("no candidate contraction tree was found.")
     scored = []
     for tree in trees:
-        plan = lower(problem, tree, needs_grad, itemsize, model=model)
+        plan = apply_memory(lower(problem, tree, needs_grad, itemsize, model=model), memory,
+                            model)
         scored.append((plan.modelled_time(model, backward=any(needs_grad)), plan))
     scored.sort(key=lambda sp: sp[0])
     log.debug("scored %d candidate trees; best %.3g s", len(scored), scored[0][0])

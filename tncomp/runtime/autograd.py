@@ -55,16 +55,20 @@ class ContractFunction(torch.autograd.Function):
     def forward(ctx, runner: Runner, *operands: torch.Tensor) -> torch.Tensor:
         y, saved = runner.code.forward(*operands)
         ctx.runner = runner
-        ctx.intermediates = saved
-        ctx.save_for_backward(*operands)
+        # The intermediates go through save_for_backward too, so saved-tensor hooks
+        # (torch.autograd.graph.save_on_cpu, non-reentrant checkpointing, byte counts) see
+        # everything the backward keeps: the operands and the plan's ``saved`` slots.
+        ctx.save_for_backward(*operands, *saved)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        operands = ctx.saved_tensors
+        tensors = ctx.saved_tensors
+        n = ctx.runner.n_operands
+        operands = tensors[:n]
         if torch.is_grad_enabled():  # create_graph: build the gradients as a graph
             return (None, *ctx.runner.differentiable_grads(operands, dy))
-        grads = ctx.runner.code.backward(operands, ctx.intermediates, dy)
+        grads = ctx.runner.code.backward(operands, tensors[n:], dy)
         return (None, *grads)
 
 

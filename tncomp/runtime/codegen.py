@@ -108,7 +108,10 @@ class _Emitter:
         lines = []
         for k, (op, free) in enumerate(zip(ops, frees, strict=True)):
             lines.append(f"        step = {k}")
-            lines.append(f"        {self.line(op)}")
+            conjugate = self.conjugate
+            self.conjugate = conjugate and op.dst > self.plan.dy_slot  # a replayed forward step
+            lines.append(f"        {self.line(op)}")  # (memory modes) computes, not conjugates
+            self.conjugate = conjugate
             if free:
                 lines.append(f"        del {', '.join(f'v{s}' for s in free)}")
         return lines or ["        pass"]

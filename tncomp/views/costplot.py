@@ -1,14 +1,15 @@
-"""FLOPs and modelled time against the batch size: every candidate plan, the dense layer, the
-regimes.
+"""FLOPs, modelled time and saved memory against the batch size: every candidate plan, the dense
+layer, the regimes.
 
 For a network with one symbolic size, the candidate trees are those the regime search weighs
 (found at sampled sizes, each lowered with the GEMM orientations it was found with), so the
 curves are exactly what :mod:`tncomp.compiler.regimes` compares: at every size the plan of the
 regime table is the lowest modelled-time curve. Each candidate is lowered with its backward pass at
 every plotted size; its FLOPs and time come from that plan (what would run), not from a
-formula. A view takes values: the caller (``tncomp.cost_curves`` / ``plot_costs``, the CLI)
-checks the request with :func:`curve_request`, builds the regime table, and passes both to
-:func:`curves_of`; :func:`draw_costs` draws the numbers.
+formula; so do the bytes it saves for the backward under the memory mode (recomputation
+priced into its time). A view takes values: the caller (``tncomp.cost_curves`` /
+``plot_costs``, the CLI) checks the request with :func:`curve_request`, builds the regime
+table, and passes both to :func:`curves_of`; :func:`draw_costs` draws the numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sympy
 
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Dim, Network, Role, bind_dims
+from tncomp.compiler.memory import Memory, apply_memory, check_memory, describe_memory
 from tncomp.compiler.plan import lower
 from tncomp.compiler.problem import Tree, problem_for
 from tncomp.compiler.regimes import Regime, RegimeTable, regime_candidates
@@ -39,12 +41,14 @@ DEFAULT_POINTS = 48
 
 @dataclass(frozen=True)
 class CostSeries:
-    """One curve: forward+backward FLOPs and modelled seconds at each plotted batch."""
+    """One curve: forward+backward FLOPs, modelled seconds and the bytes saved for the backward
+    (intermediates beyond the operands) at each plotted batch."""
 
     label: str
     tree: Tree | None  # None for the dense layer
     flops: tuple[int, ...]
     times: tuple[float, ...]
+    saved: tuple[int, ...] = ()  # empty for the dense layer (it saves only its operands)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class CostCurves:
     itemsize: int
     model: DeviceModel
     path: Path | None = None
+    memory: Memory = "fast"
 
     @property
     def breakpoints(self) -> tuple[int, ...]:
@@ -173,11 +178,12 @@ class CurveRequest:
     needs_grad: tuple[bool, ...]
     itemsize: int
     model: DeviceModel
+    memory: Memory = "fast"
 
 
 def curve_request(net: Network, batch_range: Sequence[int] | None, points: int,
                   needs_grad: Sequence[bool] | None, itemsize: int, model: DeviceModel,
-                  name: str | None) -> CurveRequest:
+                  name: str | None, memory: Memory = "fast") -> CurveRequest:
     """The checked :class:`CurveRequest` (a clear error naming the bad value otherwise)."""
     name = name if name is not None else f"network {net.output.name}"
     dim = _the_dim(net, name)
@@ -192,7 +198,8 @@ def curve_request(net: Network, batch_range: Sequence[int] | None, points: int,
     if not isinstance(model, DeviceModel):
         raise TncompError(f"{name}: model is a {type(model).__name__}; pass a "
                           "tncomp.DeviceModel (or leave it out).")
-    return CurveRequest(name, dim, lo, hi, points, needs_grad, itemsize, model)
+    return CurveRequest(name, dim, lo, hi, points, needs_grad, itemsize, model,
+                        check_memory(memory))
 
 
 def curves_of(net: Network, table: RegimeTable, request: CurveRequest) -> CostCurves:
@@ -200,7 +207,7 @@ def curves_of(net: Network, table: RegimeTable, request: CurveRequest) -> CostCu
     :func:`~tncomp.compiler.regimes.build_regimes` compares, and any tree of ``table`` found
     elsewhere) and of the dense layer, at the batches of ``request``."""
     name, dim, needs_grad = request.name, request.dim, request.needs_grad
-    itemsize, model = request.itemsize, request.model
+    itemsize, model, memory = request.itemsize, request.model, request.memory
     candidates = regime_candidates(net, needs_grad, itemsize, model)
     by_signature = {tree.signature(): k for k, (tree, _) in enumerate(candidates)}
     for r in table.regimes:  # a table from the disk cache may hold a tree found elsewhere
@@ -217,38 +224,48 @@ def curves_of(net: Network, table: RegimeTable, request: CurveRequest) -> CostCu
     backward = any(needs_grad)
     flops: list[list[int]] = [[] for _ in candidates]
     times: list[list[float]] = [[] for _ in candidates]
+    saved: list[list[int]] = [[] for _ in candidates]
     for b in batches:
         problem = problem_for(net, bind_dims(net, b))
         for k, (tree, swaps) in enumerate(candidates):
-            plan = lower(problem, tree, needs_grad, itemsize, swaps=swaps)
+            plan = apply_memory(lower(problem, tree, needs_grad, itemsize, swaps=swaps), memory,
+                                model)
             flops[k].append(plan.forward_flops + (plan.backward_flops if backward else 0))
             times[k].append(plan.modelled_time(model, backward))
+            saved[k].append(plan.saved_bytes)
     series = tuple(
-        CostSeries(f"P{k + 1}: {describe_tree(net, tree)}", tree, tuple(f), tuple(t))
-        for k, ((tree, _), f, t) in enumerate(zip(candidates, flops, times, strict=True))
+        CostSeries(f"P{k + 1}: {describe_tree(net, tree)}", tree, tuple(f), tuple(t), tuple(m))
+        for k, ((tree, _), f, t, m) in enumerate(zip(candidates, flops, times, saved,
+                                                     strict=True))
     )
     dense = _dense_series(net, dim, batches, needs_grad, itemsize, model)
     log.debug("cost curves of %s: %d candidates at %d batches", name, len(series), len(batches))
     return CostCurves(name, dim, tuple(batches), series, dense, regimes, chosen, needs_grad,
-                      itemsize, model)
+                      itemsize, model, memory=memory)
 
 
-def draw_costs(curves: CostCurves, path: str | Path) -> CostCurves:
+def draw_costs(curves: CostCurves, path: str | Path, show_memory: bool = False) -> CostCurves:
     """Draw FLOPs and modelled time against the batch size (log-log) for every candidate plan
     and the dense layer, with the regime breakpoints as vertical lines and the plan chosen in
-    each regime drawn thick. Writes ``path``; returns ``curves`` with the path."""
+    each regime drawn thick; ``show_memory`` adds a third panel, the bytes each plan saves for
+    the backward under the curves' memory mode. Writes ``path``; returns ``curves`` with the
+    path."""
     path = check_output_path(path)
-    fig, (ax_flops, ax_time) = new_figure(15, 7.5, 2)
+    fig, axes = new_figure(22 if show_memory else 15, 7.5, 3 if show_memory else 2)
+    ax_flops, ax_time = axes[:2]
     colours = _colours(len(curves.candidates))
     b = curves.batches
-    for ax, field in ((ax_flops, "flops"), (ax_time, "times")):
+    panels = [(ax_flops, "flops"), (ax_time, "times")]
+    if show_memory:
+        panels.append((axes[2], "saved"))
+    for ax, field in panels:
         for k, s in enumerate(curves.candidates):
             ax.plot(b, getattr(s, field), color=colours[k], lw=1.2, label=_short(s.label))
         for regime, k in zip(curves.regimes, curves.chosen, strict=True):
             idx = [j for j, v in enumerate(b) if regime.lo <= v <= regime.hi]
             ax.plot([b[j] for j in idx], [getattr(curves.candidates[k], field)[j] for j in idx],
                     color=colours[k], lw=7, alpha=0.45, solid_capstyle="butt", zorder=1)
-        if curves.dense is not None:
+        if curves.dense is not None and getattr(curves.dense, field):
             ax.plot(b, getattr(curves.dense, field), color="black", lw=1.8, ls="--",
                     label=curves.dense.label)
         for bp in curves.breakpoints:
@@ -262,7 +279,10 @@ def draw_costs(curves: CostCurves, path: str | Path) -> CostCurves:
                         xytext=(0, 4), textcoords="offset points", ha="center", fontsize=8,
                         color=colours[k], fontweight="bold")
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        if field == "saved":  # "min" saves 0 bytes: a log scale cannot show it
+            ax.set_yscale("symlog", linthresh=1024)
+        else:
+            ax.set_yscale("log")
         ax.set_xlabel(f"batch size {curves.dim.name}")
         ax.grid(True, which="major", alpha=0.3)
     grads = "forward + backward" if any(curves.needs_grad) else "forward only"
@@ -273,6 +293,10 @@ def draw_costs(curves: CostCurves, path: str | Path) -> CostCurves:
     rates = (f"{format_count(model.gemm_flops_per_s, 'FLOP/s')}, "
              f"{format_count(model.bytes_per_s, 'B/s')}")
     ax_time.set_title(f"modelled time ({model.source}: {rates})", fontsize=10)
+    if show_memory:
+        axes[2].set_ylabel("bytes saved for the backward (beyond the operands)")
+        axes[2].set_title(f"saved memory, mode {describe_memory(curves.memory)} (the dense "
+                          "layer saves only its operands)", fontsize=10)
     handles, labels = ax_flops.get_legend_handles_labels()
     from matplotlib.lines import Line2D
 

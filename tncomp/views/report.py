@@ -13,6 +13,7 @@ import sympy
 from tncomp.compiler.cost import Costs, tree_costs
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Network, Role
+from tncomp.compiler.memory import Memory, describe_memory, saved_formula
 from tncomp.compiler.plan import Plan
 from tncomp.compiler.problem import Tree, problem_for
 from tncomp.compiler.regimes import RegimeTable
@@ -90,11 +91,33 @@ def shown_batch(net: Network, batch: int | None) -> int:
     return DEFAULT_BATCH if batch is None else batch
 
 
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def memory_lines(net: Network, plan: Plan, model: DeviceModel, at: str, memory: Memory,
+                 saved_by_tree: int) -> list[str]:
+    """What ``plan`` keeps for the backward under ``memory``, against ``saved_by_tree`` (the
+    bytes the same tree saves in ``"fast"``), and the modelled time its recomputation costs."""
+    total = plan.modelled_time(model)
+    recompute = plan.recompute_time(model)
+    return [f"== memory (mode {describe_memory(memory)}; plan at {at}) ==",
+            f"saved for bwd   {_fmt(saved_formula(plan, problem_for(net)))} bytes (this plan's "
+            f"intermediates; operands not counted)",
+            f"at {at}: saved {_mib(plan.saved_bytes)} ({len(plan.saved)} values); the tree "
+            f"saving all: {_mib(saved_by_tree)}",
+            f"recompute       {len(plan.recomputed)} values, {len(plan.recompute_ops)} steps, "
+            f"{plan.recompute_flops / 1e6:.2f} MFLOP in the backward, modelled "
+            f"{recompute * 1e3:.3f} ms of {total * 1e3:.3f} ms", ""]
+
+
 def report(net: Network, plan: Plan, model: DeviceModel, batch: int,
-           table: RegimeTable | None = None) -> str:
+           table: RegimeTable | None = None, memory: Memory = "fast",
+           saved_by_tree: int | None = None) -> str:
     """The full report of ``net``: the costs of ``plan``'s tree as formulas, the regime
-    ``table`` (for one symbolic size), ``plan`` (bound at ``batch``) timed by ``model``, and
-    the dense layer it stands for."""
+    ``table`` (for one symbolic size), what ``plan`` saves for the backward under ``memory``
+    (``saved_by_tree``: what its tree saves in ``"fast"``, default ``plan``'s), ``plan``
+    (bound at ``batch``) timed by ``model``, and the dense layer it stands for."""
     needs_grad, itemsize = plan.needs_grad, plan.itemsize
     lines = ["== network ==", str(net), ""]
     dims = net.dims
@@ -105,13 +128,16 @@ def report(net: Network, plan: Plan, model: DeviceModel, batch: int,
               f"forward FLOPs   {_fmt(symbolic.forward_flops)}",
               f"backward FLOPs  {_fmt(symbolic.backward_flops)}",
               f"bytes moved     {_fmt(symbolic.total_bytes)}  (fwd+bwd, {itemsize}-byte items)",
-              f"saved for bwd   {_fmt(symbolic.saved_bytes)} bytes",
+              f"saved for bwd   {_fmt(symbolic.saved_bytes)} bytes (saving every intermediate)",
               f"peak memory     {_fmt(symbolic.peak_bytes)} bytes (intermediates + output)", ""]
     if table is not None:
         lines.append(f"== {dims[0].name} regimes (breakpoints {list(table.breakpoints)}) ==")
         for r in table.regimes:
             lines.append(f"{dims[0].name} in [{r.lo}, {r.hi}]: {describe_tree(net, r.tree)}")
         lines.append("")
+    if any(needs_grad):
+        lines += memory_lines(net, plan, model, at, memory,
+                              plan.saved_bytes if saved_by_tree is None else saved_by_tree)
     lines += [f"== plan at {at} ==", plan.table(),
               f"modelled time {plan.modelled_time(model) * 1e3:.3f} ms, floor "
               f"{plan.floor_time(model) * 1e3:.3f} ms ({model.source}: "
