@@ -25,6 +25,23 @@ THIN_COLS = 8  # a CPU GEMM A^T B with this few output columns ...
 THIN_MIN_INNER = 1024  # ... and this long an inner size is run transposed
 
 
+def thin_transposed(op: MatMul, device: torch.device) -> bool:
+    """A CPU GEMM ``A^T B`` with at most ``THIN_COLS`` output columns: CPU BLAS runs it up to
+    14x slower than the transposed product ``(B^T A)^T`` (measured: x^T dz with x 4096x1024
+    and dz 4096x8 took 33 ms, dz^T x 4 ms; at 16 columns 5.6 vs 3.5 ms). The weight gradient
+    of a low-rank TT layer is exactly this GEMM. Codegen runs it transposed by this rule;
+    autotune measures the orientation of other GEMMs (:attr:`MatMul.transposed`)."""
+    m, k = op.lhs.rows_cols
+    n = op.rhs.rows_cols[1]
+    return (device.type == "cpu" and op.lhs.t and not op.rhs.t
+            and n <= THIN_COLS < m and k >= THIN_MIN_INNER)
+
+
+def runs_transposed(op: MatMul, device: torch.device) -> bool:
+    """Whether codegen emits ``op`` as ``(rhs^T @ lhs^T)^T``: marked so, or by the thin rule."""
+    return op.transposed or thin_transposed(op, device)
+
+
 @dataclass(frozen=True)
 class GeneratedCode:
     """The source and the compiled functions of one plan, and its buffer pools."""
@@ -56,14 +73,6 @@ class _Emitter:
             text += ".conj()"
         return f"{text}.mT" if v.t else text
 
-    def thin_transposed(self, op: MatMul, m: int, n: int) -> bool:
-        """A CPU GEMM ``A^T B`` with at most ``THIN_COLS`` output columns: CPU BLAS runs it up to
-        14x slower than the transposed product ``(B^T A)^T`` (measured: x^T dz with x 4096x1024
-        and dz 4096x8 took 33 ms, dz^T x 4 ms; at 16 columns 5.6 vs 3.5 ms). The weight gradient
-        of a low-rank TT layer is exactly this GEMM."""
-        k = op.lhs.rows_cols[1]
-        return (self.device.type == "cpu" and op.lhs.t and not op.rhs.t
-                and n <= THIN_COLS < m and k >= THIN_MIN_INNER)
 
     def reshape(self, src: int, shape: tuple[int, ...]) -> str:
         if self.shapes.get(src) == shape:
@@ -78,7 +87,7 @@ class _Emitter:
             n = op.rhs.rows_cols[1]
             shape = ((op.lhs.shape[0],) if batched else ()) + (m, n)
             self.shapes[op.dst] = shape
-            if self.thin_transposed(op, m, n):  # C = (B^T A^T)^T: same values, fast layout
+            if runs_transposed(op, self.device):  # C = (B^T A^T)^T: same values, fast layout
                 return (f"v{op.dst} = torch.{fn}({self.view(op.rhs)}.mT, {self.view(op.lhs)}.mT)"
                         ".mT.contiguous()")
             out = ""
