@@ -151,9 +151,15 @@ def gemm_table(device: torch.device, dtype: torch.dtype, sync: Callable[[], obje
 
 
 def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-              save: bool = True, shapes: bool = True) -> DeviceModel:
+              save: bool = True, shapes: bool = False) -> DeviceModel:
     """Time a square GEMM, a large copy, a tiny op and (``shapes``) the GEMM grid of
-    :func:`gemm_table`; store and return the model."""
+    :func:`gemm_table`; store and return the model.
+
+    ``shapes`` is off by default: the table predicts a plan's time better (768x3072 TT layer,
+    B=4096, 1 thread: 76 ms modelled with it, 55 ms without, 89 ms measured), but a
+    5-point grid misjudges thin GEMMs with large outputs, and planning with it picked a slower
+    tree there (its heavy GEMMs measured 172 ms against 152 ms for the flat model's tree, on a
+    loaded 2-core machine). ``compile(..., autotune=True)`` measures instead of modelling."""
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n = 2048 if device.type == "cpu" else 8192

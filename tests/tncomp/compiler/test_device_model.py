@@ -48,9 +48,12 @@ def test_the_table_is_exact_on_the_grid_and_log_linear_between():
     assert MODEL.gemm_rate(mid, 512, 512) == pytest.approx(
         math.exp((1 - t) * math.log(8e9) + t * math.log(64e9)))
     assert MODEL.gemm_rate(mid, 512, 512) == pytest.approx(expected, rel=0.05)
-    # outside the grid: clamped to its ends
+    # outside the grid: clamped to its ends; an output side past the grid is folded into the
+    # other side (the output keeps its size: 4096 x 64 reads as 512 x 512)
     assert MODEL.gemm_rate(2, 512, 512) == pytest.approx(8e9)
     assert MODEL.gemm_rate(4096, 4096, 4096) == pytest.approx(512e9)
+    assert MODEL.gemm_rate(4096, 64, 512) == pytest.approx(512e9)
+    assert MODEL.gemm_rate(64, 4096, 512) == pytest.approx(512e9)
 
 
 def test_a_thin_gemm_costs_more_than_its_flops_at_peak():
