@@ -21,20 +21,29 @@ from tncomp.compiler.plan import Plan
 from tncomp.errors import ExecutionError
 from tncomp.runtime.buffers import MIN_POOLED_BYTES, BufferPool, alias, pooling_available
 
-THIN_COLS = 8  # a CPU GEMM A^T B with this few output columns ...
-THIN_MIN_INNER = 1024  # ... and this long an inner size is run transposed
+THIN_COLS = 32  # a CPU GEMM with this few output columns (and more rows) ...
+THIN_MIN_INNER = 128  # ... and at least this long an inner size is run transposed ...
+THIN_ALIGNED_MIN_ROWS = 1024  # ... unless A B / A B^T, columns a multiple of 8, rows this many
 
 
 def thin_transposed(op: MatMul, device: torch.device) -> bool:
-    """A CPU GEMM ``A^T B`` with at most ``THIN_COLS`` output columns: CPU BLAS runs it up to
-    14x slower than the transposed product ``(B^T A)^T`` (measured: x^T dz with x 4096x1024
-    and dz 4096x8 took 33 ms, dz^T x 4 ms; at 16 columns 5.6 vs 3.5 ms). The weight gradient
-    of a low-rank TT layer is exactly this GEMM. Codegen runs it transposed by this rule;
-    autotune measures the orientation of other GEMMs (:attr:`MatMul.transposed`)."""
+    """A CPU GEMM ``C = A B`` with a thin output (at most ``THIN_COLS`` columns, more rows, an
+    inner size of at least ``THIN_MIN_INNER``) runs as ``(B^T A^T)^T``: CPU BLAS (MKL, AVX2)
+    handles the thin side far better as rows than as columns.
+
+    Measured on a 2-core AMD EPYC, 1 thread, medians of 7-11 interleaved rounds, direct time
+    over transposed time: ``A^T B`` (the weight gradient x^T dT) 1.26-1.81 for 16 and 30
+    columns at inner sizes 128-4096 (768 and 3072 rows), ~1.0 at 64 columns (x^T dz with 8
+    columns, x 4096x1024: 33 vs 4 ms, the rule's first case); ``A B`` and ``A B^T`` with 128
+    rows 1.2-2.9 at 8-30 columns, with 4096 rows 1.1-1.5 at 12, 20 and 30 columns but
+    0.87-1.5 at 8, 16 and 24 (a multiple of 8 suits the BLAS kernel), so those stay direct.
+    ``compile(..., autotune=True)`` measures other GEMMs (:attr:`MatMul.transposed`)."""
     m, k = op.lhs.rows_cols
     n = op.rhs.rows_cols[1]
-    return (device.type == "cpu" and op.lhs.t and not op.rhs.t
-            and n <= THIN_COLS < m and k >= THIN_MIN_INNER)
+    if device.type != "cpu" or not (n <= THIN_COLS < m and k >= THIN_MIN_INNER):
+        return False
+    weight_grad = op.lhs.t and not op.rhs.t  # A^T B
+    return weight_grad or n % 8 != 0 or m < THIN_ALIGNED_MIN_ROWS
 
 
 def runs_transposed(op: MatMul, device: torch.device) -> bool:
@@ -87,11 +96,20 @@ class _Emitter:
             n = op.rhs.rows_cols[1]
             shape = ((op.lhs.shape[0],) if batched else ()) + (m, n)
             self.shapes[op.dst] = shape
+            pooled = self.pool and math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES
             if runs_transposed(op, self.device):  # C = (B^T A^T)^T: same values, fast layout
-                return (f"v{op.dst} = torch.{fn}({self.view(op.rhs)}.mT, {self.view(op.lhs)}.mT)"
-                        ".mT.contiguous()")
+                product = f"torch.{fn}({self.view(op.rhs)}.mT, {self.view(op.lhs)}.mT"
+                if not pooled:
+                    return f"v{op.dst} = {product}).mT.contiguous()"
+                # C^T and C in pooled buffers: fresh ones cost page faults that ate the gain
+                # (768x3072 TT layer, B=4096: 0.96-1.08x with fresh, see thin_transposed)
+                t_slot = self.plan.n_slots + op.dst
+                self.pools[op.dst] = BufferPool(shape, self.dtype, self.device)
+                self.pools[t_slot] = BufferPool((*shape[:-2], n, m), self.dtype, self.device)
+                return (f"v{op.dst} = _pool{op.dst}.take().copy_({product}, "
+                        f"out=_pool{t_slot}.take()).mT)")
             out = ""
-            if self.pool and math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES:
+            if pooled:
                 self.pools[op.dst] = BufferPool(shape, self.dtype, self.device)
                 out = f", out=_pool{op.dst}.take()"
             return f"v{op.dst} = torch.{fn}({self.view(op.lhs)}, {self.view(op.rhs)}{out})"

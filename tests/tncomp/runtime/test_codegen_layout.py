@@ -61,3 +61,44 @@ def test_every_gemm_run_transposed_gives_exact_values_and_gradients():
             want = torch.autograd.grad(torch.einsum(eq, *ops), ops, dy)
             for g, w in zip(grads, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_thin_rule_covers_rank_30_gemms_and_leaves_aligned_wide_ones():
+    """Issue 14: thin GEMMs with 30 output columns (rank 30) ran 1.3-1.8x faster transposed on
+    CPU; 16 columns with 4096 rows (A B) ran faster direct."""
+    from tncomp.compiler.ops import MatMul, MatView
+    from tncomp.runtime.codegen import thin_transposed
+
+    cpu = torch.device("cpu")
+
+    def gemm(m, k, n, ta=False):
+        lhs = MatView(0, (k, m) if ta else (m, k), ta)
+        return MatMul(2, lhs, MatView(1, (k, n), False), 2 * m * k * n, 0)
+
+    assert thin_transposed(gemm(4096, 768, 30), cpu)  # x L (forward, rank 30)
+    assert thin_transposed(gemm(768, 4096, 30, ta=True), cpu)  # x^T dT (weight gradient)
+    assert thin_transposed(gemm(128, 768, 16), cpu)  # few rows: any thin width
+    assert not thin_transposed(gemm(4096, 768, 16), cpu)  # aligned width, many rows
+    assert not thin_transposed(gemm(4096, 768, 64), cpu)  # not thin
+    assert not thin_transposed(gemm(4096, 64, 30), cpu)  # short inner size
+    assert not thin_transposed(gemm(4096, 768, 30), torch.device("meta"))
+
+
+def test_pooled_transposed_gemms_give_exact_values_and_gradients():
+    torch.manual_seed(2)
+    net = tncomp.tt_linear((8, 8, 4), (4, 8, 8), 30)
+    f = tncomp.compile(net, disk_cache=False)
+    x = torch.randn(2048, 8, 8, 4, dtype=torch.float64, requires_grad=True)
+    cores = [torch.randn(*net.shape(t), dtype=torch.float64, requires_grad=True)
+             for t in net.operands[1:]]
+    plan = f.plan_of(x, *cores)
+    source = generate(plan, [tuple(t.shape) for t in (x, *cores)], torch.float64, "cpu").source
+    assert ".take().copy_(torch.mm(" in source  # x L (2048 x 30) into pooled buffers
+    dy = torch.randn(2048, 4, 8, 8, dtype=torch.float64)
+    for _ in range(2):  # the second call reuses the pooled buffers
+        got = torch.autograd.grad(f(x, *cores), (x, *cores), dy)
+    want_y = torch.einsum("Zijk,aip,pjq,qkr,rls,smt,tnu->Zlmn", x, *cores)
+    want = torch.autograd.grad(want_y, (x, *cores), dy)
+    torch.testing.assert_close(f(x, *cores), want_y, rtol=1e-10, atol=1e-10)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
