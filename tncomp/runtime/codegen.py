@@ -24,6 +24,9 @@ from tncomp.runtime.buffers import MIN_POOLED_BYTES, BufferPool, alias, pooling_
 THIN_COLS = 32  # a CPU GEMM with this few output columns (and more rows) ...
 THIN_MIN_INNER = 128  # ... and at least this long an inner size is run transposed ...
 THIN_ALIGNED_MIN_ROWS = 1024  # ... unless A B / A B^T, columns a multiple of 8, rows this many
+FUSE_MIN_BYTES = 4 << 20  # a shared GEMM operand this large (out of cache) ...
+FUSE_MAX_THIN = 64  # ... read by two GEMMs with outputs this thin ...
+FUSE_BLOCK = 256  # ... is read once, in blocks of this many rows (fused_rows)
 
 
 def thin_transposed(op: MatMul, device: torch.device) -> bool:
@@ -51,14 +54,39 @@ def runs_transposed(op: MatMul, device: torch.device) -> bool:
     return op.transposed or thin_transposed(op, device)
 
 
+def fused_rows(v: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+               block: int = FUSE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(v @ x, y @ v)`` in one pass over ``v``'s rows (``v`` (M, N), ``x`` (N, n1), ``y``
+    (m2, M), ``n1`` and ``m2`` thin): each block of rows is read while it is in cache, once
+    for ``(x^T v_rows^T)^T`` and once for ``y[:, rows] @ v_rows``, summed over the blocks.
+
+    The backward of a TT layer's widest step reads its output gradient dY this way twice
+    (dT = dY R^T, dR = T^T dY). Measured on a 2-core AVX2 CPU, 1 thread, TT layer rank 30,
+    B=4096, whole fwd+bwd, 15 interleaved rounds, unfused time over fused: 768x3072 (dY 50 MB)
+    1.27 (quartiles 1.09-1.39), 768x768 (dY 12.6 MB) 1.09 (0.93-1.34)."""
+    m = v.shape[0]
+    out1_t = torch.empty((x.shape[1], m), dtype=v.dtype, device=v.device)  # (n1, M)
+    out2 = None
+    for start in range(0, m, block):
+        rows = v[start:start + block]  # (block, N)
+        torch.mm(x.mT, rows.mT, out=out1_t[:, start:start + block])
+        if out2 is None:
+            out2 = torch.mm(y[:, start:start + block], rows)  # (m2, N)
+        else:
+            out2.addmm_(y[:, start:start + block], rows)
+    return out1_t.mT.contiguous(), out2
+
+
 @dataclass(frozen=True)
 class GeneratedCode:
-    """The source and the compiled functions of one plan, and its buffer pools."""
+    """The source and the compiled functions of one plan, its buffer pools, and how many GEMM
+    pairs its backward runs fused (:func:`fused_rows`: in-place, so the plain code has none)."""
 
     source: str
     forward: Callable
     backward: Callable
     pools: dict = field(default_factory=dict)
+    fused: int = 0
 
 
 class _Emitter:
@@ -73,6 +101,7 @@ class _Emitter:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.exits = {plan.output_slot, *(s for s in plan.grad_slots if s is not None)}
         self.conjugate = False  # set while emitting the backward of a complex plan
+        self.fused = 0
 
     def view(self, v: MatView) -> str:
         text = f"v{v.slot}"
@@ -131,11 +160,54 @@ class _Emitter:
                     ".contiguous()")
         raise TypeError(f"unknown op {op!r}")
 
+    def fusable(self, ops) -> dict[int, tuple[int, int]]:
+        """Adjacent GEMM pairs ``V @ X`` and ``Y @ V`` sharing a large 2-D operand ``V`` with
+        thin outputs, CPU only, in code that pools (the fused form writes in place): the first
+        step of each pair -> (the step computing ``V @ X``, the step computing ``Y @ V``)."""
+        if not self.pool or self.device.type != "cpu":
+            return {}
+        pairs: dict[int, tuple[int, int]] = {}
+        k = 0
+        while k + 1 < len(ops):
+            made = ops[k].dst  # the step after may not read what step k makes
+            for first, second in ((k, k + 1), (k + 1, k)):
+                p, q = ops[first], ops[second]
+                if self._fuses(p, q) and made not in (p.rhs.slot, q.lhs.slot):
+                    pairs[k] = (first, second)
+                    break
+            k += 2 if k in pairs else 1
+        return pairs
+
+    def _fuses(self, p: Op, q: Op) -> bool:
+        if not (isinstance(p, MatMul) and isinstance(q, MatMul)):
+            return False
+        v = p.lhs
+        if v != q.rhs or v.t or len(v.shape) != 2:
+            return False
+        rows, cols = v.shape
+        return (rows * cols * self.itemsize >= FUSE_MIN_BYTES and rows >= 2 * FUSE_BLOCK
+                and p.rhs.rows_cols[1] <= FUSE_MAX_THIN and q.lhs.rows_cols[0] <= FUSE_MAX_THIN)
+
+    def fused_line(self, p: MatMul, q: MatMul) -> str:
+        self.shapes[p.dst] = (p.lhs.rows_cols[0], p.rhs.rows_cols[1])
+        self.shapes[q.dst] = (q.lhs.rows_cols[0], q.rhs.rows_cols[1])
+        self.fused += 1
+        return (f"v{p.dst}, v{q.dst} = _fused_rows({self.view(p.lhs)}, {self.view(p.rhs)}, "
+                f"{self.view(q.lhs)})")
+
     def body(self, ops, frees) -> list[str]:
         lines = []
+        pairs = self.fusable(ops)
+        done = {k + 1 for k in pairs}
         for k, (op, free) in enumerate(zip(ops, frees, strict=True)):
             lines.append(f"        step = {k}")
-            lines.append(f"        {self.line(op)}")
+            if k in pairs:
+                first, second = pairs[k]
+                lines.append(f"        {self.fused_line(ops[first], ops[second])}")
+            elif k in done:
+                lines.append("        pass  # fused into the step before")
+            else:
+                lines.append(f"        {self.line(op)}")
             if free:
                 lines.append(f"        del {', '.join(f'v{s}' for s in free)}")
         return lines or ["        pass"]
@@ -175,9 +247,10 @@ def generate(plan: Plan, operand_shapes, dtype: torch.dtype = torch.float32,
             f"{type(exc).__name__} while executing {which} step {step} ({what}) of {name}: {exc}"
         ) from exc
 
-    namespace = {"torch": torch, "_fail": fail, "_alias": alias}
+    namespace = {"torch": torch, "_fail": fail, "_alias": alias, "_fused_rows": fused_rows}
     namespace.update({f"_pool{slot}": p for slot, p in emit.pools.items()})
     filename = f"<tncomp {name} {id(plan):x}>"
     exec(compile(source, filename, "exec"), namespace)
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    return GeneratedCode(source, namespace["forward"], namespace["backward"], emit.pools)
+    return GeneratedCode(source, namespace["forward"], namespace["backward"], emit.pools,
+                         emit.fused)

@@ -102,3 +102,32 @@ def test_pooled_transposed_gemms_give_exact_values_and_gradients():
     torch.testing.assert_close(f(x, *cores), want_y, rtol=1e-10, atol=1e-10)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_backward_reads_a_large_dy_once_for_both_gemms_with_exact_gradients():
+    """Issue 14: dT = dY R^T and dR = T^T dY read dY twice; the fused form (fused_rows) reads
+    it in row blocks once. Only pooling (in-place) code fuses; the plain code does not."""
+    torch.manual_seed(3)
+    net = tncomp.tt_linear((8, 8, 4), (8, 8, 12), 30)
+    f = tncomp.compile(net, disk_cache=False)
+    x = torch.randn(1024, 8, 8, 4, dtype=torch.float64, requires_grad=True)  # dY: 6 MB
+    cores = [torch.randn(*net.shape(t), dtype=torch.float64, requires_grad=True)
+             for t in net.operands[1:]]
+    plan = f.plan_of(x, *cores)
+    shapes = [tuple(t.shape) for t in (x, *cores)]
+    code = generate(plan, shapes, torch.float64, "cpu")
+    assert code.fused == 1 and "_fused_rows(" in code.source
+    assert generate(plan, shapes, torch.float64, "cpu", pool=False).fused == 0
+    dy = torch.randn(1024, 8, 8, 12, dtype=torch.float64)
+    got = torch.autograd.grad(f(x, *cores), (x, *cores), dy)
+    want_y = torch.einsum("Zijk,aip,pjq,qkr,rls,smt,tnu->Zlmn", x, *cores)
+    want = torch.autograd.grad(want_y, (x, *cores), dy, retain_graph=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    # create_graph runs the plain code (no in-place steps): second derivatives still work
+    y = f(x, *cores)
+    (gx,) = torch.autograd.grad((y * dy).sum(), x, create_graph=True)
+    (ggx,) = torch.autograd.grad(gx.square().sum(), cores[0])
+    (wgx,) = torch.autograd.grad((want_y * dy).sum(), x, create_graph=True)
+    torch.testing.assert_close(ggx, torch.autograd.grad(wgx.square().sum(), cores[0])[0],
+                               rtol=1e-9, atol=1e-9)
