@@ -203,8 +203,11 @@ class CompiledNetwork:
 
             timer = partial(time_plans, dtype=dtype, device=device)
             orient = partial(orient_gemms, dtype=dtype, device=device)
+        # autotuned choices hold for the thread count they were timed at (CPU BLAS orientation
+        # and tree speeds change with it): it is part of the autotune key
+        where = f"cpu/{torch.get_num_threads()}" if device.type == "cpu" else device.type
         return self._planner.plan_for(sizes, needs_grad, dtype.itemsize, model,
-                                      dtype_name=str(dtype), device_type=device.type,
+                                      dtype_name=str(dtype), device_type=where,
                                       timer=timer, orient=orient)
 
     def tree_for(self, sizes, needs_grad, itemsize: int, model: DeviceModel) -> Tree:

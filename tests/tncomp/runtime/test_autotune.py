@@ -82,3 +82,21 @@ def test_orient_gemms_names_gemms_of_the_plan():
     assert all(isinstance(plan.forward[k], MatMul) for k in fwd)
     assert all(isinstance(plan.backward[k], MatMul) for k in bwd)
     assert len(fwd) + len(bwd) <= 3
+
+
+def test_autotuned_choices_are_kept_per_cpu_thread_count(tmp_path, monkeypatch):
+    net = tncomp.tt_linear((3, 4), (4, 3), 5)
+    timed = []
+    real = autotune._time_plan
+    monkeypatch.setattr(autotune, "_time_plan", lambda *a, **k: timed.append(1) or real(*a, **k))
+    ops = _operands(net, 6)
+    before = torch.get_num_threads()
+    try:
+        for threads, fresh in ((1, True), (1, False), (2, True)):
+            tncomp.clear_cache()
+            timed.clear()
+            torch.set_num_threads(threads)
+            tncomp.compile(net, autotune=True, disk_cache=tmp_path)(*ops)
+            assert bool(timed) == fresh, threads
+    finally:
+        torch.set_num_threads(before)
