@@ -130,8 +130,8 @@ class _Emitter:
                 product = f"torch.{fn}({self.view(op.rhs)}.mT, {self.view(op.lhs)}.mT"
                 if not pooled:
                     return f"v{op.dst} = {product}).mT.contiguous()"
-                # C^T and C in pooled buffers: fresh ones cost page faults that ate the gain
-                # (768x3072 TT layer, B=4096: 0.96-1.08x with fresh, see thin_transposed)
+                # C^T and C in pooled buffers, as the direct product gets: fresh ones cost page
+                # faults (see tncomp.runtime.buffers)
                 t_slot = self.plan.n_slots + op.dst
                 self.pools[op.dst] = BufferPool(shape, self.dtype, self.device)
                 self.pools[t_slot] = BufferPool((*shape[:-2], n, m), self.dtype, self.device)
