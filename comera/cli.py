@@ -44,7 +44,7 @@ def _one_line(text: str) -> str:
 FLAGS = {"target_compression": "--target-compression", "steps_early": "--steps",
          "steps_late": "--late-steps", "batch_size": "--batch-size",
          "checkpoint_every": "--checkpoint-every", "seed": "--seed", "eval_every": "--eval-every",
-         "lr": "--lr", "lam": "--lam", "lr_gates": "--lr-gates"}
+         "lr": "--lr", "lam": "--lam", "lr_gates": "--lr-gates", "threads": "--threads"}
 
 
 def _engine_config(args, exp) -> Any:
@@ -427,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-gates", type=float, default=None, help="learning rate of the rank gates")
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: the faster of 1 and all, timed at the start)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (one this machine has)")
     p.add_argument("--out", default="runs/latest",
                    help="run directory (created if missing; one run at a time)")

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,37 @@ from comera.size import dense_size, model_size, tt_modules
 from comera.truncate import TruncationReport, truncate_
 
 log = logging.getLogger("comera.train")
+
+
+def pick_threads(step: Callable[[], object], candidates: Sequence[int] | None = None,
+                 repeats: int = 3) -> int:
+    """Time ``step`` (e.g. one forward+backward) at each CPU thread count of ``candidates``
+    (default: 1 and the current count), in alternation after one warm-up call each; set the
+    fastest with ``torch.set_num_threads`` and return it.
+
+    Why measure: the right count depends on the model and on the machine's load. A small TT
+    model's step is a chain of thin GEMMs too small to split well, and on a busy 2-core machine
+    2 threads made a small TT step 10x slower than 1 thread, while a large dense step gains
+    from every core; no size rule found held across both, so the engine times a few steps."""
+    current = torch.get_num_threads()
+    candidates = sorted(set(candidates or (1, current)))
+    if any(not isinstance(n, int) or n < 1 for n in candidates):
+        raise ConfigError(f"thread counts {candidates}; each is an int >= 1.")
+    times: dict[int, list[float]] = {n: [] for n in candidates}
+    for n in candidates:
+        torch.set_num_threads(n)
+        step()
+    for _ in range(repeats):
+        for n in candidates:
+            torch.set_num_threads(n)
+            start = time.perf_counter()
+            step()
+            times[n].append(time.perf_counter() - start)
+    best = min(candidates, key=lambda n: statistics.median(times[n]))
+    torch.set_num_threads(best)
+    log.info("threads: %s ms per step at %s threads; using %d",
+             [round(statistics.median(times[n]) * 1e3, 2) for n in candidates], candidates, best)
+    return best
 
 
 @dataclass(frozen=True)

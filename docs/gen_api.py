@@ -5,11 +5,12 @@
 
 The public API is ``tncomp.__all__``, ``comera.__all__``, and the public classes and functions
 defined in ``comera.experiments.engine``, ``comera.experiments.task``,
-``comera.experiments.results``, ``comera.experiments.rundir`` and ``comera.report`` (names without a leading underscore). Each
-name gets its signature and docstring, grouped by the module that defines it; a class also gets
-its public methods, properties and class attributes, including those of the tncomp / comera
-classes it inherits from. ``tests/test_api_reference.py`` checks that the committed file is what
-this script writes, and lists the public names that lack a docstring.
+``comera.experiments.results``, ``comera.experiments.rundir`` and ``comera.report`` (names
+without a leading underscore). Each name gets its signature and docstring, grouped by the
+module that defines it; a class also gets its public methods, properties and class attributes,
+including those of the tncomp / comera classes it inherits from.
+``tests/test_api_reference.py`` checks that the committed file is what this script writes, and
+lists the public names that lack a docstring.
 """
 
 from __future__ import annotations

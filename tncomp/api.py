@@ -199,14 +199,18 @@ class CompiledNetwork:
         ``model`` (default: the compiled network's model, else the device's)."""
         device = torch.device(device)
         model = model if model is not None else self.model(device)
-        timer = None
+        timer = orient = None
         if self.options.autotune:
-            from tncomp.runtime.autotune import time_plans
+            from tncomp.runtime.autotune import orient_gemms, time_plans
 
             timer = partial(time_plans, dtype=dtype, device=device)
+            orient = partial(orient_gemms, dtype=dtype, device=device)
+        # autotuned choices hold for the thread count they were timed at (CPU BLAS orientation
+        # and tree speeds change with it): it is part of the autotune key
+        where = f"cpu/{torch.get_num_threads()}" if device.type == "cpu" else device.type
         return self._planner.plan_for(sizes, needs_grad, dtype.itemsize, model,
-                                      dtype_name=str(dtype), device_type=device.type,
-                                      timer=timer)
+                                      dtype_name=str(dtype), device_type=where,
+                                      timer=timer, orient=orient)
 
     def tree_for(self, sizes, needs_grad, itemsize: int, model: DeviceModel) -> Tree:
         """The contraction tree used at these bound sizes: read from the batch regime table

@@ -53,6 +53,7 @@ from comera.experiments.distributed import (
 from comera.experiments.rundir import hold_run_directory
 from comera.experiments.task import IndexStream, Task
 from comera.layers import check_memory
+from comera.train import pick_threads
 
 log = logging.getLogger("comera.engine")
 
@@ -90,10 +91,11 @@ class EngineConfig:
     compile: bool = False  # with a GradScaler); compile: torch.compile the training forward
     # what TT layers keep for the backward (tncomp's memory option): "fast", "balanced", "min"
     memory: str = "fast"
+    threads: int = 0  # CPU threads; 0: the faster of 1 and the current count, timed at the start
 
     def __post_init__(self) -> None:
         for name in ("steps_early", "steps_late", "warmup", "checkpoint_every", "max_skips",
-                     "late_loss_slack"):
+                     "late_loss_slack", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}; it must be >= 0.")
         for name in ("batch_size", "eval_every"):
@@ -442,7 +444,8 @@ class _Run:
                 f"{self.checkpoint_path} belongs to task {state['task']!r} (tt={state['tt']}), "
                 f"not {self.task.name!r} (tt={self.tt}); point --out at that run's directory.")
         defaults = asdict(EngineConfig())  # settings a checkpoint predates have their default
-        free = ("device", "compile", "memory")  # settings that leave the results unchanged
+        # settings that leave the results unchanged
+        free = ("device", "compile", "memory", "threads")
         saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in free}
         mine = {k: v for k, v in asdict(self.config).items() if k not in free}
         changed = sorted(k for k in mine if saved.get(k) != mine[k] and k != "steps_late"
@@ -463,6 +466,34 @@ class _Run:
         broadcast_parameters_(self.model)
         log.info("%s: resumed at step %d (stage %s)", self.name, self.step, self.trainer.stage)
         return True
+
+
+def _set_threads(run: _Run, config: EngineConfig) -> None:
+    """CPU threads of the run: ``config.threads``, else (alone, on the CPU, with more than one
+    thread) the faster of 1 and the current count over a few forward+backward passes of the
+    next batch (:func:`comera.train.pick_threads`). The passes leave no trace: gradients are
+    dropped and the RNG states restored, so the run's numbers do not change."""
+    if run.device.type != "cpu":
+        return
+    if config.threads:
+        torch.set_num_threads(config.threads)
+        return
+    if run.world.size > 1 or torch.get_num_threads() == 1:
+        return
+    batch = _to(run.task.step_batch(run.stream, run.step, run.world.rank, run.world.size),
+                run.device)
+    rng = torch.get_rng_state(), random.getstate()
+
+    def probe() -> None:
+        with run._autocast():
+            run.task.loss(run.forward_model, batch).backward()
+
+    try:
+        pick_threads(probe)
+    finally:
+        run.model.zero_grad(set_to_none=True)
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
 
 
 def _as_tuple(value: Any) -> Any:
@@ -502,6 +533,7 @@ def _train(task: Task, name: str, tt: bool, config: EngineConfig, out: Path, res
     resumed = run.resume() if resume else False
     if not resumed and resume:
         log.info("%s: no checkpoint at %s; starting fresh", name, run.checkpoint_path)
+    _set_threads(run, config)
     budget = math.inf if stop_after is None else stop_after
     taken = 0
     for stage, first, end in run.stages():

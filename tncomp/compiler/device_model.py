@@ -1,24 +1,84 @@
-"""A device cost model: GEMM rate, memory bandwidth and a fixed cost per step.
+"""A device cost model: GEMM rates, memory bandwidth and a fixed cost per step.
 
 FLOP-optimal is not time-optimal: a permute copy or a thin GEMM costs bandwidth, and every step
 costs dispatch time. Plans are scored by ``sum(max(flops / rate, bytes / bandwidth) + overhead)``;
 the *floor* of a plan drops the per-step overhead. ``tncomp.runtime.calibrate`` measures the
 numbers.
+
+The GEMM rate depends on the shape: a thin GEMM (an inner or outer size of 8-64, the TT rank)
+runs far below the rate of a large square one (measured on a 2-core AVX2 CPU: 2048^3 at 60-85
+GFLOP/s, (4096x768)@(768x30) at 13-29 GFLOP/s). A calibrated model therefore carries a table
+of measured rates on a grid of ``(m, n, k)`` and interpolates it in log space
+(:meth:`DeviceModel.gemm_rate`); without a table every GEMM runs at ``gemm_flops_per_s``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from tncomp.compiler.ops import MatMul, Op
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceModel:
-    """Rates of one device and dtype, measured or assumed."""
+    """Rates of one device and dtype, measured or assumed.
+
+    ``gemm_dims`` (ascending) is the grid of sizes the rates were measured at, the same for m,
+    n and k; ``gemm_rates[(a * d + b) * d + c]`` (``d = len(gemm_dims)``) is the FLOP/s of an
+    ``(m x k) @ (k x n)`` GEMM with ``m, n, k = gemm_dims[a], gemm_dims[b], gemm_dims[c]``.
+    Both empty: no table (every GEMM at ``gemm_flops_per_s``)."""
 
     gemm_flops_per_s: float = 100e9
     bytes_per_s: float = 10e9
     step_overhead_s: float = 6e-6
     source: str = "default (not calibrated)"
+    gemm_dims: tuple[int, ...] = ()
+    gemm_rates: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        d = len(self.gemm_dims)
+        if len(self.gemm_rates) != d**3 or list(self.gemm_dims) != sorted(set(self.gemm_dims)):
+            raise ValueError(
+                f"gemm_rates holds {len(self.gemm_rates)} rates for {d} grid sizes "
+                f"{self.gemm_dims}; it needs len(gemm_dims) ** 3 = {d**3}, with gemm_dims "
+                "strictly ascending (or both empty).")
+
+    def gemm_rate(self, m: int, n: int, k: int) -> float:
+        """FLOP/s of an ``(m x k) @ (k x n)`` GEMM: the table interpolated linearly in
+        ``log(size)`` and ``log(rate)`` (sizes outside the grid are clamped to its ends, an
+        output side past it folded into the other side), or ``gemm_flops_per_s`` without a
+        table."""
+        if not self.gemm_dims:
+            return self.gemm_flops_per_s
+        d, top = len(self.gemm_dims), self.gemm_dims[-1]
+        # An output side past the grid is folded into the other one, keeping the output's size:
+        # a thin GEMM's rate drops once its output leaves the cache (measured: 49152x30 @ 30x256
+        # runs like 4096x30 @ 30x3072, 3x slower than 4096x30 @ 30x256 per FLOP).
+        if m > top:
+            m, n = top, n * m / top
+        if n > top:
+            m, n = min(top, m * n / top), top
+        corners = [_bracket(self.gemm_dims, x) for x in (m, n, k)]
+        log_rate = 0.0
+        for a, wa in corners[0]:
+            for b, wb in corners[1]:
+                for c, wc in corners[2]:
+                    w = wa * wb * wc
+                    if w:
+                        log_rate += w * math.log(self.gemm_rates[(a * d + b) * d + c])
+        return math.exp(log_rate)
+
+    def matmul_time(self, m: int, n: int, k: int, batch: int = 1, nbytes: float = 0.0) -> float:
+        """Modelled seconds of ``batch`` GEMMs ``(m x k) @ (k x n)`` moving ``nbytes``: the
+        FLOPs at the rate of their shape (a batch counts as ``batch * m`` rows) or the bytes at
+        bandwidth, whichever is slower, plus the per-step overhead."""
+        return self.matmul_floor(m, n, k, batch, nbytes) + self.step_overhead_s
+
+    def matmul_floor(self, m: int, n: int, k: int, batch: int = 1, nbytes: float = 0.0) -> float:
+        """:meth:`matmul_time` without the per-step overhead."""
+        flops = 2 * batch * m * n * k
+        return max(flops / self.gemm_rate(batch * m, n, k), nbytes / self.bytes_per_s)
 
     def op_time(self, flops: float, nbytes: float) -> float:
         """Modelled seconds of one step: FLOPs at the GEMM rate or bytes at bandwidth, whichever is
@@ -28,6 +88,33 @@ class DeviceModel:
     def floor_time(self, flops: float, nbytes: float) -> float:
         """:meth:`op_time` without the per-step overhead: the step's rate-limited lower bound."""
         return max(flops / self.gemm_flops_per_s, nbytes / self.bytes_per_s)
+
+    def step_time(self, op: Op) -> float:
+        """Modelled seconds of one plan step: a GEMM at the rate of its shape
+        (:meth:`matmul_time`), any other step by :meth:`op_time`."""
+        return self.step_floor(op) + self.step_overhead_s
+
+    def step_floor(self, op: Op) -> float:
+        """:meth:`step_time` without the per-step overhead."""
+        if isinstance(op, MatMul) and self.gemm_dims:
+            m, k = op.lhs.rows_cols
+            n = op.rhs.rows_cols[1]
+            batch = op.lhs.shape[0] if len(op.lhs.shape) == 3 else 1
+            return self.matmul_floor(m, n, k, batch, op.nbytes)
+        return self.floor_time(op.flops, op.nbytes)
+
+
+def _bracket(grid: tuple[int, ...], x: float) -> tuple[tuple[int, float], tuple[int, float]]:
+    """The two grid positions around ``x`` and their weights (linear in log size)."""
+    if x <= grid[0]:
+        return (0, 1.0), (0, 0.0)
+    if x >= grid[-1]:
+        last = len(grid) - 1
+        return (last, 1.0), (last, 0.0)
+    hi = next(j for j, g in enumerate(grid) if g >= x)
+    lo = hi - 1
+    t = math.log(x / grid[lo]) / math.log(grid[hi] / grid[lo])
+    return (lo, 1.0 - t), (hi, t)
 
 
 CPU_DEFAULT = DeviceModel()

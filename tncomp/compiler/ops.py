@@ -6,7 +6,8 @@ each into a small closure once, so a cached plan runs as a tight loop over torch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +29,11 @@ class MatView:
 
 @dataclass(frozen=True, slots=True)
 class MatMul:
-    """``slots[dst] = lhs @ rhs`` (torch.mm, or torch.bmm when the views carry a batch axis)."""
+    """``slots[dst] = lhs @ rhs`` (torch.mm, or torch.bmm when the views carry a batch axis).
+
+    ``transposed``: run it as ``(rhs^T @ lhs^T)^T`` copied contiguous, the same values in the
+    same layout from the other GEMM orientation (autotune sets it where that measured faster).
+    """
 
     dst: int
     lhs: MatView
@@ -36,6 +41,7 @@ class MatMul:
     flops: int
     nbytes: int
     note: str = ""
+    transposed: bool = False
 
     @property
     def reads(self) -> tuple[int, ...]:
@@ -47,7 +53,8 @@ class MatMul:
         kind = "bmm" if len(self.lhs.shape) == 3 else "gemm"
         batch = f"{self.lhs.shape[0]}x " if kind == "bmm" else ""
         ta, tb = ("T" if v.t else "N" for v in (self.lhs, self.rhs))
-        return f"{kind} {batch}({m}x{k})@({k}x{n}) {ta}{tb}"
+        how = " as (B^T A^T)^T" if self.transposed else ""
+        return f"{kind} {batch}({m}x{k})@({k}x{n}) {ta}{tb}{how}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,3 +137,14 @@ class Expand:
 
 
 Op = MatMul | Permute | Reshape | Sum | Expand
+
+
+def transpose_gemms(ops: Sequence[Op], positions: Collection[int]) -> tuple[Op, ...]:
+    """``ops`` with the GEMMs at ``positions`` marked :attr:`MatMul.transposed`; raises
+    ValueError when a position is out of range or not a GEMM."""
+    for k in positions:
+        if not (isinstance(k, int) and 0 <= k < len(ops) and isinstance(ops[k], MatMul)):
+            raise ValueError(f"step {k!r} of {len(ops)} is not a GEMM; only a GEMM can be "
+                             "transposed.")
+    return tuple(replace(op, transposed=True) if k in positions else op
+                 for k, op in enumerate(ops))

@@ -102,14 +102,15 @@ class Plan:
 
     def modelled_time(self, model: DeviceModel, backward: bool = True) -> float:
         """Seconds ``model`` predicts for the forward steps (and the backward ones, by default):
-        :meth:`DeviceModel.op_time` summed over the steps, reshapes (free views) left out."""
+        :meth:`DeviceModel.step_time` summed over the steps, reshapes (free views) left out."""
         ops = (*self.forward, *self.backward) if backward else self.forward
-        return sum(model.op_time(op.flops, op.nbytes) for op in ops if _costs_time(op))
+        return sum(model.step_time(op) for op in ops if _costs_time(op))
 
     def floor_time(self, model: DeviceModel, backward: bool = True) -> float:
-        """FLOPs at the GEMM rate or bytes at bandwidth, step by step, with no overhead."""
+        """FLOPs at the GEMM rate (of each GEMM's shape, when ``model`` has a table) or bytes
+        at bandwidth, step by step, with no overhead."""
         ops = (*self.forward, *self.backward) if backward else self.forward
-        return sum(model.floor_time(op.flops, op.nbytes) for op in ops)
+        return sum(model.step_floor(op) for op in ops)
 
     def table(self) -> str:
         """The steps as a readable table: pass, step, what it computes, FLOPs, bytes."""

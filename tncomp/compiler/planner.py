@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -21,6 +21,7 @@ from tncomp.compiler.cost import tree_costs
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Network, structural_key
 from tncomp.compiler.memory import Memory, apply_memory
+from tncomp.compiler.ops import transpose_gemms
 from tncomp.compiler.plan import Plan, lower
 from tncomp.compiler.problem import Problem, Tree, problem_for
 from tncomp.compiler.regimes import (
@@ -30,7 +31,7 @@ from tncomp.compiler.regimes import (
     regimes_to_payload,
 )
 from tncomp.compiler.search import candidate_trees, choose_plan
-from tncomp.errors import TncompError
+from tncomp.errors import CacheError, TncompError
 
 log = logging.getLogger("tncomp.compiler.planner")
 
@@ -39,6 +40,8 @@ AUTOTUNE_TOP_K = 3  # candidates timed by autotune: the modelled best and the ne
 
 Timer = Callable[[Sequence[Plan], Sequence[tuple[int, ...]]], Sequence[float]]
 """Measured seconds of each plan run on operands of the given shapes (the runtime's autotune)."""
+Orienter = Callable[[Plan], tuple[tuple[int, ...], tuple[int, ...]]]
+"""Positions of the forward and backward GEMMs that measured faster transposed (autotune)."""
 
 
 @dataclass(frozen=True)
@@ -117,18 +120,18 @@ class Planner:
     # -- planning -------------------------------------------------------------------------------
     def plan_for(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], itemsize: int,
                  model: DeviceModel, *, dtype_name: str = "float32", device_type: str = "cpu",
-                 timer: Timer | None = None) -> Plan:
+                 timer: Timer | None = None, orient: Orienter | None = None) -> Plan:
         """The plan at these bound sizes: the tree of :meth:`tree_for` (or, with ``autotune``
-        and a ``timer``, the measured fastest of the best candidates) lowered with its backward,
-        under the memory mode. A plan the search already lowered is reused, not lowered
-        again."""
+        and a ``timer``, the measured fastest of the best candidates, its heaviest GEMMs in the
+        orientation ``orient`` measured fastest) lowered with its backward, under the memory
+        mode. A plan the search already lowered is reused, not lowered again."""
         needs_grad = tuple(bool(g) for g in needs_grad)
         problem = problem_for(self.network, sizes)
         tree, plan = self._choose(problem, sizes, needs_grad, itemsize, model)
         if self.options.autotune and timer is not None:
             key = self.autotune_key(sizes, needs_grad, dtype_name, device_type)
-            tree, plan = self._autotuned(key, problem, sizes, needs_grad, itemsize, model,
-                                         tree, plan, timer)
+            return self._autotuned(key, problem, sizes, needs_grad, itemsize, model,
+                                   tree, plan, timer, orient)
         if plan is None:
             plan = self._lower(problem, tree, needs_grad, itemsize, model)
         return plan
@@ -174,18 +177,31 @@ class Planner:
 
     def _autotuned(self, key: tuple, problem: Problem, sizes, needs_grad: tuple[bool, ...],
                    itemsize: int, model: DeviceModel, default: Tree, default_plan: Plan | None,
-                   timer: Timer) -> tuple[Tree, Plan | None]:
-        """The measured fastest of ``default`` and the model's next best candidates; the
-        winner is kept on disk, so a process pays for the timing once."""
+                   timer: Timer, orient: Orienter | None) -> Plan:
+        """The measured fastest of ``default`` and the model's next best candidates, with the
+        GEMM orientations ``orient`` measured; tree, swaps and orientations are kept on disk,
+        so a process pays for the timing once."""
         n = len(self.network.operands)
 
-        def parse(payload: object) -> Tree:
-            return Tree.from_payload(payload.get("tree") if isinstance(payload, dict) else None,
-                                     n_leaves=n)
+        def parse(payload: object) -> tuple[Tree, list[bool], tuple[list[int], list[int]]]:
+            if not (isinstance(payload, dict) and isinstance(payload.get("swaps"), list)
+                    and isinstance(payload.get("flips"), list) and len(payload["flips"]) == 2
+                    and all(isinstance(f, list) for f in payload["flips"])):
+                raise CacheError("an autotuned entry holds tree, swaps and flips")
+            tree = Tree.from_payload(payload.get("tree"), n_leaves=n)
+            if len(payload["swaps"]) != len(tree.steps):
+                raise CacheError("one swap per step")
+            return tree, [bool(s) for s in payload["swaps"]], tuple(payload["flips"])
 
         stored = self._load(key, parse)
         if stored is not None:
-            return stored, (default_plan if stored == default else None)
+            tree, swaps, (fwd, bwd) = stored
+            try:
+                return _transposed(apply_memory(
+                    lower(problem, tree, needs_grad, itemsize, swaps=swaps, model=model),
+                    self.options.memory, model), fwd, bwd)
+            except ValueError as exc:  # positions that are not GEMMs: a stale entry
+                log.warning("autotune: ignoring a stored entry (%s); timing again", exc)
         ranked = choose_plan(problem, needs_grad, itemsize, model,
                              memory=self.options.memory).plans
         if default_plan is None:
@@ -198,8 +214,11 @@ class Planner:
         log.debug("autotune: %s", [(f"{times[k] * 1e3:.3f} ms", plans[k].tree.steps)
                                    for k in order])
         best = plans[order[0]]
-        self._store(key, {"tree": best.tree.to_payload(), "times": [times[k] for k in order]})
-        return best.tree, best
+        fwd, bwd = orient(best) if orient is not None else ((), ())
+        log.debug("autotune: GEMMs run transposed: forward %s, backward %s", fwd, bwd)
+        self._store(key, {"tree": best.tree.to_payload(), "swaps": list(best.swaps),
+                          "flips": [list(fwd), list(bwd)], "times": [times[k] for k in order]})
+        return _transposed(best, fwd, bwd)
 
     def regimes(self, needs_grad: Sequence[bool] | None = None, itemsize: int = 4,
                 model: DeviceModel | None = None) -> RegimeTable:
@@ -232,3 +251,12 @@ class Planner:
     def _store(self, key: tuple, payload: Any) -> None:
         if self.disk is not None:
             self.disk.store(key, payload)
+
+
+def _transposed(plan: Plan, fwd: Sequence[int], bwd: Sequence[int]) -> Plan:
+    """``plan`` with the forward GEMMs at ``fwd`` and the backward ones at ``bwd`` run
+    transposed (:func:`~tncomp.compiler.ops.transpose_gemms`)."""
+    if not fwd and not bwd:
+        return plan
+    return replace(plan, forward=transpose_gemms(plan.forward, fwd),
+                   backward=transpose_gemms(plan.backward, bwd))

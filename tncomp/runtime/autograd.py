@@ -31,7 +31,7 @@ class Runner:
         self.shapes = tuple(tuple(s) for s in shapes)
         self.dtype = dtype
         self.device = device
-        self._plain: GeneratedCode | None = None if code.pools else code
+        self._plain: GeneratedCode | None = None if code.pools or code.fused else code
 
     def plain(self) -> GeneratedCode:
         """The plan's code with no pooled buffers (generated on first use)."""

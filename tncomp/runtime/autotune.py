@@ -4,19 +4,31 @@ The device model ranks candidates; measurement settles the top few, since FLOP-o
 even model-optimal) is not time-optimal. The planner (:mod:`tncomp.compiler.planner`) picks
 the candidates, keys and stores the winner; this module only runs plans and times them: values
 in (plans, shapes, dtype, device), seconds out.
+
+It also picks the orientation of the winner's heaviest GEMMs (:func:`orient_gemms`): ``C = A B``
+or ``C = (B^T A^T)^T``, the same values from the other BLAS orientation. CPU BLAS is far from
+symmetric on thin shapes (measured on a 2-core AVX2 CPU, 1 thread, MKL: dY R^T with dY
+4096x768, R 30x768 took 20 ms direct, 5.5 ms transposed; x^T dT with x 4096x768 15 vs 12 ms; the
+other way round dT L^T 4096x30x768 12 vs 44 ms), and no rule of thumb predicts which way wins,
+so each is timed in isolation on operands of its own layout.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
+from tncomp.compiler.ops import MatMul, MatView
 from tncomp.compiler.plan import Plan
 from tncomp.runtime.calibrate import median_time
-from tncomp.runtime.codegen import generate
+from tncomp.runtime.codegen import generate, runs_transposed
 
 REPEATS = 5
+ORIENT_TOP = 6  # the heaviest GEMMs whose orientation is measured
+ORIENT_ROUNDS = 7  # interleaved rounds per GEMM (median of each orientation)
+ORIENT_MARGIN = 0.9  # transposed is kept only when it takes under 90% of the direct time
 
 
 def _time_plan(plan: Plan, shapes, dtype, device, repeats: int = REPEATS) -> float:
@@ -39,3 +51,58 @@ def time_plans(plans: Sequence[Plan], shapes: Sequence[tuple[int, ...]], dtype: 
     """Median seconds of each plan's forward (+ backward when it takes gradients) on random
     operands of ``shapes``: the planner's timer when ``compile(..., autotune=True)``."""
     return [_time_plan(plan, shapes, dtype, device) for plan in plans]
+
+
+def _matrix(view: MatView, dtype, device) -> torch.Tensor:
+    """A random operand stored as ``view`` reads it: ``view.shape`` contiguous, transposed if
+    ``view.t``."""
+    stored = torch.randn(view.shape, dtype=dtype, device=device)
+    return stored.mT if view.t else stored
+
+
+def gemm_times(op: MatMul, dtype: torch.dtype, device: torch.device | str,
+               rounds: int = ORIENT_ROUNDS) -> tuple[float, float]:
+    """Median seconds of ``op`` run as ``lhs @ rhs`` and as ``(rhs^T @ lhs^T)^T`` copied
+    contiguous, timed in alternation on random operands of its layout, results written into
+    reused buffers."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a, b = _matrix(op.lhs, dtype, device), _matrix(op.rhs, dtype, device)
+    fn = torch.bmm if a.dim() == 3 else torch.mm
+    # into reused buffers, as codegen runs them (pooled): fresh outputs would charge both
+    # orientations page faults the plan does not pay (a 4096x3072 result measured faster
+    # transposed in isolation and made the step 8x slower)
+    res = fn(a, b)  # (..., m, n)
+    res_t = torch.empty(res.mT.shape, dtype=dtype, device=device)  # (..., n, m)
+    variants = (lambda: fn(a, b, out=res), lambda: res.copy_(fn(b.mT, a.mT, out=res_t).mT))
+    for run in variants:
+        run()
+    sync()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for run, out in zip(variants, times, strict=True):
+            start = time.perf_counter()
+            run()
+            sync()
+            out.append(time.perf_counter() - start)
+    return tuple(sorted(t)[len(t) // 2] for t in times)  # type: ignore[return-value]
+
+
+def orient_gemms(plan: Plan, dtype: torch.dtype, device: torch.device | str,
+                 top: int = ORIENT_TOP) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Positions of the forward and of the backward GEMMs of ``plan`` (among its ``top``
+    heaviest) that run measurably faster transposed (:func:`gemm_times`, under
+    ``ORIENT_MARGIN`` of the direct time): the planner marks them :attr:`MatMul.transposed`
+    and keeps the choice with the autotuned tree."""
+    device = torch.device(device)
+    gemms = [(op.flops, which, k, op)
+             for which, ops in enumerate((plan.forward, plan.backward))
+             for k, op in enumerate(ops)
+             if isinstance(op, MatMul) and not runs_transposed(op, device)]
+    gemms.sort(key=lambda g: -g[0])
+    chosen: tuple[list[int], list[int]] = ([], [])
+    for _, which, k, op in gemms[:top]:
+        direct, transposed = gemm_times(op, dtype, device)
+        if transposed < ORIENT_MARGIN * direct:
+            chosen[which].append(k)
+    return tuple(chosen[0]), tuple(chosen[1])

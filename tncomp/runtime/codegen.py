@@ -21,18 +21,72 @@ from tncomp.compiler.plan import Plan
 from tncomp.errors import ExecutionError
 from tncomp.runtime.buffers import MIN_POOLED_BYTES, BufferPool, alias, pooling_available
 
-THIN_COLS = 8  # a CPU GEMM A^T B with this few output columns ...
-THIN_MIN_INNER = 1024  # ... and this long an inner size is run transposed
+THIN_COLS = 32  # a CPU GEMM with this few output columns (and more rows) ...
+THIN_MIN_INNER = 128  # ... and at least this long an inner size is run transposed ...
+THIN_ALIGNED_MIN_ROWS = 1024  # ... unless A B / A B^T, columns a multiple of 8, rows this many
+FUSE_MIN_BYTES = 4 << 20  # a shared GEMM operand this large (out of cache) ...
+FUSE_MAX_THIN = 64  # ... read by two GEMMs with outputs this thin ...
+FUSE_BLOCK = 256  # ... is read once, in blocks of this many rows (fused_rows)
+
+
+def thin_transposed(op: MatMul, device: torch.device) -> bool:
+    """A CPU GEMM ``C = A B`` with a thin output (at most ``THIN_COLS`` columns, more rows, an
+    inner size of at least ``THIN_MIN_INNER``) runs as ``(B^T A^T)^T``: CPU BLAS (MKL, AVX2)
+    handles the thin side far better as rows than as columns.
+
+    Measured on a 2-core AMD EPYC, 1 thread, medians of 7-11 interleaved rounds, direct time
+    over transposed time: ``A^T B`` (the weight gradient x^T dT) 1.26-1.81 for 16 and 30
+    columns at inner sizes 128-4096 (768 and 3072 rows), ~1.0 at 64 columns (x^T dz with 8
+    columns, x 4096x1024: 33 vs 4 ms, the rule's first case); ``A B`` and ``A B^T`` with 128
+    rows 1.2-2.9 at 8-30 columns, with 4096 rows 1.1-1.5 at 12, 20 and 30 columns but
+    0.87-1.5 at 8, 16 and 24 (a multiple of 8 suits the BLAS kernel), so those stay direct.
+    ``compile(..., autotune=True)`` measures other GEMMs (:attr:`MatMul.transposed`)."""
+    m, k = op.lhs.rows_cols
+    n = op.rhs.rows_cols[1]
+    if device.type != "cpu" or not (n <= THIN_COLS < m and k >= THIN_MIN_INNER):
+        return False
+    weight_grad = op.lhs.t and not op.rhs.t  # A^T B
+    return weight_grad or n % 8 != 0 or m < THIN_ALIGNED_MIN_ROWS
+
+
+def runs_transposed(op: MatMul, device: torch.device) -> bool:
+    """Whether codegen emits ``op`` as ``(rhs^T @ lhs^T)^T``: marked so, or by the thin rule."""
+    return op.transposed or thin_transposed(op, device)
+
+
+def fused_rows(v: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+               block: int = FUSE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(v @ x, y @ v)`` in one pass over ``v``'s rows (``v`` (M, N), ``x`` (N, n1), ``y``
+    (m2, M), ``n1`` and ``m2`` thin): each block of rows is read while it is in cache, once
+    for ``(x^T v_rows^T)^T`` and once for ``y[:, rows] @ v_rows``, summed over the blocks.
+
+    The backward of a TT layer's widest step reads its output gradient dY this way twice
+    (dT = dY R^T, dR = T^T dY). Measured on a 2-core AVX2 CPU, 1 thread, TT layer rank 30,
+    B=4096, whole fwd+bwd, 15 interleaved rounds, unfused time over fused: 768x3072 (dY 50 MB)
+    1.27 (quartiles 1.09-1.39), 768x768 (dY 12.6 MB) 1.09 (0.93-1.34)."""
+    m = v.shape[0]
+    out1_t = torch.empty((x.shape[1], m), dtype=v.dtype, device=v.device)  # (n1, M)
+    out2 = None
+    for start in range(0, m, block):
+        rows = v[start:start + block]  # (block, N)
+        torch.mm(x.mT, rows.mT, out=out1_t[:, start:start + block])
+        if out2 is None:
+            out2 = torch.mm(y[:, start:start + block], rows)  # (m2, N)
+        else:
+            out2.addmm_(y[:, start:start + block], rows)
+    return out1_t.mT.contiguous(), out2
 
 
 @dataclass(frozen=True)
 class GeneratedCode:
-    """The source and the compiled functions of one plan, and its buffer pools."""
+    """The source and the compiled functions of one plan, its buffer pools, and how many GEMM
+    pairs its backward runs fused (:func:`fused_rows`: in-place, so the plain code has none)."""
 
     source: str
     forward: Callable
     backward: Callable
     pools: dict = field(default_factory=dict)
+    fused: int = 0
 
 
 class _Emitter:
@@ -47,6 +101,7 @@ class _Emitter:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.exits = {plan.output_slot, *(s for s in plan.grad_slots if s is not None)}
         self.conjugate = False  # set while emitting the backward of a complex plan
+        self.fused = 0
 
     def view(self, v: MatView) -> str:
         text = f"v{v.slot}"
@@ -56,14 +111,6 @@ class _Emitter:
             text += ".conj()"
         return f"{text}.mT" if v.t else text
 
-    def thin_transposed(self, op: MatMul, m: int, n: int) -> bool:
-        """A CPU GEMM ``A^T B`` with at most ``THIN_COLS`` output columns: CPU BLAS runs it up to
-        14x slower than the transposed product ``(B^T A)^T`` (measured: x^T dz with x 4096x1024
-        and dz 4096x8 took 33 ms, dz^T x 4 ms; at 16 columns 5.6 vs 3.5 ms). The weight gradient
-        of a low-rank TT layer is exactly this GEMM."""
-        k = op.lhs.rows_cols[1]
-        return (self.device.type == "cpu" and op.lhs.t and not op.rhs.t
-                and n <= THIN_COLS < m and k >= THIN_MIN_INNER)
 
     def reshape(self, src: int, shape: tuple[int, ...]) -> str:
         if self.shapes.get(src) == shape:
@@ -78,11 +125,20 @@ class _Emitter:
             n = op.rhs.rows_cols[1]
             shape = ((op.lhs.shape[0],) if batched else ()) + (m, n)
             self.shapes[op.dst] = shape
-            if self.thin_transposed(op, m, n):  # C = (B^T A^T)^T: same values, fast layout
-                return (f"v{op.dst} = torch.{fn}({self.view(op.rhs)}.mT, {self.view(op.lhs)}.mT)"
-                        ".mT.contiguous()")
+            pooled = self.pool and math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES
+            if runs_transposed(op, self.device):  # C = (B^T A^T)^T: same values, fast layout
+                product = f"torch.{fn}({self.view(op.rhs)}.mT, {self.view(op.lhs)}.mT"
+                if not pooled:
+                    return f"v{op.dst} = {product}).mT.contiguous()"
+                # C^T and C in pooled buffers, as the direct product gets: fresh ones cost page
+                # faults (see tncomp.runtime.buffers)
+                t_slot = self.plan.n_slots + op.dst
+                self.pools[op.dst] = BufferPool(shape, self.dtype, self.device)
+                self.pools[t_slot] = BufferPool((*shape[:-2], n, m), self.dtype, self.device)
+                return (f"v{op.dst} = _pool{op.dst}.take().copy_({product}, "
+                        f"out=_pool{t_slot}.take()).mT)")
             out = ""
-            if self.pool and math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES:
+            if pooled:
                 self.pools[op.dst] = BufferPool(shape, self.dtype, self.device)
                 out = f", out=_pool{op.dst}.take()"
             return f"v{op.dst} = torch.{fn}({self.view(op.lhs)}, {self.view(op.rhs)}{out})"
@@ -104,13 +160,58 @@ class _Emitter:
                     ".contiguous()")
         raise TypeError(f"unknown op {op!r}")
 
+    def fusable(self, ops) -> dict[int, tuple[int, int]]:
+        """Adjacent GEMM pairs ``V @ X`` and ``Y @ V`` sharing a large 2-D operand ``V`` with
+        thin outputs, CPU only, in code that pools (the fused form writes in place): the first
+        step of each pair -> (the step computing ``V @ X``, the step computing ``Y @ V``)."""
+        if not self.pool or self.device.type != "cpu":
+            return {}
+        pairs: dict[int, tuple[int, int]] = {}
+        k = 0
+        while k + 1 < len(ops):
+            made = ops[k].dst  # the step after may not read what step k makes
+            for first, second in ((k, k + 1), (k + 1, k)):
+                p, q = ops[first], ops[second]
+                if self._fuses(p, q) and made not in (p.rhs.slot, q.lhs.slot):
+                    pairs[k] = (first, second)
+                    break
+            k += 2 if k in pairs else 1
+        return pairs
+
+    def _fuses(self, p: Op, q: Op) -> bool:
+        if not (isinstance(p, MatMul) and isinstance(q, MatMul)):
+            return False
+        v = p.lhs
+        if v != q.rhs or v.t or len(v.shape) != 2:
+            return False
+        rows, cols = v.shape
+        return (rows * cols * self.itemsize >= FUSE_MIN_BYTES and rows >= 2 * FUSE_BLOCK
+                and p.rhs.rows_cols[1] <= FUSE_MAX_THIN and q.lhs.rows_cols[0] <= FUSE_MAX_THIN)
+
+    def fused_line(self, p: MatMul, q: MatMul) -> str:
+        self.shapes[p.dst] = (p.lhs.rows_cols[0], p.rhs.rows_cols[1])
+        self.shapes[q.dst] = (q.lhs.rows_cols[0], q.rhs.rows_cols[1])
+        self.fused += 1
+        return (f"v{p.dst}, v{q.dst} = _fused_rows({self.view(p.lhs)}, {self.view(p.rhs)}, "
+                f"{self.view(q.lhs)})")
+
     def body(self, ops, frees) -> list[str]:
         lines = []
+        pairs = self.fusable(ops)
+        done = {k + 1 for k in pairs}
         for k, (op, free) in enumerate(zip(ops, frees, strict=True)):
             lines.append(f"        step = {k}")
             conjugate = self.conjugate
             self.conjugate = conjugate and op.dst > self.plan.dy_slot  # a replayed forward step
-            lines.append(f"        {self.line(op)}")  # (memory modes) computes, not conjugates
+            if k in pairs:  # (memory modes) computes, not conjugates
+                first, second = pairs[k]
+                self.conjugate = conjugate and min(ops[first].dst, ops[second].dst) > \
+                    self.plan.dy_slot
+                lines.append(f"        {self.fused_line(ops[first], ops[second])}")
+            elif k in done:
+                lines.append("        pass  # fused into the step before")
+            else:
+                lines.append(f"        {self.line(op)}")
             self.conjugate = conjugate
             if free:
                 lines.append(f"        del {', '.join(f'v{s}' for s in free)}")
@@ -151,9 +252,10 @@ def generate(plan: Plan, operand_shapes, dtype: torch.dtype = torch.float32,
             f"{type(exc).__name__} while executing {which} step {step} ({what}) of {name}: {exc}"
         ) from exc
 
-    namespace = {"torch": torch, "_fail": fail, "_alias": alias}
+    namespace = {"torch": torch, "_fail": fail, "_alias": alias, "_fused_rows": fused_rows}
     namespace.update({f"_pool{slot}": p for slot, p in emit.pools.items()})
     filename = f"<tncomp {name} {id(plan):x}>"
     exec(compile(source, filename, "exec"), namespace)
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    return GeneratedCode(source, namespace["forward"], namespace["backward"], emit.pools)
+    return GeneratedCode(source, namespace["forward"], namespace["backward"], emit.pools,
+                         emit.fused)
