@@ -100,3 +100,26 @@ def test_autotuned_choices_are_kept_per_cpu_thread_count(tmp_path, monkeypatch):
             assert bool(timed) == fresh, threads
     finally:
         torch.set_num_threads(before)
+
+
+def test_autotune_under_memory_modes_is_exact_from_memory_and_from_disk(tmp_path):
+    """An autotuned plan keeps its memory mode, also when a fresh process reads it from disk
+    (the stored tree is lowered again, the mode applied, then the GEMM orientations)."""
+    from tests.helpers import tn
+
+    net = tncomp.ttm_linear([4, 4, 4], [4, 4, 4], 6)
+    eq = tn.einsum_eq(net)
+    saved = {}
+    for memory in ("fast", "min", "balanced"):
+        for fresh in (True, False):
+            tncomp.clear_cache()
+            f = tncomp.compile(net, autotune=True, memory=memory, disk_cache=tmp_path)
+            ops = tn.operands(net, 64, requires_grad=True)
+            grads = torch.autograd.grad(f(*ops).square().sum(), ops)
+            refs = [o.detach().requires_grad_() for o in ops]
+            want = torch.autograd.grad(torch.einsum(eq, *refs).square().sum(), refs)
+            for got, ref in zip(grads, want, strict=True):
+                torch.testing.assert_close(got, ref)
+            saved.setdefault(memory, set()).add(f.plan_of(*ops).saved_bytes)
+    assert all(len(v) == 1 for v in saved.values())  # the disk entry gives the same plan
+    assert saved["min"] == {0} and saved["fast"].pop() > 0
