@@ -60,7 +60,7 @@ def zipf_ids(rows: int, batch: int, seed: int = 0) -> Tensor:
     """``batch`` ids of the synthetic Criteo generator's column for a table of ``rows`` rows."""
     sizes = tuple(CRITEO_KAGGLE_CARDINALITIES)
     table = sizes.index(max(sizes))
-    sizes = sizes[:table] + (rows,) + sizes[table + 1:]
+    sizes = (*sizes[:table], rows, *sizes[table + 1:])
     data = SyntheticCriteo(cardinalities=sizes, seed=seed).generate(batch, "train")
     return data.sparse[:, table].long().clone()  # (B,)
 
