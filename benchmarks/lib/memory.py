@@ -1,4 +1,5 @@
-"""Memory as the benchmarks count it, three ways, each saying what it sees.
+"""Memory as the benchmarks count it, three ways, each saying what it sees; and the planning
+memory mode of a model's TT layers (``--memory``).
 
 - :func:`saved_bytes`: the bytes autograd saves for backward through ``save_for_backward`` and
   the built-in ops (``torch.autograd.graph.saved_tensors_hooks``), unique storages only. It does
@@ -15,12 +16,19 @@
 
 from __future__ import annotations
 
+import gc
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+import comera
+import tncomp
+from comera.errors import ConfigError
+
+MEMORY_MODES = ("fast", "balanced", "min")  # tncomp's planning memory modes
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -97,3 +105,41 @@ def peak_rss_delta(fn: Callable[[], object]) -> int | None:
     before = rss_bytes()
     fn()
     return max(0, peak_rss_bytes() - before)
+
+
+def peak_rss_of(fn: Callable[[], object]) -> dict[str, int]:
+    """Run ``fn()`` once (in a fresh process, after its imports): ``rss_before_bytes``, the
+    resident set just before, ``peak_rss_bytes`` during, and ``peak_rss_delta_bytes``, their
+    difference: what the call made the process hold at its worst, as the system sees it."""
+    if not rss_available():
+        raise ConfigError("peak RSS needs Linux /proc/self/clear_refs, which this system lacks.")
+    gc.collect()
+    before = rss_bytes()
+    reset_peak_rss()
+    fn()
+    peak = peak_rss_bytes()
+    return {"rss_before_bytes": before, "peak_rss_bytes": peak,
+            "peak_rss_delta_bytes": peak - before}
+
+
+def check_memory_mode(memory: str | None) -> None:
+    """Refuse a planning memory mode this script does not know, or one the installed tncomp
+    cannot take (``tncomp.compile`` has no ``memory`` keyword yet)."""
+    if memory is None:
+        return
+    if memory not in MEMORY_MODES:
+        raise ConfigError(f"memory={memory!r}; choose one of {', '.join(MEMORY_MODES)} (or "
+                          "leave it out for tncomp's default).")
+    if "memory" not in inspect.signature(tncomp.compile).parameters:
+        raise ConfigError(f"memory={memory!r}: this tncomp has no planning memory modes "
+                          "(tncomp.compile takes no memory= keyword); run without --memory.")
+
+
+def set_memory_mode_(model: nn.Module, memory: str | None) -> None:
+    """Plan every TT layer of ``model`` in the memory mode ``memory`` (None: leave them)."""
+    if memory is None:
+        return
+    check_memory_mode(memory)
+    for _, layer in comera.tt_modules(model):
+        layer.compile_options = {**layer.compile_options, "memory": memory}
+        layer.build_compiled()
