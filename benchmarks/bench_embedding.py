@@ -8,8 +8,8 @@ default modes). The ids are one batch of 8,192 from the synthetic Zipf generator
 lookup, ``.sum().backward()``, with every gradient set to None before it (a training step's
 ``zero_grad(set_to_none=True)``), so each method allocates its gradients as it would in training:
 
-- ``tt_embedding``: ``TTEmbedding(ids)`` (deduplicates ids, merges cores pairwise, contracts
-  the gathered slices with a compiled tncomp plan);
+- ``tt_embedding``: ``TTEmbedding(ids)`` (deduplicates the ids, merges the core pairs the
+  batch uses, contracts the gathered slices with a compiled tncomp plan);
 - ``naive_gather``: every lookup builds its own row from its core slices: per core, gather the
   (r, n, r') slice at each id's digit, and multiply the chain with ``torch.bmm``, batched over
   the 8,192 lookups (no deduplication, no merging); from the layer's gated cores, so its rows
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 
@@ -153,7 +154,9 @@ def render_markdown(payload: dict) -> str:
         "unique. One call: lookup, sum, backward, gradients set to None before it. Median of "
         "interleaved repeats after warm-up; speedups with the quartiles and range of the "
         "per-round ratios. nn.Embedding has dense gradients (sparse=False). Peak: profiler's "
-        "peak allocated bytes during one call (tncomp pooling off).",
+        "peak allocated bytes during one call (tncomp pooling off). Load average (1 min) "
+        f"{payload['load'][0]:.1f} at the start, {payload['load'][1]:.1f} at the end, on "
+        f"{m['cores']} cores (above about 1, other jobs shared the machine).",
         "",
         markdown_table(["method", "ms", "peak MiB", "its time / TTEmbedding's"], rows),
         "",
@@ -175,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)}; give at least 1")
     rows, batch = (SMOKE["rows"], SMOKE["batch"]) if args.smoke else (ROWS, BATCH)
+    load_start = os.getloadavg()[0]
     with num_threads(args.threads):
         result = run(rows, batch, 1 if args.smoke else args.repeats, 1 if args.smoke else 3)
         payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
+                   "load": [load_start, os.getloadavg()[0]],
                    "target_vs_naive": TARGET_VS_NAIVE,
                    "note_spread": "spread: the ratio of medians, and the quartiles (q1, q3) and "
                                   "range of the per-round ratios of interleaved repeats",

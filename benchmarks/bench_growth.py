@@ -39,6 +39,7 @@ default (``--threads``); other work on the machine widens the spreads.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -279,8 +280,10 @@ def render_markdown(payload: dict) -> str:
         "intermediates live on the autograd context and are not seen there); **held** = bytes "
         "allocated in the forward still live after it (output + everything kept for backward); "
         "**RSS** = the process's peak resident set during one call above the one before it "
-        "(what a user sees; noise below a few tens of MiB). The machine was shared with other "
-        "jobs while measured: treat single ratios near 1 with care. Plot: growth_cpu.png.",
+        "(what a user sees; noise below a few tens of MiB). Load average (1 min) "
+        f"{payload['load'][0]:.1f} at the start, {payload['load'][1]:.1f} at the end, on "
+        f"{m['cores']} cores: above about 1, other jobs shared the machine and the spreads "
+        "widen (treat single ratios near 1 with care). Plot: growth_cpu.png.",
     ]
     for key, points in payload["sweeps"].items():
         rows = []
@@ -336,10 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     sweeps = SMOKE if args.smoke else QUICK if args.quick else SWEEPS
     base = SMOKE_BASE if args.smoke else BASE
     repeats = 1 if args.smoke else 5 if args.quick else args.repeats
+    load_start = os.getloadavg()[0]
     with num_threads(args.threads):
         result = run(sweeps, base, repeats, 1 if args.smoke else 2)
         payload = {"machine": machine(), "mode": "smoke" if args.smoke else
                    "quick" if args.quick else "full", "base": base,
+                   "load": [load_start, os.getloadavg()[0]],
                    "note_spread": "dense_over_tt: the ratio of medians, and the quartiles and "
                                   "range of the per-round ratios of interleaved repeats",
                    **result}
