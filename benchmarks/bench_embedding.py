@@ -5,8 +5,10 @@ The table is the 10,131,227-row Criteo-Kaggle table (the largest of
 ``CRITEO_KAGGLE_CARDINALITIES``), dimension 16, TT-matrix rank 32 (three cores, the layer's
 default modes). The ids are one batch of 8,192 from the synthetic Zipf generator
 (``SyntheticCriteo``, that table's column): a few ids repeat often, most are rare. A call is the
-lookup, ``.sum().backward()``, with every gradient set to None before it (a training step's
-``zero_grad(set_to_none=True)``), so each method allocates its gradients as it would in training:
+lookup, ``.sum().backward()``, then the method's own gradients set to None (a training step's
+``zero_grad(set_to_none=True)``), so each method allocates and frees its gradients as it would
+in training, within its own timed call (freeing nn.Embedding's 648 MB gradient takes tens of
+milliseconds: it must not land in the next method's call):
 
 - ``tt_embedding``: ``TTEmbedding(ids)`` (deduplicates the ids, merges the core pairs the
   batch uses, contracts the gathered slices with a compiled tncomp plan);
@@ -97,7 +99,6 @@ def run(rows: int, batch: int, repeats: int, warmup: int, seed: int = 0) -> dict
     ids = zipf_ids(rows, batch, seed)
     layer = comera.TTEmbedding(rows, DIM, ranks=RANK)
     dense = nn.Embedding(rows, DIM)  # sparse=False: dense gradients
-    params = [*layer.parameters(), *dense.parameters()]
     with torch.no_grad():
         expected = layer(ids)
         got = naive_gather_rows(layer, ids)
@@ -105,16 +106,16 @@ def run(rows: int, batch: int, repeats: int, warmup: int, seed: int = 0) -> dict
         raise AssertionError(f"naive gather differs from TTEmbedding by "
                              f"{(got - expected).abs().max().item():.3g}")
 
-    def step(fn):
-        def call() -> None:
-            for p in params:
-                p.grad = None
+    def step(fn, module: nn.Module):
+        def call() -> None:  # a training step's own gradients: allocated, then freed
             fn().sum().backward()
+            for p in module.parameters():
+                p.grad = None
         return call
 
-    calls = {"tt_embedding": step(lambda: layer(ids)),
-             "naive_gather": step(lambda: naive_gather_rows(layer, ids)),
-             "nn_embedding": step(lambda: dense(ids))}
+    calls = {"tt_embedding": step(lambda: layer(ids), layer),
+             "naive_gather": step(lambda: naive_gather_rows(layer, ids), layer),
+             "nn_embedding": step(lambda: dense(ids), dense)}
     times = interleaved_times(calls, repeats, warmup)
     with unpooled(layer):
         peaks = {name: peak_allocated_bytes(fn) for name, fn in calls.items()}
@@ -151,7 +152,7 @@ def render_markdown(payload: dict) -> str:
         f"as a TT-matrix, row modes {tuple(r['row_modes'])}, col modes "
         f"{tuple(r['col_modes'])}, ranks {tuple(r['ranks'])} ({r['tt_params']:,} parameters vs "
         f"{r['dense_params']:,}); {r['batch']:,} synthetic Zipf ids, {r['unique_ids']:,} "
-        "unique. One call: lookup, sum, backward, gradients set to None before it. Median of "
+        "unique. One call: lookup, sum, backward, then the call's own gradients freed. Median of "
         "interleaved repeats after warm-up; speedups with the quartiles and range of the "
         "per-round ratios. nn.Embedding has dense gradients (sparse=False). Peak: profiler's "
         "peak allocated bytes during one call (tncomp pooling off). Load average (1 min) "

@@ -4,7 +4,7 @@ against the dense layer it replaces; and the cold planning time per number of co
 The layer is 768 -> 3072 (a transformer's feed-forward projection): ``comera.TTLinear(768,
 3072, ranks=r, d=d)`` with the modes comera's factorization picks for ``d``, against
 ``nn.Linear(768, 3072)``. One call is forward and backward (``y.backward(dy)``, the input
-requiring grad as inside a network), every gradient set to None before it. Three sweeps, each
+requiring grad as inside a network), then its gradients freed (within the call). Three sweeps, each
 from the base point B=1024, rank 16, d=3:
 
 - batch B in 1, 4, ..., 16384; rank r in 4, 8, 16, 32, 64; cores d in 2, 3, 4.
@@ -96,15 +96,7 @@ def measure_point(batch: int, rank: int, d: int, repeats: int, warmup: int, cach
     layers = {"tt": tt, "dense": dense}
 
     def call(layer: nn.Module):
-        def run() -> None:
-            x.grad = None
-            for p in layer.parameters():
-                p.grad = None
-            layer(x).backward(dy)
-        return run
-
-    def measured(layer: nn.Module):
-        def run() -> None:  # gradients freed at the end, inside the measured call
+        def run() -> None:  # its own gradients allocated and freed within the call
             layer(x).backward(dy)
             x.grad = None
             for p in layer.parameters():
@@ -125,10 +117,10 @@ def measure_point(batch: int, rank: int, d: int, repeats: int, warmup: int, cach
             hooks = saved_bytes(lambda layer=layer: layer(x))
             memory[name] = {
                 "params_mib": params / MIB,
-                "peak_alloc_mib": (params + peak_allocated_bytes(measured(layer))) / MIB,
+                "peak_alloc_mib": (params + peak_allocated_bytes(calls[name])) / MIB,
                 "saved_mib": hooks["saved"] / MIB, "output_mib": hooks["output"] / MIB,
                 "held_mib": held_bytes(lambda layer=layer: layer(x)) / MIB,
-                "rss_delta_mib": _mib_or_none(peak_rss_delta(measured(layer))),
+                "rss_delta_mib": _mib_or_none(peak_rss_delta(calls[name])),
             }
     return {"batch": batch, "rank": rank, "d": d, "in_modes": list(tt.in_modes),
             "out_modes": list(tt.out_modes), "ranks": list(tt.ranks),
