@@ -193,6 +193,7 @@ def plot(payload: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     sweeps, base = payload["sweeps"], payload["base"]
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
@@ -210,13 +211,20 @@ def plot(payload: dict, path: Path) -> None:
             rss = [p["memory"][name]["rss_delta_mib"] for p in points]
             if all(v is not None for v in rss):
                 mem_ax.plot(xs, rss, "x--", color=color, alpha=0.6,
-                            label=("TT" if name == "tt" else "dense") + ": peak RSS delta")
+                            label=("TT" if name == "tt" else "dense")
+                            + ": peak RSS delta")
         for ax, slower in ((time_ax, "tt_slower_at"), (mem_ax, "tt_larger_at")):
             for v in payload["crossover"][key][slower]:
                 ax.axvspan(_below(xs, v), _above(xs, v), color="grey", alpha=0.15, lw=0)
             if key != "d":
                 ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            ax.set_xticks(xs, [str(v) for v in xs], fontsize=7)
+            if key == "batch":  # decades apart: log axes; the other sweeps stay within one
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+            else:
+                ax.set_ylim(bottom=0)
             ax.set_xlabel(labels[key])
             ax.grid(alpha=0.3, which="both")
         time_ax.set_title(f"time vs {labels[key]} ({fixed})", fontsize=9)
