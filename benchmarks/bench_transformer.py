@@ -386,18 +386,23 @@ def run_batch(variants: dict[str, Variant], batch: Batch, bench: BenchConfig,
         out["process_peak"] = {n: process_peak(n, size, model_args) for n in variants
                                if n in PROCESS_VARIANTS}
     peak = {n: m["peak_total_bytes"] for n, m in memory.items()}
+    rss = {n: p["peak_rss_delta_bytes"] for n, p in out.get("process_peak", {}).items()}
     if "dense" in variants:
         out["speedup_vs_dense"] = {n: ratio(ms["dense"], t) for n, t in ms.items()}
         out["speedup_vs_dense_spread"] = {n: ratio_spread(times["dense"], ts)
                                           for n, ts in times.items()}
         out["memory_ratio_vs_dense"] = {n: ratio(peak["dense"], p) for n, p in peak.items()}
+        if "dense" in rss:
+            out["rss_ratio_vs_dense"] = {n: ratio(rss["dense"], p) for n, p in rss.items()}
     if "galore" in variants:
         amortized = out["galore_refresh"]["amortized_ms"]
         out["comera_vs_galore"] = {
             n: {"speedup": ratio(ms["galore"], ms[n]),
                 "speedup_spread": ratio_spread(times["galore"], times[n]),
                 "speedup_amortized_refresh": ratio(amortized, ms[n]),
-                "memory_ratio": ratio(peak["galore"], peak[n])}
+                "memory_ratio": ratio(peak["galore"], peak[n]),
+                **({"rss_ratio": ratio(rss["galore"], rss[n])} if n in rss and "galore" in rss
+                   else {})}
             for n in COMERA_VARIANTS if n in variants}
     return out
 
@@ -489,7 +494,9 @@ def render_markdown(payload: dict) -> str:
             rows.append([
                 name, f"{t:.1f}", _spread(r.get("speedup_vs_dense_spread", {}).get(name)),
                 _mib(mem["peak_total_bytes"]),
-                "-" if rss is None else _mib(rss["peak_rss_delta_bytes"]),
+                "-" if rss is None else (_mib(rss["peak_rss_delta_bytes"]) + " ("
+                                         + _times(r.get("rss_ratio_vs_dense", {}).get(name))
+                                         + " less than dense)"),
                 _times(r.get("memory_ratio_vs_dense", {}).get(name)),
                 _mib(res["params"]), _mib(mem["grads_bytes"]), _mib(res["optimizer_state"]),
                 _mib(mem["activations_and_temporaries_bytes"]),
@@ -507,7 +514,9 @@ def render_markdown(payload: dict) -> str:
         for name, c in r.get("comera_vs_galore", {}).items():
             lines.append(f"{name} vs GaLore: {spread_text(c['speedup_spread'])} faster "
                          f"({c['speedup_amortized_refresh']:.2f}x with refreshes amortized), "
-                         f"{c['memory_ratio']:.2f}x less peak memory.")
+                         f"{c['memory_ratio']:.2f}x less peak memory"
+                         + (f" ({c['rss_ratio']:.2f}x less peak RSS)." if "rss_ratio" in c
+                            else "."))
     if payload["targets"]:
         rows = [[t["variant"], t["claim"], t["batch"], f"{t['measured']:.2f}x",
                  f">= {t['target']:.0f}x", "yes" if t["met"] else "**no**"]

@@ -243,6 +243,20 @@ def test_peak_in_this_process_counts_a_variant_above_the_imports():
     assert dense["peak_rss_delta_bytes"] >= 0
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not rss_available(), reason="needs Linux /proc/self/clear_refs")
+def test_process_peak_runs_each_variant_in_its_own_process():
+    bench = BenchConfig(batches=(1,), repeats=1, warmup=0, variants=("dense", "comera_early"))
+    out = run_benchmark(tiny_config(), bench, model_args=["--smoke"])
+    (r,) = out["results"]
+    assert set(r["process_peak"]) == {"dense", "comera_early"}
+    for name, peak in r["process_peak"].items():  # --smoke: one warm-up step, one more
+        assert (peak["variant"], peak["batch"], peak["steps"]) == (name, 1, 2)
+        assert peak["peak_rss_delta_bytes"] > 0
+    assert r["rss_ratio_vs_dense"]["dense"] == 1.0
+    assert "less than dense)" in render_markdown(out)
+
+
 def test_child_processes_get_the_same_model_flags():
     parser_args = argparse.Namespace(smoke=False, small=True, warmup=2, late_compression=361.0,
                                      seq_len=64, galore_rank=None, tltorch_rank=None,
