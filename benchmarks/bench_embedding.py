@@ -3,12 +3,13 @@ per-lookup TT gather and ``nn.Embedding``.
 
 The table is the 10,131,227-row Criteo-Kaggle table (the largest of
 ``CRITEO_KAGGLE_CARDINALITIES``), dimension 16, TT-matrix rank 32 (three cores, the layer's
-default modes). The ids are one batch of 8,192 from the synthetic Zipf generator
-(``SyntheticCriteo``, that table's column): a few ids repeat often, most are rare. A call is the
-lookup, ``.sum().backward()``, then the method's own gradients set to None (a training step's
-``zero_grad(set_to_none=True)``), so each method allocates and frees its gradients as it would
-in training, within its own timed call (freeing nn.Embedding's 648 MB gradient takes tens of
-milliseconds: it must not land in the next method's call):
+default modes). The ids are one batch of 8,192 drawn as the synthetic Criteo generator draws
+that table's column (Zipf ranks, exponent 1.05, through a random bijection of the table): a few
+ids repeat often, most are rare. A call is the lookup, ``.sum().backward()``, then the method's
+own gradients set to None (a training step's ``zero_grad(set_to_none=True)``), so each method
+allocates and frees its gradients as in training, within its own timed call (freeing
+nn.Embedding's 648 MB gradient takes tens of milliseconds: it must not land in the next
+method's call):
 
 - ``tt_embedding``: ``TTEmbedding(ids)`` (deduplicates the ids, merges the core pairs the
   batch uses, contracts the gathered slices with a compiled tncomp plan);
@@ -49,7 +50,7 @@ from benchmarks.lib.harness import (
     unpooled,
     write_results_to,
 )
-from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo
+from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo, zipf_ranks
 from comera.experiments.results import machine
 
 ROWS = max(CRITEO_KAGGLE_CARDINALITIES)  # 10,131,227
@@ -60,12 +61,17 @@ METHODS = ("tt_embedding", "naive_gather", "nn_embedding")
 
 
 def zipf_ids(rows: int, batch: int, seed: int = 0) -> Tensor:
-    """``batch`` ids of the synthetic Criteo generator's column for a table of ``rows`` rows."""
-    sizes = tuple(CRITEO_KAGGLE_CARDINALITIES)
-    table = sizes.index(max(sizes))
-    sizes = (*sizes[:table], rows, *sizes[table + 1:])
-    data = SyntheticCriteo(cardinalities=sizes, seed=seed).generate(batch, "train")
-    return data.sparse[:, table].long().clone()  # (B,)
+    """``batch`` ids drawn as the synthetic Criteo generator draws a table's column: Zipf ranks
+    (its exponent, ``comera.data.criteo.zipf_ranks``) mapped to ids by a seeded affine bijection
+    of the table, so the frequent ids are scattered over it, not its first rows."""
+    gen = torch.Generator().manual_seed(seed)
+    ranks = zipf_ranks(torch.rand(batch, generator=gen, dtype=torch.float64), rows,
+                       SyntheticCriteo.zipf_exponent)  # (B,) in [0, rows)
+    mult = int(torch.randint(1, max(rows, 2), (), generator=gen))
+    while math.gcd(mult, rows) != 1:
+        mult += 1
+    shift = int(torch.randint(0, rows, (), generator=gen))
+    return (ranks * mult + shift) % rows  # (B,) int64
 
 
 def digits(ids: Tensor, modes: tuple[int, ...]) -> list[Tensor]:
