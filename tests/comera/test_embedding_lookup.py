@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from comera import TTEmbedding
+from comera import TTEmbedding, embedding
 from comera.embedding import _merge_pair_rows
 
 F64 = torch.float64
@@ -32,23 +32,38 @@ def test_merged_pair_rows_equal_the_whole_merged_table(first, second):
     assert torch.autograd.gradcheck(lambda x, y: _merge_pair_rows(x, y, a, b), (a_core, b_core))
 
 
-def _sparse_layer() -> TTEmbedding:
-    """40 x 50 x 3 rows: a handful of ids uses few of the 2,000 pairs of the first two cores."""
+SPARSE_SHAPES = [  # (row_modes, col_modes): the first pair's rows number 2,000
+    ((40, 50, 3), (2, 2, 2)),  # pair (0, 1) grouped by its second digit
+    ((3, 2, 40, 50), (2, 2, 2, 1)),  # pair (2, 3): the first core's slices are larger
+]
+
+
+def _sparse_layer(row_modes=SPARSE_SHAPES[0][0], col_modes=SPARSE_SHAPES[0][1]) -> TTEmbedding:
+    """A table whose large pair of cores a handful of ids barely touches."""
     torch.manual_seed(1)
-    layer = TTEmbedding(6000, 8, (40, 50, 3), (2, 2, 2), ranks=4, dtype=F64)
+    layer = TTEmbedding(6000, 8, row_modes, col_modes, ranks=4, dtype=F64)
     with torch.no_grad():
         for g in layer.gates:
             g.uniform_(0.5, 1.5)
     return layer
 
 
-@pytest.mark.parametrize("n_ids", [12, 4000])  # few pairs: merged alone; many: the whole table
-def test_lookup_and_gradients_equal_the_dense_reconstruction(n_ids):
-    layer = _sparse_layer()
+@pytest.mark.parametrize("shape", SPARSE_SHAPES, ids=["d3", "d4"])
+@pytest.mark.parametrize(("n_ids", "alone"), [(12, True), (30000, False)])  # 30,000: every pair
+def test_lookup_and_gradients_equal_the_dense_reconstruction(shape, n_ids, alone, monkeypatch):
+    layer = _sparse_layer(*shape)
     ids = torch.randint(0, 6000, (n_ids,), generator=torch.Generator().manual_seed(2))
     ids[:3] = ids[3]  # repeats
     weights = torch.randn(n_ids, 8, dtype=F64)
+    merged_alone = []  # which pairs were merged for their used rows only (a spy, the real call)
+
+    def spy(first, second, a, b):
+        merged_alone.append(50 in (first.shape[1], second.shape[1]))
+        return _merge_pair_rows(first, second, a, b)  # the real function, imported above
+
+    monkeypatch.setattr(embedding, "_merge_pair_rows", spy)
     got = layer(ids)
+    assert any(merged_alone) is alone  # the 40 x 50 pair: alone for few ids, whole for all
     grads = torch.autograd.grad((got * weights).sum(), list(layer.parameters()))
     dense = layer.to_dense()
     want = dense[ids]
