@@ -209,6 +209,8 @@ def plot(payload: dict, path: Path) -> None:
                         color=color, label=("TT" if name == "tt" else "dense")
                         + ": params + peak allocated")
             rss = [p["memory"][name]["rss_delta_mib"] for p in points]
+            if key == "batch":  # log axis: a zero delta (pages the allocator reused) is a gap
+                rss = [v if v else float("nan") for v in rss]
             if all(v is not None for v in rss):
                 mem_ax.plot(xs, rss, "x--", color=color, alpha=0.6,
                             label=("TT" if name == "tt" else "dense")
