@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 import tncomp
-from benchmarks.lib.harness import markdown_table, write_results_to
+from benchmarks.lib.harness import markdown_table, run_fresh, write_results_to
 from comera.experiments.results import machine
 
 KINDS = ("tt_linear", "ttm_linear")
@@ -56,14 +53,7 @@ def measure_one(kind: str, d: int) -> dict:
 
 def measure_fresh(kind: str, d: int) -> dict:
     """:func:`measure_one` in a fresh interpreter (nothing planned or imported before)."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_planning", "--one", kind,
-                           str(d)], cwd=root, env=env, capture_output=True, text=True,
-                          check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"planning {kind} d={d} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_fresh("benchmarks.bench_planning", ["--one", kind, str(d)])
 
 
 def render_markdown(payload: dict) -> str:

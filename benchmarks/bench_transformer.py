@@ -16,18 +16,24 @@ random token ids (no padding). Variants (``--variants``):
   (reconstructed) or BlockTT (factorized einsum) layer at CoMERA's initial max rank, and the
   token embedding as tltorch's BlockTT embedding at the modes and ranks of CoMERA's.
 
-Time: median of interleaved repeats after warm-up (harness.interleaved_medians). Memory: resident
-bytes before the step plus the peak allocated during one step (see ``MEMORY_COUNTED``). Writes
+Time: median of interleaved repeats after warm-up (harness.interleaved_medians). Memory, two
+ways: the torch accounting (resident bytes before the step plus the profiler's peak allocated
+during one step, see ``MEMORY_COUNTED``) and, next to it, what the system sees: the peak RSS of
+dense, GaLore and CoMERA each measured in a process of its own (see ``PROCESS_COUNTED``;
+``--no-process-peak`` skips it). ``--memory {fast,balanced,min}`` plans the TT layers in that
+tncomp memory mode (an error where the installed tncomp has none). Writes
 benchmarks/results/transformer_cpu.{json,md} (``--small``: transformer_small_cpu).
 
-    python -m benchmarks.bench_transformer --smoke --out /tmp/t   # the quickest run
+    python -m benchmarks.bench_transformer --smoke --out /tmp/t   # the quickest run (~1 min)
     python -m benchmarks.bench_transformer --small --repeats 3 --threads 1
-    python -m benchmarks.bench_transformer                  # the paper's model: minutes per step
+    python -m benchmarks.bench_transformer --threads 2   # the paper's model: ~10-15 min
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
 import math
 import statistics
@@ -47,9 +53,11 @@ from benchmarks.lib.harness import (
     measure_step_memory,
     ratio,
     ratio_spread,
+    run_fresh,
     spread_text,
     write_results_to,
 )
+from benchmarks.lib.memory import MEMORY_MODES, check_memory_mode, peak_rss_of, set_memory_mode_
 from benchmarks.lib.model_baselines import (
     GaLoreConfig,
     default_galore_rank,
@@ -70,6 +78,7 @@ COMERA_VARIANTS = ("comera_early", "comera_late")
 PAPER_LATE_COMPRESSION = 361.0
 SMALL_VOCAB = 30522  # --small keeps the BERT vocabulary; only the widths and depth shrink
 
+PROCESS_VARIANTS = ("dense", "galore", "comera_early", "comera_late")  # peak RSS per process
 SHOWN_LAYERS = ("tokens", "blocks.0.attn.q", "blocks.0.ffn_in", "blocks.0.ffn_out")
 MEMORY_COUNTED = (
     "peak_total_bytes = resident_bytes.total + peak_extra_bytes. resident_bytes: unique storages "
@@ -81,6 +90,17 @@ MEMORY_COUNTED = (
     "step (part of peak_extra_bytes); activations_and_temporaries_bytes = peak_extra_bytes - "
     "grads_bytes. CoMERA variants run with tncomp's buffer pooling off while measured, so every "
     "buffer is a fresh allocation. Not counted: allocator overhead, Python objects, plan caches."
+)
+PROCESS_COUNTED = (
+    "process_peak: what the operating system sees. Each variant runs in a fresh interpreter "
+    "(python -m benchmarks.bench_transformer --process-peak VARIANT B, the same model flags) "
+    "after the same imports (galore_torch included) and one AdamW step of a 2x2 linear layer "
+    "(torch's first-use set-up, the same for every variant); then the resident set is read "
+    "(rss_before), the peak reset (Linux /proc/self/clear_refs), the variant built and "
+    "warmup + 1 training steps run on the same batch. peak_rss_delta = peak resident set - "
+    "rss_before: the model, optimizer state, activations and all the allocator and libraries "
+    "hold (plans, generated code, allocator caching). CPU only, as the script (on a GPU the "
+    "counterpart is torch.cuda.max_memory_allocated)."
 )
 
 
@@ -100,8 +120,10 @@ class BenchConfig:
     lr: float = 1e-4
     tltorch_rank: int | None = None
     seed: int = 0
+    memory: str | None = None  # tncomp's planning memory mode for the TT layers (None: default)
 
     def __post_init__(self) -> None:
+        check_memory_mode(self.memory)
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
             raise ConfigError(f"variants {list(self.variants)}: unknown {unknown}; choose from "
@@ -249,9 +271,11 @@ def build_variant(name: str, cfg: TransformerConfig, bench: BenchConfig) -> Vari
                     "which stays resident and is counted"})
     if name in COMERA_VARIANTS:
         model = PairClassifier(replace(cfg, tt=True))
+        set_memory_mode_(model, bench.memory)
         opt = comera.make_optimizer(model)
         trainer = comera.CoMERATrainer(model, opt, lam=bench.lam)
-        info: dict = {"optimizer": _qualname(opt), "lam": bench.lam}
+        info: dict = {"optimizer": _qualname(opt), "lam": bench.lam,
+                      "memory_mode": bench.memory or "default"}
         if name == "comera_late":
             cap = late_stage_cap(model, bench.late_compression)
             prune_gates_to_cap_(model, cap)
@@ -289,6 +313,35 @@ def measure_memory(variant: Variant, batch: Batch) -> dict:
                                batch.tensors())
 
 
+def peak_in_this_process(name: str, cfg: TransformerConfig, bench: BenchConfig,
+                         batch_size: int) -> dict:
+    """Build ``name`` and run ``warmup + 1`` steps here (a fresh interpreter): the peak
+    resident set above the one after the imports (see ``PROCESS_COUNTED``)."""
+    with contextlib.suppress(ImportError):  # every variant pays the same imports
+        import galore_torch  # noqa: F401
+    warm = nn.Linear(2, 2)  # torch's first-use set-up (autograd, AdamW) is not the variant's
+    opt = torch.optim.AdamW(warm.parameters())
+    warm(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    del warm, opt
+
+    def run() -> None:
+        variant = build_variant(name, cfg, bench)
+        batch = make_batch(cfg, batch_size, bench.seq_len or cfg.max_len,
+                           bench.seed + batch_size)
+        for _ in range(bench.warmup + 1):
+            variant.step(batch)
+
+    return {"variant": name, "batch": batch_size, "steps": bench.warmup + 1,
+            **peak_rss_of(run)}
+
+
+def process_peak(name: str, batch_size: int, model_args: list[str]) -> dict:
+    """:func:`peak_in_this_process` in a fresh interpreter, with the parent's model flags."""
+    return run_fresh("benchmarks.bench_transformer",
+                     ["--process-peak", name, str(batch_size), *model_args])
+
+
 # --------------------------------------------------------------------------------------------
 # Timing and the run
 # --------------------------------------------------------------------------------------------
@@ -310,8 +363,11 @@ def galore_refresh_ms(variant: Variant, batch: Batch) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def run_batch(variants: dict[str, Variant], batch: Batch, bench: BenchConfig) -> dict:
-    """Interleaved timing, per-variant memory and ratios at one batch size."""
+def run_batch(variants: dict[str, Variant], batch: Batch, bench: BenchConfig,
+              model_args: list[str] | None = None) -> dict:
+    """Interleaved timing, per-variant memory and ratios at one batch size; with
+    ``model_args`` (the model's command-line flags), each variant's peak RSS measured in a
+    process of its own."""
     size = int(batch.ids.shape[0])
     log.info("batch %d: timing %s", size, ", ".join(variants))
     times = interleaved_times({n: (lambda v=v: v.step(batch)) for n, v in variants.items()},
@@ -326,19 +382,27 @@ def run_batch(variants: dict[str, Variant], batch: Batch, bench: BenchConfig) ->
     log.info("batch %d: memory", size)
     memory = {n: measure_memory(v, batch) for n, v in variants.items()}
     out["memory"] = memory
+    if model_args is not None:
+        out["process_peak"] = {n: process_peak(n, size, model_args) for n in variants
+                               if n in PROCESS_VARIANTS}
     peak = {n: m["peak_total_bytes"] for n, m in memory.items()}
+    rss = {n: p["peak_rss_delta_bytes"] for n, p in out.get("process_peak", {}).items()}
     if "dense" in variants:
         out["speedup_vs_dense"] = {n: ratio(ms["dense"], t) for n, t in ms.items()}
         out["speedup_vs_dense_spread"] = {n: ratio_spread(times["dense"], ts)
                                           for n, ts in times.items()}
         out["memory_ratio_vs_dense"] = {n: ratio(peak["dense"], p) for n, p in peak.items()}
+        if "dense" in rss:
+            out["rss_ratio_vs_dense"] = {n: ratio(rss["dense"], p) for n, p in rss.items()}
     if "galore" in variants:
         amortized = out["galore_refresh"]["amortized_ms"]
         out["comera_vs_galore"] = {
             n: {"speedup": ratio(ms["galore"], ms[n]),
                 "speedup_spread": ratio_spread(times["galore"], times[n]),
                 "speedup_amortized_refresh": ratio(amortized, ms[n]),
-                "memory_ratio": ratio(peak["galore"], peak[n])}
+                "memory_ratio": ratio(peak["galore"], peak[n]),
+                **({"rss_ratio": ratio(rss["galore"], rss[n])} if n in rss and "galore" in rss
+                   else {})}
             for n in COMERA_VARIANTS if n in variants}
     return out
 
@@ -369,18 +433,21 @@ def check_targets(results: list[dict]) -> list[dict]:
     return rows
 
 
-def run_benchmark(cfg: TransformerConfig, bench: BenchConfig) -> dict:
-    """Build every variant, run every batch size, return the JSON payload."""
+def run_benchmark(cfg: TransformerConfig, bench: BenchConfig,
+                  model_args: list[str] | None = None) -> dict:
+    """Build every variant, run every batch size, return the JSON payload; ``model_args``:
+    see :func:`run_batch`."""
     variants = {}
     for name in bench.variants:
         log.info("building %s", name)
         variants[name] = build_variant(name, cfg, bench)
     seq_len = bench.seq_len or cfg.max_len
-    results = [run_batch(variants, make_batch(cfg, b, seq_len, bench.seed + b), bench)
-               for b in bench.batches]
+    results = [run_batch(variants, make_batch(cfg, b, seq_len, bench.seed + b), bench,
+                         model_args) for b in bench.batches]
     return {"machine": machine(), "model": asdict(cfg), "bench": asdict(bench),
             "variants": {n: v.info for n, v in variants.items()},
-            "memory_counted": MEMORY_COUNTED, "results": results,
+            "memory_counted": MEMORY_COUNTED, "process_counted": PROCESS_COUNTED,
+            "results": results,
             "targets": check_targets(results)}
 
 
@@ -423,16 +490,22 @@ def render_markdown(payload: dict) -> str:
         for name, t in r["ms"].items():
             mem = r["memory"][name]
             res = mem["resident_bytes"]
+            rss = r.get("process_peak", {}).get(name)
             rows.append([
                 name, f"{t:.1f}", _spread(r.get("speedup_vs_dense_spread", {}).get(name)),
-                _mib(mem["peak_total_bytes"]), _times(r.get("memory_ratio_vs_dense", {}).get(name)),
+                _mib(mem["peak_total_bytes"]),
+                "-" if rss is None else (_mib(rss["peak_rss_delta_bytes"]) + " ("
+                                         + _times(r.get("rss_ratio_vs_dense", {}).get(name))
+                                         + " less than dense)"),
+                _times(r.get("memory_ratio_vs_dense", {}).get(name)),
                 _mib(res["params"]), _mib(mem["grads_bytes"]), _mib(res["optimizer_state"]),
                 _mib(mem["activations_and_temporaries_bytes"]),
                 f"{payload['variants'][name]['params']:,}"])
         lines += ["", f"## batch {r['batch']} x {r['seq_len']} tokens", "",
                   markdown_table(["variant", "ms/step", "speedup vs dense", "peak MiB",
-                                  "dense / peak", "params MiB", "grads MiB", "opt state MiB",
-                                  "activations + temps MiB", "trainable params"], rows)]
+                                  "peak RSS MiB (own process)", "dense / peak", "params MiB",
+                                  "grads MiB", "opt state MiB", "activations + temps MiB",
+                                  "trainable params"], rows)]
         if "galore_refresh" in r:
             g = r["galore_refresh"]
             lines += ["", f"GaLore projection refresh step: {g['refresh_step_ms']:.1f} ms, once "
@@ -441,7 +514,9 @@ def render_markdown(payload: dict) -> str:
         for name, c in r.get("comera_vs_galore", {}).items():
             lines.append(f"{name} vs GaLore: {spread_text(c['speedup_spread'])} faster "
                          f"({c['speedup_amortized_refresh']:.2f}x with refreshes amortized), "
-                         f"{c['memory_ratio']:.2f}x less peak memory.")
+                         f"{c['memory_ratio']:.2f}x less peak memory"
+                         + (f" ({c['rss_ratio']:.2f}x less peak RSS)." if "rss_ratio" in c
+                            else "."))
     if payload["targets"]:
         rows = [[t["variant"], t["claim"], t["batch"], f"{t['measured']:.2f}x",
                  f">= {t['target']:.0f}x", "yes" if t["met"] else "**no**"]
@@ -450,7 +525,12 @@ def render_markdown(payload: dict) -> str:
                   markdown_table(["variant", "claim", "batch", "measured", "target", "met"],
                                  rows)]
     v = payload["variants"]
-    notes = [f"- Memory: {payload['memory_counted']}"]
+    notes = [f"- Memory (peak MiB and its parts): {payload['memory_counted']}"]
+    if "process_counted" in payload and any("process_peak" in r for r in payload["results"]):
+        notes.append(f"- Peak RSS (own process): {payload['process_counted']}")
+    if payload["bench"].get("memory"):
+        notes.append(f"- TT layers planned in tncomp's {payload['bench']['memory']!r} memory "
+                     "mode (--memory).")
     if "galore" in v:
         notes.append(f"- GaLore: {v['galore']['optimizer']}, rank {v['galore']['rank']}, "
                      f"update_proj_gap {v['galore']['update_proj_gap']}, scale "
@@ -473,6 +553,18 @@ def render_markdown(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def model_args(args: argparse.Namespace) -> list[str]:
+    """The flags that make a child process build the same model, variants and steps."""
+    out = ["--smoke"] if args.smoke else ["--small"] if args.small else []
+    out += ["--warmup", str(args.warmup), "--late-compression", str(args.late_compression)]
+    for flag, value in (("--seq-len", args.seq_len), ("--galore-rank", args.galore_rank),
+                        ("--tltorch-rank", args.tltorch_rank), ("--threads", args.threads),
+                        ("--memory", args.memory)):
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true",
@@ -490,6 +582,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--late-compression", type=float, default=PAPER_LATE_COMPRESSION)
     parser.add_argument("--tltorch-rank", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--memory", choices=MEMORY_MODES, default=None,
+                        help="tncomp's planning memory mode for the TT layers (needs a tncomp "
+                             "whose compile takes memory=)")
+    parser.add_argument("--no-process-peak", action="store_true",
+                        help="skip the peak RSS of each variant in a process of its own")
+    parser.add_argument("--process-peak", nargs=2, metavar=("VARIANT", "BATCH"),
+                        help="measure one variant's peak RSS in this process, print it as JSON "
+                             "(what the parent runs in a fresh interpreter)")
     parser.add_argument("--out", default=None,
                         help="results name under benchmarks/results/ or a path stem "
                              "(default transformer_cpu, or transformer_small_cpu with --small)")
@@ -507,12 +607,19 @@ def main(argv: list[str] | None = None) -> int:
                             warmup=args.warmup, variants=tuple(dict.fromkeys(args.variants)),
                             seq_len=args.seq_len, galore_rank=args.galore_rank,
                             late_compression=args.late_compression,
-                            tltorch_rank=args.tltorch_rank)
+                            tltorch_rank=args.tltorch_rank, memory=args.memory)
     except ConfigError as exc:
         parser.error(str(exc))
     cfg = (smoke_config() if args.smoke else TransformerConfig.small(SMALL_VOCAB) if args.small
            else TransformerConfig())
-    payload = run_benchmark(cfg, bench)
+    if args.process_peak:
+        name, size = args.process_peak
+        if name not in VARIANTS or not size.isdigit() or int(size) < 1:
+            parser.error(f"--process-peak {name} {size}: give one of {', '.join(VARIANTS)} and "
+                         "a batch size >= 1")
+        print(json.dumps(peak_in_this_process(name, cfg, bench, int(size))))
+        return 0
+    payload = run_benchmark(cfg, bench, None if args.no_process_peak else model_args(args))
     markdown = render_markdown(payload)
     out = args.out or ("transformer_smoke_cpu" if args.smoke else "transformer_small_cpu"
                        if args.small else "transformer_cpu")

@@ -114,7 +114,10 @@ def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_basel
         "speedup_vs_dense": medians["dense"] / t,
         "speedup_vs_hand": medians["hand_derived_comera"] / t,
         "spread": {"vs_dense": ratio_spread(times["dense"], times["tncomp"]),
-                   "vs_hand": ratio_spread(times["hand_derived_comera"], times["tncomp"])},
+                   "vs_hand": ratio_spread(times["hand_derived_comera"], times["tncomp"]),
+                   # every method's time over tncomp's, each with its spread
+                   **{f"{name}_vs_tncomp": ratio_spread(ts, times["tncomp"])
+                      for name, ts in times.items() if name != "tncomp"}},
         "plan_flops": plan.forward_flops + plan.backward_flops, "dense_flops": dense_flops,
         "plan_floor_ms": floor * 1e3, "over_floor": t / floor,
         "tree": tncomp.describe_tree(compiled.network, plan.tree),
@@ -205,7 +208,8 @@ def render_markdown(payload: dict) -> str:
     """The results as a markdown table: times, ratios with their spread, floor and memory."""
     rows = []
     for r in payload["results"]:
-        others = " / ".join(f"{k} {v:.1f}" for k, v in r["ms"].items()
+        others = " / ".join(f"{k} {v:.1f} ({spread_text(r['spread'][k + '_vs_tncomp'])})"
+                            for k, v in r["ms"].items()
                             if k not in ("tncomp", "dense", "hand_derived_comera"))
         rows.append([r["case"], r["batch"], f"{r['ms']['tncomp']:.2f}",
                      f"{r['ms']['hand_derived_comera']:.2f}", f"{r['ms']['dense']:.1f}",
@@ -225,7 +229,8 @@ def render_markdown(payload: dict) -> str:
         "",
         markdown_table(["layer", "B", "tncomp ms", "hand-derived ms", "dense ms",
                         "vs dense", "vs hand", "time / floor",
-                        "peak MiB tncomp / hand / dense", "other baselines (ms)"], rows),
+                        "peak MiB tncomp / hand / dense",
+                        "other baselines: ms (time / tncomp's)"], rows),
         "",
         f"A cached plan's call on a tiny network (2x2 modes, rank 2: almost all dispatch): "
         f"{overhead['call_us']:.1f} us (torch.einsum {overhead['einsum_us']:.1f} us); with "

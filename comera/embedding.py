@@ -5,8 +5,12 @@ cores (r_{k-1}, m_k, n_k, r_k). A lookup:
 
 1. deduplicates the batch's ids (``unique`` + ``inverse``), so a frequent token costs once
    (in eager mode; under ``torch.compile`` every id is looked up, without data-dependent shapes);
-2. merges the gated cores pairwise, once per step, into tables over (m_a*m_b) rows, which makes
-   the per-row slices small (at the paper's ranks, 512 and 1,536 floats instead of 8,192);
+2. merges the gated cores pairwise, which makes the per-row slices small (at the paper's ranks,
+   512 and 1,536 floats instead of 8,192): when the batch's digit pairs cover little of a pair's
+   (m_a*m_b) rows, only those pairs are merged, as one batched matmul grouped by the digit of
+   the core with the larger slices (so that core is never gathered: at 8,192 Zipf ids on the
+   10M-row Criteo table, 216 x 30 padded rows instead of 210 x 216); otherwise, and
+   under ``torch.compile``, the whole table is merged by a planned tncomp contraction;
 3. gathers one slice per unique id from each merged table and contracts them with a compiled
    ``tncomp.ttm_embedding`` network (a batched chain over the hyperedge ``b``);
 4. gathers the rows back by ``inverse``; ``padding_idx`` rows are zero and get no gradient.
@@ -38,6 +42,35 @@ from comera.layers import (
 from comera.ttsvd import matrix_to_ttm, ttm_to_matrix
 
 _MERGE_EQ = "pimq,qjnr->ijpmnr"  # two TT-matrix cores -> one table over (m1 m2) x (n1 n2)
+
+
+def _merge_pair_rows(first: Tensor, second: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """Merged slices of two TT-matrix cores at the digit pairs ``(a[p], b[p])`` only:
+    (P, r0, n1*n2, r2), row p equal to row ``a[p] * m2 + b[p]`` of the whole merged table.
+
+    One batched matmul grouped by the digit of the core with the larger slices: that core is
+    used as it is stored, the other's slices are gathered into a zero-padded (groups, slots)
+    layout, so the work is groups x (most pairs sharing one digit), not m1 x m2."""
+    r0, m1, n1, r1 = first.shape
+    _, m2, n2, r2 = second.shape
+    p = a.shape[0]
+    if r0 * n1 > n2 * r2:  # first has the larger slices: merge the reversed chain, group by a
+        rows = _merge_pair_rows(second.permute(3, 1, 2, 0), first.permute(3, 1, 2, 0), b, a)
+        rows = rows.reshape(p, r2, n2, n1, r0)  # (P, r2, n2, n1, r0)
+        return rows.permute(0, 4, 3, 2, 1).reshape(p, r0, n1 * n2, r2)
+    counts = torch.bincount(b, minlength=m2)  # (m2,) pairs per digit of the grouped core
+    slots = int(counts.max())
+    order = torch.argsort(b, stable=True)
+    starts = counts.cumsum(0) - counts  # (m2,)
+    slot = torch.empty_like(b)
+    slot[order] = torch.arange(p, device=b.device) - starts[b[order]]
+    where = b * slots + slot  # (P,) position in the padded (m2 * slots) layout
+    left = first.permute(1, 0, 2, 3).reshape(m1, r0 * n1, r1).index_select(0, a)  # (P, r0 n1, r1)
+    padded = left.new_zeros(m2 * slots, r0 * n1, r1).index_copy(0, where, left)
+    right = second.permute(1, 0, 2, 3).reshape(m2, r1, n2 * r2)  # (m2, r1, n2 r2)
+    out = torch.bmm(padded.reshape(m2, slots * r0 * n1, r1), right)  # (m2, S r0 n1, n2 r2)
+    out = out.reshape(m2 * slots, r0, n1, n2 * r2).index_select(0, where)  # (P, r0, n1, n2 r2)
+    return out.reshape(p, r0, n1 * n2, r2)
 
 
 def _mixed_radix_strides(modes: Sequence[int]) -> list[int]:
@@ -198,17 +231,43 @@ class TTEmbedding(GatedTrain):
 
     def _rows(self, ids: Tensor) -> Tensor:
         """The table rows at the 1-d ``ids`` (in range): (len(ids), embedding_dim)."""
+        if torch.compiler.is_compiling():  # traced: whole tables, no data-dependent shapes
+            tables = self.merged_tables()
+        else:
+            cores = self.gated_cores()
+            tables = [None if len(g) == 2 else cores[g[0]].permute(1, 0, 2, 3).contiguous()
+                      for g in self.groups()]
         slices = []
         strides = _mixed_radix_strides(self.row_modes)
-        for group, table in zip(self.groups(), self.merged_tables(), strict=True):
+        for k, (group, table) in enumerate(zip(self.groups(), tables, strict=True)):
             stride = strides[group[-1]]
-            size = math.prod([self.row_modes[k] for k in group])
+            size = math.prod([self.row_modes[j] for j in group])
             digits = torch.div(ids, stride, rounding_mode="floor") % size
+            if table is None:  # a pair, merged now: only its used rows when that is cheaper
+                table, digits = self._pair_table(cores, group, self._merges()[k], digits)
             slices.append(table.index_select(0, digits))  # (U, r_in, N_g, r_out)
         rows = self.compiled()(*slices).reshape(ids.shape[0], self.embedding_dim)
         if self.padding_idx is not None:
             rows = rows * (ids != self.padding_idx).to(rows.dtype).unsqueeze(1)
         return rows
+
+    def _pair_table(self, cores: list[Tensor], group: tuple[int, ...],
+                    merge: tncomp.CompiledNetwork, digits: Tensor) -> tuple[Tensor, Tensor]:
+        """The merged rows of a pair of cores that the pair ``digits`` (U,) use, and the
+        digits into them: the used pairs only (:func:`_merge_pair_rows`) when grouping them
+        does fewer multiply-adds than merging the whole (m1*m2)-row table, else the table."""
+        first, second = cores[group[0]], cores[group[1]]
+        r0, m1, n1, _ = first.shape
+        _, m2, n2, r2 = second.shape
+        pairs, inverse = torch.unique(digits, return_inverse=True)  # (P,), (U,)
+        a, b = torch.div(pairs, m2, rounding_mode="floor"), pairs % m2
+        by_b = r0 * n1 <= n2 * r2  # which digit _merge_pair_rows groups by
+        grouped = b if by_b else a
+        groups = m2 if by_b else m1
+        if groups * int(torch.bincount(grouped).max()) < m1 * m2:
+            return _merge_pair_rows(first, second, a, b), inverse
+        merged = merge(first, second)  # (m1, m2, r0, n1, n2, r2)
+        return merged.reshape(m1 * m2, r0, n1 * n2, r2), digits
 
     def to_dense(self) -> Tensor:
         """The table as ``nn.Embedding.weight``: (num_embeddings, embedding_dim)."""

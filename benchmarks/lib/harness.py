@@ -6,7 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -224,3 +227,16 @@ def write_results_to(out: str, payload: dict, markdown: str) -> tuple[Path, Path
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     md_path.write_text(markdown + "\n")
     return json_path, md_path
+
+
+def run_fresh(module: str, args: list[str]) -> dict:
+    """Run ``python -m module *args`` in a fresh interpreter from the repository root (nothing
+    imported, planned or allocated before) and return the JSON object on its last stdout line."""
+    root = RESULTS.parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=root, env=env,
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"python -m {module} {' '.join(args)} failed:\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -8,6 +8,8 @@ galore_torch takes about 8 s) that the GaLore variant really runs GaLoreAdamW on
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import json
 import math
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 import comera
+import tncomp
 from benchmarks.bench_transformer import (
     BenchConfig,
     build_variant,
@@ -22,6 +25,8 @@ from benchmarks.bench_transformer import (
     main,
     make_batch,
     measure_memory,
+    model_args,
+    peak_in_this_process,
     render_markdown,
     run_benchmark,
     smoke_config,
@@ -29,6 +34,7 @@ from benchmarks.bench_transformer import (
 )
 from benchmarks.lib.baselines import tt_to_dense
 from benchmarks.lib.harness import num_threads, resident_bytes, write_results_to
+from benchmarks.lib.memory import rss_available
 from benchmarks.lib.model_baselines import GaLoreConfig, TltorchTTLinear, tltorch_transformer
 from comera.errors import ConfigError
 from comera.models.transformer import TransformerConfig
@@ -68,7 +74,7 @@ def payload(_one_thread):
 
 def test_payload_schema(payload):
     assert set(payload) == {"machine", "model", "bench", "variants", "memory_counted",
-                            "results", "targets"}
+                            "process_counted", "results", "targets"}
     assert {"torch", "cpu", "threads", "commit", "date"} <= set(payload["machine"])
     assert payload["machine"]["threads"] == 1
     assert payload["model"]["d_model"] == D and payload["model"]["n_layers"] == 1
@@ -215,6 +221,48 @@ def test_bad_settings_raise_clear_errors(tmp_path):
         tltorch_transformer(tiny_config(), "cp")
     with pytest.raises(SystemExit):
         main(["--variants", "nope", "--out", str(tmp_path / "x")])
+
+
+def test_memory_mode_is_checked_against_the_library():
+    with pytest.raises(ConfigError, match="choose one of fast, balanced, min"):
+        BenchConfig(memory="low")
+    if "memory" in inspect.signature(tncomp.compile).parameters:
+        v = build_variant("comera_early", tiny_config(), BenchConfig(memory="min"))
+        assert all(m.compile_options["memory"] == "min" for _, m in comera.tt_modules(v.model))
+    else:  # a tncomp without planning memory modes: a clear error, not a silent no-op
+        with pytest.raises(ConfigError, match="no planning memory modes"):
+            BenchConfig(memory="min")
+
+
+@pytest.mark.skipif(not rss_available(), reason="needs Linux /proc/self/clear_refs")
+def test_peak_in_this_process_counts_a_variant_above_the_imports():
+    bench = BenchConfig(batches=(2,), repeats=1, warmup=0)
+    dense = peak_in_this_process("dense", tiny_config(), bench, 2)
+    assert dense["variant"] == "dense" and dense["steps"] == 1
+    assert dense["peak_rss_delta_bytes"] == dense["peak_rss_bytes"] - dense["rss_before_bytes"]
+    assert dense["peak_rss_delta_bytes"] >= 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not rss_available(), reason="needs Linux /proc/self/clear_refs")
+def test_process_peak_runs_each_variant_in_its_own_process():
+    bench = BenchConfig(batches=(1,), repeats=1, warmup=0, variants=("dense", "comera_early"))
+    out = run_benchmark(tiny_config(), bench, model_args=["--smoke"])
+    (r,) = out["results"]
+    assert set(r["process_peak"]) == {"dense", "comera_early"}
+    for name, peak in r["process_peak"].items():  # --smoke: one warm-up step, one more
+        assert (peak["variant"], peak["batch"], peak["steps"]) == (name, 1, 2)
+        assert peak["peak_rss_delta_bytes"] > 0
+    assert r["rss_ratio_vs_dense"]["dense"] == 1.0
+    assert "less than dense)" in render_markdown(out)
+
+
+def test_child_processes_get_the_same_model_flags():
+    parser_args = argparse.Namespace(smoke=False, small=True, warmup=2, late_compression=361.0,
+                                     seq_len=64, galore_rank=None, tltorch_rank=None,
+                                     threads=1, memory=None)
+    assert model_args(parser_args) == ["--small", "--warmup", "2", "--late-compression",
+                                       "361.0", "--seq-len", "64", "--threads", "1"]
 
 
 def test_write_uses_the_results_format(payload, tmp_path):

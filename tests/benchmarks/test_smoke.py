@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,9 @@ def run_smoke(script: str, tmp_path) -> dict:
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert out.with_suffix(".md").read_text().startswith("# ")
-    return json.loads(out.with_suffix(".json").read_text())
+    payload = json.loads(out.with_suffix(".json").read_text())
+    payload["_out"] = str(out)  # where the files went (for a script's own checks)
+    return payload
 
 
 def test_every_script_is_covered():
@@ -69,6 +72,38 @@ def test_tt_linear_ratios_carry_their_spread(payloads):
         assert spread["min"] <= spread["q1"] <= spread["q3"] <= spread["max"]
     assert set(payload["dispatch_overhead"]) == {
         "call_us", "einsum_us", "call_with_autograd_us", "einsum_with_autograd_us"}
+
+
+def test_tt_linear_every_ratio_carries_its_spread(payloads):
+    (result,) = payloads["bench_tt_linear"]["results"]
+    assert set(result["spread"]) == {f"{name}_vs_tncomp" for name in result["ms"]
+                                     if name != "tncomp"} | {"vs_dense", "vs_hand"}
+
+
+def test_growth_sweeps_planning_and_plot(payloads):
+    payload = payloads["bench_growth"]
+    assert set(payload["sweeps"]) == {"batch", "rank", "d"}
+    base = payload["base"]
+    for key, points in payload["sweeps"].items():
+        for p in points:
+            assert {k: p[k] for k in base if k != key} == {k: v for k, v in base.items()
+                                                            if k != key}
+            assert p["ms"]["tt"] > 0 and p["ms"]["dense"] > 0
+            spread = p["dense_over_tt"]
+            assert spread["min"] <= spread["q1"] <= spread["q3"] <= spread["max"]
+            for name in ("tt", "dense"):
+                assert p["memory"][name]["peak_alloc_mib"] >= p["memory"][name]["params_mib"]
+    assert [p["d"] for p in payload["planning"]] == [p["d"] for p in payload["sweeps"]["d"]]
+    assert all(p["plan_s"] > 0 for p in payload["planning"])
+    png = Path(payload["_out"]).with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_embedding_compares_three_methods(payloads):
+    result = payloads["bench_embedding"]["result"]
+    assert set(result["ms"]) == {"tt_embedding", "naive_gather", "nn_embedding"}
+    assert 0 < result["unique_ids"] <= result["batch"]
+    assert set(result["spread"]) == {"naive_vs_tt", "nn_embedding_vs_tt"}
 
 
 def test_no_script_patches_the_import_path():
