@@ -40,6 +40,8 @@ bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks.bench_planning
 	$(VENV)/bin/python -m benchmarks.bench_transformer
 	$(VENV)/bin/python -m benchmarks.bench_stack
+	$(VENV)/bin/python -m benchmarks.bench_growth
+	$(VENV)/bin/python -m benchmarks.bench_embedding
 
 # the paper's experiments in quick mode, dense vs CoMERA side by side (comera train per task)
 experiments: $(STAMP)
