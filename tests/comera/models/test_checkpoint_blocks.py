@@ -38,8 +38,9 @@ def _step(model: nn.Module, ids: torch.Tensor, checkpoint: bool):
     return loss.detach(), grads, torch.get_rng_state()
 
 
-@pytest.mark.parametrize("tt, memory", [(True, "fast"), (True, "balanced"), (True, "min"),
-                                        (False, None)])
+@pytest.mark.parametrize("tt, memory", [
+    (True, "fast"), pytest.param(True, "balanced", marks=pytest.mark.slow), (True, "min"),
+    (False, None)])
 def test_checkpointed_blocks_give_the_same_loss_gradients_and_rng(tt, memory):
     torch.manual_seed(1)
     model = PairClassifier(replace(CFG, tt=tt)).double()
