@@ -52,7 +52,8 @@ def _engine_config(args, exp) -> Any:
     changes: dict[str, Any] = {"stage": args.stage, "device": args.device,
                                "on_nonfinite": args.on_nonfinite,
                                "precision": args.precision, "compile": args.compile,
-                               "memory": args.memory}
+                               "memory": args.memory,
+                               "checkpoint_blocks": args.checkpoint_blocks}
     for field_name, flag in FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
@@ -153,7 +154,7 @@ def _launch_workers(args, argv: list[str]) -> int:
 
 def _cmd_train(args, argv: list[str]) -> int:
     from comera.experiments.distributed import init_from_env
-    from comera.experiments.registry import experiment
+    from comera.experiments.registry import EXPERIMENTS, experiment
     from comera.experiments.results import check_experiment, run_experiment, summary_table
 
     if args.nproc < 1:
@@ -170,6 +171,10 @@ def _cmd_train(args, argv: list[str]) -> int:
     if args.init_from and not exp.init_from:
         raise ComeraError(f"--init-from: the {exp.name} experiment cannot start from a "
                           "checkpoint; it works for transformer and transformer-code.")
+    if args.checkpoint_blocks and not exp.checkpoint_blocks:
+        able = ", ".join(name for name, e in EXPERIMENTS.items() if e.checkpoint_blocks)
+        raise ComeraError(f"--checkpoint-blocks: the {exp.name} model has no encoder blocks to "
+                          f"checkpoint; it works for {able}.")
     if "WORLD_SIZE" not in os.environ:  # not a launched worker: check before launching any
         try:
             check_experiment(config, out, variants, args.resume, args.nproc)
@@ -444,6 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", choices=["fast", "balanced", "min"], default="fast",
                    help="what TT layers keep for the backward: every intermediate (fast), "
                         "the costly-to-recompute ones (balanced), none: recompute (min)")
+    p.add_argument("--checkpoint-blocks", action="store_true",
+                   help="recompute each encoder block's activations in the backward: less "
+                        "memory, about one more forward of time (transformer models only)")
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start the classifier's encoder from a `comera train mlm` checkpoint "
                         "(transformer, transformer-code)")

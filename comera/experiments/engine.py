@@ -92,6 +92,9 @@ class EngineConfig:
     # what TT layers keep for the backward (tncomp's memory option): "fast", "balanced", "min"
     memory: str = "fast"
     threads: int = 0  # CPU threads; 0: the faster of 1 and the current count, timed at the start
+    # recompute each encoder block in the backward (models with ``checkpoint_blocks``: the
+    # transformers); like memory, it trades time for memory and leaves the results unchanged
+    checkpoint_blocks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps_early", "steps_late", "warmup", "checkpoint_every", "max_skips",
@@ -248,6 +251,14 @@ class _Run:
         for _, layer in comera.tt_modules(self.model):  # time for memory: no change in results
             if layer.memory != config.memory:
                 layer.memory = config.memory
+        if config.checkpoint_blocks:
+            if not hasattr(self.model, "checkpoint_blocks"):
+                raise ConfigError(
+                    f"checkpoint_blocks=True, but task {task.name!r} builds a "
+                    f"{type(self.model).__name__}, which has no encoder blocks to checkpoint "
+                    "(the transformer models have: PairClassifier, MaskedLM); train it "
+                    "without checkpoint_blocks.")
+            self.model.checkpoint_blocks = True
         if tt and not any(True for _ in comera.tt_modules(self.model)):
             raise ConfigError(f"task {task.name!r} built a model without TT layers for tt=True; "
                               "build_model(tt=True) must use comera's TT layers.")
@@ -445,7 +456,7 @@ class _Run:
                 f"not {self.task.name!r} (tt={self.tt}); point --out at that run's directory.")
         defaults = asdict(EngineConfig())  # settings a checkpoint predates have their default
         # settings that leave the results unchanged
-        free = ("device", "compile", "memory", "threads")
+        free = ("device", "compile", "memory", "threads", "checkpoint_blocks")
         saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in free}
         mine = {k: v for k, v in asdict(self.config).items() if k not in free}
         changed = sorted(k for k in mine if saved.get(k) != mine[k] and k != "steps_late"

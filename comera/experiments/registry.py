@@ -22,6 +22,7 @@ class Experiment:
     quick: EngineConfig
     full: EngineConfig
     init_from: bool = False  # whether the task can start from a `comera train mlm` checkpoint
+    checkpoint_blocks: bool = False  # whether its models have encoder blocks to checkpoint
 
     def engine(self, quick: bool) -> EngineConfig:
         return self.quick if quick else self.full
@@ -65,13 +66,13 @@ EXPERIMENTS: dict[str, Experiment] = {
         "transformer", "six-encoder transformer on (title, review) -> recommended, Women's "
         "E-Commerce Clothing Reviews", _transformer,
         quick=_TRANSFORMER_QUICK, full=_TRANSFORMER_FULL,
-        init_from=True,
+        init_from=True, checkpoint_blocks=True,
     ),
     "transformer-code": Experiment(
         "transformer-code", "six-encoder transformer on the stdlib docstring/code pair task",
         _transformer_code,
         quick=_TRANSFORMER_QUICK, full=_TRANSFORMER_FULL,
-        init_from=True,
+        init_from=True, checkpoint_blocks=True,
     ),
     "dlrm": Experiment(
         "dlrm", "DLRM on synthetic Criteo-shaped click data (TT embedding tables)", _dlrm,
@@ -88,6 +89,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         full=EngineConfig(steps_early=8000, steps_late=4000, batch_size=64, lr=5e-4,
                           warmup=500, lam=0.02, target_compression=8.0, eval_every=500,
                           checkpoint_every=1000),
+        checkpoint_blocks=True,
     ),
 }
 

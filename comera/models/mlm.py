@@ -25,7 +25,7 @@ from comera.embedding import TTEmbedding
 from comera.errors import ConfigError
 from comera.factorize import suggest_padded_size
 from comera.layers import TTLinear
-from comera.models.transformer import EncoderBlock, TransformerConfig, linear
+from comera.models.transformer import EncoderBlock, TransformerConfig, linear, run_blocks
 
 IGNORE_INDEX = -100
 EMBEDDING_STD = 0.02  # BERT's initializer_range
@@ -33,7 +33,10 @@ _VOCAB_MODES = 3  # modes per side of the TT vocabulary projection
 
 
 class MaskedLM(nn.Module):
-    """Encoder + BERT MLM head; ``cfg.n_classes`` is unused."""
+    """Encoder + BERT MLM head; ``cfg.n_classes`` is unused. ``checkpoint_blocks``: as in
+    :class:`~comera.models.PairClassifier`, recompute each block in the backward."""
+
+    checkpoint_blocks: bool = False
 
     def __init__(self, cfg: TransformerConfig, pad_id: int = 0):
         super().__init__()
@@ -91,9 +94,7 @@ class MaskedLM(nn.Module):
         x = self.tokens(ids) + self.positions(pos)[None]  # (b, s, d)
         x = self.drop(self.ln(x))
         pad_mask = ids != self.pad_id  # (b, s): True where a real token
-        for block in self.blocks:
-            x = block(x, pad_mask)  # (b, s, d)
-        return x
+        return run_blocks(self.blocks, x, pad_mask, self.checkpoint_blocks and self.training)
 
     def head(self, hidden: Tensor) -> Tensor:
         """Vocabulary logits (..., V) of hidden states (..., d)."""

@@ -6,6 +6,12 @@ length 128, and a pair-classification head on the first token. Shapes follow the
 Q/K/V/O 768x768 as [12,8,8]x[8,8,12]; FFN 768x3072 as [12,8,8]x[12,16,16] and back as
 [16,16,12]x[8,8,12]; the embedding (vocabulary padded to prod(row_modes)) as m=[16,20,10,10],
 n=[4,4,8,6] with rank 32.
+
+``model.checkpoint_blocks = True`` (both models here; ``comera train --checkpoint-blocks``)
+trades time for memory: in training, each encoder block keeps only its input for the backward
+and runs its forward again there (non-reentrant :func:`torch.utils.checkpoint.checkpoint`).
+The recomputation restores the RNG state, so dropout draws the same masks: losses, gradients
+and the RNG stream are those of a run without it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from comera.embedding import TTEmbedding
@@ -118,8 +125,25 @@ class EncoderBlock(nn.Module):
         return self.ln2(x + self.drop(ffn))
 
 
+def run_blocks(blocks: nn.ModuleList, x: Tensor, pad_mask: Tensor, checkpoint: bool) -> Tensor:
+    """``x`` (b, s, d) through each encoder block. With ``checkpoint`` (and autograd recording),
+    a block saves only its inputs and recomputes its activations in the backward."""
+    recompute = checkpoint and torch.is_grad_enabled()
+    for block in blocks:
+        if recompute:  # non-reentrant: RNG (dropout) and autocast state replayed as they were
+            x = torch.utils.checkpoint.checkpoint(block, x, pad_mask, use_reentrant=False)
+        else:
+            x = block(x, pad_mask)  # (b, s, d)
+    return x
+
+
 class PairClassifier(nn.Module):
-    """Token + position + segment embeddings, N encoder blocks, a head on the first token."""
+    """Token + position + segment embeddings, N encoder blocks, a head on the first token.
+
+    ``checkpoint_blocks``: recompute each block's activations in the backward while training
+    (less memory, about one more forward of time; same results)."""
+
+    checkpoint_blocks: bool = False  # class default: models pickled before it existed
 
     def __init__(self, cfg: TransformerConfig, pad_id: int = 0):
         super().__init__()
@@ -149,6 +173,5 @@ class PairClassifier(nn.Module):
         x = self.tokens(ids) + self.positions(pos)[None] + self.segments(seg)  # (b, s, d)
         x = self.drop(self.ln(x))
         pad_mask = ids != self.pad_id  # (b, s)
-        for block in self.blocks:
-            x = block(x, pad_mask)
+        x = run_blocks(self.blocks, x, pad_mask, self.checkpoint_blocks and self.training)
         return self.head(x[:, 0])  # (b, n_classes)

@@ -111,7 +111,7 @@ def test_autotune_under_memory_modes_is_exact_from_memory_and_from_disk(tmp_path
     eq = tn.einsum_eq(net)
     saved = {}
     for memory in ("fast", "min", "balanced"):
-        for fresh in (True, False):
+        for _from_disk in (False, True):  # timed, then read back from the disk cache
             tncomp.clear_cache()
             f = tncomp.compile(net, autotune=True, memory=memory, disk_cache=tmp_path)
             ops = tn.operands(net, 64, requires_grad=True)
