@@ -244,7 +244,8 @@ class CoMERATrainer(_Stepper):
                                                  self.steps - self._late_start[0])
             if self.late.steps is not None:  # the budget's schedule; else the optimizer's pace
                 lower = scheduled - 0.05 * self.late.target_size  # land within 5% of S*
-                self._clear_moments_(prune_to_(self.model, scheduled, self.min_rank, lower))
+                self._clear_moments_(prune_to_(self.model, scheduled, self.min_rank, lower,
+                                               self.late.rounding, self.optimizer))
         self.steps += 1
         size = model_size(self.model)
         if late and (size > self.late.target_size or self._late_note.startswith("below")):
