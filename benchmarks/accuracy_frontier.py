@@ -29,7 +29,7 @@ from benchmarks.lib.harness import RESULTS
 from comera.experiments.engine import sizes_of
 from comera.experiments.task import IndexStream
 from comera.experiments.transformer_task import ReviewsTask, ReviewsTaskConfig
-from comera.models import TransformerConfig
+from comera.models import PairClassifier, TransformerConfig
 
 OUT = RESULTS / "reviews_frontier"
 
@@ -91,6 +91,19 @@ def run(args) -> dict:
         result["rows"].append({"seed": seed, "model": "dense", "target": None,
                                "seconds": time.time() - start, **_score(task, dense)})
         save()
+        for rank in args.fixed_ranks:
+            torch.manual_seed(seed)
+            # the same model at one fixed TT rank, trained without pruning: what the
+            # architecture can do at that size, the reference for the pruned models
+            fixed = PairClassifier(replace(task.model_config(True), rank=rank))
+            start = time.time()
+            _train(task, fixed, comera.CoMERATrainer(fixed, comera.make_optimizer(
+                fixed, comera.OptimizerConfig(args.lr, args.lr_gates, args.lr)), 0.0,
+                max_grad_norm=1.0), stream, 0, args.early + args.late, args.warmup, lr)
+            result["rows"].append({"seed": seed, "model": f"TT rank {rank}, no pruning",
+                                   "target": None, "seconds": time.time() - start,
+                                   **_score(task, fixed)})
+            save()
         torch.manual_seed(seed)
         model = task.build_model(tt=True)
         trainer = comera.CoMERATrainer(model, comera.make_optimizer(
@@ -110,7 +123,7 @@ def run(args) -> dict:
                 late_model, only=comera.GatedTrain)
             dense_tt = comera.dense_size(late_model, only=comera.GatedTrain)
             late_trainer.start_late_stage(comera.LateStage(
-                dense_tt / target + non_tt, steps=args.late))
+                dense_tt / target + non_tt, steps=args.late, rounding=not args.no_rounding))
             start = time.time()
             _train(task, late_model, late_trainer, stream, args.early, args.late, 1, lr)
             result["rows"].append({"seed": seed, "model": "comera late", "target": target,
@@ -160,7 +173,9 @@ def plot(result: dict, path: Path) -> None:
         ax.axhline(mean, color="k", lw=1, label=f"dense (mean of {len(dense)})")
         ax.axhspan(mean - sd, mean + sd, color="k", alpha=0.1)
     ax.axhline(result["data"]["majority_test"], color="grey", ls=":", label="majority class")
-    for name, marker in (("comera early", "s"), ("comera late", "o")):
+    names = [("comera early", "s"), ("comera late", "o")] + [
+        (n, "^") for n in dict.fromkeys(r["model"] for r in result["rows"]) if "no pruning" in n]
+    for name, marker in names:
         rows = [r for r in result["rows"] if r["model"] == name]
         if rows:
             ax.scatter([r["sizes"]["linear_compression"] for r in rows],
@@ -189,6 +204,10 @@ def main(argv=None) -> int:
     p.add_argument("--lam", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-rounding", action="store_true",
+                   help="late stage without TT rounding (LateStage(rounding=False)): as before")
+    p.add_argument("--fixed-ranks", type=int, nargs="*", default=[],
+                   help="also train the model at these fixed TT ranks, without pruning")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--append", action="store_true",
                    help="keep the rows already in the results file (more seeds)")
