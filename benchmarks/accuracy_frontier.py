@@ -30,6 +30,7 @@ from comera.experiments.engine import sizes_of
 from comera.experiments.task import IndexStream
 from comera.experiments.transformer_task import ReviewsTask, ReviewsTaskConfig
 from comera.models import PairClassifier, TransformerConfig
+from comera.truncate import round_
 
 OUT = RESULTS / "reviews_frontier"
 
@@ -111,6 +112,8 @@ def run(args) -> dict:
             max_grad_norm=1.0)
         start = time.time()
         _train(task, model, trainer, stream, 0, args.early, args.warmup, lr)
+        if not args.no_rounding:  # exact: frees the slices a rank-1 neighbour makes useless
+            round_(model, trainer.optimizer)
         result["rows"].append({"seed": seed, "model": "comera early", "target": None,
                                "seconds": time.time() - start, **_score(task, model)})
         save()

@@ -215,11 +215,9 @@ def _layer_size(layer, rounding: bool) -> int:
 
 
 def _round_excess_(model: nn.Module, optimizer) -> None:
-    from comera.truncate import excess_bonds, round_layer_
+    from comera.truncate import round_
 
-    for _, layer in tt_modules(model):
-        if not layer.is_removed() and excess_bonds(layer):
-            round_layer_(layer, optimizer)
+    round_(model, optimizer)
 
 
 def prune_to_(model: nn.Module, size_limit: float, min_rank: int = 1,

@@ -9,6 +9,13 @@ place is not allowed), and the optimizer is updated to match: its param groups p
 parameters and their state is the old state, sliced. Hooks on the old parameters are not carried
 over; a DDP wrapper must be rebuilt. The function the model computes is unchanged; the compiled
 plans are re-made for the new shapes.
+
+Rounding (``round_``, ``round_layer_``): TT rounding in place, keeping the stored shapes. A bond
+can carry no more than its neighbours allow (``r_k <= r_{k-1} n_k`` and ``r_k <= n_{k+1}
+r_{k+1}``); pruning can leave bonds above that (``excess_bonds``), whose extra slices cost
+parameters and add nothing. Rounding re-expresses the same weight at those bounds (QR sweep left
+to right, SVD sweep right to left) and prunes the freed slices. The late stage's pruning does it
+as it goes (``LateStage(rounding=True)``, see :mod:`comera.objective`).
 """
 
 from __future__ import annotations
@@ -176,3 +183,17 @@ def round_layer_(layer: GatedTrain, optimizer=None, rtol: float = 1e-7) -> bool:
                         else:
                             value.zero_()
     return shrank
+
+
+def round_(model: nn.Module, optimizer=None, only_excess: bool = True) -> TruncationReport:
+    """Round the TT layers of ``model`` in place (:func:`round_layer_`): by default only those
+    with a bond above what its neighbours allow (:func:`excess_bonds`), whose extra slices are
+    then freed; the function is unchanged. The report gives each layer's effective ranks."""
+    rows = []
+    for name, layer in tt_modules(model):
+        before = layer.ranks
+        if not layer.is_removed() and (not only_excess or excess_bonds(layer)):
+            round_layer_(layer, optimizer)
+            layer.build_compiled()
+        rows.append((name, before, layer.ranks))
+    return TruncationReport(tuple(rows))

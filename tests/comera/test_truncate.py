@@ -283,3 +283,19 @@ def test_round_layer_resets_moments_and_skips_removed_layers():
     with torch.no_grad():
         layer.gates[1].zero_()
     assert layer.is_removed() and not round_layer_(layer)
+
+
+def test_round_model_rounds_only_the_layers_with_excess_bonds():
+    from comera.truncate import round_
+
+    starved, full = _starved(TTLinear), _starved(TTLinear)
+    with torch.no_grad():
+        full.gates[0].fill_(1.0)
+    model = nn.Sequential(starved, full)
+    x = torch.randn(3, 64, dtype=torch.float64)
+    before, full_cores = model(x).detach(), [c.detach().clone() for c in full.cores]
+    report = round_(model)
+    (_, b0, a0), (_, b1, a1) = report.layers
+    assert a0 < b0 and sum(a0) < sum(b0) and a1 == b1
+    assert all(torch.equal(c, d) for c, d in zip(full.cores, full_cores, strict=True))
+    torch.testing.assert_close(model(x).detach(), before, rtol=1e-10, atol=1e-10)
