@@ -361,7 +361,7 @@ class CoMERATrainer(_Stepper):
         late = None if self.late is None else {
             "target_size": self.late.target_size, "target_loss": self.late.target_loss,
             "size_weight": self.late.size_weight, "steps": self.late.steps,
-            "landing": self.late.landing}
+            "landing": self.late.landing, "rounding": self.late.rounding}
         return {"stage": self.stage, "steps": self.steps, "late": late,
                 "size_reference": self._size_reference, "lam": self.lam,
                 "late_start": None if self._late_start is None else list(self._late_start),

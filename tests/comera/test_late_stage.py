@@ -94,10 +94,11 @@ def test_a_stage_that_starts_below_its_target_says_so(caplog):
     assert all(s.note.startswith("below") for s in _train(trainer, student, teacher, 2))
 
 
-def test_late_stage_budget_survives_a_checkpoint_round_trip():
+@pytest.mark.parametrize("rounding", [True, False])
+def test_late_stage_budget_survives_a_checkpoint_round_trip(rounding):
     teacher, student = _student_and_data()
     trainer = CoMERATrainer(student)
-    trainer.start_late_stage(LateStage.from_ratio(student, 4.0, steps=20))
+    trainer.start_late_stage(LateStage.from_ratio(student, 4.0, steps=20, rounding=rounding))
     _train(trainer, student, teacher, 5)
     state = trainer.state_dict()
     again = CoMERATrainer(student)
