@@ -1,6 +1,7 @@
-"""Seeds and a compression/accuracy frontier for the transformer on the reviews task.
+r"""Seeds and a compression/accuracy frontier for the transformer on the reviews task.
 
-    python -m benchmarks.accuracy_frontier --seeds 0 1 2 --targets 10 30 100 300
+    python -m benchmarks.accuracy_frontier --seeds 0 1 2 --targets 10 30 50 100 130 \
+        --early-full --full-lam 1.5 --full-regularizer size_weighted
 
 Per seed, on the same split and the same number of steps: a dense model (``early + late``
 steps), and a CoMERA model whose early stage (``early`` steps, loss + lam * R) is then copied
@@ -11,7 +12,8 @@ stage alone for all ``early + late`` steps (lam 0 for ``--full-lam-start`` steps
 to ``--full-lam``); ``--fixed-ranks R``, the model at TT rank R, trained without pruning (what
 the architecture can do at that size). Early models are rounded at the end of their stage
 (exact: it only frees slices a rank-1 neighbour makes useless). Test accuracy is scored at the
-end of each; the majority-class baseline is written next to it. Results: ``benchmarks/results/reviews_frontier/frontier.json``
+end of each; the majority-class baseline is written next to it. Results:
+``benchmarks/results/reviews_frontier/frontier.json``
 (rewritten after every model, so a cut-off run keeps what it finished), ``frontier.md`` and
 ``frontier.png`` (test accuracy vs compression of the linear layers, one point per seed, the
 dense mean and spread as a band).
