@@ -156,7 +156,7 @@ def run(args) -> dict:
             late_model = copy.deepcopy(model)
             late_trainer = comera.CoMERATrainer(late_model, comera.make_optimizer(
                 late_model, comera.OptimizerConfig(args.lr, args.lr_gates, args.lr)), 0.0,
-                max_grad_norm=1.0)
+                max_grad_norm=1.0, min_rank=args.min_rank)
             non_tt = comera.model_size(late_model) - comera.model_size(
                 late_model, only=comera.GatedTrain)
             dense_tt = comera.dense_size(late_model, only=comera.GatedTrain)
@@ -240,6 +240,8 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lr-gates", type=float, default=1e-2)
     p.add_argument("--lam", type=float, default=0.05)
+    p.add_argument("--min-rank", type=int, default=1,
+                   help="late stage: no bond is pruned below this rank (CoMERATrainer min_rank)")
     p.add_argument("--early-full", action="store_true",
                    help="also train a CoMERA model with the early stage alone for early + late "
                         "steps (the dense model's budget), with the --full-* settings")
