@@ -1,12 +1,19 @@
-"""Seeds and a compression/accuracy frontier for the transformer on the reviews task.
+r"""Seeds and a compression/accuracy frontier for the transformer on the reviews task.
 
-    python -m benchmarks.accuracy_frontier --seeds 0 1 2 --targets 10 30 100 300
+    python -m benchmarks.accuracy_frontier --seeds 0 1 2 --targets 10 30 50 100 130 \
+        --early-full --full-lam 1.5 --full-regularizer size_weighted
 
 Per seed, on the same split and the same number of steps: a dense model (``early + late``
 steps), and a CoMERA model whose early stage (``early`` steps, loss + lam * R) is then copied
 once per target and trained ``late`` more steps with the late stage's step budget toward that
-compression of its TT layers. Test accuracy is scored at the end of each; the majority-class
-baseline is written next to it. Results: ``benchmarks/results/reviews_frontier/frontier.json``
+compression of its TT layers (with TT rounding, ``LateStage(rounding=True)``; ``--no-rounding``
+for the plain pruning). Options add: ``--early-full``, a CoMERA model trained with the early
+stage alone for all ``early + late`` steps (lam 0 for ``--full-lam-start`` steps, then ramped
+to ``--full-lam``); ``--fixed-ranks R``, the model at TT rank R, trained without pruning (what
+the architecture can do at that size). Early models are rounded at the end of their stage
+(exact: it only frees slices a rank-1 neighbour makes useless). Test accuracy is scored at the
+end of each; the majority-class baseline is written next to it. Results:
+``benchmarks/results/reviews_frontier/frontier.json``
 (rewritten after every model, so a cut-off run keeps what it finished), ``frontier.md`` and
 ``frontier.png`` (test accuracy vs compression of the linear layers, one point per seed, the
 dense mean and spread as a band).
@@ -29,7 +36,8 @@ from benchmarks.lib.harness import RESULTS
 from comera.experiments.engine import sizes_of
 from comera.experiments.task import IndexStream
 from comera.experiments.transformer_task import ReviewsTask, ReviewsTaskConfig
-from comera.models import TransformerConfig
+from comera.models import PairClassifier, TransformerConfig
+from comera.truncate import round_
 
 OUT = RESULTS / "reviews_frontier"
 
@@ -49,12 +57,25 @@ def _lr(step: int, warmup: int) -> float:
     return min(1.0, (step + 1) / warmup)
 
 
-def _train(task, model, trainer, stream, first: int, steps: int, warmup: int, base: dict):
+def _train(task, model, trainer, stream, first: int, steps: int, warmup: int, base: dict,
+           lam=None):
+    """``steps`` steps from ``first``; ``lam``: the early stage's lam per step (a function)."""
     model.train()
     for step in range(first, first + steps):
         for group in trainer.optimizer.param_groups:
             group["lr"] = base[group.get("name", "other")] * _lr(step, warmup)
+        if lam is not None:
+            trainer.lam = lam(step)
         trainer.step(task.loss(model, task.batch(stream.indices(step))))
+
+
+def _lam_schedule(args):
+    """The all-steps early stage's lam: 0 for ``full_lam_start`` steps (the model learns before
+    anything is pruned), then a linear ramp to ``full_lam`` over ``full_lam_ramp`` steps."""
+    def lam(step: int) -> float:
+        ramp = (step - args.full_lam_start + 1) / max(args.full_lam_ramp, 1)
+        return args.full_lam * min(1.0, max(0.0, ramp))
+    return lam
 
 
 def _score(task, model) -> dict:
@@ -91,6 +112,19 @@ def run(args) -> dict:
         result["rows"].append({"seed": seed, "model": "dense", "target": None,
                                "seconds": time.time() - start, **_score(task, dense)})
         save()
+        for rank in args.fixed_ranks:
+            torch.manual_seed(seed)
+            # the same model at one fixed TT rank, trained without pruning: what the
+            # architecture can do at that size, the reference for the pruned models
+            fixed = PairClassifier(replace(task.model_config(True), rank=rank))
+            start = time.time()
+            _train(task, fixed, comera.CoMERATrainer(fixed, comera.make_optimizer(
+                fixed, comera.OptimizerConfig(args.lr, args.lr_gates, args.lr)), 0.0,
+                max_grad_norm=1.0), stream, 0, args.early + args.late, args.warmup, lr)
+            result["rows"].append({"seed": seed, "model": f"TT rank {rank}, no pruning",
+                                   "target": None, "seconds": time.time() - start,
+                                   **_score(task, fixed)})
+            save()
         torch.manual_seed(seed)
         model = task.build_model(tt=True)
         trainer = comera.CoMERATrainer(model, comera.make_optimizer(
@@ -98,19 +132,36 @@ def run(args) -> dict:
             max_grad_norm=1.0)
         start = time.time()
         _train(task, model, trainer, stream, 0, args.early, args.warmup, lr)
+        if not args.no_rounding:  # exact: frees the slices a rank-1 neighbour makes useless
+            round_(model, trainer.optimizer)
         result["rows"].append({"seed": seed, "model": "comera early", "target": None,
                                "seconds": time.time() - start, **_score(task, model)})
         save()
+        if args.early_full:  # the early stage alone, on the dense model's whole step budget
+            torch.manual_seed(seed)
+            full = task.build_model(tt=True)
+            full_trainer = comera.CoMERATrainer(full, comera.make_optimizer(
+                full, comera.OptimizerConfig(args.lr, args.lr_gates, args.lr)), args.full_lam,
+                max_grad_norm=1.0, regularizer=args.full_regularizer)
+            start = time.time()
+            _train(task, full, full_trainer, stream, 0, args.early + args.late, args.warmup, lr,
+                   _lam_schedule(args))
+            if not args.no_rounding:
+                round_(full, full_trainer.optimizer)
+            result["rows"].append({"seed": seed, "model": "comera early (all steps)",
+                                   "target": None, "seconds": time.time() - start,
+                                   **_score(task, full)})
+            save()
         for target in args.targets:
             late_model = copy.deepcopy(model)
             late_trainer = comera.CoMERATrainer(late_model, comera.make_optimizer(
                 late_model, comera.OptimizerConfig(args.lr, args.lr_gates, args.lr)), 0.0,
-                max_grad_norm=1.0)
+                max_grad_norm=1.0, min_rank=args.min_rank)
             non_tt = comera.model_size(late_model) - comera.model_size(
                 late_model, only=comera.GatedTrain)
             dense_tt = comera.dense_size(late_model, only=comera.GatedTrain)
             late_trainer.start_late_stage(comera.LateStage(
-                dense_tt / target + non_tt, steps=args.late))
+                dense_tt / target + non_tt, steps=args.late, rounding=not args.no_rounding))
             start = time.time()
             _train(task, late_model, late_trainer, stream, args.early, args.late, 1, lr)
             result["rows"].append({"seed": seed, "model": "comera late", "target": target,
@@ -160,7 +211,9 @@ def plot(result: dict, path: Path) -> None:
         ax.axhline(mean, color="k", lw=1, label=f"dense (mean of {len(dense)})")
         ax.axhspan(mean - sd, mean + sd, color="k", alpha=0.1)
     ax.axhline(result["data"]["majority_test"], color="grey", ls=":", label="majority class")
-    for name, marker in (("comera early", "s"), ("comera late", "o")):
+    names = [("comera early", "s"), ("comera early (all steps)", "D"), ("comera late", "o")] + [
+        (n, "^") for n in dict.fromkeys(r["model"] for r in result["rows"]) if "no pruning" in n]
+    for name, marker in names:
         rows = [r for r in result["rows"] if r["model"] == name]
         if rows:
             ax.scatter([r["sizes"]["linear_compression"] for r in rows],
@@ -187,8 +240,23 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lr-gates", type=float, default=1e-2)
     p.add_argument("--lam", type=float, default=0.05)
+    p.add_argument("--min-rank", type=int, default=1,
+                   help="late stage: no bond is pruned below this rank (CoMERATrainer min_rank)")
+    p.add_argument("--early-full", action="store_true",
+                   help="also train a CoMERA model with the early stage alone for early + late "
+                        "steps (the dense model's budget), with the --full-* settings")
+    p.add_argument("--full-lam", type=float, default=1.0)
+    p.add_argument("--full-lam-start", type=int, default=150,
+                   help="all-steps early stage: lam is 0 for this many steps (it learns first)")
+    p.add_argument("--full-lam-ramp", type=int, default=100,
+                   help="all-steps early stage: then lam ramps up linearly over this many steps")
+    p.add_argument("--full-regularizer", choices=comera.objective.REGULARIZERS, default="l1")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-rounding", action="store_true",
+                   help="late stage without TT rounding (LateStage(rounding=False)): as before")
+    p.add_argument("--fixed-ranks", type=int, nargs="*", default=[],
+                   help="also train the model at these fixed TT ranks, without pruning")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--append", action="store_true",
                    help="keep the rows already in the results file (more seeds)")

@@ -17,6 +17,15 @@ fraction of the budget (:meth:`LateStage.scheduled_size`); whenever the model is
 schedule after a step, :func:`prune_to_` removes the least salient rank slices (smallest
 ``|gate| * |left slice| * |right slice|`` per parameter saved) until it is not. The rest of the
 budget trains at S*. Each slice is removed alone, so the size ends at most one slice below S*.
+
+Rounding (``LateStage(rounding=True)``, the default): a bond can carry no more than its
+neighbours allow (``r_k <= r_{k-1} n_k`` and ``r_k <= n_{k+1} r_{k+1}``, ``n`` a core's inner
+size); pruning a slice of one bond can leave its neighbour above that bound, where its extra
+slices cost parameters and add nothing (the reviews frontier's ``[1, 1, 15, 1, 1]``). With
+rounding, a slice's cost counts the parameters the rounding frees with it, and every layer left
+with such a bond is rounded exactly (:func:`comera.truncate.round_layer_`: QR then SVD sweeps,
+the weight unchanged), so the budget goes to slices that carry something. On the reviews task at
+100x this is the difference between the majority class and a model that learns.
 """
 
 from __future__ import annotations
@@ -87,6 +96,8 @@ class LateStage:
     ``landing * steps`` steps, whatever the learning rates (see the module docstring). Without
     it (None) only the loss/size objective moves the gates, at the optimizer's pace: the trainer
     then warns when it starts and reports ``behind`` in every step's stats while above S*.
+    ``rounding``: pruning rounds away the slices a pruned neighbour leaves useless (see the
+    module docstring); False prunes slices alone, as before.
     """
 
     target_size: float
@@ -94,6 +105,7 @@ class LateStage:
     size_weight: float = 1.0
     steps: int | None = None
     landing: float = 0.75
+    rounding: bool = True
 
     def __post_init__(self) -> None:
         if not self.target_size > 0:
@@ -103,6 +115,8 @@ class LateStage:
         if self.steps is not None and (isinstance(self.steps, bool) or self.steps < 1):
             raise ConfigError(f"steps={self.steps!r}; the late stage's step budget is an int "
                               ">= 1 (or None: no schedule).")
+        if not isinstance(self.rounding, bool):
+            raise ConfigError(f"rounding={self.rounding!r}; pass True or False.")
         if not 0 < self.landing <= 1:
             raise ConfigError(f"landing={self.landing}; the fraction of the budget spent "
                               "shrinking is in (0, 1].")
@@ -110,13 +124,14 @@ class LateStage:
     @classmethod
     def from_ratio(cls, model: nn.Module, ratio: float, target_loss: float = 0.0,
                    size_weight: float = 1.0, dense_reference: int | None = None,
-                   steps: int | None = None, landing: float = 0.75) -> LateStage:
+                   steps: int | None = None, landing: float = 0.75,
+                   rounding: bool = True) -> LateStage:
         """S* = reference / ratio: ``dense_reference`` (a compression ratio) or, by default,
         the model's effective size now (shrink by ``ratio`` from the start of the stage)."""
         if not ratio > 1:
             raise ConfigError(f"target compression {ratio}; it must be > 1 (a ratio of sizes).")
         reference = dense_reference if dense_reference is not None else model_size(model)
-        return cls(reference / ratio, target_loss, size_weight, steps, landing)
+        return cls(reference / ratio, target_loss, size_weight, steps, landing, rounding)
 
     def scheduled_size(self, start_size: float, step: int) -> float:
         """The size to be at after ``step`` steps of the stage (0-based; S* without a budget):
@@ -175,8 +190,39 @@ def _saliency(layer, k: int) -> Tensor:
     return layer.gates[k].detach().abs() * left_norm * right_norm
 
 
+def rounded_ranks(layer) -> tuple[int, ...]:
+    """The effective ranks TT rounding leaves (ends included): each bond capped by what its
+    neighbours allow, ``r_k <= r_{k-1} n_{k-1}`` left to right, then ``r_k <= n_k r_{k+1}``
+    right to left (``n_k`` the inner size of core k), as the QR and SVD sweeps of
+    :func:`comera.truncate.round_layer_` do."""
+    ranks = list(layer.ranks)
+    inner = [math.prod(c.shape[1:-1]) for c in layer.cores]
+    for k in range(1, len(ranks) - 1):
+        ranks[k] = min(ranks[k], ranks[k - 1] * inner[k - 1])
+    for k in range(len(ranks) - 2, 0, -1):
+        ranks[k] = min(ranks[k], inner[k] * ranks[k + 1])
+    return tuple(ranks)
+
+
+def _layer_size(layer, rounding: bool) -> int:
+    """Effective parameters of a layer, after rounding when ``rounding``."""
+    if not rounding or layer.is_removed():
+        return layer.num_parameters()
+    ranks = rounded_ranks(layer)
+    bias = layer.bias.numel() if layer.bias is not None else 0
+    return bias + sum(ranks[k] * math.prod(c.shape[1:-1]) * ranks[k + 1]
+                      for k, c in enumerate(layer.cores))
+
+
+def _round_excess_(model: nn.Module, optimizer) -> None:
+    from comera.truncate import round_
+
+    round_(model, optimizer)
+
+
 def prune_to_(model: nn.Module, size_limit: float, min_rank: int = 1,
-              lower: float | None = None) -> list[tuple[Tensor, int]]:
+              lower: float | None = None, rounding: bool = False,
+              optimizer=None) -> list[tuple[Tensor, int]]:
     """Zero the least salient live gate entries, one rank slice at a time, until
     ``model_size(model) <= size_limit`` or every bond is at ``min_rank``.
 
@@ -185,16 +231,33 @@ def prune_to_(model: nn.Module, size_limit: float, min_rank: int = 1,
     below it (a cheaper, less precise slice is taken instead); only if that pass cannot reach
     the limit does a second pass take slices in plain order. Returns the (gate, index) pairs it
     zeroed; the caller clears their optimizer moments.
+
+    ``rounding``: layers whose bonds exceed what their neighbours allow are rounded first and
+    last (:func:`comera.truncate.round_layer_`, exact; ``optimizer``'s state for their cores and
+    gates is reset), and a slice's cost counts what the rounding frees with it: a slice that
+    frees nothing is not taken.
     """
-    pruned = _prune_pass_(model, size_limit, min_rank, lower)
-    if lower is not None and model_size(model) > size_limit:
-        pruned += _prune_pass_(model, size_limit, min_rank, -math.inf)
+    if rounding:
+        _round_excess_(model, optimizer)
+    pruned = _prune_pass_(model, size_limit, min_rank, lower, rounding)
+    if lower is not None and _model_size(model, rounding) > size_limit:
+        pruned += _prune_pass_(model, size_limit, min_rank, -math.inf, rounding)
+    if rounding:
+        _round_excess_(model, optimizer)
     return pruned
 
 
+def _model_size(model: nn.Module, rounding: bool) -> float:
+    if not rounding:
+        return model_size(model)
+    layers = [m for _, m in tt_modules(model)]
+    return model_size(model) - sum(m.num_parameters() for m in layers) + sum(
+        _layer_size(m, True) for m in layers)
+
+
 def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int,
-                 lower: float | None) -> list[tuple[Tensor, int]]:
-    size = model_size(model)
+                 lower: float | None, rounding: bool = False) -> list[tuple[Tensor, int]]:
+    size = _model_size(model, rounding)
     if size <= size_limit:
         return []
     layers = [m for _, m in tt_modules(model) if not m.is_removed()]
@@ -217,23 +280,27 @@ def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int,
                 break
             if int((gate.detach().abs() > layer.tau).sum()) <= min_rank:
                 continue
-            before = layer.num_parameters()
+            before = _layer_size(layer, rounding)
             value = float(gate[i])
             gate[i] = 0.0
-            change = layer.num_parameters() - before
+            change = _layer_size(layer, rounding) - before
+            if rounding and change == 0:
+                gate[i] = value  # a slice the rounding drops anyway: removing it saves nothing
+                continue
             if lower is not None and size + change < lower:
                 gate[i] = value  # too coarse a step this close to the limit
                 continue
             if lower == -math.inf and size + change <= size_limit:
                 gate[i] = value  # the last slice: take the one landing closest below the limit
-                return pruned + _closest_landing_(candidates, size, size_limit, min_rank)
+                return pruned + _closest_landing_(candidates, size, size_limit, min_rank,
+                                                  rounding)
             size += change
             pruned.append((gate, i))
     return pruned
 
 
 def _closest_landing_(candidates, size: float, size_limit: float,
-                      min_rank: int) -> list[tuple[Tensor, int]]:
+                      min_rank: int, rounding: bool = False) -> list[tuple[Tensor, int]]:
     """Zero the one live entry whose removal leaves the largest size at or below the limit."""
     best = None
     with torch.no_grad():
@@ -242,10 +309,10 @@ def _closest_landing_(candidates, size: float, size_limit: float,
                 continue
             if int((gate.detach().abs() > layer.tau).sum()) <= min_rank:
                 continue
-            before = layer.num_parameters()
+            before = _layer_size(layer, rounding)
             value = float(gate[i])
             gate[i] = 0.0
-            after = size + layer.num_parameters() - before
+            after = size + _layer_size(layer, rounding) - before
             gate[i] = value
             if after <= size_limit and (best is None or after > best[0]):
                 best = (after, gate, i)

@@ -277,7 +277,8 @@ class CoMERATrainer(_Stepper):
                                                  self.steps - self._late_start[0])
             if self.late.steps is not None:  # the budget's schedule; else the optimizer's pace
                 lower = scheduled - 0.05 * self.late.target_size  # land within 5% of S*
-                self._clear_moments_(prune_to_(self.model, scheduled, self.min_rank, lower))
+                self._clear_moments_(prune_to_(self.model, scheduled, self.min_rank, lower,
+                                               self.late.rounding, self.optimizer))
         self.steps += 1
         size = model_size(self.model)
         if late and (size > self.late.target_size or self._late_note.startswith("below")):
@@ -393,7 +394,7 @@ class CoMERATrainer(_Stepper):
         late = None if self.late is None else {
             "target_size": self.late.target_size, "target_loss": self.late.target_loss,
             "size_weight": self.late.size_weight, "steps": self.late.steps,
-            "landing": self.late.landing}
+            "landing": self.late.landing, "rounding": self.late.rounding}
         return {"stage": self.stage, "steps": self.steps, "late": late,
                 "size_reference": self._size_reference, "lam": self.lam,
                 "late_start": None if self._late_start is None else list(self._late_start),

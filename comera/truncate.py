@@ -9,10 +9,18 @@ place is not allowed), and the optimizer is updated to match: its param groups p
 parameters and their state is the old state, sliced. Hooks on the old parameters are not carried
 over; a DDP wrapper must be rebuilt. The function the model computes is unchanged; the compiled
 plans are re-made for the new shapes.
+
+Rounding (``round_``, ``round_layer_``): TT rounding in place, keeping the stored shapes. A bond
+can carry no more than its neighbours allow (``r_k <= r_{k-1} n_k`` and ``r_k <= n_{k+1}
+r_{k+1}``); pruning can leave bonds above that (``excess_bonds``), whose extra slices cost
+parameters and add nothing. Rounding re-expresses the same weight at those bounds (QR sweep left
+to right, SVD sweep right to left) and prunes the freed slices. The late stage's pruning does it
+as it goes (``LateStage(rounding=True)``, see :mod:`comera.objective`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -96,4 +104,96 @@ def truncate_(model: nn.Module, optimizer=None, fold_gates: bool = True) -> Trun
         before = layer.bonds
         truncate_layer_(layer, optimizer, fold_gates)
         rows.append((name, before, layer.bonds))
+    return TruncationReport(tuple(rows))
+
+
+def excess_bonds(layer: GatedTrain) -> list[int]:
+    """Bonds (0-based gate indices) whose effective rank exceeds what their neighbours allow:
+    ``r_k > min(r_{k-1} * n_k, n_{k+1} * r_{k+1})`` (``n_k`` the inner size of core k). The
+    extra slices cost parameters but add nothing to the weight; :func:`round_layer_` drops them
+    exactly."""
+    ranks = layer.ranks
+    out = []
+    for k in range(len(layer.gates)):
+        left = ranks[k] * math.prod(layer.cores[k].shape[1:-1])
+        right = math.prod(layer.cores[k + 1].shape[1:-1]) * ranks[k + 2]
+        if ranks[k + 1] > min(left, right):
+            out.append(k)
+    return out
+
+
+def round_layer_(layer: GatedTrain, optimizer=None, rtol: float = 1e-7) -> bool:
+    """TT rounding in place, keeping the stored shapes: the live slices (gates folded in) are
+    orthogonalised left to right (QR), then cut right to left (SVD, dropping singular values
+    below ``rtol`` times the largest: numerically zero ones), so every bond ends at most at what
+    its neighbours allow. The weight is unchanged (to float rounding); the new slices fill the
+    first positions of each bond with gates of one, the rest are pruned (gate zero). Core norms
+    are rebalanced to the layer's previous proportions, so no core holds the whole scale.
+    ``optimizer``: the layer's cores' and gates' state (Adam's moments) no longer matches the new
+    basis: first moments are zeroed, second moments set to their mean. Returns True when some
+    bond shrank."""
+    if layer.is_removed():
+        return False
+    masks = layer.gate_masks()
+    n = len(layer.cores)
+    with torch.no_grad():
+        live = [None] + [m.nonzero().flatten() for m in masks] + [None]
+        cores = []
+        for k, core in enumerate(layer.cores):
+            c = core.detach().double()
+            if live[k] is not None:
+                c = c.index_select(0, live[k])
+            if live[k + 1] is not None:
+                c = c.index_select(c.dim() - 1, live[k + 1]) * layer.gates[k].detach().double()[
+                    live[k + 1]]
+            cores.append(c)
+        before = [float(c.norm()) for c in cores]
+        for k in range(n - 1):  # left to right: QR
+            shape = cores[k].shape
+            q, r = torch.linalg.qr(cores[k].reshape(-1, shape[-1]))
+            cores[k] = q.reshape(*shape[:-1], q.shape[1])
+            cores[k + 1] = torch.tensordot(r, cores[k + 1], dims=1)
+        for k in range(n - 1, 0, -1):  # right to left: SVD, drop numerically zero directions
+            shape = cores[k].shape
+            u, s, vh = torch.linalg.svd(cores[k].reshape(shape[0], -1), full_matrices=False)
+            keep = max(1, int((s > rtol * s[0]).sum())) if s.numel() else 1
+            cores[k] = vh[:keep].reshape(keep, *shape[1:])
+            cores[k - 1] = torch.tensordot(cores[k - 1], u[:, :keep] * s[:keep], dims=1)
+        after = [float(c.norm()) for c in cores]
+        if all(b > 0 for b in before) and all(a > 0 for a in after):
+            common = math.exp(sum(math.log(a / b) for a, b in zip(after, before, strict=True)) / n)
+            for k in range(n):
+                cores[k] = cores[k] * (common * before[k] / after[k])
+        shrank = False
+        for k, core in enumerate(layer.cores):
+            rank = cores[k].shape[-1]
+            core.zero_()
+            core[tuple(slice(0, d) for d in cores[k].shape)] = cores[k].to(core.dtype)
+            if k < len(layer.gates):
+                gate = layer.gates[k]
+                shrank |= rank < int(masks[k].sum())
+                gate.zero_()
+                gate[:rank] = 1.0
+        if optimizer is not None:
+            for param in [*layer.cores, *layer.gates]:
+                for key, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, Tensor) and value.shape == param.shape:
+                        if key == "exp_avg_sq":
+                            value.fill_(float(value.mean()))
+                        else:
+                            value.zero_()
+    return shrank
+
+
+def round_(model: nn.Module, optimizer=None, only_excess: bool = True) -> TruncationReport:
+    """Round the TT layers of ``model`` in place (:func:`round_layer_`): by default only those
+    with a bond above what its neighbours allow (:func:`excess_bonds`), whose extra slices are
+    then freed; the function is unchanged. The report gives each layer's effective ranks."""
+    rows = []
+    for name, layer in tt_modules(model):
+        before = layer.ranks
+        if not layer.is_removed() and (not only_excess or excess_bonds(layer)):
+            round_layer_(layer, optimizer)
+            layer.build_compiled()
+        rows.append((name, before, layer.ranks))
     return TruncationReport(tuple(rows))

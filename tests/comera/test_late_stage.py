@@ -94,10 +94,11 @@ def test_a_stage_that_starts_below_its_target_says_so(caplog):
     assert all(s.note.startswith("below") for s in _train(trainer, student, teacher, 2))
 
 
-def test_late_stage_budget_survives_a_checkpoint_round_trip():
+@pytest.mark.parametrize("rounding", [True, False])
+def test_late_stage_budget_survives_a_checkpoint_round_trip(rounding):
     teacher, student = _student_and_data()
     trainer = CoMERATrainer(student)
-    trainer.start_late_stage(LateStage.from_ratio(student, 4.0, steps=20))
+    trainer.start_late_stage(LateStage.from_ratio(student, 4.0, steps=20, rounding=rounding))
     _train(trainer, student, teacher, 5)
     state = trainer.state_dict()
     again = CoMERATrainer(student)
@@ -148,3 +149,57 @@ def test_engine_late_stage_lands_with_default_learning_rates(tmp_path):
     sizes = record.stage_ends["late"]["sizes"]
     target = sizes["tt_dense_params"] / cfg.target_compression
     assert 0.95 * target <= sizes["tt_params"] <= target, (target, sizes["tt_params"])
+
+
+def _lopsided(seed: int = 0):
+    """Two layers whose first bond is cheap and looks least salient: pruning it alone leaves the
+    next bond far above what a rank-1 neighbour allows (the reviews frontier's [1, 1, 15, 1, 1])."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(*(TTLinear(64, 64, (4, 4, 4), (4, 4, 4), ranks=16, bias=False,
+                                     dtype=F64) for _ in range(2)))
+    with torch.no_grad():
+        for layer in model:
+            layer.gates[0].fill_(0.05)  # just above tau: the first slices pruned
+    return model
+
+
+def test_rounding_prunes_no_slice_a_neighbour_makes_useless():
+    """Without rounding, the pruned model keeps bonds above what their neighbours allow (their
+    parameters buy nothing); with it, none is left, the target is met, and the budget those
+    slices held goes to slices that carry something (more live slices at the same limit)."""
+    from comera.objective import prune_to_, rounded_ranks
+    from comera.truncate import excess_bonds
+
+    limit = 0.5 * comera.model_size(_lopsided())
+    plain, rounded = _lopsided(), _lopsided()
+    prune_to_(plain, limit)
+    x = torch.randn(4, 64, dtype=F64)
+    prune_to_(rounded, limit, rounding=True)
+    assert any(excess_bonds(layer) for layer in plain)
+    assert not any(excess_bonds(layer) for layer in rounded)
+    assert comera.model_size(rounded) <= limit
+    assert all(rounded_ranks(layer) == layer.ranks for layer in rounded)
+    live = [sum(layer.ranks) for layer in rounded], [sum(rounded_ranks(layer)) for layer in plain]
+    assert sum(live[0]) > sum(live[1]), live
+    rounded(x)  # still a working model
+
+
+def test_rounding_keeps_the_function_when_nothing_needs_pruning():
+    from comera.objective import prune_to_
+
+    model = _lopsided()
+    with torch.no_grad():
+        for layer in model:
+            layer.gates[0][1:] = 0.0  # already starved: rounding alone frees the excess
+    x = torch.randn(4, 64, dtype=F64)
+    before, size = model(x).detach(), comera.model_size(model)
+    assert prune_to_(model, size, rounding=True) == []
+    for layer in model:
+        layer.build_compiled()
+    assert comera.model_size(model) < size
+    torch.testing.assert_close(model(x).detach(), before, rtol=1e-9, atol=1e-9)
+
+
+def test_late_stage_rejects_a_non_bool_rounding():
+    with pytest.raises(comera.ConfigError, match="rounding"):
+        LateStage(100.0, rounding="yes")

@@ -238,3 +238,64 @@ def test_report_str():
     assert text.splitlines()[1] == "b: (1, 5, 1) -> (1, 3, 1)"
     assert text.count("\n") == 1
     assert str(comera.truncate_(nn.Sequential(nn.Linear(2, 2)))) == "no TT layers"
+
+
+def _starved(cls):
+    """A layer whose first bond is cut to one slice: the next bond's 16 exceed what it allows."""
+    torch.manual_seed(0)
+    layer = cls(64, 64, in_modes=(2, 2, 16), out_modes=(2, 2, 16), ranks=16).double()
+    with torch.no_grad():
+        for gate in layer.gates:
+            gate.uniform_(0.5, 1.5)
+        layer.gates[0][1:] = 0.0
+    return layer
+
+
+@pytest.mark.parametrize("cls", [TTLinear, TTMLinear])
+def test_round_layer_keeps_the_weight_and_frees_excess_slices(cls):
+    from comera.truncate import excess_bonds, round_layer_
+
+    layer = _starved(cls)
+    x = torch.randn(3, 64, dtype=torch.float64)
+    before = layer(x).detach()
+    size = layer.num_parameters()
+    assert excess_bonds(layer)
+    assert round_layer_(layer)
+    layer.build_compiled()
+    assert excess_bonds(layer) == []
+    assert layer.num_parameters() < size
+    assert [c.shape for c in layer.cores] == [c.shape for c in _starved(cls).cores]  # in place
+    torch.testing.assert_close(layer(x).detach(), before, rtol=1e-10, atol=1e-10)
+
+
+def test_round_layer_resets_moments_and_skips_removed_layers():
+    from comera.truncate import round_layer_
+
+    layer = _starved(TTLinear)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    layer(torch.randn(2, 64, dtype=torch.float64)).sum().backward()
+    opt.step()
+    round_layer_(layer, opt)
+    for param in [*layer.cores, *layer.gates]:
+        state = opt.state[param]
+        assert not state["exp_avg"].any()
+        assert torch.allclose(state["exp_avg_sq"], state["exp_avg_sq"].mean().expand_as(param))
+    with torch.no_grad():
+        layer.gates[1].zero_()
+    assert layer.is_removed() and not round_layer_(layer)
+
+
+def test_round_model_rounds_only_the_layers_with_excess_bonds():
+    from comera.truncate import round_
+
+    starved, full = _starved(TTLinear), _starved(TTLinear)
+    with torch.no_grad():
+        full.gates[0].fill_(1.0)
+    model = nn.Sequential(starved, full)
+    x = torch.randn(3, 64, dtype=torch.float64)
+    before, full_cores = model(x).detach(), [c.detach().clone() for c in full.cores]
+    report = round_(model)
+    (_, b0, a0), (_, b1, a1) = report.layers
+    assert a0 < b0 and sum(a0) < sum(b0) and a1 == b1
+    assert all(torch.equal(c, d) for c, d in zip(full.cores, full_cores, strict=True))
+    torch.testing.assert_close(model(x).detach(), before, rtol=1e-10, atol=1e-10)
