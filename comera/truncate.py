@@ -104,7 +104,18 @@ def truncate_(model: nn.Module, optimizer=None, fold_gates: bool = True) -> Trun
         before = layer.bonds
         truncate_layer_(layer, optimizer, fold_gates)
         rows.append((name, before, layer.bonds))
+    rebuild_stacks(model)
     return TruncationReport(tuple(rows))
+
+
+def rebuild_stacks(model: nn.Module) -> None:
+    """Rebuild the stacked networks of ``model``'s sibling layers (self-attention's q/k/v,
+    :mod:`comera.siblings`) after their shapes changed, so a ``torch.compile`` trace taken
+    before the next eager call finds them built (inside a trace they run one by one)."""
+    for module in model.modules():
+        if not isinstance(module, GatedTrain) and callable(getattr(module, "build_compiled",
+                                                                   None)):
+            module.build_compiled()
 
 
 def excess_bonds(layer: GatedTrain) -> list[int]:
@@ -196,4 +207,5 @@ def round_(model: nn.Module, optimizer=None, only_excess: bool = True) -> Trunca
             round_layer_(layer, optimizer)
             layer.build_compiled()
         rows.append((name, before, layer.ranks))
+    rebuild_stacks(model)
     return TruncationReport(tuple(rows))

@@ -87,6 +87,11 @@ class SelfAttention(nn.Module):
         self.o = linear(cfg, d, d, cfg.attn_modes)
         self.dropout = cfg.dropout
         self._siblings = Siblings()  # q, k, v read x once: one stacked contraction
+        self.build_compiled()
+
+    def build_compiled(self) -> None:
+        """Build the stacked q/k/v network of the current shapes now (outside any
+        ``torch.compile`` trace); forward rebuilds it itself after a truncation."""
         self._siblings.build_compiled((self.q, self.k, self.v))
 
     def __setstate__(self, state) -> None:

@@ -15,7 +15,7 @@ import comera.siblings as siblings_module
 import tncomp
 from comera.attention import TTMultiheadAttention
 from comera.models.transformer import SelfAttention, TransformerConfig
-from comera.siblings import Siblings
+from comera.siblings import Siblings, stack_key
 
 F64 = torch.float64
 TIGHT = dict(rtol=1e-12, atol=1e-12)
@@ -188,6 +188,21 @@ def test_truncated_self_attention_traces_in_one_graph():
         attention.k_proj.gates[1][:2] = 0.0
     comera.truncate_(attention)
     _traces_in_one_graph(attention, torch.randn(5, 3, 16, dtype=F64))
+
+
+def test_truncation_rebuilds_the_stacked_network():
+    """truncate_ (and round_, through the same truncate.rebuild_stacks) rebuild the stacked
+    q/k/v network of the new shapes at once, so a torch.compile trace taken before the next
+    eager call still finds it built."""
+    attention = _attention()
+    layers = (attention.q_proj, attention.k_proj, attention.v_proj)
+    with torch.no_grad():
+        for layer in layers:  # the padded (largest) bond shrinks: a new stacked network
+            layer.gates[1][:2] = 0.0
+    before = attention._siblings.stacked
+    comera.truncate_(attention)
+    assert attention._siblings._compiled_for == stack_key(layers)
+    assert attention._siblings.stacked is not before
 
 
 def test_torch_func_grad_through_self_attention():
