@@ -121,6 +121,7 @@ class BenchConfig:
     tltorch_rank: int | None = None
     seed: int = 0
     memory: str | None = None  # tncomp's planning memory mode for the TT layers (None: default)
+    checkpoint_blocks: bool = False  # recompute each encoder block in the backward (every model)
 
     def __post_init__(self) -> None:
         check_memory_mode(self.memory)
@@ -246,7 +247,14 @@ def prune_gates_to_cap_(model: nn.Module, cap: int) -> None:
 
 
 def build_variant(name: str, cfg: TransformerConfig, bench: BenchConfig) -> Variant:
-    """Build one variant from scratch (seeded, so every run builds the same weights)."""
+    """Build one variant from scratch (seeded, so every run builds the same weights), its
+    encoder blocks checkpointed when ``bench.checkpoint_blocks`` (every variant alike)."""
+    variant = _build_variant(name, cfg, bench)
+    variant.model.checkpoint_blocks = bench.checkpoint_blocks
+    return variant
+
+
+def _build_variant(name: str, cfg: TransformerConfig, bench: BenchConfig) -> Variant:
     if name not in VARIANTS:
         raise ConfigError(f"variant {name!r}; choose from {', '.join(VARIANTS)}.")
     torch.manual_seed(bench.seed)
@@ -531,6 +539,9 @@ def render_markdown(payload: dict) -> str:
     if payload["bench"].get("memory"):
         notes.append(f"- TT layers planned in tncomp's {payload['bench']['memory']!r} memory "
                      "mode (--memory).")
+    if payload["bench"].get("checkpoint_blocks"):
+        notes.append("- Every variant recomputes each encoder block in the backward "
+                     "(--checkpoint-blocks: model.checkpoint_blocks).")
     if "galore" in v:
         notes.append(f"- GaLore: {v['galore']['optimizer']}, rank {v['galore']['rank']}, "
                      f"update_proj_gap {v['galore']['update_proj_gap']}, scale "
@@ -562,7 +573,7 @@ def model_args(args: argparse.Namespace) -> list[str]:
                         ("--memory", args.memory)):
         if value is not None:
             out += [flag, str(value)]
-    return out
+    return out + (["--checkpoint-blocks"] if args.checkpoint_blocks else [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -583,8 +594,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tltorch-rank", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--memory", choices=MEMORY_MODES, default=None,
-                        help="tncomp's planning memory mode for the TT layers (needs a tncomp "
-                             "whose compile takes memory=)")
+                        help="tncomp's planning memory mode for the TT layers")
+    parser.add_argument("--checkpoint-blocks", action="store_true",
+                        help="recompute each encoder block in the backward, in every variant "
+                             "(model.checkpoint_blocks)")
     parser.add_argument("--no-process-peak", action="store_true",
                         help="skip the peak RSS of each variant in a process of its own")
     parser.add_argument("--process-peak", nargs=2, metavar=("VARIANT", "BATCH"),
@@ -607,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                             warmup=args.warmup, variants=tuple(dict.fromkeys(args.variants)),
                             seq_len=args.seq_len, galore_rank=args.galore_rank,
                             late_compression=args.late_compression,
-                            tltorch_rank=args.tltorch_rank, memory=args.memory)
+                            tltorch_rank=args.tltorch_rank, memory=args.memory,
+                            checkpoint_blocks=args.checkpoint_blocks)
     except ConfigError as exc:
         parser.error(str(exc))
     cfg = (smoke_config() if args.smoke else TransformerConfig.small(SMALL_VOCAB) if args.small

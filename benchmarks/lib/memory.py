@@ -17,7 +17,6 @@ memory mode of a model's TT layers (``--memory``).
 from __future__ import annotations
 
 import gc
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +24,6 @@ import torch
 from torch import Tensor, nn
 
 import comera
-import tncomp
 from comera.errors import ConfigError
 
 MEMORY_MODES = ("fast", "balanced", "min")  # tncomp's planning memory modes
@@ -123,16 +121,10 @@ def peak_rss_of(fn: Callable[[], object]) -> dict[str, int]:
 
 
 def check_memory_mode(memory: str | None) -> None:
-    """Refuse a planning memory mode this script does not know, or one the installed tncomp
-    cannot take (``tncomp.compile`` has no ``memory`` keyword yet)."""
-    if memory is None:
-        return
-    if memory not in MEMORY_MODES:
+    """Refuse a planning memory mode this script does not know."""
+    if memory is not None and memory not in MEMORY_MODES:
         raise ConfigError(f"memory={memory!r}; choose one of {', '.join(MEMORY_MODES)} (or "
                           "leave it out for tncomp's default).")
-    if "memory" not in inspect.signature(tncomp.compile).parameters:
-        raise ConfigError(f"memory={memory!r}: this tncomp has no planning memory modes "
-                          "(tncomp.compile takes no memory= keyword); run without --memory.")
 
 
 def set_memory_mode_(model: nn.Module, memory: str | None) -> None:
@@ -141,5 +133,4 @@ def set_memory_mode_(model: nn.Module, memory: str | None) -> None:
         return
     check_memory_mode(memory)
     for _, layer in comera.tt_modules(model):
-        layer.compile_options = {**layer.compile_options, "memory": memory}
-        layer.build_compiled()
+        layer.memory = memory  # re-plans the layer

@@ -9,7 +9,6 @@ galore_torch takes about 8 s) that the GaLore variant really runs GaLoreAdamW on
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 
@@ -17,7 +16,6 @@ import pytest
 import torch
 
 import comera
-import tncomp
 from benchmarks.bench_transformer import (
     BenchConfig,
     build_variant,
@@ -223,15 +221,15 @@ def test_bad_settings_raise_clear_errors(tmp_path):
         main(["--variants", "nope", "--out", str(tmp_path / "x")])
 
 
-def test_memory_mode_is_checked_against_the_library():
+def test_memory_mode_and_block_checkpointing_reach_the_model():
     with pytest.raises(ConfigError, match="choose one of fast, balanced, min"):
         BenchConfig(memory="low")
-    if "memory" in inspect.signature(tncomp.compile).parameters:
-        v = build_variant("comera_early", tiny_config(), BenchConfig(memory="min"))
-        assert all(m.compile_options["memory"] == "min" for _, m in comera.tt_modules(v.model))
-    else:  # a tncomp without planning memory modes: a clear error, not a silent no-op
-        with pytest.raises(ConfigError, match="no planning memory modes"):
-            BenchConfig(memory="min")
+    v = build_variant("comera_early", tiny_config(), BenchConfig(memory="min"))
+    assert all(m.memory == "min" for _, m in comera.tt_modules(v.model))
+    assert not v.model.checkpoint_blocks
+    for name in ("dense", "comera_early"):
+        v = build_variant(name, tiny_config(), BenchConfig(checkpoint_blocks=True))
+        assert v.model.checkpoint_blocks
 
 
 @pytest.mark.skipif(not rss_available(), reason="needs Linux /proc/self/clear_refs")
@@ -260,9 +258,11 @@ def test_process_peak_runs_each_variant_in_its_own_process():
 def test_child_processes_get_the_same_model_flags():
     parser_args = argparse.Namespace(smoke=False, small=True, warmup=2, late_compression=361.0,
                                      seq_len=64, galore_rank=None, tltorch_rank=None,
-                                     threads=1, memory=None)
+                                     threads=1, memory=None, checkpoint_blocks=False)
     assert model_args(parser_args) == ["--small", "--warmup", "2", "--late-compression",
                                        "361.0", "--seq-len", "64", "--threads", "1"]
+    parser_args.memory, parser_args.checkpoint_blocks = "min", True
+    assert model_args(parser_args)[-3:] == ["--memory", "min", "--checkpoint-blocks"]
 
 
 def test_write_uses_the_results_format(payload, tmp_path):
