@@ -11,7 +11,10 @@ synthetic Zipf generator (``comera.data.criteo.SyntheticCriteo``) at the model's
   ``torch.optim.AdamW`` through ``comera.DenseTrainer`` (the engine's dense step: the same
   non-finite checks as CoMERA's);
 - ``tt``: TT tables at their initial ranks, ``comera.make_optimizer``'s three AdamW groups and
-  ``comera.CoMERATrainer`` with the rank regulariser in the objective (the early stage).
+  ``comera.CoMERATrainer`` with the rank regulariser in the objective (the early stage);
+- ``tt_cache``: ``tt`` with TT-Rec's hot-row cache (``comera.CachedTTEmbedding``): each TT
+  table keeps dense rows for its ``cache_rows`` most frequent ids, counted over 65,536 training
+  examples of the same generator (issue 13: the lead must survive the cache).
 
 Learning rates and the regulariser weight are the registry's full DLRM run (they do not change
 the cost of a step). Time: median of interleaved repeats after warm-up
@@ -33,7 +36,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -59,7 +62,8 @@ from comera.models.dlrm import DLRM, DLRMConfig
 
 log = logging.getLogger("bench_dlrm")
 
-VARIANTS = ("dense", "tt")
+VARIANTS = ("dense", "tt", "tt_cache")
+HOT_ROW_SAMPLE = 65_536  # training examples whose ids choose the cached rows
 # CoMERA paper (Yang et al., NeurIPS 2024), DLRM on Criteo: the TT model is 99x smaller than the
 # dense one and trains with 7x lower peak memory (its compression is after rank adaptation; this
 # benchmark's TT model is at the initial ranks, the start of the early stage).
@@ -90,13 +94,15 @@ class BenchConfig:
     tt_min_rows: int | None = None
     variants: tuple[str, ...] = VARIANTS
     seed: int = 0
+    cache_rows: int = 1000  # hot rows per TT table in the tt_cache variant
 
     def __post_init__(self) -> None:
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
             raise ConfigError(f"variants {list(self.variants)}: unknown {unknown}; choose from "
                               f"{', '.join(VARIANTS)}.")
-        for name, minimum in (("batch", 1), ("repeats", 1), ("warmup", 0), ("seed", 0)):
+        for name, minimum in (("batch", 1), ("repeats", 1), ("warmup", 0), ("seed", 0),
+                              ("cache_rows", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ConfigError(f"{name}={value!r}; it must be an int >= {minimum}.")
@@ -105,7 +111,7 @@ class BenchConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ConfigError(f"{name}={value!r}; give an int >= 1 (or None).")
-        if "tt" in self.variants:
+        if {"tt", "tt_cache"} & set(self.variants):
             cfg = self.model_config(tt=True)
             if not any(cfg.is_tt_table(k) for k in range(cfg.num_tables)):
                 raise ConfigError(
@@ -166,7 +172,9 @@ def _qualname(obj) -> str:
 
 def size_info(model: DLRM) -> dict:
     """Parameter counts and compression of ``model`` against the same model with dense tables."""
-    tt_tables = [m for m in model.embeddings if isinstance(m, comera.TTEmbedding)]
+    tt_tables = [m.tt if isinstance(m, comera.CachedTTEmbedding) else m
+                 for m in model.embeddings
+                 if isinstance(m, comera.TTEmbedding | comera.CachedTTEmbedding)]
     info = {
         "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "effective_size": comera.model_size(model),
@@ -193,7 +201,13 @@ def build_variant(name: str, bench: BenchConfig) -> Variant:
         raise ConfigError(f"variant {name!r}; choose from {', '.join(VARIANTS)}.")
     engine = experiment("dlrm").full
     torch.manual_seed(bench.seed)
-    model = DLRM(bench.model_config(tt=name == "tt"))
+    cfg = bench.model_config(tt=name != "dense")
+    if name == "tt_cache":
+        cfg = replace(cfg, tt_cache_rows=bench.cache_rows)
+    model = DLRM(cfg)
+    hit_shares = None
+    if name == "tt_cache":  # the cached ids: the most frequent in a training sample
+        hit_shares = model.choose_hot_rows_(make_batch(cfg, HOT_ROW_SAMPLE, bench.seed).sparse)
     if name == "dense":
         opt = torch.optim.AdamW([{"params": list(model.parameters()), "lr": engine.lr,
                                   "name": "other"}], weight_decay=0.0)
@@ -208,6 +222,9 @@ def build_variant(name: str, bench: BenchConfig) -> Variant:
                 "lr_gates": engine.lr_gates, "lam": engine.lam,
                 "regularizer": engine.regularizer}
     info.update(size_info(model))
+    if hit_shares is not None:
+        info["cache_rows"] = bench.cache_rows
+        info["cache_hit_percent_per_table"] = hit_shares
     log.info("built %s: %s parameters", name, f"{info['params']:,}")
     return Variant(name, model, opt, trainer, info)
 
@@ -269,16 +286,17 @@ def run_benchmark(bench: BenchConfig) -> dict:
         "memory_counted": MEMORY_COUNTED, "ms": ms, "memory": memory,
         "paper": PAPER_CLAIMS,
     }
-    if set(variants) == set(VARIANTS):
-        dense, tt = variants["dense"].info, variants["tt"].info
-        payload["dense_over_tt"] = {
-            "time": ratio(ms["dense"], ms["tt"]),
-            "time_spread": ratio_spread(times["dense"], times["tt"]),
-            "peak_memory": ratio(memory["dense"]["peak_total_bytes"],
-                                 memory["tt"]["peak_total_bytes"]),
-            "params": ratio(dense["params"], tt["effective_size"]),
-            "table_params": ratio(dense["table_params"], tt["table_params"]),
-        }
+    for name in ("tt", "tt_cache"):
+        if {"dense", name} <= set(variants):
+            dense, tt = variants["dense"].info, variants[name].info
+            payload[f"dense_over_{name}"] = {
+                "time": ratio(ms["dense"], ms[name]),
+                "time_spread": ratio_spread(times["dense"], times[name]),
+                "peak_memory": ratio(memory["dense"]["peak_total_bytes"],
+                                     memory[name]["peak_total_bytes"]),
+                "params": ratio(dense["params"], tt["effective_size"]),
+                "table_params": ratio(dense["table_params"], tt["table_params"]),
+            }
     return payload
 
 
@@ -321,6 +339,14 @@ def render_markdown(payload: dict) -> str:
                         "opt state MiB", "activations + temps MiB", "params (effective)",
                         "table params", "table compression"], rows),
     ]
+    if "dense_over_tt_cache" in payload:
+        r = payload["dense_over_tt_cache"]
+        lines += ["", "## Dense / TT with the hot-row cache", "", markdown_table(
+            ["quantity", "measured"],
+            [["parameters (whole model)", f"{r['params']:,.1f}x"],
+             ["embedding-table parameters", f"{r['table_params']:,.1f}x"],
+             ["peak memory of a step", f"{r['peak_memory']:,.2f}x"],
+             ["time of a step", spread_text(r["time_spread"])]])]
     if "dense_over_tt" in payload:
         r, paper = payload["dense_over_tt"], payload["paper"]
         lines += ["", "## Dense / TT", "", markdown_table(
@@ -349,6 +375,13 @@ def render_markdown(payload: dict) -> str:
             f"{tt['tt_table_compression']:,.0f}x smaller), the rest dense; {tt['optimizer']} "
             f"(comera.make_optimizer, lr {tt['lr']}, gates {tt['lr_gates']}) through "
             f"{tt['trainer']} with the {tt['regularizer']} rank regulariser (lam {tt['lam']}).")
+    if "tt_cache" in v:
+        c = v["tt_cache"]
+        notes.append(f"- tt_cache: tt with {c['cache_rows']:,} dense hot rows per TT table "
+                     "(comera.CachedTTEmbedding; the rows count in the sizes), chosen from the "
+                     f"ids of {HOT_ROW_SAMPLE:,} training examples; share of that sample's "
+                     f"lookups the caches answer, per TT table: "
+                     f"{c['cache_hit_percent_per_table']} %.")
     unique = payload["batch"]["unique_ids_per_table"]
     notes.append(f"- Unique ids per table in the batch of {bench['batch']}: {unique}.")
     lines += ["", "## Notes", "", *notes]
@@ -370,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                              "--max-rows when smaller)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-rows", type=int, default=1000,
+                        help="hot rows per TT table in the tt_cache variant")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--out", default=None,
                         help="results name under benchmarks/results/ or a path stem (default "
@@ -386,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bench = BenchConfig(batch=args.batch, repeats=args.repeats, warmup=args.warmup,
                             max_rows=args.max_rows, tt_min_rows=args.tt_min_rows,
-                            variants=tuple(dict.fromkeys(args.variants)), seed=args.seed)
+                            variants=tuple(dict.fromkeys(args.variants)), seed=args.seed,
+                            cache_rows=args.cache_rows)
     except ConfigError as exc:
         parser.error(str(exc))
     payload = run_benchmark(bench)

@@ -6,6 +6,7 @@ physically; ``convert_`` turns an existing torch model into a TT model.
 """
 
 from comera.attention import TTMultiheadAttention
+from comera.cached_embedding import CachedTTEmbedding
 from comera.checkpoint import (
     CheckpointRecord,
     checkpoint_payload,
@@ -32,6 +33,7 @@ from comera.factorize import factorize, factorize_pair, suggest_padded_size
 from comera.layers import GatedTrain, TTLinear, TTMLinear
 from comera.objective import LateStage, rank_regularizer, soft_size
 from comera.pretrained import from_pretrained, save_pretrained
+from comera.siblings import Siblings
 from comera.size import compression_ratio, dense_size, model_size, tt_modules
 from comera.surgery import layer_spec
 from comera.train import (
@@ -45,6 +47,7 @@ from comera.train import (
 from comera.truncate import TruncationReport, truncate_
 
 __all__ = [
+    "CachedTTEmbedding",
     "CheckpointError",
     "CheckpointRecord",
     "CoMERATrainer",
@@ -63,6 +66,7 @@ __all__ = [
     "NonFiniteGradientError",
     "NonFiniteLossError",
     "OptimizerConfig",
+    "Siblings",
     "StepStats",
     "TTEmbedding",
     "TTLinear",

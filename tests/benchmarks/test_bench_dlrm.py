@@ -73,7 +73,8 @@ def payload(_one_thread, bench):
 
 def test_payload_schema(payload):
     assert set(payload) == {"machine", "load", "model", "bench", "batch", "variants",
-                            "memory_counted", "ms", "memory", "paper", "dense_over_tt"}
+                            "memory_counted", "ms", "memory", "paper", "dense_over_tt",
+                            "dense_over_tt_cache"}
     assert {"torch", "cpu", "threads", "commit", "date"} <= set(payload["machine"])
     assert payload["machine"]["threads"] == 1
     for when in ("before", "after"):
@@ -82,7 +83,7 @@ def test_payload_schema(payload):
     assert payload["batch"]["size"] == BATCH
     assert len(payload["batch"]["unique_ids_per_table"]) == TABLES
     assert set(payload["ms"]) == set(payload["memory"]) == set(payload["variants"])
-    assert set(payload["ms"]) == {"dense", "tt"}
+    assert set(payload["ms"]) == {"dense", "tt", "tt_cache"}
     for m in payload["memory"].values():
         assert set(m) == {"resident_bytes", "peak_extra_bytes", "grads_bytes",
                           "activations_and_temporaries_bytes", "peak_total_bytes"}
@@ -155,6 +156,21 @@ def test_tt_counts_and_resident_bytes_equal_a_hand_sum(payload, bench):
     assert res["total"] == 3 * 4 * n + 4 * tensors + BUFFER_BYTES + input_bytes(BATCH)
     assert payload["dense_over_tt"]["params"] == pytest.approx(
         dense_param_count() / info["effective_size"])
+
+
+def test_tt_cache_variant_caches_hot_rows_and_counts_them(payload, bench):
+    """tt_cache is tt with CachedTTEmbedding tables: the cached rows count in the table size,
+    and the hot ids answer a share of the sample's lookups."""
+    tt, cached = payload["variants"]["tt"], payload["variants"]["tt_cache"]
+    assert cached["tt_tables"] == tt["tt_tables"] > 0
+    rows = min(bench.cache_rows, ROWS)
+    assert cached["table_params"] == tt["table_params"] + tt["tt_tables"] * rows * DIM
+    shares = cached["cache_hit_percent_per_table"]
+    assert len(shares) == tt["tt_tables"] and all(0 < p <= 100 for p in shares)
+    variant = build_variant("tt_cache", bench)
+    tables = [t for t in variant.model.embeddings if isinstance(t, comera.CachedTTEmbedding)]
+    assert len(tables) == tt["tt_tables"] and all(t.cache_rows == rows for t in tables)
+    assert "Dense / TT with the hot-row cache" in render_markdown(payload)
 
 
 def test_variants_are_the_engine_settings(bench):
