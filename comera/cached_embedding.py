@@ -45,6 +45,7 @@ class CachedTTEmbedding(nn.Module):
 
     @property
     def cache_rows(self) -> int:
+        """How many hot ids have dense rows (the cache's first dimension)."""
         return self.cache.shape[0]
 
     def choose_hot_ids_(self, counts: Tensor) -> Tensor:
