@@ -286,6 +286,7 @@ class _Run:
         self.record = RunRecord(name, tt)
         self.step = 0
         self.consecutive_skips = 0
+        self.resumed_threads: int | None = None  # the CPU thread count a checkpoint was run at
 
     # -- stages -----------------------------------------------------------------------------
     def stages(self) -> list[tuple[str, int, int]]:
@@ -437,6 +438,7 @@ class _Run:
                     "record": asdict(self.record), "config": asdict(self.config),
                     "task": self.task.name, "tt": self.tt,
                     "consecutive_skips": self.consecutive_skips,
+                    "threads": torch.get_num_threads(),
                     "scaler": self.scaler.state_dict() if self.scaler is not None else None})
         log.info("%s: checkpoint at step %d -> %s", self.name, self.step, self.checkpoint_path)
 
@@ -469,6 +471,7 @@ class _Run:
         self.trainer.load_state_dict(state["trainer"])
         self.step = int(state["step"])
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self.resumed_threads = state.get("threads")
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng_torch"])
@@ -480,14 +483,20 @@ class _Run:
 
 
 def _set_threads(run: _Run, config: EngineConfig) -> None:
-    """CPU threads of the run: ``config.threads``, else (alone, on the CPU, with more than one
-    thread) the faster of 1 and the current count over a few forward+backward passes of the
-    next batch (:func:`comera.train.pick_threads`). The passes leave no trace: gradients are
-    dropped and the RNG states restored, so the run's numbers do not change."""
+    """CPU threads of the run: ``config.threads``, else the count a resumed checkpoint ran
+    at, else (alone, on the CPU, with more than one thread) the faster of 1 and the current
+    count over a few forward+backward passes of the next batch
+    (:func:`comera.train.pick_threads`). The passes leave no trace: gradients are dropped and
+    the RNG states restored, so the run's numbers do not change."""
     if run.device.type != "cpu":
         return
     if config.threads:
         torch.set_num_threads(config.threads)
+        return
+    if isinstance(run.resumed_threads, int) and run.resumed_threads >= 1:
+        # a resumed run keeps the count it was checkpointed with: CPU reductions split work by
+        # thread, so another count could change the last bits and break bit-exact resume
+        torch.set_num_threads(run.resumed_threads)
         return
     if run.world.size > 1 or torch.get_num_threads() == 1:
         return

@@ -64,3 +64,34 @@ def test_the_thread_probe_leaves_the_run_unchanged(tmp_path, threads, monkeypatc
             assert torch.equal(a, b), n
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_resumed_run_keeps_the_thread_count_it_was_checkpointed_with(tmp_path, monkeypatch):
+    """CPU reductions split work by thread, so a resumed run must not re-probe its way to
+    another count: it takes the checkpoint's, and a run split in two ends bit-identical to
+    one run through."""
+    import comera.experiments.engine as engine
+
+    cfg = EngineConfig(steps_early=6, steps_late=0, batch_size=8, lr=1e-2, eval_every=10,
+                       stage="early", checkpoint_every=3)
+    before = torch.get_num_threads()
+    probes = []
+    monkeypatch.setattr(engine, "pick_threads", lambda step: probes.append(1) or
+                        torch.set_num_threads(1))
+    try:
+        torch.set_num_threads(2)
+        rng = torch.get_rng_state()
+        whole, _ = train_model(ToyTask(), "m", True, cfg, tmp_path / "whole")
+        torch.set_rng_state(rng)
+        torch.set_num_threads(2)
+        train_model(ToyTask(), "m", True, cfg, tmp_path / "split", stop_after=3)
+        assert probes == [1, 1]
+        torch.set_num_threads(2)  # a resumed process starts at the machine's default again
+        resumed, _ = train_model(ToyTask(), "m", True, cfg, tmp_path / "split", resume=True)
+        assert probes == [1, 1], "the resumed run probed again instead of keeping its count"
+        assert torch.get_num_threads() == 1
+        for (n, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items(),
+                                  strict=True):
+            assert torch.equal(a, b), n
+    finally:
+        torch.set_num_threads(before)
