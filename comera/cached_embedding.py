@@ -37,9 +37,9 @@ class CachedTTEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = tt.num_embeddings, tt.embedding_dim
         like = tt.cores[0]
         self.cache = nn.Parameter(like.new_zeros(cache_rows, tt.embedding_dim))  # (C, D)
-        self.register_buffer("hot_ids", torch.arange(cache_rows, device=like.device))  # (C,)
-        self.register_buffer("slot", torch.full((tt.num_embeddings,), -1, dtype=torch.long,
-                                                device=like.device))  # (V,): cache row or -1
+        # (C,) ascending: an id's cache row is its position here (found by binary search, so
+        # the cache costs O(C) memory, not a map over all V rows)
+        self.register_buffer("hot_ids", torch.arange(cache_rows, device=like.device))
         self.choose_hot_ids_(torch.arange(cache_rows, 0, -1, device=like.device).float()
                              if cache_rows else torch.zeros(0))
 
@@ -60,11 +60,9 @@ class CachedTTEmbedding(nn.Module):
         full[: counts.numel()] = counts
         # stable order: largest count first, smaller id first among equal counts
         order = torch.sort(-full, stable=True).indices[: self.cache_rows]
-        hot = order.sort().values.to(self.slot.device)
+        hot = order.sort().values.to(self.hot_ids.device)
         with torch.no_grad():
             self.hot_ids.copy_(hot)
-            self.slot.fill_(-1)
-            self.slot[hot] = torch.arange(hot.numel(), device=hot.device)
             if hot.numel():
                 self.cache.copy_(self.tt(hot).to(self.cache.dtype))
         return hot
@@ -76,7 +74,7 @@ class CachedTTEmbedding(nn.Module):
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise LookupIndexError(f"ids must lie in [0, {self.num_embeddings}); got "
                                    f"[{int(flat.min())}, {int(flat.max())}].")
-        slot = self.slot[flat]  # (N,)
+        slot = self.slots(flat)  # (N,)
         hit = slot >= 0  # (N,)
         rows = self.cache.new_zeros(flat.numel(), self.embedding_dim)  # (N, D)
         if bool(hit.any()):
@@ -86,6 +84,19 @@ class CachedTTEmbedding(nn.Module):
             rows = rows.index_put((miss.nonzero().flatten(),),
                                   self.tt(flat[miss]).to(rows.dtype))
         return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def slots(self, ids: Tensor) -> Tensor:
+        """The cache row of each of ``ids`` (flat, in range), -1 where the id is not cached."""
+        ids = ids.to(self.hot_ids.dtype)
+        if not self.cache_rows:
+            return torch.full_like(ids, -1)
+        pos = torch.searchsorted(self.hot_ids, ids).clamp_(max=self.cache_rows - 1)  # (N,)
+        return torch.where(self.hot_ids[pos] == ids, pos, torch.full_like(pos, -1))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints written before the binary search carry a (V,) id -> row map: not needed
+        state_dict.pop(prefix + "slot", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def num_parameters(self, effective: bool = True) -> int:
         """The TT table's parameters (at its effective ranks, by default) plus the cache's."""
@@ -97,7 +108,7 @@ class CachedTTEmbedding(nn.Module):
 
     def hit_rate(self, ids: Tensor) -> float:
         """The fraction of ``ids`` the cache answers."""
-        return float((self.slot[ids.reshape(-1)] >= 0).float().mean()) if ids.numel() else 0.0
+        return float((self.slots(ids.reshape(-1)) >= 0).float().mean()) if ids.numel() else 0.0
 
     def extra_repr(self) -> str:
         return f"cache_rows={self.cache_rows}"

@@ -62,7 +62,7 @@ def _merge_pair_rows(first: Tensor, second: Tensor, a: Tensor, b: Tensor) -> Ten
     slots = int(counts.max())
     order = torch.argsort(b, stable=True)
     starts = counts.cumsum(0) - counts  # (m2,)
-    slot = torch.empty_like(b)
+    slot = torch.empty_like(b, dtype=torch.long)  # b may be int32 (as nn.Embedding takes)
     slot[order] = torch.arange(p, device=b.device) - starts[b[order]]
     where = b * slots + slot  # (P,) position in the padded (m2 * slots) layout
     left = first.permute(1, 0, 2, 3).reshape(m1, r0 * n1, r1).index_select(0, a)  # (P, r0 n1, r1)

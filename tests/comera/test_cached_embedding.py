@@ -36,6 +36,29 @@ def test_wrapping_keeps_the_function_and_cached_rows_are_looked_up_exactly():
     assert layer.hit_rate(torch.tensor([31, 5, 2, 59])) == 0.75
 
 
+def test_the_cache_costs_memory_in_its_rows_not_in_the_table_rows():
+    """No (V,) id -> row map: on a 10M-row table that alone was 81 MiB, more than the TT
+    cores; the buffers hold the C hot ids only, and int32 ids find them too."""
+    tt = comera.TTEmbedding(1_000_000, 8, (100, 100, 100), (2, 2, 2), ranks=4)
+    layer = CachedTTEmbedding(tt, 16)
+    assert sum(b.numel() for b in layer.buffers()) == 16
+    hot = layer.choose_hot_ids_(torch.zeros(1_000_000).index_fill_(0, torch.arange(5, 21), 1.0))
+    assert hot.tolist() == list(range(5, 21))
+    ids = torch.tensor([4, 5, 20, 21, 999_999], dtype=torch.int32)
+    assert layer.slots(ids).tolist() == [-1, 0, 15, -1, -1]
+    torch.testing.assert_close(layer(ids)[1], layer.cache[0])
+
+
+def test_state_dicts_with_the_old_row_map_still_load():
+    layer = _table()
+    layer.choose_hot_ids_(torch.arange(60, 0, -1).float())
+    state = {**layer.state_dict(), "slot": torch.full((60,), -1)}  # as saved before
+    fresh = _table()
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.hot_ids, layer.hot_ids)
+    torch.testing.assert_close(fresh(torch.arange(60)), layer(torch.arange(60)))
+
+
 def test_gradients_reach_the_cache_rows_used_and_the_cores():
     layer = _table()
     layer.choose_hot_ids_(torch.tensor([0.0, 0, 5, 0, 4, 3, 2]))  # hot: 2, 4, 5, 6

@@ -82,3 +82,11 @@ def test_a_sparse_batch_does_not_merge_the_whole_table():
     # and two backward products
     whole_merge = 3 * 2 * (40 * 50) * (1 * 2) * 4 * (2 * 4)
     assert counter.get_total_flops() < whole_merge / 10
+
+
+def test_int32_ids_look_up_the_same_rows_as_int64():
+    """nn.Embedding takes int32 ids; the sparse merge's slot arithmetic once kept their dtype
+    and failed on them."""
+    layer = _sparse_layer()
+    ids = torch.tensor([5, 17, 17, 2048, 5999])
+    assert torch.equal(layer(ids.int()), layer(ids))
