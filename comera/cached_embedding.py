@@ -87,7 +87,7 @@ class CachedTTEmbedding(nn.Module):
 
     def slots(self, ids: Tensor) -> Tensor:
         """The cache row of each of ``ids`` (flat, in range), -1 where the id is not cached."""
-        ids = ids.to(self.hot_ids.dtype)
+        ids = ids.to(self.hot_ids.dtype).contiguous()
         if not self.cache_rows:
             return torch.full_like(ids, -1)
         pos = torch.searchsorted(self.hot_ids, ids).clamp_(max=self.cache_rows - 1)  # (N,)
