@@ -13,19 +13,7 @@ from comera.cli import _engine_config, build_parser
 from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.experiments.registry import experiment
-
-
-def _saved_bytes(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = layer(x)
-    return y, total
+from tests.helpers.saved import saved_by_autograd
 
 
 def test_min_layer_matches_fast_and_saves_less():
@@ -35,8 +23,8 @@ def test_min_layer_matches_fast_and_saves_less():
     low.load_state_dict(fast.state_dict())
     assert low.memory == "min" and low.compiled().options.memory == "min"
     x = torch.randn(16, 64, dtype=torch.float64)
-    y_fast, kept_fast = _saved_bytes(fast, x)
-    y_low, kept_low = _saved_bytes(low, x)
+    y_fast, kept_fast = saved_by_autograd(fast, x)
+    y_low, kept_low = saved_by_autograd(low, x)
     torch.testing.assert_close(y_low, y_fast, rtol=1e-12, atol=1e-12)
     assert kept_low < kept_fast
     g_fast = torch.autograd.grad(y_fast.square().sum(), list(fast.cores))

@@ -17,6 +17,7 @@ from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.registry import experiment
 from comera.models import MaskedLM, PairClassifier, TransformerConfig
+from tests.helpers.saved import saved_by_autograd
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,15 +66,7 @@ def test_checkpointed_blocks_give_the_same_loss_gradients_and_rng(tt, memory):
 def _saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
     """Bytes autograd keeps for the backward: saved tensors, plus the inputs each checkpointed
     block holds for its recomputation."""
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids)
+    _, total = saved_by_autograd(model, ids)
     if model.checkpoint_blocks:
         b, s = ids.shape
         total += len(model.blocks) * b * s * (model.cfg.d_model * 4 + 1)  # x (fp32), pad_mask

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tncomp
+from tests.helpers.saved import saved_by_autograd
 from tests.helpers.tn import F64, bind, compile_net, operands, reference
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.memory import (
@@ -38,20 +39,6 @@ NETS = {
 }
 
 
-def _saved_by_autograd(f, ts) -> tuple[torch.Tensor, int]:
-    """The output of ``f(*ts)`` and the bytes autograd's saved-tensor hooks see packed."""
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = f(*ts)
-    return y, total
-
-
 @pytest.mark.parametrize("name", sorted(NETS))
 @pytest.mark.parametrize("memory", MODES, ids=str)
 def test_modes_match_einsum_and_autograd_keeps_the_planned_bytes(name, memory):
@@ -59,7 +46,7 @@ def test_modes_match_einsum_and_autograd_keeps_the_planned_bytes(name, memory):
     f = compile_net(net, memory=memory)
     ts = operands(net, 5, seed=3, requires_grad=True)
     refs = [t.detach().clone().requires_grad_() for t in ts]
-    y, kept = _saved_by_autograd(f, ts)
+    y, kept = saved_by_autograd(f, *ts)
     operand_bytes = sum(t.numel() * t.element_size() for t in ts)
     plan = f.plan_of(*ts)
     assert kept == operand_bytes + plan.saved_bytes
