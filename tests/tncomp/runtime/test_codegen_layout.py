@@ -7,20 +7,30 @@ import tncomp
 from tncomp.runtime.codegen import generate
 
 
-def test_thin_transposed_gemm_is_run_transposed_with_exact_gradients():
-    torch.manual_seed(0)
-    net = tncomp.tt_linear((16, 8, 8), (8, 8, 4), 6)
+def _layer(in_modes, out_modes, rank, batch, seed):
+    """A compiled float64 TT layer, its operands at ``batch`` and its plan."""
+    torch.manual_seed(seed)
+    net = tncomp.tt_linear(in_modes, out_modes, rank)
     f = tncomp.compile(net, disk_cache=False)
-    x = torch.randn(1024, 16, 8, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(batch, *in_modes, dtype=torch.float64, requires_grad=True)
     cores = [torch.randn(*net.shape(t), dtype=torch.float64, requires_grad=True)
              for t in net.operands[1:]]
-    plan = f.plan_of(x, *cores)
+    return f, x, cores, f.plan_of(x, *cores)
+
+
+def _einsum_grads(x, cores, dy):
+    """torch.einsum's output and gradients of the d=3 TT layer (x, *cores)."""
+    want_y = torch.einsum("Zijk,aip,pjq,qkr,rls,smt,tnu->Zlmn", x, *cores)
+    return want_y, torch.autograd.grad(want_y, (x, *cores), dy, retain_graph=True)
+
+
+def test_thin_transposed_gemm_is_run_transposed_with_exact_gradients():
+    f, x, cores, plan = _layer((16, 8, 8), (8, 8, 4), 6, 1024, seed=0)
     source = generate(plan, [tuple(t.shape) for t in (x, *cores)], torch.float64, "cpu").source
     assert ".mT.contiguous()" in source  # the weight gradient x^T dz (1024 x 6) runs as dz^T x
     dy = torch.randn(1024, 8, 8, 4, dtype=torch.float64)
     got = torch.autograd.grad(f(x, *cores), (x, *cores), dy)
-    want_y = torch.einsum("Zijk,aip,pjq,qkr,rls,smt,tnu->Zlmn", x, *cores)
-    want = torch.autograd.grad(want_y, (x, *cores), dy)
+    _, want = _einsum_grads(x, cores, dy)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
@@ -85,20 +95,13 @@ def test_thin_rule_covers_rank_30_gemms_and_leaves_aligned_wide_ones():
 
 
 def test_pooled_transposed_gemms_give_exact_values_and_gradients():
-    torch.manual_seed(2)
-    net = tncomp.tt_linear((8, 8, 4), (4, 8, 8), 30)
-    f = tncomp.compile(net, disk_cache=False)
-    x = torch.randn(2048, 8, 8, 4, dtype=torch.float64, requires_grad=True)
-    cores = [torch.randn(*net.shape(t), dtype=torch.float64, requires_grad=True)
-             for t in net.operands[1:]]
-    plan = f.plan_of(x, *cores)
+    f, x, cores, plan = _layer((8, 8, 4), (4, 8, 8), 30, 2048, seed=2)
     source = generate(plan, [tuple(t.shape) for t in (x, *cores)], torch.float64, "cpu").source
     assert ".take().copy_(torch.mm(" in source  # x L (2048 x 30) into pooled buffers
     dy = torch.randn(2048, 4, 8, 8, dtype=torch.float64)
     for _ in range(2):  # the second call reuses the pooled buffers
         got = torch.autograd.grad(f(x, *cores), (x, *cores), dy)
-    want_y = torch.einsum("Zijk,aip,pjq,qkr,rls,smt,tnu->Zlmn", x, *cores)
-    want = torch.autograd.grad(want_y, (x, *cores), dy)
+    want_y, want = _einsum_grads(x, cores, dy)
     torch.testing.assert_close(f(x, *cores), want_y, rtol=1e-10, atol=1e-10)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
@@ -107,21 +110,14 @@ def test_pooled_transposed_gemms_give_exact_values_and_gradients():
 def test_backward_reads_a_large_dy_once_for_both_gemms_with_exact_gradients():
     """Issue 14: dT = dY R^T and dR = T^T dY read dY twice; the fused form (fused_rows) reads
     it in row blocks once. Only pooling (in-place) code fuses; the plain code does not."""
-    torch.manual_seed(3)
-    net = tncomp.tt_linear((8, 8, 4), (8, 8, 12), 30)
-    f = tncomp.compile(net, disk_cache=False)
-    x = torch.randn(1024, 8, 8, 4, dtype=torch.float64, requires_grad=True)  # dY: 6 MB
-    cores = [torch.randn(*net.shape(t), dtype=torch.float64, requires_grad=True)
-             for t in net.operands[1:]]
-    plan = f.plan_of(x, *cores)
+    f, x, cores, plan = _layer((8, 8, 4), (8, 8, 12), 30, 1024, seed=3)  # dY: 6 MB
     shapes = [tuple(t.shape) for t in (x, *cores)]
     code = generate(plan, shapes, torch.float64, "cpu")
     assert code.fused == 1 and "_fused_rows(" in code.source
     assert generate(plan, shapes, torch.float64, "cpu", pool=False).fused == 0
     dy = torch.randn(1024, 8, 8, 12, dtype=torch.float64)
     got = torch.autograd.grad(f(x, *cores), (x, *cores), dy)
-    want_y = torch.einsum("Zijk,aip,pjq,qkr,rls,smt,tnu->Zlmn", x, *cores)
-    want = torch.autograd.grad(want_y, (x, *cores), dy, retain_graph=True)
+    want_y, want = _einsum_grads(x, cores, dy)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
     # create_graph runs the plain code (no in-place steps): second derivatives still work
