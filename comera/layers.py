@@ -77,6 +77,29 @@ def _autocast_cast(t: Tensor, low: torch.dtype) -> Tensor:
     return t.to(low) if t.is_floating_point() and t.dtype != torch.float64 else t
 
 
+def add_bias(y: Tensor, bias: Tensor | None, source: Tensor) -> Tensor:
+    """``y + bias`` (``bias`` broadcast over ``y``'s leading axes, in ``y``'s dtype), written into
+    ``y`` itself when ``y`` is a contraction result that nothing else references.
+
+    Why: on the CPU an out-of-place add allocates a second output-sized tensor, and torch hands
+    large tensors fresh pages each time. At B=4096 a 768->3072 layer's ``y + bias`` took 18 ms
+    (fresh pages) where ``y.add_(bias)`` took 2 ms and the layer's own forward about 10 ms; the
+    second buffer also raised the peak by one output. ``nn.Linear`` folds its bias into addmm.
+    The sum is the same op in the same order, so results are bit-identical either way.
+
+    Out of place when in-place is not safe or not wanted: under ``torch.compile`` (inductor
+    plans its own buffers) and torch.func transforms (a batched bias cannot be added into an
+    unbatched result), when ``y`` is a view (autograd forbids in-place on views made inside a
+    custom Function), and when ``y`` shares memory with the input ``source``."""
+    if bias is None:
+        return y
+    bias = bias.to(y.dtype)
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or y._is_view() or y.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()):
+        return y + bias
+    return y.add_(bias)
+
+
 def check_memory(memory) -> str | int:
     """A tncomp memory mode (``"fast"``, ``"balanced"``, ``"min"`` or a byte budget), else a
     :class:`ConfigError` naming the value and the choices."""
@@ -214,7 +237,9 @@ class GatedTrain(nn.Module):
             cores = self.gated_cores()
             if low is not None:  # as nn.Linear: compute in the autocast dtype, keep params as is
                 xm, cores = _autocast_cast(xm, low), [_autocast_cast(c, low) for c in cores]
-            y = self.compiled()(xm, *cores).reshape(*lead, self.out_features)
+            y = self.compiled()(xm, *cores)  # (rows, *out_modes)
+            bias = None if self.bias is None else self.bias.view(self.out_modes)
+            return add_bias(y, bias, xm).reshape(*lead, self.out_features)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
     def build_compiled(self) -> None:

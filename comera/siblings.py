@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import tncomp
-from comera.layers import TTLinear, TTMLinear, _autocast_cast, autocast_dtype
+from comera.layers import TTLinear, TTMLinear, _autocast_cast, add_bias, autocast_dtype
 from tncomp import stack_siblings
 
 # The network of each stackable layer class, at given modes and bonds.
@@ -121,11 +121,13 @@ class Siblings:
         if low is not None:  # as the layers do: compute in the autocast dtype
             xm, cores = _autocast_cast(xm, low), [_autocast_cast(c, low) for c in cores]
         y = self._compiled(xm, *cores)  # (n, B, *out_modes)
-        outs = []
-        for layer, ys in zip(layers, y.unbind(0), strict=True):  # one stack in backward
-            ys = ys.reshape(*lead, layer.out_features)
-            outs.append(ys + layer.bias.to(ys.dtype) if layer.bias is not None else ys)
-        return outs
+        if any(layer.bias is not None for layer in layers):  # one add for all n (zeros: none)
+            biases = torch.stack([layer.bias if layer.bias is not None else
+                                  first.cores[0].new_zeros(first.out_features)
+                                  for layer in layers])
+            y = add_bias(y, biases.view(len(layers), 1, *first.out_modes), xm)
+        return [ys.reshape(*lead, layer.out_features)  # one stack in backward
+                for layer, ys in zip(layers, y.unbind(0), strict=True)]
 
     @property
     def stacked(self) -> tncomp.CompiledNetwork | None:

@@ -411,3 +411,70 @@ def test_compile_options_reach_the_compiled_plan():
     torch.testing.assert_close(layer(x), expected)
     assert layer.compiled().options.optimize == "flops"
     assert not layer.compiled().options.pool_buffers
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+@pytest.mark.parametrize("pool", [True, False])
+def test_bias_is_added_into_the_result_with_no_second_output_buffer(cls, pool):
+    """The bias goes into the contraction's own result (as nn.Linear folds it into addmm): the
+    forward allocates one output-sized tensor, not two, and the values and every gradient are
+    bit-identical to ``contraction + bias``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    layer = cls(64, 256, ranks=4)
+    layer.compile_options = {"pool_buffers": pool}
+    with torch.no_grad():
+        layer.bias.uniform_(-1, 1)
+    x = torch.randn(300, 64, requires_grad=True)
+    out_bytes = 300 * 256 * 4
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.full = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            inputs = {t.untyped_storage().data_ptr() for t in
+                      torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            if (isinstance(out, torch.Tensor) and func is not torch.ops.aten.set_.source_Storage_storage_offset
+                    and out.untyped_storage().data_ptr() not in inputs
+                    and out.untyped_storage().nbytes() >= out_bytes):
+                self.full += 1  # a new output-sized storage (not in place, not a pooled one)
+            return out
+
+    layer(x)  # plan and pool once
+    seen = Allocations()
+    with seen:
+        y = layer(x)
+    assert seen.full <= 1
+    xm = x.reshape(300, *layer.in_modes)
+    want = (layer.compiled()(xm, *layer.gated_cores()).reshape(300, 256) + layer.bias)
+    assert torch.equal(y, want)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, layer.bias, *layer.cores], dy)
+    ref = torch.autograd.grad(want, [x, layer.bias, *layer.cores], dy)
+    for g, r in zip(got, ref, strict=True):
+        assert torch.equal(g, r)
+
+
+def test_bias_under_vmap_over_stacked_parameters():
+    """Model ensembling (torch.func.stack_module_state + vmap): each model's own bias is added,
+    out of place, to its own result."""
+    torch.manual_seed(0)
+    models = [TTLinear(16, 24, ranks=3) for _ in range(3)]
+    for m in models:
+        with torch.no_grad():
+            m.bias.uniform_(-1, 1)
+    params, buffers = torch.func.stack_module_state(models)
+    x = torch.randn(5, 16)
+
+    def call(p, b, x):
+        return functional_call(models[0], (p, b), (x,))
+
+    got = torch.func.vmap(call, in_dims=(0, 0, None))(params, buffers, x)
+    for k, m in enumerate(models):
+        torch.testing.assert_close(got[k], m(x))

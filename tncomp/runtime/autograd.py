@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from tncomp.runtime.buffers import alias
 from tncomp.runtime.codegen import GeneratedCode, generate
 
 
@@ -47,6 +48,19 @@ class Runner:
         return code.backward(operands, saved, dy)
 
 
+def _owned(y: torch.Tensor, saved) -> torch.Tensor:
+    """``y`` as a base tensor when it is a contiguous view of a result that the backward does not
+    keep: autograd forbids in-place ops on views made inside a custom Function, and callers add
+    into the result in place (comera adds a layer's bias that way instead of allocating a second
+    output). Pooled outputs are base tensors already."""
+    if not y._is_view() or not y.is_contiguous():
+        return y
+    ptr = y.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == ptr for t in saved if t is not None):
+        return y
+    return alias(y, tuple(y.shape))
+
+
 class ContractFunction(torch.autograd.Function):
     """``y = contract(*operands)`` with the plan's own backward (differentiable when
     ``create_graph=True``)."""
@@ -54,6 +68,7 @@ class ContractFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: Runner, *operands: torch.Tensor) -> torch.Tensor:
         y, saved = runner.code.forward(*operands)
+        y = _owned(y, saved)
         ctx.runner = runner
         # The intermediates go through save_for_backward too, so saved-tensor hooks
         # (torch.autograd.graph.save_on_cpu, non-reentrant checkpointing, byte counts) see
