@@ -415,11 +415,11 @@ def run_batch(variants: dict[str, Variant], batch: Batch, bench: BenchConfig,
     return out
 
 
-TARGETS = (  # (claim, batch, result key, reference variant, target)
+TARGETS = (  # (claim, batch, result key, reference variant, target): issue 14's
     ("train step faster than dense", 32, "speedup_vs_dense", "dense", 3.0),
     ("peak memory lower than dense", 32, "memory_ratio_vs_dense", "dense", 3.0),
-    ("train step faster than GaLore", 1, "speedup", "galore", 2.0),
-    ("peak memory lower than GaLore", 1, "memory_ratio", "galore", 9.0),
+    ("train step faster than GaLore", 1, "speedup", "galore", 3.0),
+    ("peak memory lower than GaLore", 1, "memory_ratio", "galore", 15.0),
 )
 
 

@@ -440,7 +440,8 @@ def test_bias_is_added_into_the_result_with_no_second_output_buffer(cls, pool):
             inputs = {t.untyped_storage().data_ptr() for t in
                       torch.utils._pytree.tree_leaves((args, kwargs))
                       if isinstance(t, torch.Tensor)}
-            if (isinstance(out, torch.Tensor) and func is not torch.ops.aten.set_.source_Storage_storage_offset
+            pooled = func is torch.ops.aten.set_.source_Storage_storage_offset
+            if (isinstance(out, torch.Tensor) and not pooled
                     and out.untyped_storage().data_ptr() not in inputs
                     and out.untyped_storage().nbytes() >= out_bytes):
                 self.full += 1  # a new output-sized storage (not in place, not a pooled one)
