@@ -94,9 +94,9 @@ def add_bias(y: Tensor, bias: Tensor | None, source: Tensor) -> Tensor:
     if bias is None:
         return y
     bias = bias.to(y.dtype)
-    shared = y.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or y._is_view() or shared):
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return y + bias  # checked first: batched and fake tensors have no storage to compare
+    if y._is_view() or y.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
         return y + bias
     return y.add_(bias)
 
