@@ -25,6 +25,7 @@ from comera.embedding import TTEmbedding
 from comera.errors import ConfigError
 from comera.factorize import suggest_padded_size
 from comera.layers import TTLinear
+from comera.models.dropout import BoolMaskDropout
 from comera.models.transformer import EncoderBlock, TransformerConfig, linear, run_blocks
 
 IGNORE_INDEX = -100
@@ -55,7 +56,7 @@ class MaskedLM(nn.Module):
             self.tokens = nn.Embedding(cfg.vocab_size, d, padding_idx=pad_id)
         self.positions = nn.Embedding(cfg.max_len, d)
         self.ln = nn.LayerNorm(d)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = BoolMaskDropout(cfg.dropout)
         self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.n_layers))
         # BERT's prediction head: transform (d x d, like the attention projections), GELU, LN
         self.transform = linear(cfg, d, d, cfg.attn_modes)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from comera.embedding import TTEmbedding
 from comera.errors import ConfigError
+from comera.models.dropout import BoolMaskDropout
 from comera.layers import TTLinear
 from comera.siblings import Siblings
 
@@ -122,7 +123,7 @@ class EncoderBlock(nn.Module):
         self.ffn_in = linear(cfg, cfg.d_model, cfg.d_ff, cfg.ffn_in_modes)
         self.ffn_out = linear(cfg, cfg.d_ff, cfg.d_model, cfg.ffn_out_modes)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = BoolMaskDropout(cfg.dropout)
 
     def forward(self, x: Tensor, pad_mask: Tensor) -> Tensor:
         x = self.ln1(x + self.drop(self.attn(x, pad_mask)))
@@ -163,7 +164,7 @@ class PairClassifier(nn.Module):
         self.positions = nn.Embedding(cfg.max_len, cfg.d_model)
         self.segments = nn.Embedding(2, cfg.d_model)
         self.ln = nn.LayerNorm(cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = BoolMaskDropout(cfg.dropout)
         self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.n_layers))
         self.head = nn.Linear(cfg.d_model, cfg.n_classes)
         self.pad_id = pad_id
