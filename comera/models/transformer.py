@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from comera.embedding import TTEmbedding
 from comera.errors import ConfigError
-from comera.models.dropout import BoolMaskDropout
 from comera.layers import TTLinear
+from comera.models.dropout import BoolMaskDropout
 from comera.siblings import Siblings
 
 
