@@ -48,15 +48,15 @@ class Runner:
         return code.backward(operands, saved, dy)
 
 
-def _owned(y: torch.Tensor, saved) -> torch.Tensor:
-    """``y`` as a base tensor when it is a contiguous view of a result that the backward does not
-    keep: autograd forbids in-place ops on views made inside a custom Function, and callers add
-    into the result in place (comera adds a layer's bias that way instead of allocating a second
-    output). Pooled outputs are base tensors already."""
+def _owned(y: torch.Tensor, operands, saved) -> torch.Tensor:
+    """``y`` as a base tensor when it is a contiguous view of a result that neither the operands
+    nor the backward's saved values share: autograd forbids in-place ops on views made inside a
+    custom Function, and callers add into the result in place (comera adds a layer's bias that
+    way instead of allocating a second output). Pooled outputs are base tensors already."""
     if not y._is_view() or not y.is_contiguous():
         return y
     ptr = y.untyped_storage().data_ptr()
-    if any(t.untyped_storage().data_ptr() == ptr for t in saved if t is not None):
+    if any(t is not None and t.untyped_storage().data_ptr() == ptr for t in (*operands, *saved)):
         return y
     return alias(y, tuple(y.shape))
 
@@ -68,7 +68,7 @@ class ContractFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: Runner, *operands: torch.Tensor) -> torch.Tensor:
         y, saved = runner.code.forward(*operands)
-        y = _owned(y, saved)
+        y = _owned(y, operands, saved)
         ctx.runner = runner
         # The intermediates go through save_for_backward too, so saved-tensor hooks
         # (torch.autograd.graph.save_on_cpu, non-reentrant checkpointing, byte counts) see
