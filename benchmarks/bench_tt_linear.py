@@ -9,6 +9,11 @@ benchmarks/results/tt_linear_cpu.{json,md}.
     python -m benchmarks.bench_tt_linear            # full
     python -m benchmarks.bench_tt_linear --quick    # fewer repeats and cases
     python -m benchmarks.bench_tt_linear --smoke --out /tmp/tt   # one repeat, smallest case
+    python -m benchmarks.bench_tt_linear --device cuda   # on a GPU: tt_linear_cuda.{json,md}
+
+On CUDA every timed call ends with ``torch.cuda.synchronize()``, peak memory is the caching
+allocator's ``max_memory_allocated`` above what was allocated before the call, and a
+``tncomp_cuda_graphs`` variant replays the same plan from captured CUDA graphs.
 """
 
 from __future__ import annotations
@@ -64,15 +69,42 @@ def tltorch_rank_like(in_modes, out_modes, n_params: int) -> int:
     return best
 
 
+def synchronized(fn, device: torch.device):
+    """``fn`` followed by a device synchronization on CUDA (so a timer sees the work done)."""
+    if device.type != "cuda":
+        return fn
+
+    def call():
+        fn()
+        torch.cuda.synchronize(device)
+
+    return call
+
+
+def peak_bytes(fn, device: torch.device) -> int:
+    """Peak bytes allocated during one call of ``fn`` above what was live before it: the CPU
+    profiler's allocation events, or the CUDA caching allocator's statistics."""
+    if device.type != "cuda":
+        return peak_allocated_bytes(fn)
+    fn()  # warm: steady-state allocations only
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
 def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_baselines,
-             warmup=3):
+             warmup=3, device="cpu"):
+    device = torch.device(device)
     torch.manual_seed(0)
     n_in, n_out = math.prod(in_modes), math.prod(out_modes)
     ranks = tncomp.resolve_ranks(rank, in_modes + out_modes)
-    cores = make_cores(in_modes, out_modes, ranks)
+    cores = make_cores(in_modes, out_modes, ranks, device=device)
     n_params = sum(c.numel() for c in cores)
-    x = torch.randn(batch, n_in, requires_grad=True)
-    dy = torch.randn(batch, n_out)
+    x = torch.randn(batch, n_in, device=device, requires_grad=True)
+    dy = torch.randn(batch, n_out, device=device)
     compiled = tncomp.compile(tncomp.tt_linear(in_modes, out_modes, ranks), disk_cache=False)
     x_modes = x.detach().view(batch, *in_modes).requires_grad_()
     dy_modes = dy.view(batch, *out_modes)
@@ -81,7 +113,11 @@ def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_basel
         compiled(x_modes, *cores).backward(dy_modes)
 
     methods = {"tncomp": tncomp_step}
-    baselines = [hand_derived_comera(cores, in_modes, out_modes), dense_linear(n_in, n_out)]
+    if device.type == "cuda":
+        graphed = tncomp.compile(compiled.network, disk_cache=False, cuda_graphs=True)
+        methods["tncomp_cuda_graphs"] = lambda: graphed(x_modes, *cores).backward(dy_modes)
+    baselines = [hand_derived_comera(cores, in_modes, out_modes),
+                 dense_linear(n_in, n_out, device=device)]
     if slow_baselines:
         baselines += [naive_core_by_core(cores, in_modes, out_modes),
                       opt_einsum_optimal(cores, in_modes, out_modes, batch),
@@ -89,19 +125,21 @@ def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_basel
                                         tltorch_rank_like(in_modes, out_modes, n_params))]
     for b in baselines:
         methods[b.name] = (lambda b=b: b.run(x, dy))
+    methods = {name: synchronized(fn, device) for name, fn in methods.items()}
     times = interleaved_times(methods, repeats, warmup)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     # Pooled buffers live between calls and would not show as new allocations: measure the
     # same plan with pooling off, so every byte it uses is counted.
     unpooled = tncomp.compile(compiled.network, disk_cache=False, pool_buffers=False)
     memory_fns = {**methods, "tncomp": lambda: unpooled(x_modes, *cores).backward(dy_modes)}
-    peaks = {name: peak_allocated_bytes(fn) for name, fn in memory_fns.items()}
+    peaks = {name: peak_bytes(fn, device) for name, fn in memory_fns.items()}
     for c in cores:
         c.grad = None
 
     sizes = {"b": batch}
     plan = compiled.plan_for({**{i: s for i, s in compiled.network.sizes
-                                 if isinstance(s, int)}, **sizes}, (True,) * (len(cores) + 1))
+                                 if isinstance(s, int)}, **sizes}, (True,) * (len(cores) + 1),
+                             device=device)
     floor = plan.floor_time(model)
     dense_flops = 3 * 2 * batch * n_in * n_out
     t = medians["tncomp"]
@@ -123,6 +161,11 @@ def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_basel
         "tree": tncomp.describe_tree(compiled.network, plan.tree),
         "descriptions": {b.name: b.description for b in baselines},
     }
+
+
+def device_name(device: str) -> str:
+    """The device the numbers come from, in words (the GPU's name on CUDA)."""
+    return torch.cuda.get_device_name() if device == "cuda" else "CPU"
 
 
 def dispatch_overhead(repeats: int = 2000) -> dict:
@@ -164,12 +207,19 @@ def main(argv=None) -> int:
                         help="quickest run: smallest case, B=128, one repeat, default device "
                              "model (no calibration); checks the script, measures nothing")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--out", default="tt_linear_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where to run (cuda: synchronized timing, the allocator's peak, "
+                             "and a CUDA-graphs variant)")
+    parser.add_argument("--out", default=None,
+                        help="results name under benchmarks/results/ or a path stem "
+                             "(default tt_linear_<device>)")
     args = parser.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats {args.repeats}; give at least 1")
-    model = tncomp.DeviceModel() if args.smoke else calibrate("cpu", save=False)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device here; run it on a machine "
+                     "with a GPU, or use --device cpu")
+    model = tncomp.DeviceModel() if args.smoke else calibrate(args.device, save=False)
     print(f"device model ({model.source}): GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, "
           f"bandwidth {model.bytes_per_s / 1e9:.1f} GB/s, "
           f"step {model.step_overhead_s * 1e6:.1f} us")
@@ -182,7 +232,7 @@ def main(argv=None) -> int:
                                        else 9 if batch > 1000 else 25)
             slow = not (args.quick or args.smoke) and label == CASES[0][0]
             r = run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow,
-                         warmup=1 if args.smoke else 3)
+                         warmup=1 if args.smoke else 3, device=args.device)
             results.append(r)
             print(f"{label} B={batch}: tncomp {r['ms']['tncomp']:.2f} ms, "
                   f"{spread_text(r['spread']['vs_dense'])} dense, "
@@ -191,14 +241,15 @@ def main(argv=None) -> int:
     print(f"cached plan call: {overhead['call_us']:.1f} us (torch.einsum "
           f"{overhead['einsum_us']:.1f} us); with autograd {overhead['call_with_autograd_us']:.1f}"
           f" us (einsum {overhead['einsum_with_autograd_us']:.1f} us)")
-    payload = {"machine": machine(), "model": {
+    payload = {"machine": machine(), "device": device_name(args.device), "model": {
         "source": model.source, "gemm_gflops": model.gemm_flops_per_s / 1e9,
         "bandwidth_gbs": model.bytes_per_s / 1e9},
         "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
         "note_spread": "spread: the ratio of medians, and the quartiles (q1, q3) and range of "
                        "the per-round ratios of interleaved repeats",
         "results": results, "dispatch_overhead": overhead}
-    json_path, md_path = write_results_to(args.out, payload, render_markdown(payload))
+    json_path, md_path = write_results_to(args.out or f"tt_linear_{args.device}", payload,
+                                          render_markdown(payload))
     print(render_markdown(payload))
     print(f"wrote {json_path} and {md_path}")
     return 0
@@ -219,7 +270,7 @@ def render_markdown(payload: dict) -> str:
                      others or "-"])
     m, model, overhead = payload["machine"], payload["model"], payload["dispatch_overhead"]
     return "\n".join([
-        "# TT linear layer, forward + backward (CPU)",
+        f"# TT linear layer, forward + backward ({payload.get('device', 'CPU')})",
         "",
         f"torch {m['torch']}, {m['cpu']} ({m['cores']} cores), {m['threads']} threads, commit "
         f"{m['commit']}, {m['date']}; {payload['mode']} mode. Device model {model['source']}: "

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import ROOT
 
@@ -110,3 +111,17 @@ def test_no_script_patches_the_import_path():
     # scripts run as modules from the repository root; the library is benchmarks.lib
     patched = [p.name for p in (ROOT / "benchmarks").rglob("*.py") if "sys.path" in p.read_text()]
     assert patched == []
+
+
+def test_tt_linear_names_its_device_and_refuses_cuda_without_one(payloads, tmp_path):
+    assert payloads["bench_tt_linear"]["device"] == "CPU"
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --device cuda is a real run here")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "cuda"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_tt_linear", "--smoke",
+                           "--device", "cuda", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2
+    assert "--device cuda" in proc.stderr and "--device cpu" in proc.stderr
+    assert not out.with_suffix(".json").exists()
