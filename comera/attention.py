@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.layers import GatedTrain
+from comera.sdpa import scaled_dot_product_attention
 from comera.siblings import Siblings
 
 
@@ -137,7 +138,7 @@ class TTMultiheadAttention(nn.Module):
             if not batched:
                 weights = weights.squeeze(0)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            out = scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))  # (B, L, E)
         if not batched:
             out = out.squeeze(0)

@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from comera.dropout import BoolMaskDropout
 from comera.embedding import TTEmbedding
 from comera.errors import ConfigError
 from comera.factorize import suggest_padded_size
 from comera.layers import TTLinear
-from comera.models.dropout import BoolMaskDropout
 from comera.models.transformer import EncoderBlock, TransformerConfig, linear, run_blocks
 
 IGNORE_INDEX = -100

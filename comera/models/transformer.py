@@ -23,10 +23,11 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from comera.dropout import BoolMaskDropout
 from comera.embedding import TTEmbedding
 from comera.errors import ConfigError
 from comera.layers import TTLinear
-from comera.models.dropout import BoolMaskDropout
+from comera.sdpa import scaled_dot_product_attention
 from comera.siblings import Siblings
 
 
@@ -108,7 +109,7 @@ class SelfAttention(nn.Module):
 
         q, k, v = (heads(t) for t in self._siblings((self.q, self.k, self.v), x))
         mask = pad_mask[:, None, None, :]  # (b, 1, 1, s): True where a real token
-        att = nn.functional.scaled_dot_product_attention(
+        att = scaled_dot_product_attention(  # comera.sdpa: a bool dropout mask on the CPU
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.o(att.transpose(1, 2).reshape(b, s, d))  # (b, s, d)
 

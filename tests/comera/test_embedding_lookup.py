@@ -90,3 +90,66 @@ def test_int32_ids_look_up_the_same_rows_as_int64():
     layer = _sparse_layer()
     ids = torch.tensor([5, 17, 17, 2048, 5999])
     assert torch.equal(layer(ids.int()), layer(ids))
+
+
+def _lookup_grads(emb: TTEmbedding, ids: torch.Tensor, create_graph: bool = False):
+    out = emb(ids)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    return out, torch.autograd.grad(out, list(emb.parameters()), dy, create_graph=create_graph)
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_the_backward_gathers_the_slices_again_and_holds_only_the_tables(pool, monkeypatch):
+    """Between forward and backward the lookup holds its tables and digits, not the gathered
+    slices; the backward gathers them again, so values and gradients are bit-identical."""
+    import contextlib
+
+    from tests.helpers.memory import held_after
+
+    torch.manual_seed(0)
+    emb = TTEmbedding(30522, 768, row_modes=(16, 20, 10, 10), col_modes=(4, 4, 8, 6), ranks=32)
+    emb.compile_options = {"pool_buffers": pool}
+    ids = torch.randint(0, 30522, (8, 128))
+    emb(ids)  # plan once
+    out, grads = _lookup_grads(emb, ids)
+    _, held = held_after(lambda: emb(ids))
+    monkeypatch.setattr(embedding, "_regathered_in_backward",
+                        lambda gathers: contextlib.nullcontext())
+    want_out, want_grads = _lookup_grads(emb, ids)
+    _, held_with_slices = held_after(lambda: emb(ids))
+    assert torch.equal(out, want_out)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert torch.equal(g, w)
+    n_unique = int(torch.unique(ids).numel())
+    slices = n_unique * (1 * 4 * 4 * 32 + 32 * 8 * 6 * 1) * 4  # per id: both pairs' slices
+    tables = (16 * 20 * 1 * 4 * 4 * 32 + 10 * 10 * 32 * 8 * 6 * 1) * 4  # the merged pairs
+    assert held_with_slices - held >= slices - tables > 0
+
+
+def test_with_an_outer_saved_tensor_hook_the_slices_are_saved_as_usual():
+    """Inside save_on_cpu / checkpointing / a byte count, the enclosing hook sees every saved
+    tensor (an inner hook would take its place), and the gradients are unchanged."""
+    from tests.helpers.saved import saved_by_autograd
+
+    torch.manual_seed(0)
+    emb = TTEmbedding(500, 24, row_modes=(5, 10, 10), col_modes=(2, 3, 4), ranks=4,
+                      dtype=F64)
+    ids = torch.randint(0, 500, (400,))  # about 275 distinct: slices larger than the tables
+    _, want = _lookup_grads(emb, ids)
+    (_, grads), saved = saved_by_autograd(lambda: _lookup_grads(emb, ids))
+    slices = int(torch.unique(ids).numel()) * (1 * 6 * 4 + 4 * 4 * 1) * 8  # pair (0, 1), core 2
+    assert saved >= slices
+    for g, w in zip(grads, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_double_backward_through_regathered_slices():
+    torch.manual_seed(0)
+    emb = TTEmbedding(500, 24, row_modes=(5, 10, 10), col_modes=(2, 3, 4), ranks=4,
+                      dtype=F64)
+    ids = torch.randint(0, 500, (90,))  # about 80 distinct: more slices than table rows
+    cores = list(emb.parameters())
+    assert torch.autograd.gradgradcheck(
+        lambda *ps: torch.func.functional_call(emb, dict(zip(
+            [n for n, _ in emb.named_parameters()], ps, strict=True)), (ids,)), tuple(cores),
+        fast_mode=True)

@@ -3,12 +3,12 @@ and torch.utils.checkpoint, which sees the saved intermediates through saved-ten
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch._dynamo
 import torch.utils.checkpoint
 
 import tncomp
+from tests.helpers.memory import profiled_peak
 from tests.helpers.tn import compile_net, operands, reference
 
 TOL = {"rtol": 1e-9, "atol": 1e-10}
@@ -71,20 +71,6 @@ def test_non_reentrant_checkpoint_recomputes_the_same_saved_tensors(one_thread):
     torch.testing.assert_close(g, rg, **TOL)
 
 
-def _profiled_peak(fn) -> int:
-    """The peak of live CPU tensor bytes while ``fn`` runs, from torch.profiler's memory
-    timeline (allocations and frees recorded with ``profile_memory=True``)."""
-    np = pytest.importorskip("numpy")
-    timeline = pytest.importorskip("torch.profiler._memory_profiler").MemoryProfileTimeline
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        fn()
-    _times, sizes = timeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
-    return int(np.array(sizes).sum(axis=1).max())
-
-
 def test_min_lowers_the_profiled_peak_of_a_stack_by_the_saves_it_drops(one_thread):
     # Four layers in a row: "fast" holds every layer's intermediates until its backward, "min"
     # holds none and rebuilds one layer's at a time, so its peak is lower by at least three
@@ -103,6 +89,6 @@ def test_min_lowers_the_profiled_peak_of_a_stack_by_the_saves_it_drops(one_threa
             h.sum().backward()
 
         step()
-        peaks[memory] = _profiled_peak(step)
+        peaks[memory] = profiled_peak(step)
     assert saved["min"] == 0 < saved["fast"]
     assert peaks["fast"] - peaks["min"] >= 3 * saved["fast"]

@@ -1,0 +1,85 @@
+"""Dropout that keeps a one-byte mask for the backward, and a backward without full temporaries.
+
+On the CPU ``nn.Dropout`` draws its mask as a float tensor and saves it for the backward: four
+bytes per activation, the size of the activation itself. ``torch.native_dropout`` (what CUDA
+runs anyway) draws the same mask from the same random numbers and keeps it as bool, one byte.
+Both its forward (``x * mask * scale``) and its backward (``grad * mask * scale``) convert the
+whole mask to a float temporary for the product, and the backward makes an intermediate product
+too: one or two more activation-sized tensors at the moments the step peaks (the FFN's dropout in
+the paper transformer at batch 32: 48 MiB each). :class:`BoolMaskDropout` runs the same ops with
+each product computed into its output a slice at a time.
+
+Outputs, gradients and the random stream after it are bit-identical to ``nn.Dropout``
+(``tests/comera/models/test_dropout.py``); in the paper transformer at batch 1 the float masks
+of the residual and FFN dropouts were 13.5 MiB of CoMERA's 86 MiB step peak.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+# Elements per slice of the backward's product: bounds its bool-to-float temporary to 1 MiB.
+_SLICE = 1 << 18
+
+
+class BoolMaskDropout(nn.Dropout):
+    """``nn.Dropout`` whose backward keeps a bool mask (same results, a quarter of the bytes).
+
+    Under ``torch.compile`` and torch.func transforms it is plain ``nn.Dropout``: those trace or
+    batch their own random ops."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not self.training or self.inplace or not 0 < self.p < 1
+                or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
+            return super().forward(x)
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return torch.native_dropout(x, self.p, True)[0]
+        return _Dropout.apply(x, self.p)
+
+
+class _Dropout(torch.autograd.Function):
+    """``torch.native_dropout`` whose forward and backward allocate only their results (and
+    the mask)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float) -> Tensor:
+        scale = 1.0 / (1.0 - p)
+        if x.is_contiguous():  # native_dropout's ops, its product a slice at a time
+            keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)
+            out = kept(x, keep).mul_(scale)
+        else:
+            out, keep = torch.native_dropout(x, p, True)
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (keep,) = ctx.saved_tensors
+        return dropped_grad(grad, keep, ctx.scale), None
+
+
+def dropped_grad(grad: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """``grad * keep * scale`` (``native_dropout_backward``'s values, bit for bit) with no
+    temporary larger than one slice; the plain expression where autograd records it (double
+    backward) or the layouts differ."""
+    if grad.shape != keep.shape or not grad.is_contiguous() or not keep.is_contiguous():
+        return grad * keep * scale
+    return kept(grad, keep).mul_(scale)
+
+
+def kept(x: Tensor, keep: Tensor, in_place: bool = False) -> Tensor:
+    """``x * keep`` (into ``x`` itself with ``in_place``) for contiguous ``x`` and bool ``keep``
+    of one shape, a slice at a time: the product's bool-to-float conversion (on the CPU a
+    temporary as large as ``x``) stays one slice large. The values are those of ``x * keep``
+    bit for bit: each is ``x`` times exactly 1 or 0. One whole-tensor op where autograd
+    records it (``out=`` is not differentiable)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return x.mul_(keep) if in_place else x * keep
+    out = x if in_place else torch.empty_like(x)
+    flat_out, flat_x, flat_keep = out.view(-1), x.view(-1), keep.view(-1)
+    for start in range(0, flat_out.numel(), _SLICE):
+        part = slice(start, start + _SLICE)
+        torch.mul(flat_x[part], flat_keep[part], out=flat_out[part])
+    return out
