@@ -3,6 +3,8 @@
 Layers (``TTLinear``, ``TTMLinear``, ``TTEmbedding``) carry diagonal rank gates; the objective
 (``rank_regularizer``, ``LateStage``) drives ranks down; ``truncate_`` removes pruned ranks
 physically; ``convert_`` turns an existing torch model into a TT model.
+``scaled_dot_product_attention`` and ``BoolMaskDropout`` are torch's attention and dropout,
+bit for bit, keeping less for the CPU backward.
 """
 
 from comera.attention import TTMultiheadAttention
@@ -15,6 +17,7 @@ from comera.checkpoint import (
     save_checkpoint,
 )
 from comera.convert import ConversionReport, ConvertConfig, convert_
+from comera.dropout import BoolMaskDropout
 from comera.embedding import TTEmbedding
 from comera.errors import (
     CheckpointError,
@@ -33,6 +36,7 @@ from comera.factorize import factorize, factorize_pair, suggest_padded_size
 from comera.layers import GatedTrain, TTLinear, TTMLinear
 from comera.objective import LateStage, rank_regularizer, soft_size
 from comera.pretrained import from_pretrained, save_pretrained
+from comera.sdpa import scaled_dot_product_attention
 from comera.siblings import Siblings
 from comera.size import compression_ratio, dense_size, model_size, tt_modules
 from comera.surgery import layer_spec
@@ -47,6 +51,7 @@ from comera.train import (
 from comera.truncate import TruncationReport, truncate_
 
 __all__ = [
+    "BoolMaskDropout",
     "CachedTTEmbedding",
     "CheckpointError",
     "CheckpointRecord",
@@ -90,6 +95,7 @@ __all__ = [
     "read_checkpoint",
     "save_checkpoint",
     "save_pretrained",
+    "scaled_dot_product_attention",
     "soft_size",
     "suggest_padded_size",
     "truncate_",

@@ -30,6 +30,8 @@ class BoolMaskDropout(nn.Dropout):
     batch their own random ops."""
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x`` with each element zeroed with probability ``p`` and the rest scaled by
+        ``1 / (1 - p)`` in training (``nn.Dropout``'s draws and values); ``x`` in eval."""
         if (not self.training or self.inplace or not 0 < self.p < 1
                 or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
             return super().forward(x)
