@@ -10,14 +10,23 @@ the paper transformer at batch 32: 48 MiB each). :class:`BoolMaskDropout` runs t
 each product computed into its output a slice at a time.
 
 Outputs, gradients and the random stream after it are bit-identical to ``nn.Dropout``
-(``tests/comera/models/test_dropout.py``); in the paper transformer at batch 1 the float masks
-of the residual and FFN dropouts were 13.5 MiB of CoMERA's 86 MiB step peak.
+(``tests/comera/test_dropout.py``); in the paper transformer at batch 1 the float masks of the
+residual and FFN dropouts were 13.5 MiB of CoMERA's 86 MiB step peak.
+
+:meth:`BoolMaskDropout.feed` goes one step further for a dropout whose output feeds a layer that
+saves its input (the FFN's second linear layer): that layer's backward rebuilds the output from
+the mask and the dropout's input (GELU's output, recomputed from the GELU input autograd keeps
+anyway) instead of holding it, 48 MiB per encoder block of the paper transformer at batch 32.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
+
+from comera.recompute import recomputed_in_backward
 
 # Elements per slice of the backward's product: bounds its bool-to-float temporary to 1 MiB.
 _SLICE = 1 << 18
@@ -32,20 +41,49 @@ class BoolMaskDropout(nn.Dropout):
     def forward(self, x: Tensor) -> Tensor:
         """``x`` with each element zeroed with probability ``p`` and the rest scaled by
         ``1 / (1 - p)`` in training (``nn.Dropout``'s draws and values); ``x`` in eval."""
-        if (not self.training or self.inplace or not 0 < self.p < 1
-                or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
+        if not self._lean():
             return super().forward(x)
         if not (torch.is_grad_enabled() and x.requires_grad):
             return torch.native_dropout(x, self.p, True)[0]
-        return _Dropout.apply(x, self.p)
+        return _Dropout.apply(x, self.p)[0]
+
+    def feed(self, x: Tensor, consumer: Callable[[Tensor], Tensor],
+             x_again: Callable[[], Tensor]) -> Tensor:
+        """``consumer(self(x))`` (the same values, gradients and random stream), where autograd
+        does not keep the dropout's output for ``consumer``'s backward: the backward rebuilds it
+        from ``x_again()`` and the bool mask (:mod:`comera.recompute`).
+
+        ``x_again()`` must return ``x``'s values from tensors autograd keeps anyway, as
+        ``lambda: gelu(h)`` does for ``x = gelu(h)`` (GELU keeps ``h``). Plain
+        ``consumer(self(x))`` outside training, under autocast (the backward may run under
+        another autocast state) and where :meth:`forward` is plain ``nn.Dropout``."""
+        if (not self._lean() or not (torch.is_grad_enabled() and x.requires_grad)
+                or torch.is_autocast_enabled(x.device.type) or not x.is_contiguous()):
+            return consumer(self(x))
+        out, keep = _Dropout.apply(x, self.p)
+        scale = 1.0 / (1.0 - self.p)
+
+        def out_again() -> Tensor:
+            again = x_again().contiguous()
+            return kept(again, keep, in_place=True).mul_(scale)  # _Dropout's ops, bit for bit
+
+        with recomputed_in_backward([(out, out_again)]):
+            return consumer(out)
+
+    def _lean(self) -> bool:
+        """Whether this call runs :class:`_Dropout` (else ``nn.Dropout``'s own forward)."""
+        return (self.training and not self.inplace and 0 < self.p < 1
+                and not torch.compiler.is_compiling()
+                and not torch._C._are_functorch_transforms_active())
 
 
 class _Dropout(torch.autograd.Function):
     """``torch.native_dropout`` whose forward and backward allocate only their results (and
-    the mask)."""
+    the mask). Returns ``(output, mask)``; the mask is not differentiable."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, p: float) -> Tensor:
+    def forward(ctx, x: Tensor, p: float) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for the mask
         scale = 1.0 / (1.0 - p)
         if x.is_contiguous():  # native_dropout's ops, its product a slice at a time
             keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)
@@ -53,11 +91,14 @@ class _Dropout(torch.autograd.Function):
         else:
             out, keep = torch.native_dropout(x, p, True)
         ctx.save_for_backward(keep)
+        ctx.mark_non_differentiable(keep)
         ctx.scale = scale
-        return out
+        return out, keep
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx, grad: Tensor | None, _keep_grad: None):
+        if grad is None:
+            return None, None
         (keep,) = ctx.saved_tensors
         return dropped_grad(grad, keep, ctx.scale), None
 

@@ -21,6 +21,7 @@ Gradients reach the cores through the gather (a scatter-add) and the planned mer
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Sequence
 
@@ -39,56 +40,25 @@ from comera.layers import (
     _check_tau,
     _load_cores_,
 )
+from comera.recompute import recomputed_in_backward
 from comera.ttsvd import matrix_to_ttm, ttm_to_matrix
 
 _MERGE_EQ = "pimq,qjnr->ijpmnr"  # two TT-matrix cores -> one table over (m1 m2) x (n1 n2)
 
 
-class _Gather:
-    """What autograd keeps instead of a gathered slice: its table and digits."""
-
-    __slots__ = ("digits", "table")
-
-    def __init__(self, table: Tensor, digits: Tensor):
-        self.table, self.digits = table, digits
-
-
-def _storage_key(t: Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
-
-
-@contextlib.contextmanager
 def _regathered_in_backward(gathers: Sequence[tuple[Tensor, Tensor, Tensor]]):
     """While the lookup's contraction runs: autograd saves each gathered slice of ``gathers``
     ``(slice, table, digits)`` that is larger than its table as the table and digits, and the
-    backward gathers it again.
+    backward gathers it again (:func:`comera.recompute.recomputed_in_backward`).
 
     The slices are U rows of each (merged) table, the tables at most m_a*m_b rows: at the paper
     transformer's batch 32 (about 3,700 distinct ids), 30 MiB of slices that live from the
     forward to the end of the backward, against about 1 MiB of tables. A gather is a copy, so
-    the backward sees the same values. Left alone when autograd does not record, when hooks
-    are disabled (torch.func transforms) and when another saved-tensor hook is active
-    (``save_on_cpu``, checkpointing of an enclosing region): an inner hook would take the
-    enclosing one's place. Not used under torch.compile (traced lookups take whole tables)."""
-    recipes = {_storage_key(t): _Gather(table, digits) for t, table, digits in gathers
-               if t.requires_grad and t.numel() > table.numel()}  # else the slices are smaller
-    hooks = torch._C._autograd
-    top = getattr(hooks, "_top_saved_tensors_default_hooks", None)
-    enabled = getattr(hooks, "_saved_tensors_hooks_is_enabled", None)
-    if (not recipes or not torch.is_grad_enabled() or top is None or top(False) is not None
-            or enabled is None or not enabled()):  # torch.func transforms disable hooks
-        yield
-        return
-
-    def pack(t: Tensor):
-        return recipes.get(_storage_key(t), t)
-
-    def unpack(saved):
-        return (saved.table.index_select(0, saved.digits) if isinstance(saved, _Gather)
-                else saved)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    the backward sees the same values. Not used under torch.compile (traced lookups take whole
+    tables)."""
+    return recomputed_in_backward(
+        [(t, functools.partial(torch.index_select, table, 0, digits))
+         for t, table, digits in gathers if t.numel() > table.numel()])  # else slices are smaller
 
 
 def _merge_pair_rows(first: Tensor, second: Tensor, a: Tensor, b: Tensor) -> Tensor:

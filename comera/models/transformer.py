@@ -128,7 +128,9 @@ class EncoderBlock(nn.Module):
 
     def forward(self, x: Tensor, pad_mask: Tensor) -> Tensor:
         x = self.ln1(x + self.drop(self.attn(x, pad_mask)))
-        ffn = self.ffn_out(self.drop(nn.functional.gelu(self.ffn_in(x))))
+        h = self.ffn_in(x)  # (b, s, d_ff)
+        # ffn_out(drop(gelu(h))), its input rebuilt in the backward from h and the mask
+        ffn = self.drop.feed(nn.functional.gelu(h), self.ffn_out, lambda: nn.functional.gelu(h))
         return self.ln2(x + self.drop(ffn))
 
 

@@ -175,5 +175,7 @@ def test_design_doc_names_every_module_once_and_cites_only_real_files():
         rel = path.relative_to(ROOT).as_posix()
         assert doc.count(f"`{rel}`") == 1, f"docs/design.md should name {rel} exactly once"
     cited = set(re.findall(r"[\w./-]+/[\w.-]+\.(?:py|md|json|txt)\b", doc))
-    missing = sorted(c for c in cited if not (ROOT / c).exists())
+    # a name (`tncomp/api.py`) is from the root; a markdown link (../benchmarks/...) from docs/
+    missing = sorted(c for c in cited
+                     if not (ROOT / c).exists() and not (ROOT / "docs" / c).exists())
     assert not missing, f"docs/design.md cites files not in the repository: {missing}"
