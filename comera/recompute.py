@@ -93,6 +93,8 @@ def recomputed_in_backward(recipes: Sequence[tuple[Tensor, Recipe]]) -> Iterator
         yield
         return
 
+    # ``recipes`` (a local of this frame until the block closes) keeps every ``t`` alive, so no
+    # other tensor can take its storage and be mistaken for a view of it.
     def pack(t: Tensor):
         found = sources.get(_key(t)) if t.layout == torch.strided else None
         return _Rebuild(found, t) if found is not None else t

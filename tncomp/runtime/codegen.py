@@ -127,7 +127,7 @@ class _Emitter:
             self.shapes[op.dst] = shape
             pooled = self.pool and math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES
             if runs_transposed(op, self.device):  # C = (B^T A^T)^T: same values, fast layout
-                product = f"torch.{fn}({self.view(op.rhs)}.mT, {self.view(op.lhs)}.mT"
+                product = f"torch.{fn}({self.view(op.rhs.flipped())}, {self.view(op.lhs.flipped())}"
                 if not pooled:
                     return f"v{op.dst} = {product}).mT.contiguous()"
                 # C^T and C in pooled buffers, as the direct product gets: fresh ones cost page
