@@ -46,10 +46,16 @@ from comera.ttsvd import matrix_to_ttm, ttm_to_matrix
 _MERGE_EQ = "pimq,qjnr->ijpmnr"  # two TT-matrix cores -> one table over (m1 m2) x (n1 n2)
 
 
+# Regather a gathered slice only when it is this many times its table: kept, the table is extra
+# bytes at the backward's peak (a lone lookup on the Criteo table, whose used digit pairs make a
+# table almost as large as the slices, peaked 2.1 MiB higher with any ratio above 1).
+_REGATHER_MIN_RATIO = 4
+
+
 def _regathered_in_backward(gathers: Sequence[tuple[Tensor, Tensor, Tensor]]):
     """While the lookup's contraction runs: autograd saves each gathered slice of ``gathers``
-    ``(slice, table, digits)`` that is larger than its table as the table and digits, and the
-    backward gathers it again (:func:`comera.recompute.recomputed_in_backward`).
+    ``(slice, table, digits)`` at least ``_REGATHER_MIN_RATIO`` times its table as the table and
+    digits, and the backward gathers it again (:func:`comera.recompute.recomputed_in_backward`).
 
     The slices are U rows of each (merged) table, the tables at most m_a*m_b rows: at the paper
     transformer's batch 32 (about 3,700 distinct ids), 30 MiB of slices that live from the
@@ -58,7 +64,7 @@ def _regathered_in_backward(gathers: Sequence[tuple[Tensor, Tensor, Tensor]]):
     tables)."""
     return recomputed_in_backward(
         [(t, functools.partial(torch.index_select, table, 0, digits))
-         for t, table, digits in gathers if t.numel() > table.numel()])  # else slices are smaller
+         for t, table, digits in gathers if t.numel() >= _REGATHER_MIN_RATIO * table.numel()])
 
 
 def _merge_pair_rows(first: Tensor, second: Tensor, a: Tensor, b: Tensor) -> Tensor:

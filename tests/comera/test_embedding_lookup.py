@@ -109,7 +109,7 @@ def test_the_backward_gathers_the_slices_again_and_holds_only_the_tables(pool, m
     torch.manual_seed(0)
     emb = TTEmbedding(30522, 768, row_modes=(16, 20, 10, 10), col_modes=(4, 4, 8, 6), ranks=32)
     emb.compile_options = {"pool_buffers": pool}
-    ids = torch.randint(0, 30522, (8, 128))
+    ids = torch.randint(0, 30522, (32, 128))  # the slices over 4x each table: regathered
     emb(ids)  # plan once
     out, grads = _lookup_grads(emb, ids)
     _, held = held_after(lambda: emb(ids))
@@ -153,3 +153,22 @@ def test_double_backward_through_regathered_slices():
         lambda *ps: torch.func.functional_call(emb, dict(zip(
             [n for n, _ in emb.named_parameters()], ps, strict=True)), (ids,)), tuple(cores),
         fast_mode=True)
+
+
+def test_only_slices_at_least_four_times_their_table_are_regathered(monkeypatch):
+    """Kept for the backward, a table adds its bytes to the backward's peak: a slice not much
+    larger than its table (few ids, or ids that use most of a pair table's rows) is saved."""
+    import contextlib
+
+    seen = []
+
+    def record(recipes):
+        seen.append(len(recipes))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(embedding, "recomputed_in_backward", record)
+    torch.manual_seed(0)
+    emb = TTEmbedding(30522, 768, row_modes=(16, 20, 10, 10), col_modes=(4, 4, 8, 6), ranks=32)
+    emb(torch.randint(0, 30522, (1, 16)))  # 16 ids: every slice smaller than its table
+    emb(torch.randint(0, 30522, (32, 128)))  # ~3,700 ids over tables of <= 320 and 100 rows
+    assert seen == [0, 2]
