@@ -21,6 +21,7 @@ anyway) instead of holding it, 48 MiB per encoder block of the paper transformer
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -53,8 +54,9 @@ class BoolMaskDropout(nn.Dropout):
         does not keep the dropout's output for ``consumer``'s backward: the backward rebuilds it
         from ``x_again()`` and the bool mask (:mod:`comera.recompute`).
 
-        ``x_again()`` must return ``x``'s values from tensors autograd keeps anyway, as
-        ``lambda: gelu(h)`` does for ``x = gelu(h)`` (GELU keeps ``h``). Plain
+        ``x_again()`` must compute ``x``'s values anew from tensors autograd keeps anyway, as
+        ``lambda: gelu(h)`` does for ``x = gelu(h)`` (GELU keeps ``h``); the mask is applied to
+        its result in place when nothing else holds that result (else to a copy). Plain
         ``consumer(self(x))`` outside training, under autocast (the backward may run under
         another autocast state) and where :meth:`forward` is plain ``nn.Dropout``."""
         if (not self._lean() or not (torch.is_grad_enabled() and x.requires_grad)
@@ -65,7 +67,9 @@ class BoolMaskDropout(nn.Dropout):
 
         def out_again() -> Tensor:
             again = x_again().contiguous()
-            return kept(again, keep, in_place=True).mul_(scale)  # _Dropout's ops, bit for bit
+            # in place only into a fresh result (not x, a tensor held elsewhere, or its view)
+            fresh = sys.getrefcount(again) <= 2 and _sole_owner(again)
+            return kept(again, keep, in_place=fresh).mul_(scale)  # _Dropout's ops, bit for bit
 
         with recomputed_in_backward([(out, out_again)]):
             return consumer(out)
@@ -75,6 +79,15 @@ class BoolMaskDropout(nn.Dropout):
         return (self.training and not self.inplace and 0 < self.p < 1
                 and not torch.compiler.is_compiling()
                 and not torch._C._are_functorch_transforms_active())
+
+
+def _sole_owner(t: Tensor) -> bool:
+    """Whether ``t`` is the only tensor on its storage (no view, ``detach()`` or base shares
+    it), so writing into it changes nothing else. False where torch cannot tell."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or t._base is not None:
+        return False
+    return use_count(t.untyped_storage()._cdata) <= 2  # t's own and this call's storage object
 
 
 class _Dropout(torch.autograd.Function):

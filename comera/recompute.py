@@ -43,10 +43,10 @@ class _Source:
     """One recomputable tensor's recipe and, once run, its result (kept while any saved view of
     it is, as autograd would keep the tensor itself)."""
 
-    __slots__ = ("built", "recipe")
+    __slots__ = ("built", "recipe", "version")
 
-    def __init__(self, recipe: Recipe):
-        self.recipe, self.built = recipe, None
+    def __init__(self, recipe: Recipe, version: int):
+        self.recipe, self.built, self.version = recipe, None, version
 
     def tensor(self) -> Tensor:
         if self.built is None:
@@ -84,11 +84,12 @@ def recomputed_in_backward(recipes: Sequence[tuple[Tensor, Recipe]]) -> Iterator
 
     ``recipe()`` must return ``t``'s values from tensors autograd keeps anyway (so no bytes are
     added); it runs under the backward's grad mode, so double backward differentiates through
-    it. Tensors that do not own their storage, and every tensor while hooks are unavailable
-    (:func:`hooks_available`), are saved as usual."""
-    sources = {_key(t): _Source(recipe) for t, recipe in recipes
+    it. Saved as usual: tensors that do not own their storage (or have none: meta), ``t`` once
+    it has been changed in place (the recipe would rebuild the old values), and every tensor
+    while hooks are unavailable (:func:`hooks_available`)."""
+    sources = {_key(t): _Source(recipe, t._version) for t, recipe in recipes
                if t.requires_grad and t.layout == torch.strided and t.numel() > 0
-               and _owns_its_storage(t)} if hooks_available() else {}
+               and t.device.type != "meta" and _owns_its_storage(t)} if hooks_available() else {}
     if not sources:
         yield
         return
@@ -97,7 +98,9 @@ def recomputed_in_backward(recipes: Sequence[tuple[Tensor, Recipe]]) -> Iterator
     # other tensor can take its storage and be mistaken for a view of it.
     def pack(t: Tensor):
         found = sources.get(_key(t)) if t.layout == torch.strided else None
-        return _Rebuild(found, t) if found is not None else t
+        if found is None or t._version != found.version:  # views share the version counter
+            return t
+        return _Rebuild(found, t)
 
     def unpack(saved):
         return saved.unpack() if isinstance(saved, _Rebuild) else saved

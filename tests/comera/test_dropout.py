@@ -186,3 +186,21 @@ def test_feed_is_the_plain_composition_where_it_cannot_rebuild(mode):
     else:
         fed, plain = both(h)
     assert torch.equal(fed, plain)
+
+
+def test_feed_leaves_a_tensor_that_x_again_returns_as_it_is():
+    """``x_again`` may hand back a tensor something else holds (here ``x`` itself): the backward
+    masks a copy of it, not the tensor."""
+    x = torch.randn(4, 32, requires_grad=True)
+    before = x.detach().clone()
+    linear = nn.Linear(32, 8)
+    torch.manual_seed(3)
+    fed = BoolMaskDropout(0.2).feed(x, linear, lambda: x.detach())
+    fed.sum().backward()
+    grads = (x.grad.clone(), linear.weight.grad.clone())
+    assert torch.equal(x.detach(), before)
+    x.grad = None
+    linear.weight.grad = None
+    torch.manual_seed(3)
+    linear(BoolMaskDropout(0.2)(x)).sum().backward()
+    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], linear.weight.grad)

@@ -101,3 +101,20 @@ def test_tensors_that_do_not_own_their_storage_are_saved_as_usual(make):
     with recomputed_in_backward([(t, recipe)]):
         torch.sin(t).sum().backward()
     assert recipe.runs == 0
+
+
+def test_a_tensor_changed_in_place_before_it_is_saved_is_saved_as_usual():
+    """The recipe rebuilds the values from before the change: autograd must keep the tensor."""
+    a = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for recompute in (True, False):
+        w.grad = None
+        t = a * 2
+        recipe = _Counted(a)
+        with recomputed_in_backward([(t, recipe)] if recompute else []):
+            loss = (t.mul_(3) @ w).sum()
+        loss.backward()
+        grads.append(w.grad.clone())
+        assert recipe.runs == 0
+    assert torch.equal(grads[0], grads[1])
