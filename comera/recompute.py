@@ -97,7 +97,10 @@ def recomputed_in_backward(recipes: Sequence[tuple[Tensor, Recipe]]) -> Iterator
     # ``recipes`` (a local of this frame until the block closes) keeps every ``t`` alive, so no
     # other tensor can take its storage and be mistaken for a view of it.
     def pack(t: Tensor):
-        found = sources.get(_key(t)) if t.layout == torch.strided else None
+        try:
+            found = sources.get(_key(t)) if t.layout == torch.strided else None
+        except (NotImplementedError, RuntimeError):  # no storage to compare (wrapper subclasses)
+            return t
         if found is None or t._version != found.version:  # views share the version counter
             return t
         return _Rebuild(found, t)
