@@ -104,7 +104,7 @@ def test_the_backward_gathers_the_slices_again_and_holds_only_the_tables(pool, m
     slices; the backward gathers them again, so values and gradients are bit-identical."""
     import contextlib
 
-    from tests.helpers.memory import held_after
+    from benchmarks.lib.memory import held_bytes
 
     torch.manual_seed(0)
     emb = TTEmbedding(30522, 768, row_modes=(16, 20, 10, 10), col_modes=(4, 4, 8, 6), ranks=32)
@@ -112,11 +112,11 @@ def test_the_backward_gathers_the_slices_again_and_holds_only_the_tables(pool, m
     ids = torch.randint(0, 30522, (32, 128))  # the slices over 4x each table: regathered
     emb(ids)  # plan once
     out, grads = _lookup_grads(emb, ids)
-    _, held = held_after(lambda: emb(ids))
+    held = held_bytes(lambda: emb(ids))
     monkeypatch.setattr(embedding, "_regathered_in_backward",
                         lambda gathers: contextlib.nullcontext())
     want_out, want_grads = _lookup_grads(emb, ids)
-    _, held_with_slices = held_after(lambda: emb(ids))
+    held_with_slices = held_bytes(lambda: emb(ids))
     assert torch.equal(out, want_out)
     for g, w in zip(grads, want_grads, strict=True):
         assert torch.equal(g, w)

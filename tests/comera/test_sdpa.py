@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.lib.memory import held_bytes
 from comera.sdpa import scaled_dot_product_attention
-from tests.helpers.memory import held_after, profiled_peak
+from tests.helpers.memory import profiled_peak
 from tests.helpers.saved import saved_by_autograd
 
 B, S, H, D = 3, 33, 4, 16
@@ -93,8 +94,7 @@ def test_it_holds_less_between_forward_and_backward_and_peaks_no_higher():
 
     held, peak = {}, {}
     for fn in (F.scaled_dot_product_attention, scaled_dot_product_attention):
-        out, held[fn] = held_after(lambda fn=fn: forward(fn))
-        del out
+        held[fn] = held_bytes(lambda fn=fn: forward(fn))
         peak[fn] = profiled_peak(lambda fn=fn: forward(fn).sum().backward())
     torch_held, lean_held = held.values()
     output = b * s * h * d * 4

@@ -21,14 +21,3 @@ def profiled_peak(fn: Callable[[], Any]) -> int:
         fn()
     _times, sizes = timeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
     return int(np.array(sizes).sum(axis=1).max())
-
-
-def held_after(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """``fn()`` and the bytes it allocated that are still live when it returns (what it holds
-    for later, its result included), from the profiler's allocation and free events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    return out, sum(e.nbytes() for e in events)
