@@ -37,7 +37,7 @@ from comera.experiments.engine import sizes_of
 from comera.experiments.task import IndexStream
 from comera.experiments.transformer_task import ReviewsTask, ReviewsTaskConfig
 from comera.models import PairClassifier, TransformerConfig
-from comera.truncate import round_
+from comera.ranks.truncate import round_
 
 OUT = RESULTS / "reviews_frontier"
 
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
                    help="all-steps early stage: lam is 0 for this many steps (it learns first)")
     p.add_argument("--full-lam-ramp", type=int, default=100,
                    help="all-steps early stage: then lam ramps up linearly over this many steps")
-    p.add_argument("--full-regularizer", choices=comera.objective.REGULARIZERS, default="l1")
+    p.add_argument("--full-regularizer", choices=comera.ranks.objective.REGULARIZERS, default="l1")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-rounding", action="store_true",

@@ -23,9 +23,9 @@ import torch
 
 from benchmarks.lib.harness import RESULTS
 from comera.experiments.dlrm_task import DLRMTask, DLRMTaskConfig
-from comera.factorize import factorize
+from comera.formats.factorize import factorize
+from comera.formats.ttsvd import matrix_to_ttm, ttm_to_matrix
 from comera.models.dlrm import DLRM
-from comera.ttsvd import matrix_to_ttm, ttm_to_matrix
 
 OUT = RESULTS / "dlrm_compressibility"
 

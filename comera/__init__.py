@@ -7,18 +7,6 @@ physically; ``convert_`` turns an existing torch model into a TT model.
 bit for bit, keeping less for the CPU backward.
 """
 
-from comera.attention import TTMultiheadAttention
-from comera.cached_embedding import CachedTTEmbedding
-from comera.checkpoint import (
-    CheckpointRecord,
-    checkpoint_payload,
-    load_checkpoint,
-    read_checkpoint,
-    save_checkpoint,
-)
-from comera.convert import ConversionReport, ConvertConfig, convert_
-from comera.dropout import BoolMaskDropout
-from comera.embedding import TTEmbedding
 from comera.errors import (
     CheckpointError,
     ComeraError,
@@ -32,15 +20,28 @@ from comera.errors import (
     NonFiniteLossError,
     TrainingStopped,
 )
-from comera.factorize import factorize, factorize_pair, suggest_padded_size
-from comera.layers import GatedTrain, TTLinear, TTMLinear
-from comera.objective import LateStage, rank_regularizer, soft_size
-from comera.pretrained import from_pretrained, save_pretrained
-from comera.sdpa import scaled_dot_product_attention
-from comera.siblings import Siblings
-from comera.size import compression_ratio, dense_size, model_size, tt_modules
-from comera.surgery import layer_spec
-from comera.train import (
+from comera.formats.factorize import factorize, factorize_pair, suggest_padded_size
+from comera.layers.attention import TTMultiheadAttention
+from comera.layers.cached_embedding import CachedTTEmbedding
+from comera.layers.embedding import TTEmbedding
+from comera.layers.linear import GatedTrain, TTLinear, TTMLinear
+from comera.layers.siblings import Siblings
+from comera.lean.dropout import BoolMaskDropout
+from comera.lean.sdpa import scaled_dot_product_attention
+from comera.ranks.objective import LateStage, rank_regularizer, soft_size
+from comera.ranks.size import compression_ratio, dense_size, model_size, tt_modules
+from comera.ranks.truncate import TruncationReport, truncate_
+from comera.surgery.checkpoint import (
+    CheckpointRecord,
+    checkpoint_payload,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
+from comera.surgery.convert import ConversionReport, ConvertConfig, convert_
+from comera.surgery.pretrained import from_pretrained, save_pretrained
+from comera.surgery.swap import layer_spec
+from comera.training.trainers import (
     CoMERATrainer,
     DenseTrainer,
     OptimizerConfig,
@@ -48,7 +49,6 @@ from comera.train import (
     make_optimizer,
     param_groups,
 )
-from comera.truncate import TruncationReport, truncate_
 
 __all__ = [
     "BoolMaskDropout",

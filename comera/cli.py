@@ -252,7 +252,7 @@ def _matches(value: Any, hint: Any) -> bool:
 
 
 def _convert_config(args):
-    from comera.convert import ConvertConfig
+    from comera.surgery.convert import ConvertConfig
 
     fields: dict[str, Any] = {}
     if args.config:
@@ -391,7 +391,7 @@ def _cmd_convert(args, argv) -> int:
 
 def _cmd_report(args, argv) -> int:
     from comera.errors import CheckpointError
-    from comera.report import checkpoint_report
+    from comera.surgery.report import checkpoint_report
 
     path = Path(args.checkpoint)
     if path.is_file() and path.stat().st_size == 0:

@@ -5,7 +5,7 @@
 
 The public API is ``tncomp.__all__``, ``comera.__all__``, and the public classes and functions
 defined in ``comera.experiments.engine``, ``comera.experiments.task``,
-``comera.experiments.results``, ``comera.experiments.rundir`` and ``comera.report`` (names
+``comera.experiments.results``, ``comera.experiments.rundir`` and ``comera.surgery.report`` (names
 without a leading underscore). Each name gets its signature and docstring, grouped by the
 module that defines it; a class also gets its public methods, properties and class attributes,
 including those of the tncomp / comera classes it inherits from.
@@ -38,7 +38,7 @@ NAMESPACES = (
     ("comera.experiments.task", "defined"),
     ("comera.experiments.results", "defined"),
     ("comera.experiments.rundir", "defined"),
-    ("comera.report", "defined"),
+    ("comera.surgery.report", "defined"),
 )
 HIDDEN_MEMBERS = frozenset({"extra_repr"})  # nn.Module's repr hook: not something users call
 SHOWN_DUNDERS = ("__call__",)  # a callable object's call is its main entry point
@@ -391,7 +391,8 @@ def render() -> str:
              "# API reference", "",
              "The public API of tncomp and comera: every name in `tncomp.__all__` and "
              "`comera.__all__`, and the public classes and functions of the training engine "
-             "(`comera.experiments.engine`, `.task`, `.results`) and of `comera.report`, with "
+             "(`comera.experiments.engine`, `.task`, `.results`) and of `comera.surgery.report`, "
+             "with "
              "signatures and docstrings, grouped by the module that defines them. The "
              "[tutorial](tutorial.md) shows them at work. Regenerate this file with "
              "`python docs/gen_api.py`.", ""]

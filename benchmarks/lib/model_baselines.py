@@ -24,9 +24,9 @@ import torch
 from torch import Tensor, nn
 
 import tncomp
-from comera.embedding import TTEmbedding
 from comera.errors import ConfigError
-from comera.layers import resolve_modes
+from comera.layers.embedding import TTEmbedding
+from comera.layers.linear import resolve_modes
 from comera.models.transformer import PairClassifier, TransformerConfig
 
 __all__ = [

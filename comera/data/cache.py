@@ -12,8 +12,8 @@ A file name is ``<kind>-v<version>-<digest>.pt``, the digest a sha256 of every n
 ``torch.load(weights_only=True)``: a blob holds only tensors and plain containers (dicts, lists,
 strings, numbers), and a pickle planted in the cache folder is refused before any of it runs.
 A file that cannot be read, or that ``decode`` rejects, is logged as corrupt and rebuilt, never
-trusted. Files are read and written by :mod:`comera.torchfile` (atomic writes); temp files that
-a killed writer left are swept on a later write. The cache never breaks the loader it serves:
+trusted. Files are read and written by :mod:`comera.surgery.torchfile` (atomic writes); temp files
+that a killed writer left are swept on a later write. The cache never breaks the loader it serves:
 a failed write is logged and the data returned anyway.
 """
 
@@ -25,7 +25,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from comera.torchfile import load_error_reason, read_torch_file, refused_global, write_torch_file
+from comera.surgery.torchfile import (
+    load_error_reason,
+    read_torch_file,
+    refused_global,
+    write_torch_file,
+)
 from tncomp.files import sweep_temp_files, user_cache_dir
 
 log = logging.getLogger("comera.data")

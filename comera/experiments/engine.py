@@ -52,8 +52,8 @@ from comera.experiments.distributed import (
 )
 from comera.experiments.rundir import hold_run_directory
 from comera.experiments.task import IndexStream, Task
-from comera.layers import check_memory
-from comera.train import pick_threads
+from comera.layers.linear import check_memory
+from comera.training.trainers import pick_threads
 
 log = logging.getLogger("comera.engine")
 
@@ -486,8 +486,8 @@ def _set_threads(run: _Run, config: EngineConfig) -> None:
     """CPU threads of the run: ``config.threads``, else the count a resumed checkpoint ran
     at, else (alone, on the CPU, with more than one thread) the faster of 1 and the current
     count over a few forward+backward passes of the next batch
-    (:func:`comera.train.pick_threads`). The passes leave no trace: gradients are dropped and
-    the RNG states restored, so the run's numbers do not change."""
+    (:func:`comera.training.trainers.pick_threads`). The passes leave no trace: gradients are
+    dropped and the RNG states restored, so the run's numbers do not change."""
     if run.device.type != "cpu":
         return
     if config.threads:

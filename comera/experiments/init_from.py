@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from comera.checkpoint import load_checkpoint
 from comera.data.stdlib_pairs import Tokenizer
 from comera.errors import CheckpointError
 from comera.models import MaskedLM, TransformerConfig
+from comera.surgery.checkpoint import load_checkpoint
 
 ENCODER = ("tokens", "positions", "ln", "blocks")
 

@@ -5,7 +5,7 @@ One example is 13 dense features and one categorical id per table. The model:
 1. a bottom MLP maps the dense features to a vector of ``embedding_dim`` (ReLU after every
    layer, as in the reference implementation);
 2. each categorical id is looked up in its table: a plain ``nn.Embedding``, or a
-   :class:`~comera.embedding.TTEmbedding` for tables of at least ``tt_min_rows`` rows when
+   :class:`~comera.layers.embedding.TTEmbedding` for tables of at least ``tt_min_rows`` rows when
    ``tt=True`` (a TT table of a few hundred rows saves nothing and costs a contraction);
 3. the interaction takes the dot product of every pair of the ``1 + T`` vectors (the strict
    upper triangle of their Gram matrix) and concatenates them to the bottom MLP's output;
@@ -26,11 +26,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from comera.cached_embedding import CachedTTEmbedding
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, CRITEO_NUM_DENSE
-from comera.embedding import TTEmbedding
 from comera.errors import ConfigError, LookupIndexError
-from comera.layers import DEFAULT_TAU, GatedTrain
+from comera.layers.cached_embedding import CachedTTEmbedding
+from comera.layers.embedding import TTEmbedding
+from comera.layers.linear import DEFAULT_TAU, GatedTrain
 
 log = logging.getLogger("comera.models")
 
@@ -72,7 +72,7 @@ class DLRMConfig:
     tt_d: int = 3  # number of TT-matrix cores per table
     tau: float = DEFAULT_TAU
     # TT-Rec hot-row cache: dense rows for this many most frequent ids of each TT table
-    # (comera.cached_embedding); choose them from the training data with choose_hot_rows_
+    # (comera.layers.cached_embedding); choose them from the training data with choose_hot_rows_
     tt_cache_rows: int = 0
 
     def __post_init__(self) -> None:

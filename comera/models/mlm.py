@@ -2,12 +2,12 @@
 
 Token + position embeddings, LayerNorm, dropout, N post-LayerNorm encoder blocks, then BERT's
 prediction head: a d x d transform, GELU, LayerNorm, and the vocabulary projection d -> V. With
-``cfg.tt`` every linear layer (head included) is a :class:`~comera.layers.TTLinear` and, with
-``cfg.tt_embedding``, the token table a :class:`~comera.embedding.TTEmbedding`.
+``cfg.tt`` every linear layer (head included) is a :class:`~comera.layers.linear.TTLinear` and, with
+``cfg.tt_embedding``, the token table a :class:`~comera.layers.embedding.TTEmbedding`.
 
 The TT vocabulary projection has ``V`` padded to the nearest size with balanced modes
-(:func:`~comera.factorize.suggest_padded_size`, e.g. 15,317 -> 15,360); the extra logits are cut
-off, so they take no part in the loss. Its max rank is ``cfg.embedding_rank``, as for the token
+(:func:`~comera.formats.factorize.suggest_padded_size`, e.g. 15,317 -> 15,360); the extra logits are
+cut off, so they take no part in the loss. Its max rank is ``cfg.embedding_rank``, as for the token
 table: the two vocabulary-sized layers share a rank budget, and a small max rank here bounds the
 rank of the whole logit matrix. The projection is not tied to the token table (a TT table
 and a TT projection have different formats); BERT ties them.
@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from comera.dropout import BoolMaskDropout
-from comera.embedding import TTEmbedding
 from comera.errors import ConfigError
-from comera.factorize import suggest_padded_size
-from comera.layers import TTLinear
+from comera.formats.factorize import suggest_padded_size
+from comera.layers.embedding import TTEmbedding
+from comera.layers.linear import TTLinear
+from comera.lean.dropout import BoolMaskDropout
 from comera.models.transformer import EncoderBlock, TransformerConfig, linear, run_blocks
 
 IGNORE_INDEX = -100

@@ -23,12 +23,12 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from comera.dropout import BoolMaskDropout
-from comera.embedding import TTEmbedding
 from comera.errors import ConfigError
-from comera.layers import TTLinear
-from comera.sdpa import scaled_dot_product_attention
-from comera.siblings import Siblings
+from comera.layers.embedding import TTEmbedding
+from comera.layers.linear import TTLinear
+from comera.layers.siblings import Siblings
+from comera.lean.dropout import BoolMaskDropout
+from comera.lean.sdpa import scaled_dot_product_attention
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class SelfAttention(nn.Module):
 
         q, k, v = (heads(t) for t in self._siblings((self.q, self.k, self.v), x))
         mask = pad_mask[:, None, None, :]  # (b, 1, 1, s): True where a real token
-        att = scaled_dot_product_attention(  # comera.sdpa: a bool dropout mask on the CPU
+        att = scaled_dot_product_attention(  # comera.lean.sdpa: a bool dropout mask on the CPU
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.o(att.transpose(1, 2).reshape(b, s, d))  # (b, s, d)
 

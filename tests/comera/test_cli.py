@@ -115,7 +115,7 @@ def test_progress_line_before_the_first_step_has_no_loss(capsys):
 
 
 def test_report_says_removed_for_a_layer_pruned_to_nothing(tmp_path):
-    from comera.report import checkpoint_report
+    from comera.surgery.report import checkpoint_report
 
     model = _tt_model()
     with torch.no_grad():

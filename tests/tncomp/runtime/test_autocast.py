@@ -78,7 +78,7 @@ def test_mixed_dtypes_outside_autocast_raise_dtype_error(tt):
 def test_tt_linear_layer_trains_under_autocast(one_thread):
     """The issue's failure: TTLinear's backward under bf16 autocast ('expected m1 and m2 to
     have the same dtype'). Gradients now reach the float32 cores and match float32."""
-    from comera.layers import TTLinear
+    from comera.layers.linear import TTLinear
 
     torch.manual_seed(0)
     layer = TTLinear(48, 32, ranks=4)

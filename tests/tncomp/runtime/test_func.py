@@ -16,7 +16,7 @@ TOL = {"rtol": 1e-9, "atol": 1e-10}
 
 @pytest.fixture
 def model():
-    from comera.layers import TTLinear
+    from comera.layers.linear import TTLinear
 
     torch.manual_seed(0)
     net = nn.Sequential(TTLinear(24, 16, ranks=3), nn.Tanh(), TTLinear(16, 8, ranks=3))

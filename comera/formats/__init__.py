@@ -1,0 +1,1 @@
+"""How a weight is factored: mode factorisation and the TT / TT-matrix decompositions."""

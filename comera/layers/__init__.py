@@ -1,0 +1,1 @@
+"""torch modules with rank gates: linear layers, embeddings, fused siblings, attention."""

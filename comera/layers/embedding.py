@@ -1,0 +1,330 @@
+"""A TT-matrix embedding table with rank gates, looked up through tncomp plans.
+
+The table (rows x dim, rows = prod(row_modes) >= num_embeddings, padded) is a TT-matrix with
+cores (r_{k-1}, m_k, n_k, r_k). A lookup:
+
+1. deduplicates the batch's ids (``unique`` + ``inverse``), so a frequent token costs once
+   (in eager mode; under ``torch.compile`` every id is looked up, without data-dependent shapes);
+2. merges the gated cores pairwise, which makes the per-row slices small (at the paper's ranks,
+   512 and 1,536 floats instead of 8,192): when the batch's digit pairs cover little of a pair's
+   (m_a*m_b) rows, only those pairs are merged, as one batched matmul grouped by the digit of
+   the core with the larger slices (so that core is never gathered: at 8,192 Zipf ids on the
+   10M-row Criteo table, 216 x 30 padded rows instead of 210 x 216); otherwise, and
+   under ``torch.compile``, the whole table is merged by a planned tncomp contraction;
+3. gathers one slice per unique id from each merged table and contracts them with a compiled
+   ``tncomp.ttm_embedding`` network (a batched chain over the hyperedge ``b``);
+4. gathers the rows back by ``inverse``; ``padding_idx`` rows are zero and get no gradient.
+
+Gradients reach the cores through the gather (a scatter-add) and the planned merges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+import tncomp
+from comera.errors import ConfigError, LookupIndexError
+from comera.formats.factorize import factorize, suggest_padded_size
+from comera.formats.ttsvd import matrix_to_ttm, ttm_to_matrix
+from comera.layers.linear import (
+    DEFAULT_TAU,
+    GatedTrain,
+    Ranks,
+    _bonds,
+    _check_features,
+    _check_tau,
+    _load_cores_,
+)
+from comera.lean.recompute import recomputed_in_backward
+
+_MERGE_EQ = "pimq,qjnr->ijpmnr"  # two TT-matrix cores -> one table over (m1 m2) x (n1 n2)
+
+
+# Regather a gathered slice only when it is this many times its table: kept, the table is extra
+# bytes at the backward's peak (a lone lookup on the Criteo table, whose used digit pairs make a
+# table almost as large as the slices, peaked 2.1 MiB higher with any ratio above 1).
+_REGATHER_MIN_RATIO = 4
+
+
+def _regathered_in_backward(gathers: Sequence[tuple[Tensor, Tensor, Tensor]]):
+    """While the lookup's contraction runs: autograd saves each gathered slice of ``gathers``
+    ``(slice, table, digits)`` at least ``_REGATHER_MIN_RATIO`` times its table as the table and
+    digits, and the backward gathers it again
+    (:func:`comera.lean.recompute.recomputed_in_backward`).
+
+    The slices are U rows of each (merged) table, the tables at most m_a*m_b rows: at the paper
+    transformer's batch 32 (about 3,700 distinct ids), 30 MiB of slices that live from the
+    forward to the end of the backward, against about 1 MiB of tables. A gather is a copy, so
+    the backward sees the same values. Not used under torch.compile (traced lookups take whole
+    tables)."""
+    return recomputed_in_backward(
+        [(t, functools.partial(torch.index_select, table, 0, digits))
+         for t, table, digits in gathers if t.numel() >= _REGATHER_MIN_RATIO * table.numel()])
+
+
+def _merge_pair_rows(first: Tensor, second: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """Merged slices of two TT-matrix cores at the digit pairs ``(a[p], b[p])`` only:
+    (P, r0, n1*n2, r2), row p equal to row ``a[p] * m2 + b[p]`` of the whole merged table.
+
+    One batched matmul grouped by the digit of the core with the larger slices: that core is
+    used as it is stored, the other's slices are gathered into a zero-padded (groups, slots)
+    layout, so the work is groups x (most pairs sharing one digit), not m1 x m2."""
+    r0, m1, n1, r1 = first.shape
+    _, m2, n2, r2 = second.shape
+    p = a.shape[0]
+    if r0 * n1 > n2 * r2:  # first has the larger slices: merge the reversed chain, group by a
+        rows = _merge_pair_rows(second.permute(3, 1, 2, 0), first.permute(3, 1, 2, 0), b, a)
+        rows = rows.reshape(p, r2, n2, n1, r0)  # (P, r2, n2, n1, r0)
+        return rows.permute(0, 4, 3, 2, 1).reshape(p, r0, n1 * n2, r2)
+    counts = torch.bincount(b, minlength=m2)  # (m2,) pairs per digit of the grouped core
+    slots = int(counts.max())
+    order = torch.argsort(b, stable=True)
+    starts = counts.cumsum(0) - counts  # (m2,)
+    slot = torch.empty_like(b, dtype=torch.long)  # b may be int32 (as nn.Embedding takes)
+    slot[order] = torch.arange(p, device=b.device) - starts[b[order]]
+    where = b * slots + slot  # (P,) position in the padded (m2 * slots) layout
+    left = first.permute(1, 0, 2, 3).reshape(m1, r0 * n1, r1).index_select(0, a)  # (P, r0 n1, r1)
+    padded = left.new_zeros(m2 * slots, r0 * n1, r1).index_copy(0, where, left)
+    right = second.permute(1, 0, 2, 3).reshape(m2, r1, n2 * r2)  # (m2, r1, n2 r2)
+    out = torch.bmm(padded.reshape(m2, slots * r0 * n1, r1), right)  # (m2, S r0 n1, n2 r2)
+    out = out.reshape(m2 * slots, r0, n1, n2 * r2).index_select(0, where)  # (P, r0, n1, n2 r2)
+    return out.reshape(p, r0, n1 * n2, r2)
+
+
+def _mixed_radix_strides(modes: Sequence[int]) -> list[int]:
+    strides, acc = [], 1
+    for m in reversed(modes):
+        strides.append(acc)
+        acc *= m
+    return list(reversed(strides))
+
+
+class TTEmbedding(GatedTrain):
+    """``nn.Embedding`` with its table stored as a gated TT-matrix (see the module docstring)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 row_modes: Sequence[int] | None = None, col_modes: Sequence[int] | None = None,
+                 ranks: Ranks = 16, padding_idx: int | None = None, tau: float = DEFAULT_TAU,
+                 d: int = 3, merge_pairs: bool = True, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        self.num_embeddings = _check_features("num_embeddings", num_embeddings)
+        self.embedding_dim = _check_features("embedding_dim", embedding_dim)
+        if row_modes is None:
+            n = len(tuple(col_modes)) if col_modes is not None else d
+            row_modes = factorize(suggest_padded_size(num_embeddings, n), n)
+        if col_modes is None:
+            col_modes = factorize(embedding_dim, len(tuple(row_modes)))
+        self.row_modes = tuple(int(m) for m in row_modes)
+        self.col_modes = tuple(int(n) for n in col_modes)
+        if len(self.row_modes) != len(self.col_modes):
+            raise ConfigError(f"row_modes {self.row_modes} and col_modes {self.col_modes} differ "
+                              "in length; each TT-matrix core carries one of each.")
+        if math.prod(self.row_modes) < num_embeddings:
+            raise ConfigError(
+                f"row_modes {self.row_modes} cover {math.prod(self.row_modes)} rows, fewer than "
+                f"num_embeddings={num_embeddings}; pick modes whose product is at least "
+                f"{num_embeddings} (e.g. {factorize(suggest_padded_size(num_embeddings, d), d)})."
+            )
+        if math.prod(self.col_modes) != embedding_dim:
+            raise ConfigError(f"col_modes {self.col_modes} multiply to "
+                              f"{math.prod(self.col_modes)}, not embedding_dim={embedding_dim}.")
+        if padding_idx is not None:
+            if padding_idx < 0:
+                padding_idx += num_embeddings
+            if not 0 <= padding_idx < num_embeddings:
+                raise ConfigError(f"padding_idx={padding_idx} is outside [0, {num_embeddings}).")
+        self.padding_idx = padding_idx
+        self.merge_pairs = bool(merge_pairs)
+        # GatedTrain reads these names for sizes and reprs.
+        self.in_features, self.out_features = num_embeddings, embedding_dim
+        self.in_modes, self.out_modes = self.row_modes, self.col_modes
+        pairs = [m * n for m, n in zip(self.row_modes, self.col_modes, strict=True)]
+        bonds = _bonds(ranks, pairs, "ranks")
+        shapes = [(bonds[k], m, n, bonds[k + 1])
+                  for k, (m, n) in enumerate(zip(self.row_modes, self.col_modes, strict=True))]
+        super().__init__(shapes, False, embedding_dim, _check_tau(tau), dtype, device)
+        self._gaussian_init_(len(shapes))
+        self.build_compiled()
+
+    # -- structure ------------------------------------------------------------------------------
+    def groups(self) -> list[tuple[int, ...]]:
+        """Which cores are merged before the lookup: pairs, or one core each."""
+        d = len(self.cores)
+        if not self.merge_pairs:
+            return [(k,) for k in range(d)]
+        return [tuple(range(k, min(k + 2, d))) for k in range(0, d, 2)]
+
+    def _structure(self) -> tuple:
+        return tuple(self.groups())
+
+    def _network(self) -> tncomp.Network:
+        groups = self.groups()
+        rows = [math.prod(self.row_modes[k] for k in g) for g in groups]
+        cols = [math.prod(self.col_modes[k] for k in g) for g in groups]
+        bonds = [1] + [int(self.cores[g[-1]].shape[-1]) for g in groups]
+        return tncomp.ttm_embedding(rows, cols, bonds)
+
+    # -- compute --------------------------------------------------------------------------------
+    def _merges(self) -> list[tncomp.CompiledNetwork | None]:
+        """Per group, the compiled pairwise merge of its two cores (None for a single core);
+        held by the layer like ``compiled()``, so a traced forward looks nothing up in tncomp."""
+        shapes = (tuple(tuple(c.shape) for c in self.cores), self._structure(),
+                  tuple(sorted(self.compile_options.items())))
+        if getattr(self, "_merges_for", None) != shapes:
+            self._merge_nets = [
+                tncomp.compile(tncomp.from_eq(_MERGE_EQ, tuple(self.cores[g[0]].shape),
+                                              tuple(self.cores[g[1]].shape)),
+                               **self.compile_options) if len(g) == 2 else None
+                for g in self.groups()]
+            self._merges_for = shapes
+        return self._merge_nets
+
+    def merged_tables(self) -> list[Tensor]:
+        """Per group, the table (M_g, r_in, N_g, r_out) whose rows are gathered by id digits."""
+        cores = self.gated_cores()
+        tables = []
+        for group, merge in zip(self.groups(), self._merges(), strict=True):
+            first = cores[group[0]]
+            if merge is None:
+                tables.append(first.permute(1, 0, 2, 3).contiguous())
+                continue
+            second = cores[group[1]]
+            r0, m1, n1, _ = first.shape
+            _, m2, n2, r2 = second.shape
+            merged = merge(first, second)  # (m1, m2, r0, n1, n2, r2)
+            tables.append(merged.reshape(m1 * m2, r0, n1 * n2, r2))
+        return tables
+
+    def build_compiled(self) -> None:
+        """Build the lookup's compiled network and the pairwise merges now (see
+        :meth:`GatedTrain.build_compiled`)."""
+        super().build_compiled()
+        self._merges()
+
+    def __getstate__(self):  # compiled merges hold generated code, as compiled() does
+        state = super().__getstate__()
+        state["_merge_nets"] = None
+        state["_merges_for"] = None
+        return state
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """Rows of the table at integer ``ids`` (any shape): a tensor of shape
+        ``(*ids.shape, embedding_dim)``, like ``nn.Embedding``.
+
+        Each distinct id is reconstructed once from its digit slices of the (merged) cores; the rows
+        of ``padding_idx`` are zero. An id outside ``[0, num_embeddings)`` raises
+        :class:`LookupIndexError`."""
+        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32,
+                                                            torch.int16, torch.uint8):
+            raise ConfigError(f"TTEmbedding takes integer ids (torch.long), got "
+                              f"{getattr(ids, 'dtype', type(ids).__name__)}.")
+        flat = ids.reshape(-1)
+        if flat.numel() == 0:
+            return self.cores[0].new_zeros(*ids.shape, self.embedding_dim)
+        device = ids.device.type
+        # as nn.Embedding, the rows come in the table's dtype under autocast: no low precision
+        exact = (torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device)
+                 else contextlib.nullcontext())
+        with exact:
+            if torch.compiler.is_compiling():
+                # traced: no data-dependent Python (no unique, no int() of a tensor); one row per
+                # id, and the range check runs as an op (a RuntimeError when it fails)
+                torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
+                                    f"TTEmbedding: an id is out of range; ids must lie in "
+                                    f"[0, {self.num_embeddings}).")
+                rows = self._rows(flat)
+            else:
+                self._check_range(flat)
+                unique, inverse = torch.unique(flat, return_inverse=True)
+                rows = self._rows(unique).index_select(0, inverse)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def _check_range(self, flat: Tensor) -> None:
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < 0 or hi >= self.num_embeddings:
+            bad = lo if lo < 0 else hi
+            raise LookupIndexError(f"id {bad} is out of range for a table of "
+                                   f"{self.num_embeddings} rows; ids must lie in "
+                                   f"[0, {self.num_embeddings}).")
+
+    def _rows(self, ids: Tensor) -> Tensor:
+        """The table rows at the 1-d ``ids`` (in range): (len(ids), embedding_dim)."""
+        if torch.compiler.is_compiling():  # traced: whole tables, no data-dependent shapes
+            tables = self.merged_tables()
+        else:
+            cores = self.gated_cores()
+            tables = [None if len(g) == 2 else cores[g[0]].permute(1, 0, 2, 3).contiguous()
+                      for g in self.groups()]
+        slices: list[Tensor] = []
+        gathers: list[tuple[Tensor, Tensor, Tensor]] = []
+        strides = _mixed_radix_strides(self.row_modes)
+        for k, (group, table) in enumerate(zip(self.groups(), tables, strict=True)):
+            stride = strides[group[-1]]
+            size = math.prod([self.row_modes[j] for j in group])
+            digits = torch.div(ids, stride, rounding_mode="floor") % size
+            if table is None:  # a pair, merged now: only its used rows when that is cheaper
+                table, digits = self._pair_table(cores, group, self._merges()[k], digits)
+            slices.append(table.index_select(0, digits))  # (U, r_in, N_g, r_out)
+            gathers.append((slices[-1], table, digits))
+        traced = torch.compiler.is_compiling()
+        with contextlib.nullcontext() if traced else _regathered_in_backward(gathers):
+            rows = self.compiled()(*slices).reshape(ids.shape[0], self.embedding_dim)
+        if self.padding_idx is not None:
+            rows = rows * (ids != self.padding_idx).to(rows.dtype).unsqueeze(1)
+        return rows
+
+    def _pair_table(self, cores: list[Tensor], group: tuple[int, ...],
+                    merge: tncomp.CompiledNetwork, digits: Tensor) -> tuple[Tensor, Tensor]:
+        """The merged rows of a pair of cores that the pair ``digits`` (U,) use, and the
+        digits into them: the used pairs only (:func:`_merge_pair_rows`) when grouping them
+        does fewer multiply-adds than merging the whole (m1*m2)-row table, else the table."""
+        first, second = cores[group[0]], cores[group[1]]
+        r0, m1, n1, _ = first.shape
+        _, m2, n2, r2 = second.shape
+        pairs, inverse = torch.unique(digits, return_inverse=True)  # (P,), (U,)
+        a, b = torch.div(pairs, m2, rounding_mode="floor"), pairs % m2
+        by_b = r0 * n1 <= n2 * r2  # which digit _merge_pair_rows groups by
+        grouped = b if by_b else a
+        groups = m2 if by_b else m1
+        if groups * int(torch.bincount(grouped).max()) < m1 * m2:
+            return _merge_pair_rows(first, second, a, b), inverse
+        merged = merge(first, second)  # (m1, m2, r0, n1, n2, r2)
+        return merged.reshape(m1 * m2, r0, n1 * n2, r2), digits
+
+    def to_dense(self) -> Tensor:
+        """The table as ``nn.Embedding.weight``: (num_embeddings, embedding_dim)."""
+        table = ttm_to_matrix(self.gated_cores())[: self.num_embeddings]
+        if self.padding_idx is not None:
+            table = table.clone()
+            table[self.padding_idx] = 0
+        return table
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, ranks: Ranks = 16,
+                       row_modes: Sequence[int] | None = None,
+                       col_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
+                       d: int = 3, merge_pairs: bool = True) -> TTEmbedding:
+        """A TT embedding initialised by TT-matrix SVD of a trained table (rows zero-padded)."""
+        if not isinstance(embedding, nn.Embedding):
+            raise ConfigError(f"from_embedding takes an nn.Embedding, got "
+                              f"{type(embedding).__name__}.")
+        w = embedding.weight.detach()
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, row_modes, col_modes,
+                    ranks, embedding.padding_idx, tau, d, merge_pairs, dtype=w.dtype,
+                    device=w.device)
+        padded = torch.zeros(math.prod(layer.row_modes), w.shape[1], dtype=w.dtype,
+                             device=w.device)
+        padded[: w.shape[0]] = w
+        cores = matrix_to_ttm(padded, layer.row_modes, layer.col_modes, list(layer.bonds[1:-1]))
+        _load_cores_(layer, cores, None)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, row_modes={self.row_modes}, "
+                f"col_modes={self.col_modes}, ranks={self.ranks}, padding_idx={self.padding_idx}")

@@ -1,0 +1,1 @@
+"""Memory-lean versions of torch ops: recompute-in-backward, bool-mask dropout, attention."""

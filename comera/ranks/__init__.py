@@ -1,0 +1,1 @@
+"""Rank control: the size count, the objective and its regularisers, pruning and truncation."""

@@ -1,0 +1,322 @@
+"""The CoMERA objective: rank regularisers, the early stage and the late-stage controller.
+
+Early stage: minimise ``L + lam * R`` where R is the l1 norm of the surviving gate entries,
+normalised by their count (or weighted by the parameters each rank slice costs).
+
+Late stage, toward a target size S* (and a target loss L*): each step compares the relative
+loss gap ``(L - L*) / L`` with the relative size gap ``(S - S*) / S`` and weights whichever
+objective is further from its target (a tie goes to the loss): the loss, or a differentiable
+size surrogate (the size formula with each rank replaced by the l1 norm of its gate). Once
+S <= S*, only the loss is minimised: shrinking stops at the target.
+
+A step budget (``LateStage(..., steps=N)``) makes landing a promise instead of a hope: Adam moves
+a gate by about its learning rate per step, so at lr 1e-3 carrying a gate from 1 to tau takes
+~1,000 steps, and the loss/size choice alone may change nothing in 300. With a budget, the size
+follows a geometric schedule from the stage's starting size S0 to S* over the first ``landing``
+fraction of the budget (:meth:`LateStage.scheduled_size`); whenever the model is above the
+schedule after a step, :func:`prune_to_` removes the least salient rank slices (smallest
+``|gate| * |left slice| * |right slice|`` per parameter saved) until it is not. The rest of the
+budget trains at S*. Each slice is removed alone, so the size ends at most one slice below S*.
+
+Rounding (``LateStage(rounding=True)``, the default): a bond can carry no more than its
+neighbours allow (``r_k <= r_{k-1} n_k`` and ``r_k <= n_{k+1} r_{k+1}``, ``n`` a core's inner
+size); pruning a slice of one bond can leave its neighbour above that bound, where its extra
+slices cost parameters and add nothing (the reviews frontier's ``[1, 1, 15, 1, 1]``). With
+rounding, a slice's cost counts the parameters the rounding frees with it, and every layer left
+with such a bond is rounded exactly (:func:`comera.ranks.truncate.round_layer_`: QR then SVD sweeps,
+the weight unchanged), so the budget goes to slices that carry something. On the reviews task at
+100x this is the difference between the majority class and a model that learns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from comera.errors import ConfigError
+from comera.ranks.size import model_size, tt_modules
+
+REGULARIZERS = ("l1", "size_weighted")
+
+
+def _slice_costs(module) -> list[Tensor]:
+    """Per gate, the parameters one rank slice of that bond costs in its two cores."""
+    costs = []
+    ranks = module.ranks
+    for k in range(len(module.gates)):
+        left = math.prod(module.cores[k].shape[1:-1]) * ranks[k]
+        right = math.prod(module.cores[k + 1].shape[1:-1]) * ranks[k + 2]
+        costs.append(torch.tensor(float(left + right)))
+    return costs
+
+
+def rank_regularizer(model: nn.Module, kind: str = "l1") -> Tensor:
+    """R(model): normalised l1 of the surviving gate entries (or size-weighted l1)."""
+    if kind not in REGULARIZERS:
+        raise ConfigError(f"regularizer {kind!r}; choose one of {', '.join(REGULARIZERS)}.")
+    total: Tensor | None = None
+    norm = 0.0
+    for _, module in tt_modules(model):
+        gates = module.effective_gates()
+        weights = _slice_costs(module) if kind == "size_weighted" else [None] * len(gates)
+        for gate, w in zip(gates, weights, strict=True):
+            term = gate.abs().sum()
+            count = gate.numel()
+            if w is not None:
+                term, count = term * w.to(gate), count * float(w)
+            total = term if total is None else total + term
+            norm += count
+    if total is None:
+        raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
+    return total / max(norm, 1.0)
+
+
+def soft_size(model: nn.Module) -> Tensor:
+    """The size formula with each bond's rank replaced by the l1 norm of its gate."""
+    total: Tensor | float | None = None
+    for _, module in tt_modules(model):
+        gates = module.effective_gates()
+        soft = [1.0] + [g.abs().sum() for g in gates] + [1.0]
+        for k, core in enumerate(module.cores):
+            term = math.prod(core.shape[1:-1]) * soft[k] * soft[k + 1]
+            total = term if total is None else total + term
+    if total is None:
+        raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
+    return torch.as_tensor(total) if not isinstance(total, Tensor) else total
+
+
+@dataclass(frozen=True)
+class LateStage:
+    """Targets of the late stage: ``target_size`` S* in parameters, ``target_loss`` L*.
+
+    ``steps``: the step budget. With it the trainer lands on S* (within one rank slice) after
+    ``landing * steps`` steps, whatever the learning rates (see the module docstring). Without
+    it (None) only the loss/size objective moves the gates, at the optimizer's pace: the trainer
+    then warns when it starts and reports ``behind`` in every step's stats while above S*.
+    ``rounding``: pruning rounds away the slices a pruned neighbour leaves useless (see the
+    module docstring); False prunes slices alone, as before.
+    """
+
+    target_size: float
+    target_loss: float = 0.0
+    size_weight: float = 1.0
+    steps: int | None = None
+    landing: float = 0.75
+    rounding: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.target_size > 0:
+            raise ConfigError(f"target_size={self.target_size}; it must be > 0 parameters.")
+        if self.target_loss < 0:
+            raise ConfigError(f"target_loss={self.target_loss}; a loss target is >= 0.")
+        if self.steps is not None and (isinstance(self.steps, bool) or self.steps < 1):
+            raise ConfigError(f"steps={self.steps!r}; the late stage's step budget is an int "
+                              ">= 1 (or None: no schedule).")
+        if not isinstance(self.rounding, bool):
+            raise ConfigError(f"rounding={self.rounding!r}; pass True or False.")
+        if not 0 < self.landing <= 1:
+            raise ConfigError(f"landing={self.landing}; the fraction of the budget spent "
+                              "shrinking is in (0, 1].")
+
+    @classmethod
+    def from_ratio(cls, model: nn.Module, ratio: float, target_loss: float = 0.0,
+                   size_weight: float = 1.0, dense_reference: int | None = None,
+                   steps: int | None = None, landing: float = 0.75,
+                   rounding: bool = True) -> LateStage:
+        """S* = reference / ratio: ``dense_reference`` (a compression ratio) or, by default,
+        the model's effective size now (shrink by ``ratio`` from the start of the stage)."""
+        if not ratio > 1:
+            raise ConfigError(f"target compression {ratio}; it must be > 1 (a ratio of sizes).")
+        reference = dense_reference if dense_reference is not None else model_size(model)
+        return cls(reference / ratio, target_loss, size_weight, steps, landing, rounding)
+
+    def scheduled_size(self, start_size: float, step: int) -> float:
+        """The size to be at after ``step`` steps of the stage (0-based; S* without a budget):
+        geometric from ``start_size`` to S* over ``landing * steps`` steps, then S*."""
+        if self.steps is None or start_size <= self.target_size:
+            return self.target_size
+        span = max(1, math.floor(self.landing * self.steps))
+        t = min(1.0, (step + 1) / span)
+        return start_size * (self.target_size / start_size) ** t
+
+    def choose(self, loss: float, size: float) -> str:
+        """'loss' or 'size': which objective this step weights (see the module docstring)."""
+        if size <= self.target_size:
+            return "loss"
+        loss_gap = (loss - self.target_loss) / max(abs(loss), 1e-12)
+        size_gap = (size - self.target_size) / size
+        return "size" if size_gap > loss_gap else "loss"
+
+    def objective(self, model: nn.Module, loss: Tensor, size_reference: float | None = None,
+                  decision_loss: float | None = None) -> tuple[Tensor, str]:
+        """The scalar to minimise this step and which term it weighted.
+
+        ``decision_loss`` is the loss the choice is made on (default: ``loss``); data-parallel
+        workers pass the loss averaged over all workers, so every worker chooses alike.
+        """
+        size = model_size(model)
+        seen = float(loss.detach()) if decision_loss is None else float(decision_loss)
+        which = self.choose(seen, float(size))
+        if which == "loss":
+            return loss, which
+        reference = size_reference if size_reference is not None else max(size, 1)
+        return loss + self.size_weight * soft_size(model) / reference, which
+
+
+def floor_size(model: nn.Module, min_rank: int) -> int:
+    """The smallest size pruning may reach: every bond at ``min(min_rank, its rank now)``."""
+    total = 0
+    for _, layer in tt_modules(model):
+        if layer.is_removed():
+            total += layer.num_parameters()
+            continue
+        ranks = [min(min_rank, r) for r in layer.ranks]
+        ranks[0] = ranks[-1] = 1
+        total += sum(ranks[k] * math.prod(c.shape[1:-1]) * ranks[k + 1]
+                     for k, c in enumerate(layer.cores))
+        total += layer.bias.numel() if layer.bias is not None else 0
+    return total + model_size(model) - sum(m.num_parameters() for _, m in tt_modules(model))
+
+
+def _saliency(layer, k: int) -> Tensor:
+    """Per entry of gate k: ``|d_i| * |G_k[..., i]| * |G_{k+1}[i, ...]|`` (detached)."""
+    left = layer.cores[k].detach()
+    right = layer.cores[k + 1].detach()
+    left_norm = left.reshape(-1, left.shape[-1]).norm(dim=0)  # (r_k,)
+    right_norm = right.reshape(right.shape[0], -1).norm(dim=1)  # (r_k,)
+    return layer.gates[k].detach().abs() * left_norm * right_norm
+
+
+def rounded_ranks(layer) -> tuple[int, ...]:
+    """The effective ranks TT rounding leaves (ends included): each bond capped by what its
+    neighbours allow, ``r_k <= r_{k-1} n_{k-1}`` left to right, then ``r_k <= n_k r_{k+1}``
+    right to left (``n_k`` the inner size of core k), as the QR and SVD sweeps of
+    :func:`comera.ranks.truncate.round_layer_` do."""
+    ranks = list(layer.ranks)
+    inner = [math.prod(c.shape[1:-1]) for c in layer.cores]
+    for k in range(1, len(ranks) - 1):
+        ranks[k] = min(ranks[k], ranks[k - 1] * inner[k - 1])
+    for k in range(len(ranks) - 2, 0, -1):
+        ranks[k] = min(ranks[k], inner[k] * ranks[k + 1])
+    return tuple(ranks)
+
+
+def _layer_size(layer, rounding: bool) -> int:
+    """Effective parameters of a layer, after rounding when ``rounding``."""
+    if not rounding or layer.is_removed():
+        return layer.num_parameters()
+    ranks = rounded_ranks(layer)
+    bias = layer.bias.numel() if layer.bias is not None else 0
+    return bias + sum(ranks[k] * math.prod(c.shape[1:-1]) * ranks[k + 1]
+                      for k, c in enumerate(layer.cores))
+
+
+def _round_excess_(model: nn.Module, optimizer) -> None:
+    from comera.ranks.truncate import round_
+
+    round_(model, optimizer)
+
+
+def prune_to_(model: nn.Module, size_limit: float, min_rank: int = 1,
+              lower: float | None = None, rounding: bool = False,
+              optimizer=None) -> list[tuple[Tensor, int]]:
+    """Zero the least salient live gate entries, one rank slice at a time, until
+    ``model_size(model) <= size_limit`` or every bond is at ``min_rank``.
+
+    The order is saliency (see :func:`_saliency`) per parameter the slice costs, over all TT
+    layers at once. ``lower``: a first pass skips a slice whose removal would take the size
+    below it (a cheaper, less precise slice is taken instead); only if that pass cannot reach
+    the limit does a second pass take slices in plain order. Returns the (gate, index) pairs it
+    zeroed; the caller clears their optimizer moments.
+
+    ``rounding``: layers whose bonds exceed what their neighbours allow are rounded first and
+    last (:func:`comera.ranks.truncate.round_layer_`, exact; ``optimizer``'s state for their cores
+    and gates is reset), and a slice's cost counts what the rounding frees with it: a slice that
+    frees nothing is not taken.
+    """
+    if rounding:
+        _round_excess_(model, optimizer)
+    pruned = _prune_pass_(model, size_limit, min_rank, lower, rounding)
+    if lower is not None and _model_size(model, rounding) > size_limit:
+        pruned += _prune_pass_(model, size_limit, min_rank, -math.inf, rounding)
+    if rounding:
+        _round_excess_(model, optimizer)
+    return pruned
+
+
+def _model_size(model: nn.Module, rounding: bool) -> float:
+    if not rounding:
+        return model_size(model)
+    layers = [m for _, m in tt_modules(model)]
+    return model_size(model) - sum(m.num_parameters() for m in layers) + sum(
+        _layer_size(m, True) for m in layers)
+
+
+def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int,
+                 lower: float | None, rounding: bool = False) -> list[tuple[Tensor, int]]:
+    size = _model_size(model, rounding)
+    if size <= size_limit:
+        return []
+    layers = [m for _, m in tt_modules(model) if not m.is_removed()]
+    candidates = []
+    for layer in layers:
+        ranks = layer.ranks
+        for k, gate in enumerate(layer.gates):
+            alive = gate.detach().abs() > layer.tau
+            inner_left = math.prod(layer.cores[k].shape[1:-1])
+            inner_right = math.prod(layer.cores[k + 1].shape[1:-1])
+            cost = inner_left * ranks[k] + inner_right * ranks[k + 2]
+            score = _saliency(layer, k) / max(cost, 1)
+            for i in alive.nonzero().flatten().tolist():
+                candidates.append((float(score[i]), id(gate), i, layer, gate))
+    candidates.sort(key=lambda c: (c[0], c[1], c[2]))
+    pruned = []
+    with torch.no_grad():
+        for _, _, i, layer, gate in candidates:
+            if size <= size_limit:
+                break
+            if int((gate.detach().abs() > layer.tau).sum()) <= min_rank:
+                continue
+            before = _layer_size(layer, rounding)
+            value = float(gate[i])
+            gate[i] = 0.0
+            change = _layer_size(layer, rounding) - before
+            if rounding and change == 0:
+                gate[i] = value  # a slice the rounding drops anyway: removing it saves nothing
+                continue
+            if lower is not None and size + change < lower:
+                gate[i] = value  # too coarse a step this close to the limit
+                continue
+            if lower == -math.inf and size + change <= size_limit:
+                gate[i] = value  # the last slice: take the one landing closest below the limit
+                return pruned + _closest_landing_(candidates, size, size_limit, min_rank,
+                                                  rounding)
+            size += change
+            pruned.append((gate, i))
+    return pruned
+
+
+def _closest_landing_(candidates, size: float, size_limit: float,
+                      min_rank: int, rounding: bool = False) -> list[tuple[Tensor, int]]:
+    """Zero the one live entry whose removal leaves the largest size at or below the limit."""
+    best = None
+    with torch.no_grad():
+        for _, _, i, layer, gate in candidates:
+            if not float(gate[i].abs()) > layer.tau:
+                continue
+            if int((gate.detach().abs() > layer.tau).sum()) <= min_rank:
+                continue
+            before = _layer_size(layer, rounding)
+            value = float(gate[i])
+            gate[i] = 0.0
+            after = size + _layer_size(layer, rounding) - before
+            gate[i] = value
+            if after <= size_limit and (best is None or after > best[0]):
+                best = (after, gate, i)
+        if best is None:
+            return []
+        best[1][best[2]] = 0.0
+    return [(best[1], best[2])]

@@ -1,0 +1,63 @@
+"""Model size S(model) at the effective ranks, and compression ratios.
+
+S counts every parameter the model would ship with after truncation: TT cores at their
+effective ranks (TT-matrix slices cost m_k * n_k each; a layer with an all-zero gate counts as
+removed), every non-TT parameter, biases included. Gates fold into the cores, so they do not
+count. The dense size replaces each TT layer by the dense matrix it stands for.
+
+A hot-row cache (:class:`~comera.layers.cached_embedding.CachedTTEmbedding`) counts with its TT
+table: its rows add to the table's size (and so to ``model_size(model, only=TTEmbedding)``), and not
+to the dense size, where they are rows of the plain table already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import nn
+
+from comera.layers.cached_embedding import CachedTTEmbedding
+from comera.layers.linear import GatedTrain
+
+
+def tt_modules(model: nn.Module) -> Iterator[tuple[str, GatedTrain]]:
+    """Every gated tensor-train layer of ``model`` with its qualified name."""
+    for name, module in model.named_modules():
+        if isinstance(module, GatedTrain):
+            yield name, module
+
+
+def _caches(model: nn.Module) -> dict[int, int]:
+    """id(TT table) -> parameters of its hot-row cache."""
+    return {id(m.tt): m.cache.numel() for m in model.modules()
+            if isinstance(m, CachedTTEmbedding)}
+
+
+def _non_tt_parameters(model: nn.Module) -> int:
+    inside = {id(p) for _, m in tt_modules(model) for p in m.parameters()}
+    inside |= {id(m.cache) for m in model.modules() if isinstance(m, CachedTTEmbedding)}
+    return sum(p.numel() for p in model.parameters() if id(p) not in inside)
+
+
+def model_size(model: nn.Module, effective: bool = True, only: type | None = None) -> int:
+    """S(model): TT layers at effective ranks (with their hot-row caches) plus every other
+    parameter.
+
+    ``only``: count just the TT layers of this type (e.g. ``TTLinear``) and nothing else.
+    """
+    caches = _caches(model)
+    tt = sum(m.num_parameters(effective) + caches.get(id(m), 0) for _, m in tt_modules(model)
+             if only is None or isinstance(m, only))
+    return tt if only is not None else tt + _non_tt_parameters(model)
+
+
+def dense_size(model: nn.Module, only: type | None = None) -> int:
+    """The size of the same model with every TT layer dense."""
+    tt = sum(m.dense_num_parameters() for _, m in tt_modules(model)
+             if only is None or isinstance(m, only))
+    return tt if only is not None else tt + _non_tt_parameters(model)
+
+
+def compression_ratio(model: nn.Module, only: type | None = None) -> float:
+    """Dense size / effective size (of the TT layers of type ``only``, if given)."""
+    return dense_size(model, only) / max(model_size(model, True, only), 1)

@@ -1,0 +1,270 @@
+"""Checkpoints of rank-adaptive TT models: save once, load into a truncated, untruncated or
+unconverted model with one call.
+
+A truncated model's cores are smaller than the ones a freshly built model has, so a plain
+``load_state_dict`` fails on the shapes. The checkpoint therefore records, per TT layer, its type,
+modes and physical bonds; ``load_checkpoint`` resizes each TT layer of the target model to the
+recorded bonds (or, where the target still holds the ``nn.Linear`` / ``nn.Embedding`` it was
+converted from, builds the recorded TT layer in its place) before loading the weights (the
+surgery lives in :mod:`comera.surgery.swap`).
+
+    comera.save_checkpoint("run.pt", model, optimizer, step=1200)
+    extra = comera.load_checkpoint("run.pt", fresh_model, optimizer)   # extra == {"step": 1200}
+    record = comera.read_checkpoint("run.pt")                          # the contents, no model
+
+Optimizer: pass the optimizer built over ``model`` (before or after the call, e.g. with
+``make_optimizer(model)``, of the same class as the saved one). ``load_checkpoint`` rebuilds its
+param groups from the checkpoint, by parameter name, over the model's parameters *after* loading,
+then loads the saved state (moments, steps, learning rates) into it (see
+:mod:`comera.training.optimizer_state`). The object is changed in place, so a ``CoMERATrainer``
+holding it keeps working.
+
+The file is written atomically (``tncomp.files.atomic_write_bytes``: a temp file in the same
+directory, then a rename); temp files that a killed writer left behind are swept on a later save
+or load. It carries a sha256 over the model state, the layer records, the optimizer state and
+``extra``. The checksum sits in the same file, so it detects accidental damage (a truncated copy,
+a disk or transfer error), not deliberate edits: whoever can write the file can recompute it.
+A file that is truncated, corrupt, not a comera checkpoint or whose checksum does not match
+raises :class:`~comera.errors.CheckpointError`. Files are read with
+``torch.load(weights_only=True)``, so a checkpoint cannot run code, but it can hold any weights:
+load checkpoints only from places you trust. ``extra`` must therefore be plain data (numbers,
+strings, tensors, lists, tuples, dicts); it is covered by the checksum too (a resumed run trusts
+the step, RNG and scheduler state it holds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from comera.errors import CheckpointError
+from comera.ranks.size import tt_modules
+from comera.surgery.swap import check_other_keys, layer_spec, match_layers, restore_layers_
+from comera.surgery.torchfile import (
+    load_error_reason,
+    read_torch_file,
+    refused_global,
+    write_torch_file,
+)
+from comera.training.optimizer_state import check_optimizer, optimizer_record, rebuild_optimizer_
+from tncomp.files import sweep_temp_files
+
+log = logging.getLogger("comera.surgery.checkpoint")
+
+FORMAT = "comera-checkpoint"
+VERSION = 2  # 2: the checksum covers ``extra``
+STALE_TEMP_S = 600.0  # a checkpoint temp file this old belongs to a writer that died mid-write
+LEGACY_TEMP_SUFFIX = ".tmp"  # what checkpoint temp files ended in before tncomp.files
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, Tensor, torch.dtype, torch.device,
+          torch.Size)
+
+PathLike = str | os.PathLike
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """What a comera checkpoint holds, read and checksum-verified: the model's state dict, a
+    :func:`~comera.surgery.swap.layer_spec` record per TT layer (by dotted name), the optimizer
+    state (``None`` when saved without one) and the ``extra`` data."""
+
+    path: str  # where it was read from
+    model: dict[str, Tensor]
+    layers: dict[str, dict[str, Any]]
+    extra: dict[str, Any]
+    optimizer: dict[str, Any] | None
+    optimizer_class: str | None
+    optimizer_param_names: list[list[str]] | None
+    version: int
+
+
+# -- checksum and plain data ----------------------------------------------------------------------
+def _update(h: Any, obj: Any) -> None:
+    """Feed ``obj`` (nested dicts / lists / tensors / scalars) into the hash ``h``, in order."""
+    if isinstance(obj, Tensor):
+        t = obj.detach().to("cpu").contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(obj, Mapping):
+        h.update(f"D{len(obj)}".encode())
+        for key, value in obj.items():
+            h.update(f"K{key!r}".encode())
+            _update(h, value)
+    elif isinstance(obj, list | tuple):
+        h.update(f"L{len(obj)}".encode())
+        for value in obj:
+            _update(h, value)
+    else:
+        h.update(f"S{obj!r}".encode())
+
+
+def _checksum(payload: Mapping[str, Any]) -> str:
+    h = hashlib.sha256()
+    for key in ("model", "layers", "optimizer", "optimizer_param_names", "extra"):
+        _update(h, payload.get(key))
+    return h.hexdigest()
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            if not isinstance(key, str | int):
+                raise CheckpointError(f"{where} has the key {key!r}; keys of extra data are str "
+                                      "or int.")
+            _check_plain(value, f"{where}[{key!r}]")
+    elif isinstance(obj, list | tuple):
+        for i, value in enumerate(obj):
+            _check_plain(value, f"{where}[{i}]")
+    elif not isinstance(obj, _PLAIN):
+        raise CheckpointError(
+            f"{where} is a {type(obj).__name__}; extra data must be plain (numbers, strings, "
+            "tensors, lists, tuples, dicts) so the file loads with weights_only=True. Convert it "
+            "first, e.g. dataclasses.asdict(config)."
+        )
+
+
+def _sweep(path: Path) -> None:
+    """Remove the temp files of earlier writes of ``path`` whose writers died."""
+    try:
+        sweep_temp_files(path.parent, prefix=f".{path.name}.", older_than_s=STALE_TEMP_S)
+        # checkpoints written before tncomp.files existed left ".NAME.HEX.tmp"
+        sweep_temp_files(path.parent, prefix=f".{path.name}.", older_than_s=STALE_TEMP_S,
+                         suffix=LEGACY_TEMP_SUFFIX)
+    except OSError as exc:  # e.g. a read-only folder: the sweep must not block a load
+        log.warning("could not sweep stale temp files of %s (%s)", path, exc)
+
+
+# -- save -----------------------------------------------------------------------------------------
+def checkpoint_payload(model_state: Mapping[str, Tensor], layers: Mapping[str, Any],
+                       optimizer: Mapping[str, Any] | None = None,
+                       extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The checkpoint format as a dict (what :func:`save_checkpoint` writes and
+    :func:`read_checkpoint` / :func:`load_checkpoint` accept): a model state dict, TT layer
+    records (:func:`comera.layer_spec`), an optimizer record, ``extra``, and their checksum."""
+    payload: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION, "model": model_state, "layers": dict(layers),
+        "optimizer": None, "optimizer_class": None, "optimizer_param_names": None,
+        "extra": dict(extra or {}),
+    }
+    payload.update(optimizer or {})
+    payload["checksum"] = _checksum(payload)
+    return payload
+
+
+def save_checkpoint(path: PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
+    """Write model, TT layer records, optimizer state and ``extra`` to ``path``, atomically."""
+    _check_plain(extra, "extra")
+    layers = {name: layer_spec(layer) for name, layer in tt_modules(model)}
+    payload = checkpoint_payload(
+        model.state_dict(), layers,
+        optimizer_record(model, optimizer) if optimizer is not None else None, extra)
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise CheckpointError(f"cannot save {path}: the directory {path.parent} does not exist; "
+                              "create it first.")
+    _sweep(path)
+    try:
+        write_torch_file(path, payload)
+    except OSError as exc:
+        raise CheckpointError(f"cannot save {path}: {exc}.") from exc
+
+
+# -- read -----------------------------------------------------------------------------------------
+def _load_file(where: str) -> Any:
+    if not Path(where).is_file():
+        raise CheckpointError(f"checkpoint {where} does not exist (or is not a file).")
+    try:
+        return read_torch_file(where)
+    except Exception as exc:
+        found = refused_global(exc)
+        if found:
+            raise CheckpointError(
+                f"{where} is not a comera checkpoint: it holds pickled Python objects ({found}), "
+                "e.g. a whole model saved with torch.save(model); they are not unpickled, as "
+                "that could run code. Write checkpoints with comera.save_checkpoint."
+            ) from None
+        raise CheckpointError(
+            f"checkpoint {where} cannot be read: the file is truncated, corrupt or not a "
+            f"torch file ({load_error_reason(exc)}). Re-save it with comera.save_checkpoint."
+        ) from exc
+
+
+def _read(source: PathLike | Mapping[str, Any]) -> CheckpointRecord:
+    if isinstance(source, Mapping):
+        payload, where = dict(source), "the checkpoint dict"
+    else:
+        where = str(source)
+        payload = _load_file(where)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        got = (f"a dict with keys {sorted(map(str, payload))[:8]}" if isinstance(payload, dict)
+               else f"a {type(payload).__name__}")
+        raise CheckpointError(f"{where} is not a comera checkpoint: expected a dict with "
+                              f"format={FORMAT!r}, got {got}. Write checkpoints with "
+                              "comera.save_checkpoint.")
+    version = payload.get("version")
+    if version != VERSION:
+        raise CheckpointError(f"{where} has checkpoint version {version!r}; this comera reads "
+                              f"version {VERSION}. Load it with the comera that wrote it.")
+    for key in ("model", "layers", "checksum", "extra"):
+        if key not in payload:
+            raise CheckpointError(f"{where} lacks the entry {key!r}; the file is damaged.")
+    expected = _checksum(payload)
+    if payload["checksum"] != expected:
+        raise CheckpointError(f"{where} fails its checksum (stored {str(payload['checksum'])[:16]}"
+                              f"..., computed {expected[:16]}...): its contents changed after "
+                              "it was saved (a damaged or truncated copy, or an edit). Use "
+                              "another copy of the checkpoint.")
+    return CheckpointRecord(
+        where, payload["model"], payload["layers"], payload["extra"], payload.get("optimizer"),
+        payload.get("optimizer_class"), payload.get("optimizer_param_names"), version)
+
+
+def read_checkpoint(source: PathLike | Mapping[str, Any]) -> CheckpointRecord:
+    """The contents of a comera checkpoint (a path, or the dict torch.load returned), checked
+    and checksum-verified, without a model to load them into."""
+    return _read(source)
+
+
+# -- load -----------------------------------------------------------------------------------------
+def load_checkpoint(source: PathLike | Mapping[str, Any], model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    strict: bool = True) -> dict[str, Any]:
+    """Load ``source`` (a path, or the dict torch.load returned) into ``model``; return ``extra``.
+
+    Each recorded TT layer is matched by name: a TT layer of other bonds is resized in place, an
+    unconverted ``nn.Linear`` / ``nn.Embedding`` is replaced by the recorded TT layer; its gate
+    threshold tau is restored. The model is checked against the checkpoint before it is changed.
+    ``strict`` applies to the entries outside the TT layers (as in ``load_state_dict``). With
+    ``optimizer``, its param groups are rebuilt over the loaded model and the saved state is
+    loaded into it (see the module docstring).
+    """
+    if not isinstance(source, Mapping):
+        _sweep(Path(source))
+    record = _read(source)
+    where = record.path
+    plan = match_layers(model, record.layers, where)
+    check_other_keys(model, record.model, [name for name, _, _ in plan], strict, where)
+    if optimizer is not None:
+        check_optimizer(record.optimizer, record.optimizer_class, optimizer, where)
+    restore_layers_(model, plan)
+    try:
+        model.load_state_dict(record.model, strict=strict)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{where} could not be loaded into the model (it was partly "
+                              f"changed; rebuild it before retrying): {exc}") from exc
+    if optimizer is not None:
+        rebuild_optimizer_(record.optimizer, record.optimizer_param_names, model, optimizer,
+                           where)
+    return dict(record.extra)
+
+
+__all__ = ["CheckpointRecord", "layer_spec", "load_checkpoint", "read_checkpoint",
+           "save_checkpoint"]

@@ -1,0 +1,344 @@
+"""Convert an existing torch model in place: matching nn.Linear / nn.Embedding -> TT layers.
+
+As in PEFT: validate the config, match modules by qualified name and type, replace each match
+with a TT layer initialised by TT-SVD of its trained weight, and return a report. When nothing
+matches, the error lists the modules that were searched.
+
+Besides ``nn.Linear`` and ``nn.Embedding`` it converts HuggingFace's ``Conv1D`` (GPT-2; its weight
+is stored transposed) and ``nn.MultiheadAttention``, which becomes a
+:class:`~comera.layers.attention.TTMultiheadAttention` (q/k/v projections as three TT layers, or one
+with 3x outputs, and ``out_proj``). The eval fast paths of ``nn.TransformerEncoderLayer`` /
+``nn.TransformerEncoder`` read dense weights, so they are switched off where a layer was converted.
+A layer whose weight is tied to another module (GPT-2's ``lm_head`` shares ``wte``'s table) is
+left dense and listed in the report as skipped: converting it would silently untie the two.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from comera.errors import ConfigError, ConversionError
+from comera.layers.attention import TTMultiheadAttention
+from comera.layers.embedding import TTEmbedding
+from comera.layers.linear import DEFAULT_TAU, GatedTrain, TTLinear, TTMLinear, check_memory
+from comera.surgery.swap import swap_submodule
+
+FORMATS = ("tt", "ttm")
+IN_PROJ = ("split", "packed")
+HF_SAVE_WARNING = (
+    "converted a HuggingFace model: its own save_pretrained does not keep the TT layers, and "
+    "from_pretrained of that folder returns dense layers with fresh random weights. Save with "
+    "comera.save_pretrained(model, folder) and load with comera.from_pretrained(folder, cls).")
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """What to convert and how.
+
+    include / exclude: fnmatch patterns over qualified module names ("*" matches all).
+    ranks: a max rank for every layer, or {pattern: max rank}, first match wins.
+    target_compression: instead of ranks, the largest uniform max rank per layer whose TT size
+    is at most dense / target (per layer).
+    """
+
+    include: Sequence[str] = ("*",)
+    exclude: Sequence[str] = ()
+    linear: bool = True
+    embedding: bool = False
+    ranks: int | Mapping[str, int] = 16
+    target_compression: float | None = None
+    d: int = 3
+    tau: float = DEFAULT_TAU
+    format: str = "tt"
+    modes: Mapping[str, tuple[Sequence[int], Sequence[int]]] = field(default_factory=dict)
+    # nn.MultiheadAttention's packed q/k/v projection: three TT layers ("split": <name>.q_proj,
+    # .k_proj, .v_proj) or one with 3 x embed_dim outputs ("packed": <name>.in_proj)
+    attention_in_proj: str = "split"
+    # what the TT layers keep for the backward (tncomp's memory option, GatedTrain.memory):
+    # "fast", "balanced", "min" or a byte budget per layer call
+    memory: str | int = "fast"
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ConfigError(f"format={self.format!r}; choose one of {', '.join(FORMATS)}.")
+        if self.attention_in_proj not in IN_PROJ:
+            raise ConfigError(f"attention_in_proj={self.attention_in_proj!r}; choose one of "
+                              f"{', '.join(IN_PROJ)}.")
+        if self.target_compression is not None and not self.target_compression > 1:
+            raise ConfigError(f"target_compression={self.target_compression}; it must be > 1 "
+                              "(dense size / TT size).")
+        if isinstance(self.ranks, int) and self.ranks < 1:
+            raise ConfigError(f"ranks={self.ranks}; a rank is at least 1.")
+        if self.d < 1:
+            raise ConfigError(f"d={self.d}; a TT layer has at least one mode per side.")
+        check_memory(self.memory)
+        if not (self.linear or self.embedding):
+            raise ConfigError("linear and embedding are both False: nothing would be converted.")
+
+    def rank_for(self, name: str) -> int:
+        """The max rank for the layer named ``name``: ``ranks`` itself, or the value of the first
+        pattern in ``ranks`` that matches (a :class:`ConfigError` when none does)."""
+        if isinstance(self.ranks, int):
+            return self.ranks
+        for pattern, rank in self.ranks.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return rank
+        raise ConfigError(f"no ranks pattern matches layer {name!r}; add one or use '*'.")
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """One converted layer: name, type, dense shape, modes, ranks and parameters before/after."""
+
+    name: str
+    kind: str
+    shape: tuple[int, int]
+    modes: tuple[tuple[int, ...], tuple[int, ...]]
+    ranks: tuple[int, ...]
+    before: int
+    after: int
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """Per converted layer: shapes, modes, ranks and parameters before/after; ``skipped``: the
+    matching layers left dense because their weight is tied to another module."""
+
+    layers: tuple[LayerReport, ...]
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def before(self) -> int:
+        """Parameters of the converted layers before conversion (dense)."""
+        return sum(r.before for r in self.layers)
+
+    @property
+    def after(self) -> int:
+        """Parameters of the converted layers after conversion (TT)."""
+        return sum(r.after for r in self.layers)
+
+    def __str__(self) -> str:
+        head = ("layer", "type", "shape", "modes", "ranks", "params", "TT params", "ratio")
+        rows = [head]
+        for r in self.layers:
+            modes = f"{list(r.modes[0])}x{list(r.modes[1])}"
+            rows.append((r.name, r.kind, f"{r.shape[0]}x{r.shape[1]}", modes,
+                         str(list(r.ranks)), f"{r.before:,}", f"{r.after:,}",
+                         f"{r.before / max(r.after, 1):.1f}x"))
+        rows.append(("total", "", "", "", "", f"{self.before:,}", f"{self.after:,}",
+                     f"{self.before / max(self.after, 1):.1f}x"))
+        widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True))
+                 for row in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        if self.skipped:
+            lines.append(f"left dense (weight tied to another module): {', '.join(self.skipped)}")
+        return "\n".join(lines)
+
+
+def _matches(name: str, config: ConvertConfig) -> bool:
+    return (any(fnmatch.fnmatchcase(name, p) for p in config.include)
+            and not any(fnmatch.fnmatchcase(name, p) for p in config.exclude))
+
+
+def _rank_for_target(make, dense: int, target: float) -> int:
+    """The largest max rank whose TT cores hold at most dense/target parameters (at least 1).
+
+    The size grows with the max rank until every bond reaches its TT-SVD bound, so bisect.
+    """
+    def size(rank: int) -> int:
+        layer = make(rank)
+        return sum(c.numel() for c in layer.cores)
+
+    lo, hi = 1, 1
+    while size(hi) <= dense / target and hi < 1 << 16:
+        if size(hi * 2) == size(hi):  # every bond is at its bound already
+            return hi
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if size(mid) <= dense / target else (lo, mid)
+    return lo
+
+
+def _conv1d_types() -> tuple[type, ...]:
+    """HuggingFace's ``Conv1D`` (a linear layer storing its weight as (in, out)), when loaded."""
+    if "transformers" not in sys.modules:  # a model holding one has imported it already
+        return ()
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return ()
+    return (Conv1D,)
+
+
+def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` holding ``weight`` (out, in) and ``bias``: the input of ``from_linear``."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias is not None,
+                       dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
+def _convert_one(name: str, module: nn.Module, config: ConvertConfig):
+    modes = config.modes.get(name, (None, None))
+    if isinstance(module, _conv1d_types()):  # weight (in, out), y = x @ weight + bias
+        module = _dense_linear(module.weight.detach().T, module.bias)
+    if isinstance(module, nn.Linear):
+        cls = TTLinear if config.format == "tt" else TTMLinear
+
+        def make(rank):
+            return cls(module.in_features, module.out_features, modes[0], modes[1], rank,
+                       module.bias is not None, config.tau, config.d)
+
+        dense = module.in_features * module.out_features
+        rank = (_rank_for_target(make, dense, config.target_compression)
+                if config.target_compression else config.rank_for(name))
+        return cls.from_linear(module, rank, modes[0], modes[1], config.tau, config.d)
+
+    def make_emb(rank):
+        return TTEmbedding(module.num_embeddings, module.embedding_dim, modes[0], modes[1], rank,
+                           module.padding_idx, config.tau, config.d)
+
+    dense = module.num_embeddings * module.embedding_dim
+    rank = (_rank_for_target(make_emb, dense, config.target_compression)
+            if config.target_compression else config.rank_for(name))
+    return TTEmbedding.from_embedding(module, rank, modes[0], modes[1], config.tau, config.d)
+
+
+def _convert_attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig):
+    """A :class:`TTMultiheadAttention` computing what ``mha`` does, and its projections as
+    (qualified name, the dense projection, its TT layer)."""
+    if mha.bias_k is not None or mha.add_zero_attn:
+        raise ConversionError(f"{name}: nn.MultiheadAttention with add_bias_kv / add_zero_attn "
+                              "is not supported; leave it dense with exclude=[...].")
+    E = mha.embed_dim
+    bias = mha.in_proj_bias
+    pieces = {}
+    if config.attention_in_proj == "packed":
+        if not mha._qkv_same_embed_dim:
+            raise ConversionError(f"{name}: attention_in_proj='packed' needs kdim == vdim == "
+                                  f"embed_dim (got {mha.kdim}, {mha.vdim}, {E}); use 'split'.")
+        pieces["in_proj"] = _dense_linear(mha.in_proj_weight.detach(), bias)
+    else:
+        if mha._qkv_same_embed_dim:
+            weights = mha.in_proj_weight.detach().chunk(3)
+        else:
+            weights = (mha.q_proj_weight.detach(), mha.k_proj_weight.detach(),
+                       mha.v_proj_weight.detach())
+        biases = bias.detach().chunk(3) if bias is not None else (None,) * 3
+        for part, w, b in zip(("q_proj", "k_proj", "v_proj"), weights, biases, strict=True):
+            pieces[part] = _dense_linear(w, b)
+    pieces["out_proj"] = mha.out_proj
+    layers = {part: _convert_one(f"{name}.{part}", dense, config)
+              for part, dense in pieces.items()}
+    attention = TTMultiheadAttention(E, mha.num_heads, dropout=mha.dropout,
+                                     batch_first=mha.batch_first, kdim=mha.kdim, vdim=mha.vdim,
+                                     **layers)
+    attention.train(mha.training)
+    return attention, [(f"{name}.{part}", pieces[part], layers[part]) for part in pieces]
+
+
+def _tt_parts(layer: nn.Module):
+    """The gated TT layers inside a converted module (itself, or those of a wrapper)."""
+    return ((n, m) for n, m in layer.named_modules() if isinstance(m, GatedTrain))
+
+
+def _tied(model: nn.Module, chosen: list[tuple[str, nn.Module]]) -> set[str]:
+    """Names of chosen modules whose weight another module of ``model`` also holds."""
+    owners: dict[int, set[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(name)
+    return {name for name, module in chosen
+            if isinstance(getattr(module, "weight", None), nn.Parameter)
+            and len(owners.get(id(module.weight), ())) > 1}
+
+
+def _shape(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
+    return tuple(module.weight.shape)  # Conv1D: (in, out)
+
+
+def _layer_report(name: str, dense: nn.Module, layer) -> LayerReport:
+    before = sum(p.numel() for p in dense.parameters())
+    return LayerReport(name, type(layer).__name__, _shape(dense),
+                       (layer.in_modes, layer.out_modes), layer.ranks, before,
+                       layer.num_parameters(effective=True))
+
+
+def _fast_paths_off_(model: nn.Module) -> None:
+    """Switch off torch's transformer fast paths where they would read a converted weight."""
+    def converted(module: nn.Module) -> bool:
+        return any(isinstance(m, GatedTrain | TTMultiheadAttention) for m in module.modules())
+
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoderLayer) and converted(module):
+            module.activation_relu_or_gelu = 0  # the fast path requires relu/gelu flagged
+        elif isinstance(module, nn.TransformerEncoder) and converted(module):
+            module.use_nested_tensor = False
+
+
+def convert_(
+    model: nn.Module, config: ConvertConfig | None = None, **overrides
+) -> ConversionReport:
+    """Replace the matching Linear/Embedding (and Conv1D, MultiheadAttention) modules of
+    ``model`` by TT layers, in place."""
+    if config is None:
+        config = ConvertConfig(**overrides)
+    elif overrides:
+        raise ConfigError("pass either a ConvertConfig or keyword options, not both.")
+    types: tuple[type, ...] = ()
+    if config.linear:
+        types += (nn.Linear, nn.MultiheadAttention, *_conv1d_types())
+    if config.embedding:
+        types += (nn.Embedding,)
+    attention = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, types) and n
+                  and not any(n.startswith(a + ".") for a in attention)]  # out_proj goes with
+    chosen = [(n, m) for n, m in candidates if _matches(n, config)]
+    if not chosen:
+        searched = ", ".join(n for n, _ in candidates) or "none"
+        kinds = "/".join(t.__name__ for t in types)
+        raise ConversionError(
+            f"no {kinds} module matches include={list(config.include)} "
+            f"exclude={list(config.exclude)}; modules of that type searched: {searched}."
+        )
+    tied = _tied(model, chosen)
+    if len(tied) == len(chosen):
+        raise ConversionError(f"every matching module has its weight tied to another module "
+                              f"({', '.join(sorted(tied))}); converting would untie them. Select "
+                              "other modules, or untie the weights first.")
+    reports = []
+    for name, module in chosen:
+        if name in tied:
+            continue
+        if isinstance(module, nn.MultiheadAttention):
+            layer, parts = _convert_attention(name, module, config)
+        else:
+            layer = _convert_one(name, module, config)
+            parts = [(name, module, layer)]
+        if config.memory != "fast":
+            for _, part in _tt_parts(layer):
+                part.memory = config.memory
+        swap_submodule(model, name, layer)
+        reports += [_layer_report(*part) for part in parts]
+    _fast_paths_off_(model)
+    if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):
+        warnings.warn(HF_SAVE_WARNING, UserWarning, stacklevel=2)
+    return ConversionReport(tuple(reports), tuple(sorted(tied)))
+
+

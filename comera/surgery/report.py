@@ -1,0 +1,128 @@
+"""What a checkpoint holds, per TT layer: modes, stored bonds, effective ranks, size, compression.
+
+    print(comera.checkpoint_report("runs/latest/checkpoints/comera.pt"))
+
+Read from the file alone (no model needed): each recorded layer is rebuilt from its record and
+its weights, so the effective ranks (gate entries above tau) are the ones the model trains with.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from comera.surgery.checkpoint import read_checkpoint
+from comera.surgery.swap import build_layer
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One TT layer of a checkpoint: type, dense shape, modes, stored bonds, effective ranks and
+    parameters (at the effective ranks, and dense)."""
+
+    name: str
+    kind: str
+    shape: tuple[int, int]
+    modes: tuple[tuple[int, ...], tuple[int, ...]]
+    bonds: tuple[int, ...]  # stored (physical)
+    ranks: tuple[int, ...]  # effective
+    params: int  # at the effective ranks (bias included)
+    dense_params: int
+
+    @property
+    def compression(self) -> float:
+        """Dense parameters / parameters at the effective ranks."""
+        return self.dense_params / max(self.params, 1)
+
+    @property
+    def removed(self) -> bool:
+        """A rank pruned to 0: the layer's weight is gone (its output is the bias alone)."""
+        return 0 in self.ranks
+
+    def ratio_text(self) -> str:
+        """The compression as printed: "removed" for a removed layer, where a ratio would only
+        restate the dense size."""
+        return "removed" if self.removed else f"{self.compression:.1f}x"
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """A checkpoint's TT layers, its parameters outside them and its ``extra`` data; ``str()``
+    prints them as a table with totals."""
+
+    path: str
+    layers: tuple[LayerRow, ...]
+    other_params: int  # parameters outside the TT layers
+    extra: dict[str, Any]
+
+    @property
+    def tt_params(self) -> int:
+        """Parameters of all TT layers at their effective ranks."""
+        return sum(r.params for r in self.layers)
+
+    @property
+    def tt_dense_params(self) -> int:
+        """Parameters of all TT layers were they dense."""
+        return sum(r.dense_params for r in self.layers)
+
+    @property
+    def compression(self) -> float:
+        """Compression of the TT layers: dense parameters / parameters at the effective ranks."""
+        return self.tt_dense_params / max(self.tt_params, 1)
+
+    def __str__(self) -> str:
+        head = ("layer", "type", "shape", "modes", "bonds", "ranks", "params", "dense", "ratio")
+        rows = [head]
+        for r in self.layers:
+            rows.append((r.name, r.kind, f"{r.shape[0]}x{r.shape[1]}",
+                         f"{list(r.modes[0])}x{list(r.modes[1])}", str(list(r.bonds[1:-1])),
+                         str(list(r.ranks[1:-1])), f"{r.params:,}", f"{r.dense_params:,}",
+                         r.ratio_text()))
+        all_removed = bool(self.layers) and all(r.removed for r in self.layers)
+        rows.append(("TT layers", "", "", "", "", "", f"{self.tt_params:,}",
+                     f"{self.tt_dense_params:,}",
+                     "removed" if all_removed else f"{self.compression:.1f}x"))
+        widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+                 for row in rows]
+        lines.insert(1, "-" * max(len(line) for line in lines))
+        total = self.tt_params + self.other_params
+        dense_total = self.tt_dense_params + self.other_params
+        lines.append(f"whole model: {total:,} parameters ({dense_total:,} dense, "
+                     f"{dense_total / max(total, 1):.1f}x); {self.other_params:,} outside the "
+                     "TT layers")
+        engine = self.extra.get("engine")
+        if isinstance(engine, dict):
+            lines.append(f"training: step {engine.get('step')}, stage "
+                         f"{engine.get('trainer', {}).get('stage')}, task {engine.get('task')}")
+        return f"{self.path}\n" + "\n".join(lines)
+
+
+def checkpoint_report(path: str | os.PathLike) -> CheckpointReport:
+    """Per-layer ranks, sizes and compression of a comera checkpoint (checksum verified)."""
+    record = read_checkpoint(path)
+    state = record.model
+    rows, inside = [], set()
+    for name, spec in record.layers.items():
+        prefix = f"{name}."
+        sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        inside.update(prefix + k for k in sub)
+        like = next(iter(sub.values()), torch.empty(0))
+        layer = build_layer(spec, like)
+        layer.load_state_dict(sub)
+        layer.tau = float(spec["tau"])
+        rows.append(LayerRow(name, spec["kind"], (spec["in_features"], spec["out_features"]),
+                             (tuple(spec["in_modes"]), tuple(spec["out_modes"])),
+                             tuple(spec["bonds"]), tuple(layer.ranks),
+                             layer.num_parameters(True), layer.dense_num_parameters()))
+    other = sum(v.numel() for k, v in state.items()
+                if k not in inside and not _is_buffer_like(k, v))
+    return CheckpointReport(record.path, tuple(rows), other, dict(record.extra))
+
+
+def _is_buffer_like(key: str, value: Any) -> bool:
+    """Integer tensors in a state dict are buffers (counters, ids), not parameters."""
+    return not (isinstance(value, torch.Tensor) and value.is_floating_point())

@@ -1,0 +1,1 @@
+"""Training loops: optimizer groups, thread choice, the CoMERA and dense trainers."""
