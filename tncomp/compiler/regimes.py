@@ -13,6 +13,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tncomp.compiler.budget import Budget
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Dim, Network, bind_dims
 from tncomp.compiler.memory import Memory, apply_memory
@@ -59,16 +60,20 @@ def upper_bound(dim: Dim) -> int:
 def regime_candidates(net: Network, needs_grad: Sequence[bool], itemsize: int,
                       model: DeviceModel) -> list[tuple[Tree, tuple[bool, ...]]]:
     """The trees the regime search compares and the GEMM orientations each is scored with:
-    candidates at sizes sampled over the one symbol's bounds, each lowered where first found."""
+    candidates at sizes sampled over the one symbol's bounds, each lowered where first found.
+    The samples share one search budget and one lowering budget (see
+    :mod:`~tncomp.compiler.budget`): a large network gets greedy candidates once they are spent."""
     (dim,) = net.dims
     found: list[tuple[Tree, tuple[bool, ...]]] = []
     seen: set = set()
+    search, lowering = Budget(), Budget()
     for value in sample_points(dim.min, upper_bound(dim), 1):
         problem = problem_for(net, bind_dims(net, value))
-        for tree in candidate_trees(problem):
+        for tree in candidate_trees(problem, budget=search):
             if tree.signature() not in seen:
                 seen.add(tree.signature())
-                found.append((tree, lower(problem, tree, needs_grad, itemsize, model=model).swaps))
+                found.append((tree, lower(problem, tree, needs_grad, itemsize, model=model,
+                                          budget=lowering).swaps))
     return found
 
 

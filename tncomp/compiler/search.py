@@ -4,6 +4,10 @@ Candidates come from exact search where the network is small (opt_einsum 'optima
 minimising FLOPs and size), cotengra's hyper-optimizer beyond that, opt_einsum's greedy, and the
 plain left-to-right order. Each candidate is lowered with its backward pass and scored by the
 device model on forward + backward time, not forward FLOPs alone.
+
+The exact searches are exponential in the number of operands, so they run against a time
+budget (:mod:`~tncomp.compiler.budget`); when it is spent the greedy and left-to-right trees
+(always candidates) are what remains, and the log says so.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 
 import opt_einsum
 
+from tncomp.compiler.budget import Budget, OutOfBudget
 from tncomp.compiler.chain import chain_trees
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.memory import Memory, apply_memory
@@ -26,6 +31,8 @@ log = logging.getLogger("tncomp.compiler.search")
 
 EXACT_OPTIMAL_LIMIT = 5  # opt_einsum 'optimal' up to this many operands ('dp' is as exact)
 EXACT_DP_LIMIT = 16  # opt_einsum 'dp' up to this many; cotengra beyond
+OUTER_DP_LIMIT = 10  # 'dp' searches outer products up to this many operands (3^n subsets)
+COTENGRA_MAX_S = 0.5  # cotengra's share of the budget (its greedy trials, then it stops)
 
 
 def _opt_inputs(problem: Problem):
@@ -43,19 +50,26 @@ def _sequential(n: int) -> Tree:
     return Tree(n, tuple(steps))
 
 
-def candidate_trees(problem: Problem, structured: bool = True) -> list[Tree]:
+def candidate_trees(problem: Problem, structured: bool = True,
+                    budget: Budget | None = None) -> list[Tree]:
     """Distinct trees from several optimizers for a problem whose sizes are all ints.
 
     A chain network (a TT layer) gets the interval dynamic program of :mod:`chain` (polynomial
-    time) in place of the exponential exact search, unless ``structured`` is False."""
+    time) in place of the exponential exact search, unless ``structured`` is False. The exact
+    searches run against ``budget`` (default: a fresh :class:`~tncomp.compiler.budget.Budget`
+    of ``$TNCOMP_PLAN_BUDGET_S`` seconds): one that runs out is dropped and logged, and the
+    greedy and left-to-right trees are always among the candidates."""
     n = problem.n_leaves
     if n == 1:
         return [Tree(1, ())]
+    budget = budget if budget is not None else Budget()
     inputs, output, sizes = _opt_inputs(problem)
     found: list[Tree] = []
+    seen: set = set()
 
     def keep(tree: Tree) -> None:
-        if tree.signature() not in {t.signature() for t in found}:
+        if tree.signature() not in seen:
+            seen.add(tree.signature())
             found.append(tree)
 
     def add(path) -> None:
@@ -69,23 +83,54 @@ def candidate_trees(problem: Problem, structured: bool = True) -> list[Tree]:
     if chain is not None:
         pass  # the interval DP replaces the exponential exact search on chains
     elif n <= EXACT_DP_LIMIT:
-        for minimize in ("flops", "size"):
-            dp = opt_einsum.paths.DynamicProgramming(minimize=minimize, search_outer=True)
-            add(dp(list(inputs), output, sizes))
+        # Outer products only on small networks: with them the program visits every subset.
+        searches = [("flops", True), ("size", True)] if n <= OUTER_DP_LIMIT else [("flops", False)]
+        for minimize, outer in searches:
+            what = f"dp ({minimize}{', outer products' if outer else ''})"
+            path = None if budget.spent else _bounded_dp(inputs, output, sizes, minimize, outer,
+                                                          budget)
+            if path is None:
+                budget.stopped(what, n)
+            else:
+                add(path)
+    elif budget.spent:
+        budget.stopped("cotengra", n)
     else:
-        add(_cotengra_path(inputs, output, sizes))
-    add(opt_einsum.paths.greedy(inputs, output, sizes))
-    seq = _sequential(n)
-    if seq.signature() not in {t.signature() for t in found}:
-        found.append(seq)
+        add(_cotengra_path(inputs, output, sizes, min(budget.remaining(), COTENGRA_MAX_S)))
+    add(opt_einsum.paths.greedy(inputs, output, sizes))  # cheap: always a candidate
+    keep(_sequential(n))
     return found
 
 
-def _cotengra_path(inputs, output, sizes):
+def _bounded_dp(inputs, output, sizes, minimize: str, outer: bool, budget: Budget):
+    """opt_einsum's dynamic program (``minimize`` is ``"flops"`` or ``"size"``), stopped when
+    ``budget`` is spent: its path, or None when it ran out. The budget is read from inside the
+    program's comparison of two subgraphs, its innermost step."""
+    compare = getattr(opt_einsum.paths, f"_dp_compare_{minimize}", None)
+    if compare is None:  # another opt_einsum: no hook, so only what cannot take long
+        if len(inputs) > OUTER_DP_LIMIT // 2:
+            return None
+        compare = minimize
+
+    def checked(*args):
+        budget.check()
+        return compare(*args)
+
+    dp = opt_einsum.paths.DynamicProgramming(
+        minimize=checked if callable(compare) else compare, search_outer=outer)
+    try:
+        return dp(list(inputs), output, sizes)
+    except OutOfBudget:
+        return None
+
+
+def _cotengra_path(inputs, output, sizes, max_time: float):
     import cotengra  # imported lazily: it is slow to import and only large networks need it
 
-    opt = cotengra.HyperOptimizer(max_repeats=64, progbar=False, minimize="flops",
-                                  methods=["greedy"], parallel=False)
+    # greedy trials only (no subtree reconfiguration: at 64 operands one trial of it took 1 s)
+    opt = cotengra.HyperOptimizer(max_repeats=64, max_time=max(max_time, 1e-3), progbar=False,
+                                  minimize="flops", methods=["greedy"], parallel=False,
+                                  reconf_opts=None)
     tree = opt.search([tuple(t) for t in inputs], tuple(output), sizes)
     return tree.get_path()
 
@@ -109,16 +154,20 @@ def choose_plan(
     model: DeviceModel,
     trees: Sequence[Tree] | None = None,
     memory: Memory = "fast",
+    budget: Budget | None = None,
 ) -> Choice:
     """Lower every candidate tree under the memory mode and keep the one with the least
-    modelled fwd+bwd time (recomputation included)."""
+    modelled fwd+bwd time (recomputation included). The search for candidates and the
+    orientation search of their lowering each run against a budget of
+    ``$TNCOMP_PLAN_BUDGET_S`` seconds (``budget``, when given, bounds the lowering)."""
     trees = list(trees) if trees is not None else candidate_trees(problem)
     if not trees:
         raise PlanError("no candidate contraction tree was found.")
+    budget = budget if budget is not None else Budget()
     scored = []
     for tree in trees:
-        plan = apply_memory(lower(problem, tree, needs_grad, itemsize, model=model), memory,
-                            model)
+        plan = apply_memory(lower(problem, tree, needs_grad, itemsize, model=model,
+                                  budget=budget), memory, model)
         scored.append((plan.modelled_time(model, backward=any(needs_grad)), plan))
     scored.sort(key=lambda sp: sp[0])
     log.debug("scored %d candidate trees; best %.3g s", len(scored), scored[0][0])
