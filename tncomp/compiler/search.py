@@ -175,6 +175,37 @@ def choose_plan(
                   tuple(p for _, p in scored))
 
 
+FAR_WORSE = 16.0  # a stored tree modelled this many times slower than greedy is rebuilt
+
+
+def implausible(problem: Problem, tree: Tree, needs_grad: Sequence[bool], itemsize: int,
+                model: DeviceModel) -> str | None:
+    """Why ``tree`` (read from the disk cache) should not be trusted, or None.
+
+    Anyone who can write the cache folder can write a valid entry, so a stored tree is
+    re-scored against a fresh greedy tree: it is refused when the device model times it (fwd +
+    bwd, each tree in its best GEMM orientations) more than :data:`FAR_WORSE` times the greedy
+    tree and it needs more FLOPs too. The trees the planner writes stay well inside that margin
+    (a regime table's tree can be a few times slower than greedy at the far end of its range);
+    a planted one that makes an intermediate of N^4 elements where greedy makes N^2 does not.
+    Lowering is arithmetic only: no tensor is made."""
+    inputs, output, sizes = _opt_inputs(problem)
+    greedy = Tree.from_linear_path(problem.n_leaves,
+                                   opt_einsum.paths.greedy(inputs, output, sizes))
+    if tree == greedy:
+        return None
+    budget = Budget()  # each orientation search stops at the budget, as the planner's does
+    plans = [lower(problem, t, needs_grad, itemsize, model=model, budget=budget)
+             for t in (tree, greedy)]
+    (stored, fresh) = (p.modelled_time(model, backward=any(needs_grad)) for p in plans)
+    stored_flops, fresh_flops = (sum(op.flops for op in (*p.forward, *p.backward))
+                                 for p in plans)
+    if stored > FAR_WORSE * fresh and stored_flops > fresh_flops:
+        return (f"its modelled time {stored:.3g} s ({stored_flops:.3g} FLOP) is more than "
+                f"{FAR_WORSE:g}x a fresh greedy tree's {fresh:.3g} s ({fresh_flops:.3g} FLOP)")
+    return None
+
+
 def sample_points(lo: int, hi: int, per_octave: int = 2) -> list[int]:
     """Geometric sample of integers in [lo, hi] (both ends included)."""
     pts = {lo, hi}
