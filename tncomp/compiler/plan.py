@@ -24,6 +24,8 @@ from tncomp.errors import PlanError
 
 log = logging.getLogger("tncomp.compiler.plan")
 
+BUDGETED_STEPS = 24  # the orientation search of a larger tree stops when its budget is spent
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -439,8 +441,9 @@ def lower(
 
     ``swaps[k]`` picks the orientation of step k's result; by default each is chosen (two sweeps
     of coordinate descent) to minimise the modelled forward+backward time. Each trial of the
-    descent lowers the whole tree again, so on large networks a ``budget`` stops it early with
-    the best orientations found so far.
+    descent lowers the whole tree again, so on a tree of more than :data:`BUDGETED_STEPS` steps
+    a spent ``budget`` stops it early with the best orientations found so far (smaller trees,
+    every TT layer among them, always finish: their plans do not depend on the machine's load).
     """
     for i, s in problem.size_dict.items():
         if not isinstance(s, int):
@@ -461,7 +464,7 @@ def lower(
     for _ in range(2):
         improved = False
         for k in range(n_steps):
-            if budget is not None and budget.spent:
+            if budget is not None and n_steps > BUDGETED_STEPS and budget.spent:
                 log.debug("lower: orientation search stopped by the budget at step %d", k)
                 return _Lowering(problem, tree, needs_grad, itemsize).run(best)
             trial = list(best)

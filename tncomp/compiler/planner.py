@@ -163,7 +163,7 @@ class Planner:
 
         def parse(payload: object) -> Tree:
             return _trusted(Tree.from_payload(payload, n_leaves=n), problem, needs_grad,
-                            itemsize, model)
+                            itemsize)
 
         stored = self._load(key, parse)
         if stored is not None:
@@ -193,7 +193,7 @@ class Planner:
                     and all(isinstance(f, list) for f in payload["flips"])):
                 raise CacheError("an autotuned entry holds tree, swaps and flips")
             tree = _trusted(Tree.from_payload(payload.get("tree"), n_leaves=n), problem,
-                            needs_grad, itemsize, model)
+                            needs_grad, itemsize)
             if len(payload["swaps"]) != len(tree.steps):
                 raise CacheError("one swap per step")
             return tree, [bool(s) for s in payload["swaps"]], tuple(payload["flips"])
@@ -248,7 +248,7 @@ class Planner:
             for regime in table.regimes:  # each tree at both ends of its range
                 for value in {regime.lo, regime.hi}:
                     _trusted(regime.tree, problem_for(net, bind_dims(net, value)), needs_grad,
-                             itemsize, model)
+                             itemsize)
             return table
 
         table = self._load(key, parse)
@@ -266,12 +266,11 @@ class Planner:
             self.disk.store(key, payload)
 
 
-def _trusted(tree: Tree, problem: Problem, needs_grad: Sequence[bool], itemsize: int,
-             model: DeviceModel) -> Tree:
+def _trusted(tree: Tree, problem: Problem, needs_grad: Sequence[bool], itemsize: int) -> Tree:
     """``tree`` as read from the disk cache, or a :class:`CacheError` (the entry is then logged
     and rebuilt) when it is far worse than a fresh greedy tree (see
     :func:`~tncomp.compiler.search.implausible`)."""
-    reason = implausible(problem, tree, needs_grad, itemsize, model)
+    reason = implausible(problem, tree, needs_grad, itemsize)
     if reason is not None:
         raise CacheError(f"a stored tree is far worse than greedy: {reason}")
     return tree

@@ -9,6 +9,7 @@ the concrete size picks its regime without searching again.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from tncomp.compiler.ir import Dim, Network, bind_dims
 from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.plan import lower
 from tncomp.compiler.problem import Tree, problem_for
-from tncomp.compiler.search import candidate_trees, sample_points
+from tncomp.compiler.search import candidate_trees, sample_points, sound
 from tncomp.errors import CacheError
 
 DEFAULT_MAX = 1 << 20  # upper end of the search for an unbounded Dim
@@ -93,22 +94,25 @@ def build_regimes(
 
     def best_at(value: int) -> int:
         problem = problem_for(net, bind_dims(net, value))
-        times = [
-            apply_memory(lower(problem, t, needs_grad, itemsize, swaps=sw), memory,
-                         model).modelled_time(model, with_grad)
-            for t, sw in candidates
-        ]
+        plans = [apply_memory(lower(problem, t, needs_grad, itemsize, swaps=sw), memory, model)
+                 for t, sw in candidates]
+        ok = sound(plans, problem)  # never a far worse tree, whatever the model says
+        times = [p.modelled_time(model, with_grad) if good else math.inf
+                 for p, good in zip(plans, ok, strict=True)]
         return min(range(len(candidates)), key=times.__getitem__)
 
     winners = [best_at(v) for v in samples]
     regimes: list[Regime] = []
     start, current = samples[0], winners[0]
     for k in range(1, len(samples)):
-        v0, w0, v1, w1 = samples[k - 1], winners[k - 1], samples[k], winners[k]
-        if w1 != w0:
-            edge = _bisect(v0, v1, w0, best_at)
+        lo, v1, w1 = samples[k - 1], samples[k], winners[k]
+        # Between two samples the winner may change more than once (A, then B at the first
+        # edge, then C by the next sample): bisect again from each edge until the regime's
+        # tree is the next sample's winner.
+        while w1 != current:
+            edge = _bisect(lo, v1, current, best_at)
             regimes.append(Regime(start, edge - 1, candidates[current][0]))
-            start, current = edge, best_at(edge)
+            start, current, lo = edge, best_at(edge), edge
     regimes.append(Regime(start, samples[-1], candidates[current][0]))
     return RegimeTable(dim, tuple(_merge(regimes)))
 

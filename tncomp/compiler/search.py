@@ -23,7 +23,7 @@ from tncomp.compiler.budget import Budget, OutOfBudget
 from tncomp.compiler.chain import chain_trees
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.memory import Memory, apply_memory
-from tncomp.compiler.plan import Plan, lower
+from tncomp.compiler.plan import Plan, lower, slot_elements
 from tncomp.compiler.problem import Problem, Tree
 from tncomp.errors import PlanError
 
@@ -164,46 +164,77 @@ def choose_plan(
     if not trees:
         raise PlanError("no candidate contraction tree was found.")
     budget = budget if budget is not None else Budget()
-    scored = []
-    for tree in trees:
-        plan = apply_memory(lower(problem, tree, needs_grad, itemsize, model=model,
-                                  budget=budget), memory, model)
-        scored.append((plan.modelled_time(model, backward=any(needs_grad)), plan))
+    plans = [apply_memory(lower(problem, tree, needs_grad, itemsize, model=model, budget=budget),
+                          memory, model) for tree in trees]
+    scored = [(plan.modelled_time(model, backward=any(needs_grad)), plan)
+              for plan, ok in zip(plans, sound(plans, problem), strict=True) if ok]
     scored.sort(key=lambda sp: sp[0])
     log.debug("scored %d candidate trees; best %.3g s", len(scored), scored[0][0])
     return Choice(scored[0][1], tuple((p.tree, t) for t, p in scored),
                   tuple(p for _, p in scored))
 
 
-FAR_WORSE = 16.0  # a stored tree modelled this many times slower than greedy is rebuilt
+FAR_WORSE = 16.0  # the planner never chooses a tree needing this many times the best's
+STORED_FAR_WORSE = 64.0  # a stored tree needing this many times a greedy tree's is rebuilt
 
 
-def implausible(problem: Problem, tree: Tree, needs_grad: Sequence[bool], itemsize: int,
-                model: DeviceModel) -> str | None:
+def footprint(plan: Plan) -> tuple[int, int]:
+    """``(fwd+bwd FLOPs, elements of the largest value the forward makes)`` of ``plan``: what
+    a tree costs whatever the device model says (the GEMM orientations change neither)."""
+    flops = sum(op.flops for op in (*plan.forward, *plan.backward))
+    return flops, max(slot_elements(plan).values(), default=0)
+
+
+def far_worse(this: tuple[int, int], best: tuple[int, int], floor: int = 1,
+              factor: float = FAR_WORSE) -> str | None:
+    """Why a tree of :func:`footprint` ``this`` is far worse than ``best`` (FLOPs, largest
+    value), or None: more than ``factor`` times either. ``floor`` (the largest operand or
+    output) keeps tiny values from counting."""
+    (flops, largest), (best_flops, best_largest) = this, best
+    if flops > factor * max(best_flops, floor):
+        return f"{flops:.3g} FLOP, more than {factor:g}x {best_flops:.3g}"
+    if largest > factor * max(best_largest, floor):
+        return (f"an intermediate of {largest:.3g} elements, more than {factor:g}x "
+                f"{max(best_largest, floor):.3g}")
+    return None
+
+
+def largest_operand(problem: Problem) -> int:
+    """Elements of the largest operand or of the output (the floor of :func:`far_worse`)."""
+    return max(int(problem.volume(t)) for t in (*problem.inputs, problem.output))
+
+
+def sound(plans: Sequence[Plan], problem: Problem) -> list[bool]:
+    """Which of several plans of one problem are not :func:`far_worse` than the least of them
+    (at least one always is): whatever a device model (or a planted calibration) says, a
+    tree needing 16x the FLOPs or memory of another candidate is not chosen."""
+    feet = [footprint(p) for p in plans]
+    best = (min(f for f, _ in feet), min(s for _, s in feet))
+    floor = largest_operand(problem)
+    return [far_worse(f, best, floor) is None for f in feet]
+
+
+def implausible(problem: Problem, tree: Tree, needs_grad: Sequence[bool],
+                itemsize: int) -> str | None:
     """Why ``tree`` (read from the disk cache) should not be trusted, or None.
 
     Anyone who can write the cache folder can write a valid entry, so a stored tree is
-    re-scored against a fresh greedy tree: it is refused when the device model times it (fwd +
-    bwd, each tree in its best GEMM orientations) more than :data:`FAR_WORSE` times the greedy
-    tree and it needs more FLOPs too. The trees the planner writes stay well inside that margin
-    (a regime table's tree can be a few times slower than greedy at the far end of its range);
-    a planted one that makes an intermediate of N^4 elements where greedy makes N^2 does not.
-    Lowering is arithmetic only: no tensor is made."""
+    re-scored against a fresh greedy tree and refused when it is :func:`far_worse`: more than
+    :data:`STORED_FAR_WORSE` times its FLOPs (fwd + bwd) or its largest intermediate. The
+    planner never chooses a tree :data:`FAR_WORSE` times worse than another candidate
+    (:func:`sound`), and a regime's tree is checked at the ends of its range, hence the wider
+    margin; a planted tree that makes an intermediate of N^4 elements where greedy makes N^2
+    is refused. Lowering is arithmetic only: no tensor is made, and the device model plays no
+    part."""
     inputs, output, sizes = _opt_inputs(problem)
     greedy = Tree.from_linear_path(problem.n_leaves,
                                    opt_einsum.paths.greedy(inputs, output, sizes))
     if tree == greedy:
         return None
-    budget = Budget()  # each orientation search stops at the budget, as the planner's does
-    plans = [lower(problem, t, needs_grad, itemsize, model=model, budget=budget)
-             for t in (tree, greedy)]
-    (stored, fresh) = (p.modelled_time(model, backward=any(needs_grad)) for p in plans)
-    stored_flops, fresh_flops = (sum(op.flops for op in (*p.forward, *p.backward))
-                                 for p in plans)
-    if stored > FAR_WORSE * fresh and stored_flops > fresh_flops:
-        return (f"its modelled time {stored:.3g} s ({stored_flops:.3g} FLOP) is more than "
-                f"{FAR_WORSE:g}x a fresh greedy tree's {fresh:.3g} s ({fresh_flops:.3g} FLOP)")
-    return None
+    stored, fresh = (footprint(lower(problem, t, needs_grad, itemsize,
+                                     swaps=[False] * len(t.steps))) for t in (tree, greedy))
+    why = far_worse(stored, fresh, largest_operand(problem), STORED_FAR_WORSE)
+    return None if why is None else f"it needs {why} (a fresh greedy tree)"
 
 
 def sample_points(lo: int, hi: int, per_octave: int = 2) -> list[int]:
