@@ -7,7 +7,10 @@ device model on forward + backward time, not forward FLOPs alone.
 
 The exact searches are exponential in the number of operands, so they run against a time
 budget (:mod:`~tncomp.compiler.budget`); when it is spent the greedy and left-to-right trees
-(always candidates) are what remains, and the log says so.
+(always candidates) are what remains, and the log says so. Whatever the device model says, a
+candidate needing far more FLOPs or memory than another is never chosen (:func:`sound`), and
+a tree read from the disk cache is re-scored the same way against a greedy tree
+(:func:`implausible`).
 """
 
 from __future__ import annotations
