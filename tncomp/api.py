@@ -26,7 +26,7 @@ from tncomp.compiler.plan import Plan
 from tncomp.compiler.planner import OPTIMIZE_CHOICES, Options, Planner, binding_key
 from tncomp.compiler.problem import Tree
 from tncomp.compiler.regimes import RegimeTable
-from tncomp.errors import IRError, OptionError, TncompError
+from tncomp.errors import DtypeError, IRError, OperandError, OptionError, TncompError
 from tncomp.runtime.autograd import ContractFunction, Runner
 from tncomp.runtime.codegen import generate
 from tncomp.runtime.library import (
@@ -61,6 +61,7 @@ def clear_cache(disk: bool = False) -> None:
     for compiled in list(_LIVE):
         compiled.clear()
     _RUNNERS.clear()
+    _FAST.clear()
     if disk:
         DiskCache().clear()
 
@@ -322,22 +323,40 @@ def _disk(directory: Path | None) -> DiskCache | None:
 
 
 _EQ_CACHE = LRUCache(maxsize=128)
+# contract's per-call lookup with the default options: (eq, shapes, $TNCOMP_CACHE_DIR, which
+# picks the disk folder) -> (diagonal steps or None, compiled network); bounded, and emptied
+# by clear_cache.
+_FAST: dict = {}
+_FAST_MAX = 256
+_CACHE_ENV = "TNCOMP_CACHE_DIR"
+_environ = os.environ
 
 
-def contract(eq: str, *tensors: torch.Tensor, **options) -> torch.Tensor:
+def contract(eq, *tensors, **options) -> torch.Tensor:
     """``torch.einsum`` through tncomp: planned, cached, with a planned backward.
 
-    Takes what ``torch.einsum`` takes in its equation form: implicit outputs, ``...``
-    broadcasting (size-1 axes broadcast), and letters repeated within one operand (diagonals
-    and traces such as ``'aab,bcc->ac'``: the diagonal is a strided view taken before
-    planning, so the planner sees distinct indices). ``options`` are ``compile``'s keywords
-    (``optimize``, ``model``, ``disk_cache``, ...).
+    Takes what ``torch.einsum`` takes: an equation and its operands (or one list of them), or
+    the sublist form ``contract(a, [0, 1], b, [1, 2], [0, 2])`` (ints in [0, 52) and
+    ``...``); implicit outputs, ``...`` broadcasting (size-1 axes broadcast), letters repeated
+    within one operand (diagonals and traces such as ``'aab,bcc->ac'``: the diagonal is a
+    strided view taken before planning, so the planner sees distinct indices), and axes of size
+    0 (einsum's empty or zero result, and zero gradients). ``options`` are ``compile``'s
+    keywords (``optimize``, ``model``, ``disk_cache``, ...). Errors name shapes and dtypes,
+    never tensor values.
     """
-    from tncomp.compiler.einsum import parse_eq
-
-    if not isinstance(eq, str):
-        raise IRError(f"eq must be a str such as 'bi,ij->bj', got {eq!r} "
-                      f"({type(eq).__name__}).")
+    key = None
+    if not options and type(eq) is str:  # the hot path: a call seen before, default options
+        try:
+            key = (eq, tuple([t.shape for t in tensors]), _environ.get(_CACHE_ENV))
+            hit = _FAST.get(key)
+        except (AttributeError, TypeError):  # not tensors: the checks below say so
+            key = hit = None
+        if hit is not None:
+            diagonals, compiled = hit
+            if diagonals is not None:
+                tensors = _diagonal_views(tensors, diagonals)
+            return compiled(*tensors)
+    eq, tensors = _einsum_form(eq, tensors)
     _check_tensors(tensors, "contract")
     unknown = sorted(set(options) - set(_COMPILE_KEYWORDS))
     if unknown:
@@ -345,21 +364,104 @@ def contract(eq: str, *tensors: torch.Tensor, **options) -> torch.Tensor:
                           f"compile's: {', '.join(_COMPILE_KEYWORDS)}.")
     settings, model, directory = _settings(**options)
     shapes = tuple(tuple(t.shape) for t in tensors)
+    if is_empty(tensors):
+        return _empty_contract(eq, tensors, shapes)
 
     def build() -> tuple[tuple, CompiledNetwork]:
+        from tncomp.compiler.einsum import parse_eq
+
         parsed = parse_eq(eq, *shapes)
         compiled = CompiledNetwork(parsed.network(), settings, model, _disk(directory))
-        return parsed.diagonals, compiled
+        return (parsed.diagonals if any(parsed.diagonals) else None), compiled
 
     diagonals, compiled = _EQ_CACHE.get_or_build((eq, shapes, settings, model, directory), build)
-    if any(diagonals):
-        views = []
-        for t, steps in zip(tensors, diagonals, strict=True):
-            for dim1, dim2 in steps:  # each call appends the diagonal as the last axis
-                t = t.diagonal(0, dim1, dim2)
-            views.append(t)
-        tensors = tuple(views)
+    if key is not None:
+        if len(_FAST) >= _FAST_MAX:
+            _FAST.clear()
+        _FAST[key] = (diagonals, compiled)
+    if diagonals is not None:
+        tensors = _diagonal_views(tensors, diagonals)
     return compiled(*tensors)
+
+
+def _diagonal_views(tensors, diagonals) -> tuple:
+    views = []
+    for t, steps in zip(tensors, diagonals, strict=True):
+        for dim1, dim2 in steps:  # each call appends the diagonal as the last axis
+            t = t.diagonal(0, dim1, dim2)
+        views.append(t)
+    return tuple(views)
+
+
+def _describe(value: object) -> str:
+    """A value as an error message shows it: a tensor by shape and dtype, never its values."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
+
+
+def _einsum_form(eq, tensors: tuple) -> tuple[str, tuple]:
+    """``(eq, tensors)`` of any form ``torch.einsum`` takes: an equation with operands or one
+    list of them, or the sublist form (operands and lists of ints in [0, 52) or ``...``)."""
+    if isinstance(eq, torch.Tensor):
+        return _from_sublists((eq, *tensors))
+    if not isinstance(eq, str):
+        raise IRError(f"eq must be a str such as 'bi,ij->bj' (or an operand, for the sublist "
+                      f"form), got {_describe(eq)}.")
+    if len(tensors) == 1 and isinstance(tensors[0], list | tuple):
+        tensors = tuple(tensors[0])
+    return eq, tuple(tensors)
+
+
+def _letter(number: object, where: str) -> str:
+    """torch.einsum's letter for a sublist entry: 0-25 -> A-Z, 26-51 -> a-z, ... -> '...'."""
+    if number is Ellipsis:
+        return "..."
+    if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < 52:
+        raise IRError(f"{where} holds {_describe(number)}; sublist entries are ints in [0, 52) "
+                      "or ... (Ellipsis), e.g. contract(a, [0, 1], b, [1, 2], [0, 2]).")
+    return chr(ord("A") + number) if number < 26 else chr(ord("a") + number - 26)
+
+
+def _from_sublists(args: tuple) -> tuple[str, tuple]:
+    """The equation and operands of ``contract(a, [0, 1], b, [1, 2][, [0, 2]])``."""
+    operands, terms = args[0::2], args[1::2]
+    output = None
+    if len(operands) > len(terms):  # an odd count: the last item is the output sublist
+        *operands, output = operands
+    for k, (t, term) in enumerate(zip(operands, terms, strict=True)):
+        if not isinstance(t, torch.Tensor):
+            raise OperandError(f"contract's sublist form takes operand, sublist, operand, ...; "
+                               f"item {2 * k} is {_describe(t)}, not a tensor.")
+        if not isinstance(term, list | tuple):
+            raise IRError(f"contract's sublist form takes operand, sublist, operand, ...; item "
+                          f"{2 * k + 1} is {_describe(term)}, not a list such as [0, 1].")
+    if output is not None and not isinstance(output, list | tuple):
+        raise IRError(f"the output sublist (the last argument) is {_describe(output)}; pass a "
+                      "list such as [0, 2], or leave it out for einsum's implicit output.")
+    lhs = ",".join("".join(_letter(v, f"the sublist of operand {k}") for v in term)
+                   for k, term in enumerate(terms))
+    eq = lhs if output is None else lhs + "->" + "".join(
+        _letter(v, "the output sublist") for v in output)
+    return eq, tuple(operands)
+
+
+def _empty_contract(eq: str, tensors: tuple, shapes: tuple) -> torch.Tensor:
+    """``torch.einsum``'s empty (or zero) result for operands with an axis of size 0, after the
+    checks a contraction makes: the equation against the shapes, one floating dtype, one
+    device. Differentiable: the gradients are zeros (or empty)."""
+    from tncomp.compiler.einsum import parse_eq
+
+    parse_eq(eq, *shapes)
+    dtype, device = tensors[0].dtype, tensors[0].device
+    for k, t in enumerate(tensors):
+        if t.dtype != dtype or t.device != device:
+            raise DtypeError(f"operand {k} is {t.dtype} on {t.device} but operand 0 is {dtype} "
+                             f"on {device}; pass all operands with one dtype and device.")
+    if not (dtype.is_floating_point or dtype.is_complex):
+        raise DtypeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
+    return torch.einsum(eq, *tensors)
 
 
 _COMPILE_KEYWORDS = ("optimize", "autotune", "cuda_graphs", "model", "disk_cache",

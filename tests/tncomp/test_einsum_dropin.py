@@ -239,3 +239,100 @@ def test_bad_equations_name_the_problem(call, match):
     with pytest.raises(tncomp.errors.IRError, match=match) as info:
         call()
     assert isinstance(info.value, ValueError)
+
+
+# -- what else torch.einsum takes (issue 24): size-0 axes, sublists, a list of operands -------
+
+EMPTY = [
+    ("bi,ij->bj", [(0, 3), (3, 4)]),  # an empty batch: an empty result
+    ("ij,jk->ik", [(2, 0), (0, 3)]),  # an empty contracted axis: zeros
+    ("i,i->", [(0,), (0,)]),  # a scalar zero
+    ("ij->", [(0, 5)]),
+    ("bi,ij,jk->bk", [(0, 3), (3, 4), (4, 5)]),
+    ("ab,cd->abcd", [(0, 2), (3, 4)]),
+    ("...ij,...jk->...ik", [(0, 2, 3), (3, 4)]),
+    ("aab,bc->ac", [(2, 2, 0), (0, 3)]),
+    ("ij,ij->j", [(1, 0), (5, 0)]),  # a size-1 axis broadcast next to an empty one
+    ("bi,bi->b", [(0, 3), (1, 3)]),
+]
+
+
+def _assert_like_einsum(y, refs, ry, ts) -> None:
+    assert y.shape == ry.shape and y.dtype == ry.dtype
+    torch.testing.assert_close(y, ry, **TOL)
+    dy = torch.randn(ry.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    got = torch.autograd.grad(y, ts, dy, allow_unused=True)
+    want = torch.autograd.grad(ry, refs, dy, allow_unused=True)
+    for t, g, r in zip(ts, got, want, strict=True):
+        g = torch.zeros_like(t) if g is None else g
+        r = torch.zeros_like(t) if r is None else r
+        assert g.shape == t.shape
+        torch.testing.assert_close(g, r, **TOL)
+
+
+@pytest.mark.parametrize(("eq", "shapes"), EMPTY, ids=[eq for eq, _ in EMPTY])
+def test_size_zero_axes_give_einsums_result_and_gradients(eq, shapes):
+    ts = _tensors(shapes, seed=3)
+    refs = [t.detach().clone().requires_grad_() for t in ts]
+    y = tncomp.contract(eq, *ts, disk_cache=False)
+    _assert_like_einsum(y, refs, torch.einsum(eq, *refs), ts)
+
+
+SUBLISTS = [
+    ([(3, 4), [0, 1], (4, 5), [1, 2]], None),  # implicit output
+    ([(3, 4), [0, 1], (4, 5), [1, 2]], [2, 0]),
+    ([(2, 3, 4), [Ellipsis, 0, 1], (4, 5), [1, 2]], [Ellipsis, 0, 2]),
+    ([(3, 4), [30, 1], (4, 5), [1, 51]], None),  # letters past 'Z': torch's order
+    ([(3, 3, 4), [0, 0, 1], (4,), [1]], [0]),  # a diagonal
+    ([(0, 4), [0, 1], (4, 5), [1, 2]], [0, 2]),  # and an empty batch
+]
+
+
+@pytest.mark.parametrize(("args", "output"), SUBLISTS, ids=[str(k) for k in range(len(SUBLISTS))])
+def test_the_sublist_form_equals_torch_einsum(args, output):
+    shapes, terms = args[0::2], args[1::2]
+    ts = _tensors(shapes, seed=4)
+    refs = [t.detach().clone().requires_grad_() for t in ts]
+    tail = [] if output is None else [output]
+    call = [x for t, term in zip(ts, terms, strict=True) for x in (t, term)] + tail
+    ref_call = [x for t, term in zip(refs, terms, strict=True) for x in (t, term)] + tail
+    y = tncomp.contract(*call, disk_cache=False)
+    _assert_like_einsum(y, refs, torch.einsum(*ref_call), ts)
+
+
+@pytest.mark.parametrize("wrap", [list, tuple])
+def test_one_list_of_operands_equals_torch_einsum(wrap):
+    ts = _tensors([(3, 4), (4, 5)], seed=5)
+    refs = [t.detach().clone().requires_grad_() for t in ts]
+    y = tncomp.contract("ij,jk->ik", wrap(ts), disk_cache=False)
+    _assert_like_einsum(y, refs, torch.einsum("ij,jk->ik", wrap(refs)), ts)
+    again = tncomp.contract("ij,jk->ik", wrap(ts))  # the default options' fast path
+    torch.testing.assert_close(again, y.detach(), **TOL)
+
+
+SECRET = 123456.75  # a value no error message may print
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [
+    (lambda a: tncomp.contract(a, "ij"), tncomp.errors.IRError, r"item 1 is 'ij' \(str\)"),
+    (lambda a: tncomp.contract(a, [0, 99]), tncomp.errors.IRError, r"holds 99 \(int\)"),
+    (lambda a: tncomp.contract(a, [0, 1], [0, 1], [1, 2]), tncomp.errors.OperandError,
+     r"item 2 is \[0, 1\] \(list\), not a tensor"),
+    (lambda a: tncomp.contract(a, [0, 1], a, [1, 2], "ik"), tncomp.errors.IRError,
+     r"output sublist .* is 'ik' \(str\)"),
+    (lambda a: tncomp.contract(3, a), tncomp.errors.IRError, r"got 3 \(int\)"),
+    (lambda a: tncomp.contract("ij,jk->ik", a, a.float()), tncomp.errors.DtypeError,
+     r"float32"),
+    (lambda a: tncomp.contract("ij,jk->ik", a[:0], a.float()), tncomp.errors.DtypeError,
+     r"float32"),
+    (lambda a: tncomp.contract("ij,jk->ik", a, a[:2]), tncomp.errors.IRError,
+     r"size 3 on one operand and 2"),
+    (lambda a: tncomp.contract("ij,jk->ik", a[:0], a[:2]), tncomp.errors.IRError,
+     r"size 3 on one operand and 2"),
+], ids=["str-sublist", "int-out-of-range", "sublist-as-operand", "str-output", "int-eq",
+        "dtypes", "empty-dtypes", "sizes", "empty-sizes"])
+def test_errors_show_shapes_and_dtypes_never_values(call, error, match):
+    a = torch.full((3, 3), SECRET, dtype=F64)
+    with pytest.raises(error, match=match) as info:
+        call(a)
+    assert "123456" not in str(info.value)

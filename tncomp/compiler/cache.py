@@ -7,15 +7,24 @@ a temp file of its own (pid + random name), is flushed to disk and renamed over 
 atomic step, so a reader sees the old entry, the new one or none, never half a file. Whatever a
 crash leaves behind (a stale temp file, a truncated or garbage entry) is detected, logged and
 rebuilt rather than trusted.
+
+The folder is trusted no further than its checksums go, which is not far: anyone who can write
+it can write a valid entry. So an entry is read only when it is a regular file of at most
+:data:`MAX_ENTRY_BYTES`, opened without following a symbolic link and without blocking (a link
+to ``/dev/zero`` or a FIFO reads as a bad entry, neither allocating nor hanging), and the
+planner re-scores a loaded tree against a fresh greedy one and rebuilds it when it is far worse
+(:func:`~tncomp.compiler.search.implausible`). The folder is created owner-only (0700).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +41,7 @@ FORMAT_VERSION = 2  # 2: trees as Tree.to_payload, regimes as {lo, hi, tree}, ca
 TEMP_PREFIX = ".tmp-"  # in-progress writes: .tmp-<pid>-<random>.part (never read as entries)
 STALE_TEMP_S = 600.0  # a temp file this old belongs to a writer that died mid-write
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{32}\.json$")
+MAX_ENTRY_BYTES = 1 << 20  # a regime table of 64 operands is a few tens of KB
 
 
 _MISSING = object()
@@ -88,6 +98,57 @@ def default_cache_dir() -> Path:
     return user_cache_dir("tncomp", "TNCOMP_CACHE_DIR")
 
 
+def read_bounded(path: Path | str, max_bytes: int = MAX_ENTRY_BYTES) -> bytes:
+    """The bytes of the regular file at ``path``, read in one open without following a symbolic
+    link at ``path`` and without blocking (``O_NOFOLLOW | O_NONBLOCK``).
+
+    ``FileNotFoundError`` when it is absent; :class:`CacheError` (naming the path and what it
+    is) when it is a link, not a regular file (a FIFO, a device, a directory) or larger than
+    ``max_bytes``, so a planted ``/dev/zero`` allocates nothing and a FIFO cannot hang a read.
+    """
+    flags = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+             | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW on a link (Linux, BSD)
+            raise CacheError(f"{path} is a symbolic link; cache files are read only when they "
+                             "are regular files.") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CacheError(f"{path} is not a regular file (mode {stat.filemode(info.st_mode)}); "
+                             "cache files are read only when they are regular files.")
+        if info.st_size > max_bytes:
+            raise CacheError(f"{path} holds {info.st_size} bytes; a cache file holds at most "
+                             f"{max_bytes}.")
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:  # it grew while being read
+            raise CacheError(f"{path} holds more than {max_bytes} bytes; a cache file holds at "
+                             f"most {max_bytes}.")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def make_private_dir(directory: Path) -> None:
+    """Create ``directory`` (and missing parents) if absent; the folder itself owner-only
+    (0700). An existing folder keeps its mode: whoever made it chose it."""
+    if not directory.is_dir():
+        try:
+            directory.mkdir(mode=0o700, parents=True)
+        except FileExistsError:  # made meanwhile by another process, or a file is in the way
+            if not directory.is_dir():
+                raise
+
+
 def key_digest(key: Hashable) -> str:
     return hashlib.sha256(repr((FORMAT_VERSION, key)).encode()).hexdigest()[:32]
 
@@ -116,10 +177,10 @@ class DiskCache:
         read as absent, so the caller rebuilds it."""
         path = self._path(key)
         try:
-            data = path.read_bytes()  # one open: a concurrent rename cannot mix two versions
+            data = read_bounded(path)  # one open: a concurrent rename cannot mix two versions
         except FileNotFoundError:
             return None
-        except OSError as exc:
+        except (OSError, CacheError) as exc:
             log.warning("tncomp disk cache: cannot read %s (%s); rebuilding it", path, exc)
             return None
         try:
@@ -159,7 +220,7 @@ class DiskCache:
         data = json.dumps(record).encode()
         path = self._path(key)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            make_private_dir(self.directory)
             self._sweep_temps(self.stale_temp_s)
             atomic_write_bytes(path, data, temp_prefix=TEMP_PREFIX)
         except FileNotFoundError as exc:  # a concurrent clear() swept our temp file away

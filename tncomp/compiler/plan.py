@@ -10,15 +10,21 @@ Indices of size 1 are dropped from layouts: they never cost a copy.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tncomp.compiler.budget import Budget
 from tncomp.compiler.cost import adjoint_nodes
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ops import Expand, MatMul, MatView, Op, Permute, Reshape, Sum
 from tncomp.compiler.problem import Problem, Tree
 from tncomp.errors import PlanError
+
+log = logging.getLogger("tncomp.compiler.plan")
+
+BUDGETED_STEPS = 24  # the orientation search of a larger tree stops when its budget is spent
 
 
 @dataclass(frozen=True)
@@ -336,8 +342,9 @@ class _Lowering:
         n = self.n
         values: list[_Value] = [self.leaf(k) for k in range(n)]
         records: list[_StepRecord] = []
+        covers = tree.leaves_under()
         for k, (a, b) in enumerate(tree.steps):
-            kept = p.kept_after(tree.leaves_under()[n + k])
+            kept = p.kept_after(covers[n + k])
             value, rec = self.contract(values[a], values[b], kept, swaps[k], k)
             values.append(value)
             records.append(rec)
@@ -428,11 +435,15 @@ def lower(
     itemsize: int = 4,
     swaps: Sequence[bool] | None = None,
     model: DeviceModel | None = None,
+    budget: Budget | None = None,
 ) -> Plan:
     """Lower ``tree`` over the bound ``problem`` into a :class:`Plan`.
 
     ``swaps[k]`` picks the orientation of step k's result; by default each is chosen (two sweeps
-    of coordinate descent) to minimise the modelled forward+backward time.
+    of coordinate descent) to minimise the modelled forward+backward time. Each trial of the
+    descent lowers the whole tree again, so on a tree of more than :data:`BUDGETED_STEPS` steps
+    a spent ``budget`` stops it early with the best orientations found so far (smaller trees,
+    every TT layer among them, always finish: their plans do not depend on the machine's load).
     """
     for i, s in problem.size_dict.items():
         if not isinstance(s, int):
@@ -453,6 +464,9 @@ def lower(
     for _ in range(2):
         improved = False
         for k in range(n_steps):
+            if budget is not None and n_steps > BUDGETED_STEPS and budget.spent:
+                log.debug("lower: orientation search stopped by the budget at step %d", k)
+                return _Lowering(problem, tree, needs_grad, itemsize).run(best)
             trial = list(best)
             trial[k] = not trial[k]
             s = score(trial)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 from tncomp.compiler.cache import DiskCache
 from tncomp.compiler.cost import tree_costs
 from tncomp.compiler.device_model import DeviceModel
-from tncomp.compiler.ir import Network, structural_key
+from tncomp.compiler.ir import Network, bind_dims, structural_key
 from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.ops import transpose_gemms
 from tncomp.compiler.plan import Plan, lower
@@ -30,7 +29,7 @@ from tncomp.compiler.regimes import (
     regimes_from_payload,
     regimes_to_payload,
 )
-from tncomp.compiler.search import candidate_trees, choose_plan
+from tncomp.compiler.search import candidate_trees, choose_plan, implausible
 from tncomp.errors import CacheError, TncompError
 
 log = logging.getLogger("tncomp.compiler.planner")
@@ -161,7 +160,12 @@ class Planner:
             return table.tree_for(sizes[index]), None
         key = self.tree_key(sizes, needs_grad, itemsize, model)
         n = len(net.operands)
-        stored = self._load(key, partial(Tree.from_payload, n_leaves=n))
+
+        def parse(payload: object) -> Tree:
+            return _trusted(Tree.from_payload(payload, n_leaves=n), problem, needs_grad,
+                            itemsize)
+
+        stored = self._load(key, parse)
         if stored is not None:
             return stored, None
         plan = None
@@ -188,7 +192,8 @@ class Planner:
                     and isinstance(payload.get("flips"), list) and len(payload["flips"]) == 2
                     and all(isinstance(f, list) for f in payload["flips"])):
                 raise CacheError("an autotuned entry holds tree, swaps and flips")
-            tree = Tree.from_payload(payload.get("tree"), n_leaves=n)
+            tree = _trusted(Tree.from_payload(payload.get("tree"), n_leaves=n), problem,
+                            needs_grad, itemsize)
             if len(payload["swaps"]) != len(tree.steps):
                 raise CacheError("one swap per step")
             return tree, [bool(s) for s in payload["swaps"]], tuple(payload["flips"])
@@ -237,8 +242,16 @@ class Planner:
         if table is not None:
             return table
         key = self.regimes_key(needs_grad, itemsize, model)
-        table = self._load(key, partial(regimes_from_payload, net.dims[0],
-                                        n_leaves=len(net.operands)))
+
+        def parse(payload: object) -> RegimeTable:
+            table = regimes_from_payload(net.dims[0], payload, n_leaves=len(net.operands))
+            for regime in table.regimes:  # each tree at both ends of its range
+                for value in {regime.lo, regime.hi}:
+                    _trusted(regime.tree, problem_for(net, bind_dims(net, value)), needs_grad,
+                             itemsize)
+            return table
+
+        table = self._load(key, parse)
         if table is None:
             table = build_regimes(net, needs_grad, itemsize, model, self.options.memory)
             self._store(key, regimes_to_payload(table))
@@ -251,6 +264,16 @@ class Planner:
     def _store(self, key: tuple, payload: Any) -> None:
         if self.disk is not None:
             self.disk.store(key, payload)
+
+
+def _trusted(tree: Tree, problem: Problem, needs_grad: Sequence[bool], itemsize: int) -> Tree:
+    """``tree`` as read from the disk cache, or a :class:`CacheError` (the entry is then logged
+    and rebuilt) when it is far worse than a fresh greedy tree (see
+    :func:`~tncomp.compiler.search.implausible`)."""
+    reason = implausible(problem, tree, needs_grad, itemsize)
+    if reason is not None:
+        raise CacheError(f"a stored tree is far worse than greedy: {reason}")
+    return tree
 
 
 def _transposed(plan: Plan, fwd: Sequence[int], bwd: Sequence[int]) -> Plan:

@@ -50,14 +50,22 @@ class Problem:
 
     def kept_after(self, covered: frozenset[int]) -> tuple[str, ...]:
         """Indices a node over the leaves ``covered`` keeps: those needed outside it."""
-        outside = {i for k, term in enumerate(self.leaf_kept) if k not in covered for i in term}
-        outside |= set(self.output)
+        holders, output = self._holders
         seen: dict[str, None] = {}
         for k in sorted(covered):
             for i in self.leaf_kept[k]:
-                if i in outside:
+                if i in output or not holders[i] <= covered:
                     seen.setdefault(i)
         return tuple(seen)
+
+    @cached_property
+    def _holders(self) -> tuple[dict[str, frozenset[int]], frozenset[str]]:
+        """The leaves holding each kept index, and the output's indices (for kept_after)."""
+        holders: dict[str, set[int]] = {}
+        for k, term in enumerate(self.leaf_kept):
+            for i in term:
+                holders.setdefault(i, set()).add(k)
+        return {i: frozenset(h) for i, h in holders.items()}, frozenset(self.output)
 
 
 def problem_for(net: Network, sizes: Mapping[str, int] | None = None) -> Problem:

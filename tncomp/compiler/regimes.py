@@ -9,16 +9,18 @@ the concrete size picks its regime without searching again.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tncomp.compiler.budget import Budget
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Dim, Network, bind_dims
 from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.plan import lower
 from tncomp.compiler.problem import Tree, problem_for
-from tncomp.compiler.search import candidate_trees, sample_points
+from tncomp.compiler.search import candidate_trees, sample_points, sound
 from tncomp.errors import CacheError
 
 DEFAULT_MAX = 1 << 20  # upper end of the search for an unbounded Dim
@@ -59,16 +61,20 @@ def upper_bound(dim: Dim) -> int:
 def regime_candidates(net: Network, needs_grad: Sequence[bool], itemsize: int,
                       model: DeviceModel) -> list[tuple[Tree, tuple[bool, ...]]]:
     """The trees the regime search compares and the GEMM orientations each is scored with:
-    candidates at sizes sampled over the one symbol's bounds, each lowered where first found."""
+    candidates at sizes sampled over the one symbol's bounds, each lowered where first found.
+    The samples share one search budget and one lowering budget (see
+    :mod:`~tncomp.compiler.budget`): a large network gets greedy candidates once they are spent."""
     (dim,) = net.dims
     found: list[tuple[Tree, tuple[bool, ...]]] = []
     seen: set = set()
+    search, lowering = Budget(), Budget()
     for value in sample_points(dim.min, upper_bound(dim), 1):
         problem = problem_for(net, bind_dims(net, value))
-        for tree in candidate_trees(problem):
+        for tree in candidate_trees(problem, budget=search):
             if tree.signature() not in seen:
                 seen.add(tree.signature())
-                found.append((tree, lower(problem, tree, needs_grad, itemsize, model=model).swaps))
+                found.append((tree, lower(problem, tree, needs_grad, itemsize, model=model,
+                                          budget=lowering).swaps))
     return found
 
 
@@ -88,22 +94,25 @@ def build_regimes(
 
     def best_at(value: int) -> int:
         problem = problem_for(net, bind_dims(net, value))
-        times = [
-            apply_memory(lower(problem, t, needs_grad, itemsize, swaps=sw), memory,
-                         model).modelled_time(model, with_grad)
-            for t, sw in candidates
-        ]
+        plans = [apply_memory(lower(problem, t, needs_grad, itemsize, swaps=sw), memory, model)
+                 for t, sw in candidates]
+        ok = sound(plans, problem)  # never a far worse tree, whatever the model says
+        times = [p.modelled_time(model, with_grad) if good else math.inf
+                 for p, good in zip(plans, ok, strict=True)]
         return min(range(len(candidates)), key=times.__getitem__)
 
     winners = [best_at(v) for v in samples]
     regimes: list[Regime] = []
     start, current = samples[0], winners[0]
     for k in range(1, len(samples)):
-        v0, w0, v1, w1 = samples[k - 1], winners[k - 1], samples[k], winners[k]
-        if w1 != w0:
-            edge = _bisect(v0, v1, w0, best_at)
+        lo, v1, w1 = samples[k - 1], samples[k], winners[k]
+        # Between two samples the winner may change more than once (A, then B at the first
+        # edge, then C by the next sample): bisect again from each edge until the regime's
+        # tree is the next sample's winner.
+        while w1 != current:
+            edge = _bisect(lo, v1, current, best_at)
             regimes.append(Regime(start, edge - 1, candidates[current][0]))
-            start, current = edge, best_at(edge)
+            start, current, lo = edge, best_at(edge), edge
     regimes.append(Regime(start, samples[-1], candidates[current][0]))
     return RegimeTable(dim, tuple(_merge(regimes)))
 

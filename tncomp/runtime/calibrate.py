@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tncomp.compiler.cache import default_cache_dir
+from tncomp.compiler.cache import default_cache_dir, make_private_dir, read_bounded
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.errors import CacheError
 from tncomp.files import atomic_write_bytes
@@ -48,10 +48,10 @@ def load_calibration(device: torch.device | str) -> DeviceModel | None:
     """The saved model of ``device``'s type, or None when absent, unreadable or malformed."""
     path = calibration_path(device)
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads(read_bounded(path))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, CacheError) as exc:
         log.warning("tncomp: ignoring calibration %s (%s); using the default model", path, exc)
         return None
     names = {f.name for f in fields(DeviceModel)}
@@ -87,7 +87,7 @@ def save_calibration(model: DeviceModel, device: torch.device | str) -> Path:
             del fields_[k]
     data = json.dumps(fields_, indent=1).encode()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(path.parent)
         atomic_write_bytes(path, data)  # temp file, fsync, rename, directory fsync
     except OSError as exc:
         raise CacheError(

@@ -150,8 +150,25 @@ def report(net: Network, plan: Plan, model: DeviceModel, batch: int,
         params = parameter_count(net)
         lines += ["== vs dense ==",
                   f"dense weight    {dense.parameters:,} parameters; cores {params:,} "
-                  f"({dense.parameters / max(params, 1):.1f}x fewer)",
+                  f"({versus(params, dense.parameters)})",
                   f"dense FLOPs     {_fmt(dense.total_flops)} (fwd+bwd)",
                   f"at {at}: dense {_si(float(bound_dense), 'FLOP')}, plan {_si(total, 'FLOP')} "
-                  f"({float(bound_dense) / max(total, 1):.1f}x fewer)"]
+                  f"({versus(total, float(bound_dense))})"]
     return "\n".join(lines)
+
+
+def versus(ours: float, dense: float) -> str:
+    """``ours`` against ``dense`` in words: ``"20.0x fewer"``, ``"1.05x more"``, or ``"the
+    same"`` (two decimals where one would read 1.0x)."""
+    if ours == dense:
+        return "the same"
+    word = "fewer" if ours < dense else "more"
+    if ours <= 0 or dense <= 0:  # no ratio to give
+        return word
+    ratio = dense / ours if ours < dense else ours / dense
+    text = f"{ratio:.1f}"
+    if text == "1.0":
+        text = f"{ratio:.2f}"
+        if text == "1.00":
+            return f"about the same ({word})"
+    return f"{text}x {word}"
