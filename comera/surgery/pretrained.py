@@ -32,8 +32,10 @@ from comera.layers.linear import GatedTrain
 from comera.ranks.size import tt_modules
 from comera.surgery import checkpoint as _ckpt
 from comera.surgery.convert import HF_SAVE_WARNING, ConvertConfig, convert_
+from tncomp.files import atomic_write_bytes, atomic_write_text
 
 WEIGHTS = "comera_model.safetensors"
+HF_CONFIG = "config.json"
 RECORDS = "comera_layers.json"
 FORMAT = "comera-pretrained"
 VERSION = 1
@@ -78,11 +80,13 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> Path:
                "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
                "layers": layers, "aliases": aliases, "checksum": payload["checksum"]}
     config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):  # a HuggingFace model
-        config.save_pretrained(directory)
-    st.save_file({k: v.cpu() for k, v in tensors.items()}, directory / WEIGHTS,
-                 metadata={"format": "pt", "producer": FORMAT})
-    (directory / RECORDS).write_text(json.dumps(records, indent=1))
+    if config is not None and hasattr(config, "to_json_string"):  # a HuggingFace model
+        # what HF's config.save_pretrained writes, but atomically and never through a link
+        atomic_write_text(directory / HF_CONFIG, config.to_json_string(use_diff=True))
+    atomic_write_bytes(directory / WEIGHTS, st.save({k: v.cpu() for k, v in tensors.items()},
+                                                    metadata={"format": "pt",
+                                                              "producer": FORMAT}))
+    atomic_write_text(directory / RECORDS, json.dumps(records, indent=1))
     return directory
 
 
