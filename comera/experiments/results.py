@@ -35,6 +35,7 @@ from comera.experiments.engine import (
     Progress,
     RunRecord,
     check_settings,
+    check_task,
     train_model,
 )
 from comera.experiments.rundir import check_run_directory, hold_run_directory
@@ -131,6 +132,7 @@ def run_experiment(task: Task, config: EngineConfig, out: Path,
     """
     out = Path(out)
     check_experiment(config, out, variants, resume, current_world().size)
+    check_task(task, config, "comera" in variants)
     holding = hold_run_directory(out) if current_world().is_main else nullcontext(out)
     with holding:
         return _run(task, config, out, variants, resume, progress)
