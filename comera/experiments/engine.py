@@ -509,6 +509,7 @@ class _Run:
             raise CheckpointError(f"{self.checkpoint_path} was not written by the training "
                                   "engine (no 'engine' state); resume needs one of its "
                                   "checkpoints, or start without --resume.")
+        _check_engine_state(state, self.checkpoint_path)
         if state["task"] != self.task.name or state["tt"] != self.tt:
             raise CheckpointError(
                 f"{self.checkpoint_path} belongs to task {state['task']!r} (tt={state['tt']}), "
@@ -525,18 +526,44 @@ class _Run:
                 f"{self.checkpoint_path} was trained with other settings ({', '.join(changed)}: "
                 f"{[saved.get(k) for k in changed]} then, {[mine[k] for k in changed]} now); "
                 "resume with the same settings.")
-        self.trainer.load_state_dict(state["trainer"])
-        self.step = int(state["step"])
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))
-        self.resumed_threads = state.get("threads")
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng_torch"])
-        random.setstate(_as_tuple(state["rng_python"]))
-        self.record = RunRecord(**state["record"])
+        try:
+            self.trainer.load_state_dict(state["trainer"])
+            self.step = int(state["step"])
+            self.consecutive_skips = int(state.get("consecutive_skips", 0))
+            self.resumed_threads = state.get("threads")
+            if self.scaler is not None and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            torch.set_rng_state(state["rng_torch"])
+            random.setstate(_as_tuple(state["rng_python"]))
+            self.record = RunRecord(**state["record"])
+        except (KeyError, AttributeError, TypeError, ValueError, IndexError,
+                RuntimeError) as exc:  # an edited state that passed its (recomputed) checksum
+            raise CheckpointError(f"{self.checkpoint_path}: its engine state cannot be "
+                                  f"restored ({type(exc).__name__}: {exc}); the file is "
+                                  "damaged or was edited. Start without --resume.") from None
         broadcast_parameters_(self.model)
         log.info("%s: resumed at step %d (stage %s)", self.name, self.step, self.trainer.stage)
         return True
+
+
+# what a checkpoint's engine state holds, by type (checked before any of it is used)
+_ENGINE_STATE = {"task": str, "tt": bool, "config": dict, "trainer": dict, "step": int,
+                 "rng_torch": Tensor, "rng_python": list | tuple, "record": dict}
+
+
+def _check_engine_state(state: dict, path: Path) -> None:
+    """Refuse an engine state of missing or mistyped entries with a CheckpointError (the
+    checksum detects damage, not an edit that recomputes it)."""
+    for key, kind in _ENGINE_STATE.items():
+        value = state.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            expected = getattr(kind, "__name__", str(kind))
+            raise CheckpointError(f"{path}: its engine state has {key} of type "
+                                  f"{type(value).__name__}, expected {expected}; the file is "
+                                  "damaged or was edited. Start without --resume.")
+    if state["step"] < 0:
+        raise CheckpointError(f"{path}: its engine state has step={state['step']}; the file is "
+                              "damaged or was edited. Start without --resume.")
 
 
 def _set_threads(run: _Run, config: EngineConfig) -> None:

@@ -290,7 +290,10 @@ class GatedTrain(nn.Module):
         return state
 
     def _gaussian_init_(self, n_cores: int) -> None:
-        """Gaussian cores scaled so the dense weight has variance about 1/(fan_in + fan_out)."""
+        """Gaussian cores scaled so the dense weight has variance about 1/(fan_in + fan_out).
+        Cores on the meta device hold no values: nothing to draw."""
+        if self.cores[0].is_meta:
+            return
         bonds = self.bonds
         target = 1.0 / (self.in_features + self.out_features)
         std = (target / math.prod(bonds)) ** (1.0 / (2 * n_cores))
