@@ -26,6 +26,7 @@ from typing import Any
 from comera.errors import ComeraError, ConfigError
 
 EXIT_USAGE = 2
+MAX_NPROC = 1024
 MODELS = ("transformer", "transformer-code", "dlrm", "mlm")
 log = logging.getLogger("comera.cli")
 
@@ -157,20 +158,24 @@ def _cmd_train(args, argv: list[str]) -> int:
     from comera.experiments.registry import EXPERIMENTS, experiment
     from comera.experiments.results import check_experiment, run_experiment, summary_table
 
-    if args.nproc < 1:
-        raise ComeraError(f"--nproc {args.nproc}: the number of worker processes is >= 1.")
-    if args.target_compression is not None and not args.target_compression > 1:
-        raise ComeraError(f"--target-compression {args.target_compression}: it must be > 1 "
-                          "(dense size / TT size), e.g. 50.")
+    if not 1 <= args.nproc <= MAX_NPROC:
+        raise ComeraError(f"--nproc {args.nproc}: the number of worker processes is between 1 "
+                          f"and {MAX_NPROC}, e.g. --nproc 2.")
     exp = experiment(args.model)
     config = _engine_config(args, exp)
+    if not args.out.strip():
+        raise ComeraError("--out '': give the run directory, e.g. --out runs/latest.")
     out = Path(args.out)
     variants = tuple(v for v in args.variants.split(",") if v)
-    if not variants or any(v not in ("dense", "comera") for v in variants):
-        raise ComeraError(f"--variants {args.variants!r}: choose from dense,comera.")
-    if args.init_from and not exp.init_from:
+    if (not variants or any(v not in ("dense", "comera") for v in variants)
+            or len(set(variants)) != len(variants)):
+        raise ComeraError(f"--variants {args.variants!r}: choose from dense,comera, each once.")
+    if args.init_from is not None and not exp.init_from:
         raise ComeraError(f"--init-from: the {exp.name} experiment cannot start from a "
                           "checkpoint; it works for transformer and transformer-code.")
+    if args.init_from is not None and not Path(args.init_from).is_file():
+        raise ComeraError(f"--init-from {args.init_from!r} is not a file; give a checkpoint of "
+                          "`comera train mlm`, e.g. runs/mlm/checkpoints/comera.pt.")
     if args.checkpoint_blocks and not exp.checkpoint_blocks:
         able = ", ".join(name for name, e in EXPERIMENTS.items() if e.checkpoint_blocks)
         raise ComeraError(f"--checkpoint-blocks: the {exp.name} model has no encoder blocks to "
@@ -188,8 +193,11 @@ def _cmd_train(args, argv: list[str]) -> int:
     show = world.is_main and not args.no_progress and sys.stdout.isatty() \
         and not os.environ.get("COMERA_NO_PROGRESS")
     with _Bars(show) as bars:
-        summary = run_experiment(task, config, out, variants, args.resume,
-                                 bars if world.is_main else None)
+        try:
+            summary = run_experiment(task, config, out, variants, args.resume,
+                                     bars if world.is_main else None)
+        except ConfigError as exc:  # e.g. a target the task's model cannot reach
+            raise _with_flags(exc) from None
     if world.is_main:
         print()
         print(summary_table(summary))
@@ -251,22 +259,35 @@ def _matches(value: Any, hint: Any) -> bool:
     return True
 
 
+def _finite(value: Any) -> bool:
+    """No NaN or infinity anywhere in a JSON value (json.loads accepts NaN and Infinity)."""
+    if isinstance(value, float):
+        return value == value and abs(value) != float("inf")
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_finite(v) for v in value)
+    return True
+
+
 def _convert_config(args):
     from comera.surgery.convert import ConvertConfig
 
     fields: dict[str, Any] = {}
-    if args.config:
+    if args.config is not None:
         source = Path(args.config)
         try:
-            fields.update(json.loads(source.read_text()) if source.is_file()
-                          else json.loads(args.config))
-        except json.JSONDecodeError as exc:
+            given = (json.loads(source.read_text()) if args.config and source.is_file()
+                     else json.loads(args.config))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+            why = f"{exc.msg} at {exc.pos}" if isinstance(exc, json.JSONDecodeError) else exc
             raise ComeraError(
-                f"--config {args.config!r} is neither a JSON file nor JSON text ({exc.msg} at "
-                f"{exc.pos}); e.g. --config '{{\"ranks\": 16}}'.") from None
-        if not isinstance(fields, dict):
+                f"--config {args.config!r} is neither a JSON file nor JSON text ({why}); "
+                "e.g. --config '{\"ranks\": 16}'.") from None
+        if not isinstance(given, dict):
             raise ComeraError(f"--config {args.config!r} is not a JSON object; e.g. --config "
                               "'{\"ranks\": 16}'.")
+        fields.update(given)
     for item in args.set or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -285,6 +306,9 @@ def _convert_config(args):
     except Exception:  # a hint that cannot be evaluated: ConvertConfig checks its own fields
         hints = {}
     for key, value in fields.items():
+        if not _finite(value):
+            raise ComeraError(f"convert setting {key}={json.dumps(value)}: numbers must be "
+                              "finite, e.g. --set target_compression=20.")
         if key in hints and not _matches(value, hints[key]):
             raise ComeraError(f"convert setting {key}={json.dumps(value)}: expected "
                               f"{_type_name(hints[key])}, e.g. --set ranks=16.")
@@ -344,6 +368,8 @@ def _not_a_model(source: Path, data: Any) -> str:
 
 def _check_output(path: Path, flag: str) -> None:
     """A file a command writes: its folder must exist (nothing creates folders silently)."""
+    if not str(path).strip() or str(path) == ".":
+        raise ComeraError(f"{flag} {str(path)!r}: give a file name, e.g. {flag} model_tt.pt.")
     if path.is_dir():
         raise ComeraError(f"{flag} {path} is a directory; give a file name, e.g. "
                           f"{path / 'model_tt.pt'}.")
@@ -359,6 +385,9 @@ def _cmd_convert(args, argv) -> int:
 
     import comera
 
+    if not args.model.strip():
+        raise ComeraError("model file '': give the file of torch.save(model, path), e.g. "
+                          "comera convert model.pt -o model_tt.pt.")
     source = Path(args.model)
     if not source.is_file():
         raise ComeraError(f"model file {source} does not exist; save one with "
@@ -412,11 +441,19 @@ def _cmd_report(args, argv) -> int:
 
 
 # -- parser ---------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as the promised single line (and exit 2)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_one_line(message)}; see {self.prog} "
+                              "--help.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="comera", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="comera", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("train", help="train a model dense and with CoMERA, side by side")
     p.add_argument("model", help=f"one of: {', '.join(MODELS)}")

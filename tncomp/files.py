@@ -11,12 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import stat
 import time
 from pathlib import Path
 
 log = logging.getLogger("tncomp.files")
 
 TEMP_SUFFIX = ".part"  # every in-progress write ends so: <prefix><pid>-<random>.part
+# open() flag that refuses a symbolic link as the last path component (0 where there is none)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _REPLACE_RETRIES = 5  # os.replace onto a file another process holds open fails on Windows
 
 
@@ -37,6 +40,9 @@ def atomic_write_bytes(path: Path | str, data: bytes, temp_prefix: str | None = 
     and the temp file is renamed over ``path`` in one atomic step; the directory is then
     flushed so the rename survives a crash. A failed write removes its temp file and raises the
     ``OSError``. The directory must exist.
+
+    No symbolic link is followed: the temp file is created fresh (``O_EXCL | O_NOFOLLOW``) and
+    the rename replaces a link planted at ``path`` rather than writing into what it points at.
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise TypeError(f"atomic_write_bytes got data of type {type(data).__name__}; pass "
@@ -47,7 +53,7 @@ def atomic_write_bytes(path: Path | str, data: bytes, temp_prefix: str | None = 
         raise ValueError(f"atomic_write_bytes got temp_prefix {prefix!r}; give a bare file-name "
                          "prefix (the temp file goes next to the target).")
     tmp = path.parent / f"{prefix}{os.getpid()}-{secrets.token_hex(8)}{TEMP_SUFFIX}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW, 0o644)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -58,6 +64,26 @@ def atomic_write_bytes(path: Path | str, data: bytes, temp_prefix: str | None = 
         tmp.unlink(missing_ok=True)
         raise
     _fsync_directory(path.parent)
+
+
+def atomic_write_text(path: Path | str, text: str, temp_prefix: str | None = None) -> None:
+    """:func:`atomic_write_bytes` of ``text`` encoded as UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"), temp_prefix)
+
+
+def link_or_special(path: Path | str) -> str | None:
+    """What ``path`` is when it is something a writer must not open: "a symbolic link (to X)"
+    or "not a regular file"; None when it is absent or a regular file. Never follows a link."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            return f"a symbolic link (to {os.readlink(path)})"
+        except OSError:
+            return "a symbolic link"
+    return None if stat.S_ISREG(st.st_mode) else "not a regular file"
 
 
 def _replace(src: Path, dst: Path) -> None:

@@ -25,11 +25,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from comera.data.cache import read_cached, write_cached
 from comera.data.stdlib_pairs import PairDataset, Tokenizer, _encode, cache_dir
 from comera.errors import ConfigError, DataFormatError
-from tncomp.files import atomic_write_bytes
 
 log = logging.getLogger("comera.data")
 
@@ -132,13 +130,12 @@ def load_reviews(max_len: int = 128, vocab_size: int = 8000, label: str = "recom
         "\n".join(tokenizer.vocab).encode()).hexdigest()[:12]
     path = cache_dir() / (f"reviews-v{VERSION}-{digest}-{max_len}-{vocab_size}-{label}-"
                           f"{vocab}.pt")
-    if use_cache and path.is_file():
-        try:
-            blob = torch.load(path, weights_only=True)
-            return (*(PairDataset(**blob[s]) for s in ("train", "val", "test")),
-                    Tokenizer(tuple(blob["vocab"])))
-        except Exception as exc:  # a corrupt cache entry is rebuilt, not trusted
-            log.warning("rebuilding corrupt data cache %s (%s)", path, exc)
+    if use_cache:
+        cached = read_cached(path, lambda blob: (
+            *(PairDataset(**blob[s]) for s in ("train", "val", "test")),
+            Tokenizer(tuple(blob["vocab"]))))
+        if cached is not None:
+            return cached
     by_split: dict[str, list] = {"train": [], "val": [], "test": []}
     for review in read_reviews(source):
         by_split[split_of(review)].append((review.title, review.text, label_of(review, label)))
@@ -147,10 +144,7 @@ def load_reviews(max_len: int = 128, vocab_size: int = 8000, label: str = "recom
                                     vocab_size)
     data = {s: _encode(items, tokenizer, max_len) for s, items in by_split.items()}
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        torch.save({"vocab": list(tokenizer.vocab),
-                    **{s: {"ids": d.ids, "segments": d.segments, "labels": d.labels}
-                       for s, d in data.items()}}, buffer)
-        atomic_write_bytes(path, buffer.getvalue())
+        write_cached(path, {"vocab": list(tokenizer.vocab),
+                            **{s: {"ids": d.ids, "segments": d.segments, "labels": d.labels}
+                               for s, d in data.items()}})
     return data["train"], data["val"], data["test"], tokenizer

@@ -53,6 +53,7 @@ from comera.experiments.distributed import (
 from comera.experiments.rundir import hold_run_directory
 from comera.experiments.task import IndexStream, Task
 from comera.layers.linear import check_memory
+from comera.ranks.objective import REGULARIZERS, floor_size
 from comera.training.trainers import pick_threads
 
 log = logging.getLogger("comera.engine")
@@ -60,6 +61,26 @@ log = logging.getLogger("comera.engine")
 STAGES = ("early", "late", "both")
 ON_NONFINITE = ("stop", "skip")
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype
+MAX_INT = 2**63 - 1  # torch counts steps, seeds and indices in int64
+MAX_THREADS = 1024
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    """``value`` is an int (not a bool) in ``[low, high]``, or a ConfigError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r}; it is a whole number >= {low}.")
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={value}; it must be between {low} and {high}.")
+
+
+def _check_number(name: str, value: Any, rule: str, low: float = 0.0,
+                  positive: bool = False) -> None:
+    """``value`` is a finite real number >= ``low`` (> with ``positive``), else a ConfigError
+    naming it and ``rule``."""
+    ok = (isinstance(value, int | float) and not isinstance(value, bool)
+          and math.isfinite(value) and (value > low if positive else value >= low))
+    if not ok:
+        raise ConfigError(f"{name}={value!r}; {rule}.")
 
 
 @dataclass(frozen=True)
@@ -97,31 +118,43 @@ class EngineConfig:
     checkpoint_blocks: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("steps_early", "steps_late", "warmup", "checkpoint_every", "max_skips",
-                     "late_loss_slack", "threads"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)}; it must be >= 0.")
-        for name in ("batch_size", "eval_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}; it must be >= 1.")
-        for name in ("lr", "lr_gates"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}={getattr(self, name)}; a learning rate is > 0.")
-        if self.stage not in STAGES:
-            raise ConfigError(f"stage={self.stage!r}; choose one of {', '.join(STAGES)}.")
-        if self.on_nonfinite not in ON_NONFINITE:
-            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}; choose one of "
-                              f"{', '.join(ON_NONFINITE)}.")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision={self.precision!r}; choose one of "
-                              f"{', '.join(PRECISIONS)}.")
+        """Check every field (type, range, finiteness) before anything is built."""
+        for name, low in (("steps_early", 0), ("steps_late", 0), ("warmup", 0),
+                          ("checkpoint_every", 0), ("max_skips", 0), ("threads", 0),
+                          ("seed", 0), ("batch_size", 1), ("eval_every", 1)):
+            _check_int(name, getattr(self, name), low, MAX_THREADS if name == "threads"
+                       else MAX_INT)
+        _check_number("lr", self.lr, "a learning rate is a finite number > 0", positive=True)
+        _check_number("lr_gates", self.lr_gates, "a learning rate is a finite number > 0",
+                      positive=True)
+        if self.lr_other is not None:
+            _check_number("lr_other", self.lr_other, "a learning rate is a finite number > 0 "
+                          "(or None: lr)", positive=True)
+        _check_number("lam", self.lam, "the rank-regulariser weight is a finite number >= 0")
+        _check_number("late_loss_slack", self.late_loss_slack, "it is a finite number >= 0, "
+                      "e.g. 0.05")
+        if self.max_grad_norm is not None:
+            _check_number("max_grad_norm", self.max_grad_norm, "it is a finite number > 0 (or "
+                          "None: no clipping)", positive=True)
+        _check_number("target_compression", self.target_compression, "it must be > 1 (dense "
+                      "size / TT size), e.g. 50", low=1.0, positive=True)
+        for name in ("compile", "checkpoint_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r}; it is True or False.")
+        for name, choices in (("stage", STAGES), ("on_nonfinite", ON_NONFINITE),
+                              ("precision", tuple(PRECISIONS)), ("regularizer", REGULARIZERS)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
+                raise ConfigError(f"{name}={getattr(self, name)!r}; choose one of "
+                                  f"{', '.join(choices)}.")
+        if not isinstance(self.device, str) or not self.device.strip():
+            raise ConfigError(f"device={self.device!r} is not a device; use cpu, cuda or "
+                              "cuda:1.")
         if self.precision == "fp16" and not self.device.startswith("cuda"):
             raise ConfigError(f"precision='fp16' trains with a CUDA GradScaler; device "
                               f"{self.device!r} has none: use precision='bf16' on the CPU.")
+        if not isinstance(self.memory, str):
+            raise ConfigError(f"memory={self.memory!r}; choose one of fast, balanced, min.")
         check_memory(self.memory)
-        if not self.target_compression > 1:
-            raise ConfigError(f"target_compression={self.target_compression}; it must be > 1 "
-                              "(dense size / TT size).")
 
     @property
     def total_steps(self) -> int:
@@ -171,6 +204,30 @@ def check_settings(config: EngineConfig, tt: bool = True, world_size: int = 1) -
     if tt and config.stage != "early" and config.steps_late and config.steps_early < 1:
         raise ConfigError(f"steps_early={config.steps_early}: the late stage takes its loss "
                           "target from the early stage's last steps; set steps_early >= 1.")
+
+
+def check_task(task: Task, config: EngineConfig, tt: bool = True) -> None:
+    """Refuse, before any training, settings that ``task`` cannot meet: a batch larger than its
+    training split, or (``tt`` with a late stage) a ``target_compression`` beyond what its TT
+    layers reach with every rank at 1. Builds the TT model once to measure it; the RNG states
+    are left as they were."""
+    size = task.train_size()
+    if config.batch_size > size:
+        raise ConfigError(f"batch_size={config.batch_size} exceeds the {size} training examples "
+                          f"of task {task.name!r}; use batch_size <= {size}.")
+    if not (tt and config.stage != "early" and config.steps_late):
+        return
+    with torch.random.fork_rng(devices=[]):
+        model = task.build_model(True)
+    dense = comera.dense_size(model, only=comera.GatedTrain)
+    non_tt = comera.model_size(model) - comera.model_size(model, only=comera.GatedTrain)
+    floor = max(1, floor_size(model, 1) - non_tt)  # the TT layers with every rank at 1
+    if config.target_compression > dense / floor:
+        most = math.floor(dense / floor * 10) / 10
+        raise ConfigError(f"target_compression={config.target_compression:g} cannot be reached: "
+                          f"the TT layers of task {task.name!r} shrink at most {most:g}x "
+                          f"(every rank 1: {floor} of {dense} parameters); choose "
+                          f"target_compression <= {most:g}.")
 
 
 @dataclass
@@ -452,6 +509,7 @@ class _Run:
             raise CheckpointError(f"{self.checkpoint_path} was not written by the training "
                                   "engine (no 'engine' state); resume needs one of its "
                                   "checkpoints, or start without --resume.")
+        _check_engine_state(state, self.checkpoint_path)
         if state["task"] != self.task.name or state["tt"] != self.tt:
             raise CheckpointError(
                 f"{self.checkpoint_path} belongs to task {state['task']!r} (tt={state['tt']}), "
@@ -468,18 +526,44 @@ class _Run:
                 f"{self.checkpoint_path} was trained with other settings ({', '.join(changed)}: "
                 f"{[saved.get(k) for k in changed]} then, {[mine[k] for k in changed]} now); "
                 "resume with the same settings.")
-        self.trainer.load_state_dict(state["trainer"])
-        self.step = int(state["step"])
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))
-        self.resumed_threads = state.get("threads")
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng_torch"])
-        random.setstate(_as_tuple(state["rng_python"]))
-        self.record = RunRecord(**state["record"])
+        try:
+            self.trainer.load_state_dict(state["trainer"])
+            self.step = int(state["step"])
+            self.consecutive_skips = int(state.get("consecutive_skips", 0))
+            self.resumed_threads = state.get("threads")
+            if self.scaler is not None and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            torch.set_rng_state(state["rng_torch"])
+            random.setstate(_as_tuple(state["rng_python"]))
+            self.record = RunRecord(**state["record"])
+        except (KeyError, AttributeError, TypeError, ValueError, IndexError,
+                RuntimeError) as exc:  # an edited state that passed its (recomputed) checksum
+            raise CheckpointError(f"{self.checkpoint_path}: its engine state cannot be "
+                                  f"restored ({type(exc).__name__}: {exc}); the file is "
+                                  "damaged or was edited. Start without --resume.") from None
         broadcast_parameters_(self.model)
         log.info("%s: resumed at step %d (stage %s)", self.name, self.step, self.trainer.stage)
         return True
+
+
+# what a checkpoint's engine state holds, by type (checked before any of it is used)
+_ENGINE_STATE = {"task": str, "tt": bool, "config": dict, "trainer": dict, "step": int,
+                 "rng_torch": Tensor, "rng_python": list | tuple, "record": dict}
+
+
+def _check_engine_state(state: dict, path: Path) -> None:
+    """Refuse an engine state of missing or mistyped entries with a CheckpointError (the
+    checksum detects damage, not an edit that recomputes it)."""
+    for key, kind in _ENGINE_STATE.items():
+        value = state.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            expected = getattr(kind, "__name__", str(kind))
+            raise CheckpointError(f"{path}: its engine state has {key} of type "
+                                  f"{type(value).__name__}, expected {expected}; the file is "
+                                  "damaged or was edited. Start without --resume.")
+    if state["step"] < 0:
+        raise CheckpointError(f"{path}: its engine state has step={state['step']}; the file is "
+                              "damaged or was edited. Start without --resume.")
 
 
 def _set_threads(run: _Run, config: EngineConfig) -> None:
@@ -534,6 +618,7 @@ def train_model(task: Task, name: str, tt: bool, config: EngineConfig, out: Path
     a second run on it is refused at once.
     """
     check_settings(config, tt, current_world().size)
+    check_task(task, config, tt)
     with _holding(out):
         return _train(task, name, tt, config, Path(out), resume, progress, stop_after)
 

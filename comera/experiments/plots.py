@@ -6,9 +6,13 @@ warning and the JSON / markdown files still hold every number.
 
 from __future__ import annotations
 
+import io
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tncomp.files import atomic_write_bytes
 
 log = logging.getLogger("comera.experiments")
 
@@ -25,8 +29,21 @@ def _pyplot():
     return plt
 
 
-def write_plots(summary: dict[str, Any], out: Path) -> list[Path]:
-    """Write ``<task>_curves.png``, ``<task>_ranks.png`` and ``<task>_tradeoff.png``."""
+Writer = Callable[[Path, Callable[[Path], None]], None]
+
+
+def _plain_write(path: Path, write: Callable[[Path], None]) -> None:
+    write(path)
+
+
+def write_plots(summary: dict[str, Any], out: Path, write: Writer = _plain_write) -> list[Path]:
+    """Write ``<task>_curves.png``, ``<task>_ranks.png`` and ``<task>_tradeoff.png``, each
+    atomically (a planted link is replaced, not written through). ``write(path, writer)``
+    runs each file's writer (the summary's turns its ``OSError`` into one clear error)."""
+    def _save(fig, plt, path: Path) -> Path:
+        write(path, lambda p: _save_figure(fig, plt, p))
+        return path
+
     plt = _pyplot()
     if plt is None:
         return []
@@ -143,8 +160,12 @@ def _smooth(values: list[float], window: int = 20) -> list[float]:
     return out
 
 
-def _save(fig, plt, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def _save_figure(fig, plt, path: Path) -> None:
+    """The figure as a PNG at ``path``, rendered in memory and written atomically."""
+    try:
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(path, buffer.getbuffer())

@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import subprocess
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -27,17 +28,19 @@ from typing import Any
 
 import torch
 
-from comera.errors import CheckpointError, ConfigError
+from comera.errors import CheckpointError, ConfigError, TrainingStopped
 from comera.experiments.distributed import current_world
 from comera.experiments.engine import (
     EngineConfig,
     Progress,
     RunRecord,
     check_settings,
+    check_task,
     train_model,
 )
 from comera.experiments.rundir import check_run_directory, hold_run_directory
 from comera.experiments.task import Task
+from tncomp.files import atomic_write_text
 
 log = logging.getLogger("comera.experiments")
 
@@ -129,6 +132,7 @@ def run_experiment(task: Task, config: EngineConfig, out: Path,
     """
     out = Path(out)
     check_experiment(config, out, variants, resume, current_world().size)
+    check_task(task, config, "comera" in variants)
     holding = hold_run_directory(out) if current_world().is_main else nullcontext(out)
     with holding:
         return _run(task, config, out, variants, resume, progress)
@@ -155,16 +159,37 @@ def _run(task: Task, config: EngineConfig, out: Path, variants: tuple[str, ...],
 
 
 def write_summary(summary: dict[str, Any], out: Path) -> list[Path]:
-    """``<task>.json``, ``<task>.md`` and the plots; returns the paths written."""
+    """``<task>.json``, ``<task>.md`` and the plots; returns the paths written.
+
+    Each file is written whole or not at all (``tncomp.files.atomic_write_bytes``: a planted
+    link is replaced, never written through). A failed write (a full disk) raises
+    :class:`~comera.errors.TrainingStopped` naming the file and the cause; the files written
+    before it, and the run's checkpoints, stay as they were.
+    """
     from comera.experiments import plots
 
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     name = summary["task"]
-    paths = [out / f"{name}.json", out / f"{name}.md"]
-    paths[0].write_text(json.dumps(summary, indent=1, default=_plain))
-    paths[1].write_text(summary_table(summary) + "\n")
-    paths += plots.write_plots(summary, out)
+    texts = {out / f"{name}.json": json.dumps(summary, indent=1, default=_plain),
+             out / f"{name}.md": summary_table(summary) + "\n"}  # both built before writing
+    paths = []
+    for path, text in texts.items():
+        _write(path, lambda p, t=text: atomic_write_text(p, t))
+        paths.append(path)
+    paths += plots.write_plots(summary, out, write=_write)
     return paths
+
+
+def _write(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(path)``, its ``OSError`` (a full disk, a read-only folder) as one clear error."""
+    try:
+        write(path)
+    except OSError as exc:
+        raise TrainingStopped(
+            f"could not write {path} ({exc.strerror or exc}); nothing half-written was left. "
+            f"The run's checkpoints in {path.parent / 'checkpoints'} are complete: free space "
+            "and run the same command with --resume to write the summary.") from None
 
 
 def _plain(value: Any) -> Any:

@@ -9,6 +9,12 @@ kernel drops the lock when the process ends, also after SIGKILL, so a killed run
 next one; the lock file is removed on a clean exit. :func:`check_run_directory` asks the same
 questions without taking anything (and without writing into the directory), for a launcher that
 checks before it starts its workers.
+
+Whoever can write the folder before the run may plant links in it. The lock is opened with
+``O_NOFOLLOW``, and a lock or ``checkpoints`` folder that is a symbolic link (or a lock that is
+not a regular file) is refused up front; every other file is written by
+``tncomp.files.atomic_write_bytes``, which replaces a planted link instead of writing through
+it. Temp files that killed writes left (``.*.part``) are swept when a run takes the folder.
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from comera.errors import ConfigError
+from tncomp.files import O_NOFOLLOW, link_or_special, sweep_temp_files
 
 LOCK_NAME = ".comera.lock"
+CHECKPOINTS = "checkpoints"
 _held: dict[tuple[int, str], int] = {}  # (pid, directory) -> depth, for nested holds
 
 try:  # POSIX; elsewhere runs are not locked (documented in hold_run_directory)
@@ -51,7 +60,11 @@ def _existing_ancestor(path: Path) -> Path:
 
 def _holder(lock: Path) -> str:
     try:
-        pid = lock.read_text().strip()
+        fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW)
+        try:
+            pid = os.read(fd, 32).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
     except OSError:
         pid = ""
     return f"pid {pid}" if pid.isdigit() else "another process"
@@ -62,8 +75,20 @@ def _busy(out: Path, lock: Path) -> ConfigError:
                        "finish or choose another --out.")
 
 
+def _refuse_links(out: Path) -> None:
+    """Refuse a lock or checkpoint folder planted as a link (or a lock that is a FIFO, a device
+    or a folder): the run would write through it into a file it does not own."""
+    for path, what in ((out / LOCK_NAME, "the run lock"), (out / CHECKPOINTS, None)):
+        found = link_or_special(path)
+        if found is None or (what is None and found == "not a regular file" and path.is_dir()):
+            continue
+        raise ConfigError(f"--out {out}: {path} is {found}; a run does not write through it. "
+                          f"Remove it (rm {path}) or choose another --out.")
+
+
 def check_run_directory(out: Path | str) -> None:
-    """Refuse ``out`` if a run holds it or it cannot be written; create and write nothing."""
+    """Refuse ``out`` if a run holds it, it cannot be written, or its lock or checkpoint folder
+    is a planted link; create and write nothing."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a directory; choose a directory.")
@@ -75,13 +100,14 @@ def check_run_directory(out: Path | str) -> None:
         _probe_writable(base, f"--out {out} cannot be created: its parent")
         return
     _probe_writable(out, "--out")
-    if (out / "checkpoints").is_dir():
-        _probe_writable(out / "checkpoints", "the checkpoint directory")
+    _refuse_links(out)
+    if (out / CHECKPOINTS).is_dir():
+        _probe_writable(out / CHECKPOINTS, "the checkpoint directory")
     lock = out / LOCK_NAME
     if fcntl is None or not lock.is_file():
         return
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK | O_NOFOLLOW)
     except OSError:
         return
     try:
@@ -100,7 +126,9 @@ def hold_run_directory(out: Path | str) -> Iterator[Path]:
 
     Another process gets a :class:`~comera.errors.ConfigError` naming this one's pid at once;
     this process may nest holds (an experiment holds the directory around each model's run).
-    Without ``fcntl`` (Windows) nothing is locked.
+    Taking the folder sweeps the temp files that killed writes left in it and in its
+    checkpoint folder, whatever their age (no other run can be writing them). Without
+    ``fcntl`` (Windows) nothing is locked.
     """
     out = Path(out)
     key = (os.getpid(), str(out.resolve()))
@@ -127,6 +155,9 @@ def hold_run_directory(out: Path | str) -> Iterator[Path]:
     try:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
+        _refuse_links(out)  # planted between the check and the lock
+        for folder in (out, out / CHECKPOINTS):
+            sweep_temp_files(folder, prefix=".")
         yield out
     finally:
         del _held[key]
@@ -138,7 +169,16 @@ def hold_run_directory(out: Path | str) -> Iterator[Path]:
 def _acquire(out: Path, lock: Path) -> int:
     """Open and flock ``lock``; retry if a finishing holder unlinked it between open and lock."""
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | O_NOFOLLOW, 0o644)
+        except OSError as exc:  # ELOOP: a link planted at the lock's name
+            found = link_or_special(lock) or exc.strerror or str(exc)
+            raise ConfigError(f"--out {out}: {lock} is {found}; a run does not write through "
+                              f"it. Remove it (rm {lock}) or choose another --out.") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ConfigError(f"--out {out}: {lock} is not a regular file; remove it "
+                              f"(rm {lock}) or choose another --out.")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

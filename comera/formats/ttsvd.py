@@ -112,6 +112,12 @@ def tt_svd(tensor: torch.Tensor, max_ranks: MaxRanks) -> list[torch.Tensor]:
         raise ConfigError(
             f"tt_svd expects a floating-point tensor, got {tensor.dtype}; convert it with .float()"
         )
+    bad = int((~torch.isfinite(tensor.detach())).sum())
+    if bad:
+        raise ConfigError(
+            f"tt_svd got a tensor of shape {tuple(tensor.shape)} with {bad} NaN or infinite "
+            "entries; an SVD of it is undefined. Fix or drop the non-finite weights first."
+        )
     caps = _resolve_ranks(max_ranks, tensor.ndim - 1)
     dtype = tensor.dtype
     work = tensor.detach()

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError, LookupIndexError
-from comera.layers.embedding import TTEmbedding
+from comera.layers.embedding import TTEmbedding, check_ids
 
 
 class CachedTTEmbedding(nn.Module):
@@ -70,6 +70,7 @@ class CachedTTEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         """Rows at ``ids`` (any shape) -> ``(*ids.shape, embedding_dim)``: cached ids from the
         cache, the rest from the TT cores."""
+        check_ids(ids, "CachedTTEmbedding")
         flat = ids.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise LookupIndexError(f"ids must lie in [0, {self.num_embeddings}); got "

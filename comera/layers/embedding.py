@@ -24,6 +24,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +41,7 @@ from comera.layers.linear import (
     _check_features,
     _check_tau,
     _load_cores_,
+    check_finite_weight,
 )
 from comera.lean.recompute import recomputed_in_backward
 
@@ -103,6 +105,19 @@ def _mixed_radix_strides(modes: Sequence[int]) -> list[int]:
         strides.append(acc)
         acc *= m
     return list(reversed(strides))
+
+
+ID_DTYPES = (torch.int64, torch.int32)  # what nn.Embedding takes
+
+
+def check_ids(ids: Any, who: str) -> None:
+    """``ids`` is a tensor of int64 or int32 ids, as ``nn.Embedding`` takes; else a
+    :class:`ConfigError` naming the dtype and the fix (smaller integer types are refused at
+    the door, as ``nn.Embedding`` refuses them)."""
+    if not isinstance(ids, Tensor) or ids.dtype not in ID_DTYPES:
+        got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
+        raise ConfigError(f"{who} takes integer ids of dtype torch.int64 or torch.int32, as "
+                          f"nn.Embedding does; got {got}: pass ids.long().")
 
 
 class TTEmbedding(GatedTrain):
@@ -220,10 +235,7 @@ class TTEmbedding(GatedTrain):
         Each distinct id is reconstructed once from its digit slices of the (merged) cores; the rows
         of ``padding_idx`` are zero. An id outside ``[0, num_embeddings)`` raises
         :class:`LookupIndexError`."""
-        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32,
-                                                            torch.int16, torch.uint8):
-            raise ConfigError(f"TTEmbedding takes integer ids (torch.long), got "
-                              f"{getattr(ids, 'dtype', type(ids).__name__)}.")
+        check_ids(ids, "TTEmbedding")
         flat = ids.reshape(-1)
         if flat.numel() == 0:
             return self.cores[0].new_zeros(*ids.shape, self.embedding_dim)
@@ -314,6 +326,7 @@ class TTEmbedding(GatedTrain):
         if not isinstance(embedding, nn.Embedding):
             raise ConfigError(f"from_embedding takes an nn.Embedding, got "
                               f"{type(embedding).__name__}.")
+        check_finite_weight(embedding, embedding.weight)
         w = embedding.weight.detach()
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, row_modes, col_modes,
                     ranks, embedding.padding_idx, tau, d, merge_pairs, dtype=w.dtype,

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 import tncomp
-from comera.errors import ConfigError
+from comera.errors import ConfigError, ConversionError, NonFiniteError
 from comera.formats.factorize import factorize, factorize_pair
 from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, tt_to_matrix, ttm_to_matrix
 from tncomp.compiler.builders import check_modes
@@ -65,10 +65,14 @@ def resolve_modes(in_features: int, out_features: int, in_modes, out_modes, d: i
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` computes matmuls in on ``device_type`` now (None when off)."""
-    if not torch.is_autocast_enabled(device_type):
+    """The dtype ``torch.autocast`` computes matmuls in on ``device_type`` now (None when off,
+    and on device types autocast does not know, such as ``meta``)."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # "unknown device type for autocast": nothing is autocast there
         return None
-    return torch.get_autocast_dtype(device_type)
 
 
 def _autocast_cast(t: Tensor, low: torch.dtype) -> Tensor:
@@ -166,12 +170,26 @@ class GatedTrain(nn.Module):
         return (1, *(int(m.sum()) for m in self.gate_masks()), 1)
 
     def gate_masks(self) -> list[Tensor]:
-        """Per gate, a bool mask of the rank slices still alive (``|gate| > tau``), detached."""
-        return [g.detach().abs() > self.tau for g in self.gates]
+        """Per gate, a bool mask of the rank slices still alive (``|gate| > tau``), detached.
+        A NaN entry counts as alive: it still reaches the output, so it is never pruned
+        silently (:meth:`check_finite_gates` refuses it where ranks are cut)."""
+        return [~(g.detach().abs() <= self.tau) for g in self.gates]
 
     def effective_gates(self) -> list[Tensor]:
         """Gates with the entries at or below tau zeroed (and cut off from the gradient)."""
-        return [g * (g.detach().abs() > self.tau).to(g.dtype) for g in self.gates]
+        return [g * m.to(g.dtype) for g, m in zip(self.gates, self.gate_masks(), strict=True)]
+
+    def check_finite_gates(self, name: str = "") -> None:
+        """Raise :class:`NonFiniteError` naming the layer, the gate and the entries when a gate
+        holds a NaN or infinite value: pruning or truncating it would change the function the
+        layer computes (its output is already NaN)."""
+        for k, gate in enumerate(self.gates):
+            bad = (~torch.isfinite(gate.detach())).nonzero().flatten().tolist()
+            if bad:
+                raise NonFiniteError(
+                    f"layer {name or type(self).__name__}: gate {k} holds non-finite entries at "
+                    f"{bad[:8]}; its output is NaN, so its ranks are not cut. Restore the layer "
+                    "from a checkpoint (or lower the learning rates) before truncating.")
 
     def gated_cores(self) -> list[Tensor]:
         """Cores with each gate folded into the right bond of the core before it."""
@@ -222,6 +240,11 @@ class GatedTrain(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``x @ W + bias`` for ``x`` of shape ``(..., in_features)``, contracted through the gated
         cores without forming W: a tensor of shape ``(..., out_features)``."""
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            raise ConfigError(
+                f"{type(self).__name__} takes a tensor of shape (..., {self.in_features}), got "
+                f"{'a 0-dim tensor' if isinstance(x, Tensor) else type(x).__name__}; add the "
+                "feature axis, e.g. x.reshape(1, -1).")
         if x.shape[-1] != self.in_features:
             raise ConfigError(
                 f"{type(self).__name__} expects inputs whose last axis has {self.in_features} "
@@ -230,9 +253,16 @@ class GatedTrain(nn.Module):
         lead = x.shape[:-1]
         rows = math.prod(lead)
         low = autocast_dtype(x.device.type)
-        if rows == 0:
+        if x.device != self.cores[0].device:
+            raise ConfigError(
+                f"{type(self).__name__}: the input is on {x.device}, the cores on "
+                f"{self.cores[0].device}; move one to the other, e.g. x.to("
+                f"'{self.cores[0].device}').")
+        if rows == 0 or x.device.type == "meta":  # meta: shapes only, there is nothing to add
             y = _autocast_cast(x, low).new_zeros(*lead, self.out_features) if low else \
                 x.new_zeros(*lead, self.out_features)
+            # as nn.Linear: an empty batch gives the parameters zero gradients, not none
+            y = y + sum(p.reshape(-1)[:0].sum() for p in (*self.cores, *self.gates)).to(y.dtype)
         else:
             xm = x.reshape(rows, *self.in_modes)
             cores = self.gated_cores()
@@ -260,7 +290,10 @@ class GatedTrain(nn.Module):
         return state
 
     def _gaussian_init_(self, n_cores: int) -> None:
-        """Gaussian cores scaled so the dense weight has variance about 1/(fan_in + fan_out)."""
+        """Gaussian cores scaled so the dense weight has variance about 1/(fan_in + fan_out).
+        Cores on the meta device hold no values: nothing to draw."""
+        if self.cores[0].is_meta:
+            return
         bonds = self.bonds
         target = 1.0 / (self.in_features + self.out_features)
         std = (target / math.prod(bonds)) ** (1.0 / (2 * n_cores))
@@ -276,6 +309,21 @@ class GatedTrain(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"in_modes={self.in_modes}, out_modes={self.out_modes}, ranks={self.ranks}, "
                 f"bias={self.bias is not None}, tau={self.tau}")
+
+
+def check_finite_weight(module: nn.Module, weight: Tensor, bias: Tensor | None = None) -> None:
+    """Refuse to factorise a dense ``module`` whose weight (or bias) holds NaN or infinite
+    entries: :class:`ConversionError` naming the module and the count (an SVD of it fails
+    or yields NaN cores)."""
+    for what, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        bad = int((~torch.isfinite(t.detach())).sum())
+        if bad:
+            raise ConversionError(
+                f"{module} has {bad} NaN or infinite {what} entries; it cannot be factorised. "
+                "Fix the weights (e.g. reload the model) or leave this layer dense with "
+                "exclude=[...].")
 
 
 class _LinearTrain(GatedTrain):
@@ -318,6 +366,7 @@ class _LinearTrain(GatedTrain):
         """A layer initialised by TT-SVD of a trained ``nn.Linear`` (exact at full rank)."""
         if not isinstance(linear, nn.Linear):
             raise ConfigError(f"from_linear takes an nn.Linear, got {type(linear).__name__}.")
+        check_finite_weight(linear, linear.weight, linear.bias)
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, in_modes, out_modes, ranks,
                     linear.bias is not None, tau, d, dtype=w.dtype, device=w.device,

@@ -77,6 +77,7 @@ def _keep_indices(mask: Tensor) -> Tensor:
 
 def truncate_layer_(layer: GatedTrain, optimizer=None, fold_gates: bool = True) -> None:
     """Truncate one layer in place (see the module docstring)."""
+    layer.check_finite_gates()
     removed = layer.is_removed()
     masks = layer.gate_masks()
     if removed:  # the weight is exactly zero: keep one (masked) slice per bond
@@ -98,7 +99,11 @@ def truncate_layer_(layer: GatedTrain, optimizer=None, fold_gates: bool = True) 
 
 
 def truncate_(model: nn.Module, optimizer=None, fold_gates: bool = True) -> TruncationReport:
-    """Truncate every TT layer of ``model`` (and ``optimizer``'s state) to its effective ranks."""
+    """Truncate every TT layer of ``model`` (and ``optimizer``'s state) to its effective ranks.
+
+    A gate holding a NaN or infinite entry raises :class:`~comera.errors.NonFiniteError`
+    naming the layer before any layer is changed: cutting it would change the function."""
+    check_finite_gates(model)
     rows = []
     for name, layer in tt_modules(model):
         before = layer.bonds
@@ -106,6 +111,13 @@ def truncate_(model: nn.Module, optimizer=None, fold_gates: bool = True) -> Trun
         rows.append((name, before, layer.bonds))
     rebuild_stacks(model)
     return TruncationReport(tuple(rows))
+
+
+def check_finite_gates(model: nn.Module) -> None:
+    """Every TT layer's gates are finite, else a :class:`~comera.errors.NonFiniteError` naming
+    the first layer that is not (see :meth:`GatedTrain.check_finite_gates`)."""
+    for name, layer in tt_modules(model):
+        layer.check_finite_gates(name)
 
 
 def rebuild_stacks(model: nn.Module) -> None:
@@ -143,6 +155,7 @@ def round_layer_(layer: GatedTrain, optimizer=None, rtol: float = 1e-7) -> bool:
     ``optimizer``: the layer's cores' and gates' state (Adam's moments) no longer matches the new
     basis: first moments are zeroed, second moments set to their mean. Returns True when some
     bond shrank."""
+    layer.check_finite_gates()
     if layer.is_removed():
         return False
     masks = layer.gate_masks()
@@ -199,7 +212,9 @@ def round_layer_(layer: GatedTrain, optimizer=None, rtol: float = 1e-7) -> bool:
 def round_(model: nn.Module, optimizer=None, only_excess: bool = True) -> TruncationReport:
     """Round the TT layers of ``model`` in place (:func:`round_layer_`): by default only those
     with a bond above what its neighbours allow (:func:`excess_bonds`), whose extra slices are
-    then freed; the function is unchanged. The report gives each layer's effective ranks."""
+    then freed; the function is unchanged. The report gives each layer's effective ranks.
+    Non-finite gates are refused first, as in :func:`truncate_`."""
+    check_finite_gates(model)
     rows = []
     for name, layer in tt_modules(model):
         before = layer.ranks

@@ -47,11 +47,18 @@ from torch import Tensor, nn
 
 from comera.errors import CheckpointError
 from comera.ranks.size import tt_modules
-from comera.surgery.swap import check_other_keys, layer_spec, match_layers, restore_layers_
+from comera.surgery.swap import (
+    check_other_keys,
+    check_records,
+    layer_spec,
+    match_layers,
+    restore_layers_,
+)
 from comera.surgery.torchfile import (
     load_error_reason,
     read_torch_file,
     refused_global,
+    update_digest,
     write_torch_file,
 )
 from comera.training.optimizer_state import check_optimizer, optimizer_record, rebuild_optimizer_
@@ -67,6 +74,8 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, Tensor, torch.dtype
           torch.Size)
 
 PathLike = str | os.PathLike
+# the raw errors an edited record can raise while loading: each becomes a CheckpointError
+_RAW = (KeyError, AttributeError, TypeError, ValueError, IndexError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -86,29 +95,10 @@ class CheckpointRecord:
 
 
 # -- checksum and plain data ----------------------------------------------------------------------
-def _update(h: Any, obj: Any) -> None:
-    """Feed ``obj`` (nested dicts / lists / tensors / scalars) into the hash ``h``, in order."""
-    if isinstance(obj, Tensor):
-        t = obj.detach().to("cpu").contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
-    elif isinstance(obj, Mapping):
-        h.update(f"D{len(obj)}".encode())
-        for key, value in obj.items():
-            h.update(f"K{key!r}".encode())
-            _update(h, value)
-    elif isinstance(obj, list | tuple):
-        h.update(f"L{len(obj)}".encode())
-        for value in obj:
-            _update(h, value)
-    else:
-        h.update(f"S{obj!r}".encode())
-
-
 def _checksum(payload: Mapping[str, Any]) -> str:
     h = hashlib.sha256()
     for key in ("model", "layers", "optimizer", "optimizer_param_names", "extra"):
-        _update(h, payload.get(key))
+        update_digest(h, payload.get(key))
     return h.hexdigest()
 
 
@@ -222,9 +212,37 @@ def _read(source: PathLike | Mapping[str, Any]) -> CheckpointRecord:
                               f"..., computed {expected[:16]}...): its contents changed after "
                               "it was saved (a damaged or truncated copy, or an edit). Use "
                               "another copy of the checkpoint.")
+    _check_contents(payload, where)
     return CheckpointRecord(
         where, payload["model"], payload["layers"], payload["extra"], payload.get("optimizer"),
         payload.get("optimizer_class"), payload.get("optimizer_param_names"), version)
+
+
+def _check_contents(payload: Mapping[str, Any], where: str) -> None:
+    """Types and sizes of a checksummed payload (whoever can write the file can recompute the
+    checksum): a state dict of tensors, TT layer records that match those tensors, plain
+    ``extra``, optimizer entries of the right kinds. Raises CheckpointError, before anything
+    is built or allocated."""
+    model = payload["model"]
+    if not isinstance(model, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, Tensor) for k, v in model.items()):
+        raise CheckpointError(f"{where}: its model entry is not a state dict of named tensors; "
+                              "the file is damaged or was edited.")
+    check_records(payload["layers"], model, where)
+    if not isinstance(payload["extra"], Mapping):
+        raise CheckpointError(f"{where}: its extra entry is a {type(payload['extra']).__name__}, "
+                              "not a mapping; the file is damaged or was edited.")
+    for key, kinds in (("optimizer", Mapping), ("optimizer_class", str),
+                       ("optimizer_param_names", list)):
+        value = payload.get(key)
+        if value is not None and not isinstance(value, kinds):
+            raise CheckpointError(f"{where}: its {key} entry is a {type(value).__name__}; the "
+                                  "file is damaged or was edited.")
+    names = payload.get("optimizer_param_names")
+    if names is not None and not all(
+            isinstance(group, list) and all(isinstance(n, str) for n in group) for group in names):
+        raise CheckpointError(f"{where}: its optimizer_param_names are not lists of names; the "
+                              "file is damaged or was edited.")
 
 
 def read_checkpoint(source: PathLike | Mapping[str, Any]) -> CheckpointRecord:
@@ -252,8 +270,13 @@ def load_checkpoint(source: PathLike | Mapping[str, Any], model: nn.Module,
     where = record.path
     plan = match_layers(model, record.layers, where)
     check_other_keys(model, record.model, [name for name, _, _ in plan], strict, where)
-    if optimizer is not None:
-        check_optimizer(record.optimizer, record.optimizer_class, optimizer, where)
+    try:
+        if optimizer is not None:
+            check_optimizer(record.optimizer, record.optimizer_class, optimizer, where)
+    except _RAW as exc:
+        raise CheckpointError(f"{where}: its optimizer record cannot be read ("
+                              f"{type(exc).__name__}: {exc}); the file is damaged or was "
+                              "edited.") from None
     restore_layers_(model, plan)
     try:
         model.load_state_dict(record.model, strict=strict)
@@ -261,8 +284,15 @@ def load_checkpoint(source: PathLike | Mapping[str, Any], model: nn.Module,
         raise CheckpointError(f"{where} could not be loaded into the model (it was partly "
                               f"changed; rebuild it before retrying): {exc}") from exc
     if optimizer is not None:
-        rebuild_optimizer_(record.optimizer, record.optimizer_param_names, model, optimizer,
-                           where)
+        try:
+            rebuild_optimizer_(record.optimizer, record.optimizer_param_names, model, optimizer,
+                               where)
+        except CheckpointError:
+            raise
+        except _RAW as exc:  # an edited record that still passed its (recomputed) checksum
+            raise CheckpointError(f"{where}: its optimizer state cannot be loaded ("
+                                  f"{type(exc).__name__}: {exc}); the model was loaded, the "
+                                  "optimizer was not. The file is damaged or was edited.") from None
     return dict(record.extra)
 
 

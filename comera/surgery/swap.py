@@ -10,9 +10,11 @@ replaced by name (``convert_`` and checkpoint loading both use it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from comera.errors import CheckpointError, ConfigError
@@ -23,6 +25,10 @@ KINDS: dict[str, type[GatedTrain]] = {
     "TTEmbedding": TTEmbedding, "TTMLinear": TTMLinear, "TTLinear": TTLinear}
 
 LayerPlan = list[tuple[str, nn.Module, Mapping[str, Any]]]  # (name, module now, record)
+SPEC_KEYS = ("kind", "in_features", "out_features", "in_modes", "out_modes", "bonds", "tau",
+             "bias", "padding_idx", "merge_pairs")
+MAX_FEATURES = 2**31 - 1  # a record's sizes and bonds: int32, checked before anything is built
+MAX_MODES = 64
 
 
 def swap_submodule(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
@@ -94,6 +100,78 @@ def resize_(module: GatedTrain, bonds: tuple[int, ...]) -> None:
             module.gates[k] = nn.Parameter(gate.new_ones(bonds[k + 1]),
                                            requires_grad=gate.requires_grad)
     module.build_compiled()
+
+
+# -- checking a record read from a file ----------------------------------------------------------
+def _whole(value: Any, low: int = 1, high: int = MAX_FEATURES) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _modes(value: Any) -> bool:
+    return (isinstance(value, list | tuple) and 1 <= len(value) <= MAX_MODES
+            and all(_whole(m) for m in value))
+
+
+def _record_problem(spec: Any) -> str | None:
+    """What is wrong with a record's types and ranges (None when nothing is)."""
+    if not isinstance(spec, Mapping):
+        return f"is a {type(spec).__name__}, not a mapping"
+    missing = [k for k in SPEC_KEYS if k not in spec]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    if spec["kind"] not in KINDS:
+        return f"has kind {spec['kind']!r}; expected one of {', '.join(KINDS)}"
+    for key in ("in_features", "out_features"):
+        if not _whole(spec[key]):
+            return f"has {key}={spec[key]!r}; expected a whole number in [1, {MAX_FEATURES}]"
+    for key in ("in_modes", "out_modes", "bonds"):
+        if not _modes(spec[key]):
+            return (f"has {key}={spec[key]!r}; expected 1 to {MAX_MODES} whole numbers in "
+                    f"[1, {MAX_FEATURES}]")
+    tau = spec["tau"]
+    if isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau):
+        return f"has tau={tau!r}; expected a finite number"
+    if not isinstance(spec["bias"], bool):
+        return f"has bias={spec['bias']!r}; expected true or false"
+    if spec["padding_idx"] is not None and not _whole(spec["padding_idx"], -MAX_FEATURES):
+        return f"has padding_idx={spec['padding_idx']!r}; expected null or a whole number"
+    if spec["merge_pairs"] is not None and not isinstance(spec["merge_pairs"], bool):
+        return f"has merge_pairs={spec['merge_pairs']!r}; expected null, true or false"
+    return None
+
+
+def check_records(layers: Any, state: Mapping[str, Any], where: str) -> None:
+    """Refuse, before anything is built or allocated, TT layer records (read from a file) that
+    do not describe a valid layer or whose shapes differ from the tensors the file holds: each
+    record's types and ranges are checked, the layer it describes is built on the meta device
+    (no memory) and every one of its tensors must be in ``state`` with the same shape. A
+    :class:`CheckpointError` names the layer and what is wrong."""
+    if not isinstance(layers, Mapping) or not all(isinstance(n, str) for n in layers):
+        raise CheckpointError(f"{where}: the TT layer records are not a mapping of names to "
+                              "records; the file is damaged or was edited.")
+    for name, spec in layers.items():
+        def refuse(why: str, name: str = name) -> CheckpointError:
+            return CheckpointError(f"{where}: the record of TT layer {name or '<model>'} {why}; "
+                                   "the file is damaged or was edited.")
+
+        why = _record_problem(spec)
+        if why is not None:
+            raise refuse(why)
+        try:
+            meta = build_layer(spec, torch.empty(0, device="meta"))
+        except (ValueError, TypeError, RuntimeError, OverflowError, IndexError) as exc:
+            raise refuse(f"describes no valid layer ({type(exc).__name__}: {exc})") from None
+        if tuple(meta.bonds) != tuple(spec["bonds"]):
+            raise refuse(f"has bonds {tuple(spec['bonds'])}; its modes allow "
+                         f"{tuple(meta.bonds)}")
+        for key, expected in meta.state_dict().items():
+            full = f"{name}.{key}" if name else key
+            got = state.get(full)
+            if not isinstance(got, Tensor):
+                raise refuse(f"needs the tensor {full}, which the file lacks")
+            if tuple(got.shape) != tuple(expected.shape):
+                raise refuse(f"gives {full} the shape {tuple(expected.shape)}, but the file "
+                             f"holds {tuple(got.shape)}")
 
 
 # -- matching a model against records ------------------------------------------------------------
@@ -205,5 +283,5 @@ def restore_layers_(model: nn.Module, plan: LayerPlan) -> None:
             swap_submodule(model, name, build_layer(spec, module.weight))
 
 
-__all__ = ["KINDS", "build_layer", "check_other_keys", "layer_kind", "layer_spec",
+__all__ = ["KINDS", "build_layer", "check_other_keys", "check_records", "layer_kind", "layer_spec",
            "match_layers", "resize_", "restore_layers_", "swap_submodule"]

@@ -11,10 +11,12 @@ and :func:`refused_global` names the Python object a file asked to unpickle.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import pickle
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,33 @@ def read_torch_file(path: Path | str | os.PathLike) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def update_digest(h: Any, obj: Any) -> None:
+    """Feed ``obj`` (nested dicts / lists / tensors / scalars) into the hash ``h`` in order: the
+    one content hash of comera's files (checkpoint checksums, data-cache checksums)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu").contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(obj, Mapping):
+        h.update(f"D{len(obj)}".encode())
+        for key, value in obj.items():
+            h.update(f"K{key!r}".encode())
+            update_digest(h, value)
+    elif isinstance(obj, list | tuple):
+        h.update(f"L{len(obj)}".encode())
+        for value in obj:
+            update_digest(h, value)
+    else:
+        h.update(f"S{obj!r}".encode())
+
+
+def content_digest(obj: Any) -> str:
+    """The sha256 of ``obj``'s contents (:func:`update_digest`) as hex."""
+    h = hashlib.sha256()
+    update_digest(h, obj)
+    return h.hexdigest()
+
+
 def refused_global(exc: BaseException) -> str | None:
     """The Python object (``module.Name``) a weights-only load refused to unpickle, if that is
     what ``exc`` reports; None for any other error."""
@@ -56,4 +85,5 @@ def load_error_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
 
 
-__all__ = ["load_error_reason", "read_torch_file", "refused_global", "write_torch_file"]
+__all__ = ["content_digest", "load_error_reason", "read_torch_file", "refused_global",
+           "update_digest", "write_torch_file"]

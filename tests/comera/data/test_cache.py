@@ -75,6 +75,10 @@ def test_a_foreign_file_is_rebuilt(caplog):
     torch.save({"unrelated": torch.ones(2)}, path)
     with caplog.at_level(logging.WARNING, logger="comera.data"):
         assert cache.read_cached(path, lambda blob: blob["vocab"]) is None
+    assert "not a checksummed comera data cache" in caplog.text
+    cache.write_cached(path, {"unrelated": torch.ones(2)})  # ours, but decode rejects it
+    with caplog.at_level(logging.WARNING, logger="comera.data"):
+        assert cache.read_cached(path, lambda blob: blob["vocab"]) is None
     assert "KeyError" in caplog.text
 
 

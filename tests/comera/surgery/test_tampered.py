@@ -1,0 +1,186 @@
+"""Saved folders and checkpoints edited with the checksum recomputed raise CheckpointError,
+never a raw KeyError / AttributeError / RuntimeError, and never allocate what an edited record
+asks for; HuggingFace's config.json is covered by the checksum (issue 26, item 5)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import resource
+
+import pytest
+import torch
+from torch import nn
+
+import comera
+from comera.surgery import checkpoint as ckpt
+from comera.surgery.pretrained import HF_CONFIG, RECORDS, WEIGHTS
+
+st = pytest.importorskip("safetensors.torch")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(comera.TTLinear(16, 16, (4, 4), (4, 4), 3), nn.Tanh(),
+                         comera.TTEmbedding(64, 8, ranks=3))
+
+
+def _fresh() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Embedding(64, 8))
+
+
+def _rewrite_records(folder, edit) -> None:
+    """Apply ``edit`` to the folder's records and recompute their checksum, as an editor who
+    knows the format would."""
+    records = json.loads((folder / RECORDS).read_text())
+    edit(records)
+    tensors = st.load_file(folder / WEIGHTS)
+    aliases = records.get("aliases") if isinstance(records.get("aliases"), dict) else {}
+    tensors.update({a: tensors[t] for a, t in aliases.items() if t in tensors})
+    payload = {"model": dict(sorted(tensors.items())), "layers": records.get("layers"),
+               "optimizer": None, "optimizer_param_names": None,
+               "extra": {"config_sha256": records.get("config_sha256")}}
+    records["checksum"] = ckpt._checksum(payload)
+    (folder / RECORDS).write_text(json.dumps(records))
+
+
+def _set(path: list, value):
+    def edit(records):
+        target = records
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return edit
+
+
+def _drop(path: list):
+    def edit(records):
+        target = records
+        for key in path[:-1]:
+            target = target[key]
+        del target[path[-1]]
+    return edit
+
+
+EDITS = {
+    "huge-bonds": _set(["layers", "0", "bonds"], [1, 4_000_000_000, 1]),
+    "huge-but-int32-bonds": _set(["layers", "0", "bonds"], [1, 2_000_000_000, 1]),
+    "bonds-of-another-shape": _set(["layers", "2", "bonds"], [1, 5, 5, 1]),
+    "bonds-as-text": _set(["layers", "0", "bonds"], "1,3,1"),
+    "huge-features": _set(["layers", "0", "in_features"], 10**12),
+    "unknown-kind": _set(["layers", "0", "kind"], "TTConv"),
+    "no-tau": _drop(["layers", "0", "tau"]),
+    "tau-nan": _set(["layers", "0", "tau"], float("nan")),
+    "modes-of-floats": _set(["layers", "0", "in_modes"], [4.0, 4.0]),
+    "record-not-a-dict": _set(["layers", "0"], 5),
+    "layers-not-a-dict": _set(["layers"], [1, 2]),
+    "layer-the-model-lacks": _set(["layers", "9"], None),
+    "alias-to-nothing": _set(["aliases"], {"x.weight": "missing.weight"}),
+    "aliases-not-a-dict": _set(["aliases"], 3),
+    "no-checksum-field": _drop(["checksum"]),
+}
+
+
+@pytest.mark.parametrize("name", list(EDITS))
+def test_an_edited_pretrained_folder_is_a_checkpoint_error(tmp_path, name):
+    comera.save_pretrained(_model(), tmp_path)
+    if name == "layer-the-model-lacks":
+        _rewrite_records(tmp_path, lambda r: r["layers"].__setitem__(
+            "9", copy.deepcopy(r["layers"]["0"])))
+    elif name == "no-checksum-field":
+        _drop(["checksum"])(records := json.loads((tmp_path / RECORDS).read_text()))
+        (tmp_path / RECORDS).write_text(json.dumps(records))
+    else:
+        _rewrite_records(tmp_path, EDITS[name])
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, hard))  # a huge allocation would fail
+    try:
+        with pytest.raises(comera.CheckpointError):
+            comera.from_pretrained(tmp_path, _fresh())
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_an_unedited_folder_still_loads(tmp_path):
+    model = _model()
+    comera.save_pretrained(model, tmp_path)
+    loaded = comera.from_pretrained(tmp_path, _fresh())
+    x = torch.randn(3, 16)
+    assert torch.equal(loaded[0](x), model[0](x))
+
+
+def test_a_changed_hf_config_is_refused(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=16,
+                                     max_position_embeddings=16, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    with pytest.warns(UserWarning):
+        comera.convert_(model, ranks=4, exclude=["classifier"])
+    comera.save_pretrained(model, tmp_path)
+    cls = transformers.BertForSequenceClassification
+    comera.from_pretrained(tmp_path, cls)  # as saved: loads
+    saved = json.loads((tmp_path / HF_CONFIG).read_text())
+    assert saved["layer_norm_eps"] != 1.0
+    (tmp_path / HF_CONFIG).write_text(json.dumps({**saved, "layer_norm_eps": 1.0}))
+    with pytest.raises(comera.CheckpointError, match=r"config\.json changed"):
+        comera.from_pretrained(tmp_path, cls)  # was loaded silently, outputs off
+    (tmp_path / HF_CONFIG).unlink()
+    with pytest.raises(comera.CheckpointError, match=r"lacks config\.json"):
+        comera.from_pretrained(tmp_path, cls)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def _edited_checkpoint(tmp_path, edit):
+    model = _model()
+    optimizer = comera.make_optimizer(model)
+    model[0](torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "run.pt"
+    comera.save_checkpoint(path, model, optimizer, engine={"step": 3})
+    payload = torch.load(path, weights_only=True)
+    edit(payload)
+    payload["checksum"] = ckpt._checksum(payload)
+    torch.save(payload, path)
+    return path
+
+
+CHECKPOINT_EDITS = {
+    "huge-bonds": lambda p: p["layers"]["0"].__setitem__("bonds", (1, 4_000_000_000, 1)),
+    "bonds-unlike-the-tensors": lambda p: p["layers"]["0"].__setitem__("bonds", (1, 2, 1)),
+    "record-without-kind": lambda p: p["layers"]["0"].pop("kind"),
+    "model-not-a-state-dict": lambda p: p.__setitem__("model", [1, 2]),
+    "tensor-missing": lambda p: p["model"].pop("0.cores.1"),
+    "extra-not-a-dict": lambda p: p.__setitem__("extra", 7),
+    "optimizer-groups-garbled": lambda p: p["optimizer"].__setitem__("param_groups", 5),
+    "optimizer-names-garbled": lambda p: p.__setitem__("optimizer_param_names", [[1, 2]]),
+    "optimizer-state-garbled": lambda p: p["optimizer"].__setitem__("state", {0: 5}),
+}
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINT_EDITS))
+def test_an_edited_checkpoint_is_a_checkpoint_error(tmp_path, name):
+    path = _edited_checkpoint(tmp_path, CHECKPOINT_EDITS[name])
+    model = _fresh()
+    with pytest.raises(comera.CheckpointError):
+        comera.load_checkpoint(path, model, comera.make_optimizer(_model()))
+
+
+@pytest.mark.parametrize("key, value", [("task", None), ("step", "3"), ("rng_python", 5),
+                                        ("record", {"bogus": 1}), ("trainer", {"stage": 3})])
+def test_an_edited_engine_state_is_refused_on_resume(tmp_path, key, value):
+    from comera.experiments.engine import EngineConfig, train_model
+    from tests.helpers.toy_task import ToyTask
+
+    config = EngineConfig(steps_early=2, steps_late=0, batch_size=16, stage="early")
+    train_model(ToyTask(), "comera", True, config, tmp_path, stop_after=1)
+    path = tmp_path / "checkpoints" / "comera.pt"
+    payload = torch.load(path, weights_only=True)
+    payload["extra"]["engine"][key] = value
+    payload["checksum"] = ckpt._checksum(payload)
+    torch.save(payload, path)
+    random.seed(0)
+    with pytest.raises(comera.CheckpointError, match="damaged or was edited"):
+        train_model(ToyTask(), "comera", True, config, tmp_path, resume=True)
