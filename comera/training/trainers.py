@@ -15,6 +15,7 @@ optimizer state; the compiled plans re-plan for the new shapes on the next forwa
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -73,6 +74,19 @@ class OptimizerConfig:
     lr_other: float = 5e-5
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+
+    def __post_init__(self) -> None:
+        for key in ("lr_cores", "lr_gates", "lr_other", "weight_decay"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{key}={value!r}; a finite number >= 0 (e.g. {key}=1e-3).")
+        betas = self.betas
+        if (not isinstance(betas, tuple | list) or len(betas) != 2
+                or any(isinstance(b, bool) or not isinstance(b, int | float)
+                       or not 0 <= b < 1 for b in betas)):
+            raise ConfigError(f"betas={betas!r}; two numbers in [0, 1), e.g. betas=(0.9, 0.999).")
+        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
 
 
 def param_groups(model: nn.Module, config: OptimizerConfig = OptimizerConfig()) -> list[dict]:

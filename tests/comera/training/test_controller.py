@@ -140,3 +140,20 @@ def test_late_stage_for_counts_tt_layers_against_their_dense_size():
     late = comera.late_stage_for(model, 4.0, steps=10)
     outside = sum(p.numel() for p in model[2].parameters())
     assert late.target_size == pytest.approx(model[0].dense_num_parameters() / 4.0 + outside)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("lr_cores", -1e-3), ("lr_cores", float("nan")), ("lr_gates", float("inf")),
+    ("lr_other", "1e-3"), ("weight_decay", -0.1), ("weight_decay", True),
+    ("betas", (0.9,)), ("betas", (0.9, 1.0)), ("betas", "0.9,0.99"), ("betas", (-0.1, 0.9)),
+])
+def test_optimizer_config_refuses_each_bad_field_naming_it(field, value):
+    with pytest.raises(comera.ConfigError, match=f"{field}="):
+        OptimizerConfig(**{field: value})
+
+
+def test_optimizer_config_bad_values_cover_every_field():
+    import dataclasses
+
+    assert {f.name for f in dataclasses.fields(OptimizerConfig)} == {
+        "lr_cores", "lr_gates", "lr_other", "weight_decay", "betas"}
