@@ -193,6 +193,18 @@ class DenseTrainer(_Stepper):
         self.steps = int(state["steps"])
 
 
+def _delegate(name: str, doc: str, settable: bool = True) -> property:
+    """A trainer property reading (and setting) the controller's attribute ``name``."""
+    def get(self):
+        return getattr(self.controller, name)
+
+    def put(self, value) -> None:
+        setattr(self.controller, name, value)
+
+    get.__doc__ = doc
+    return property(get, put if settable else None)
+
+
 class CoMERATrainer(_Stepper):
     """Runs the CoMERA objective: ``step(loss)`` adds the stage's terms, backpropagates, steps.
 
@@ -221,17 +233,13 @@ class CoMERATrainer(_Stepper):
         self.grad_hook = grad_hook
 
     # the controller's state, read and set through the trainer as before
-    stage = property(lambda self: self.controller.stage,
-                     lambda self, v: setattr(self.controller, "stage", v))
-    steps = property(lambda self: self.controller.steps,
-                     lambda self, v: setattr(self.controller, "steps", v))
-    lam = property(lambda self: self.controller.lam,
-                   lambda self, v: setattr(self.controller, "lam", v))
-    min_rank = property(lambda self: self.controller.min_rank,
-                        lambda self, v: setattr(self.controller, "min_rank", v))
-    late = property(lambda self: self.controller.late)
-    regularizer = property(lambda self: self.controller.regularizer)
-    _late_start = property(lambda self: self.controller.late_start)
+    stage = _delegate("stage", "The stage: 'early' or 'late'.")
+    steps = _delegate("steps", "Optimizer steps taken.")
+    lam = _delegate("lam", "The early stage's rank-regulariser weight (settable mid-run).")
+    min_rank = _delegate("min_rank", "The rank floor on every bond.")
+    late = _delegate("late", "The late stage's targets (None in the early stage).", False)
+    regularizer = _delegate("regularizer", "The early stage's regulariser ('l1', ...).", False)
+    _late_start = _delegate("late_start", "(step, size) at the late stage's start.", False)
 
     def objective(self, loss: Tensor, decision_loss: float | None = None) -> tuple[Tensor, str]:
         """The scalar to minimise for this step, and which term was weighted."""
