@@ -59,3 +59,12 @@ def test_every_relative_link_in_the_docs_resolves():
             if "://" in target:
                 continue
             assert (page.parent / target).exists(), (page.name, target)
+
+
+def test_the_readme_is_a_front_page():
+    """About 150-200 lines, the documentation links near the top (on main it was 580 lines with
+    the links at line 539)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert 120 <= len(lines) <= 200, len(lines)
+    first = next(i for i, line in enumerate(lines) if "docs/tutorial.md" in line)
+    assert first < 40 and "docs/results.md" in "\n".join(lines[:40])

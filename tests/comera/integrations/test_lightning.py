@@ -56,7 +56,7 @@ def _trainer(out) -> pl.Trainer:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, one_thread):
     out = tmp_path_factory.mktemp("lightning")
     module = Regression()
     trainer = _trainer(out)
