@@ -58,23 +58,23 @@ class StepStats:
     note: str = ""
 
 
-def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The ``torch.optim.Optimizer`` inside a wrapper (accelerate's ``AcceleratedOptimizer``,
-    Lightning's ``LightningOptimizer``), whose state the controller edits."""
+def torch_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside a wrapper (accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``), whose state the controller edits: anything with ``param_groups``
+    and a ``state`` mapping, as ``torch.optim.Optimizer`` has."""
     seen = optimizer
     for _ in range(4):
         inner = getattr(seen, "optimizer", None) or getattr(seen, "_optimizer", None)
-        if isinstance(inner, torch.optim.Optimizer):
-            seen = inner
-        else:
+        if inner is None or inner is seen or not hasattr(inner, "param_groups"):
             break
-    if not isinstance(seen, torch.optim.Optimizer):
+        seen = inner
+    if not (hasattr(seen, "param_groups") and hasattr(seen, "state")):
         raise ConfigError(f"optimizer {type(optimizer).__name__}: expected a torch.optim."
                           "Optimizer (or a wrapper holding one as .optimizer).")
     return seen
 
 
-def clear_moments_(optimizer: torch.optim.Optimizer | None,
+def clear_moments_(optimizer: Any,
                    entries: Iterable[tuple[Tensor, Any]]) -> None:
     """Zero the optimizer's per-entry state (Adam's moments) of each ``(gate, index)`` pair;
     ``index`` is anything that indexes the gate (an int, a bool mask). State tensors shaped
