@@ -14,9 +14,10 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev]'
 	touch $(STAMP)
 
-# the optional integrations the tests cover (HuggingFace), installed once next to the dev set
+# the optional integrations the tests cover (HuggingFace, Lightning), installed once next to the
+# dev set
 $(TEST_STAMP): $(STAMP)
-	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev,hf]'
+	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[dev,hf,lightning]'
 	touch $(TEST_STAMP)
 
 # the main job: DLRM dense vs CoMERA on the embedded synthetic Criteo-shaped data (a few minutes)

@@ -2,7 +2,8 @@
 
 Layers (``TTLinear``, ``TTMLinear``, ``TTEmbedding``) carry diagonal rank gates; the objective
 (``rank_regularizer``, ``LateStage``) drives ranks down; ``truncate_`` removes pruned ranks
-physically; ``convert_`` turns an existing torch model into a TT model.
+physically; ``convert_`` turns an existing torch model into a TT model; ``RankController`` runs
+the rank-adaptive stages inside any training loop (``CoMERATrainer`` is one such loop).
 ``scaled_dot_product_attention`` and ``BoolMaskDropout`` are torch's attention and dropout,
 bit for bit, keeping less for the CPU backward.
 """
@@ -41,6 +42,7 @@ from comera.surgery.checkpoint import (
 from comera.surgery.convert import ConversionReport, ConvertConfig, convert_
 from comera.surgery.pretrained import from_pretrained, save_pretrained
 from comera.surgery.swap import layer_spec
+from comera.training.controller import RankController, clear_moments_, late_stage_for
 from comera.training.trainers import (
     CoMERATrainer,
     DenseTrainer,
@@ -71,6 +73,7 @@ __all__ = [
     "NonFiniteGradientError",
     "NonFiniteLossError",
     "OptimizerConfig",
+    "RankController",
     "Siblings",
     "StepStats",
     "TTEmbedding",
@@ -80,12 +83,14 @@ __all__ = [
     "TrainingStopped",
     "TruncationReport",
     "checkpoint_payload",
+    "clear_moments_",
     "compression_ratio",
     "convert_",
     "dense_size",
     "factorize",
     "factorize_pair",
     "from_pretrained",
+    "late_stage_for",
     "layer_spec",
     "load_checkpoint",
     "make_optimizer",

@@ -8,6 +8,10 @@ count. The dense size replaces each TT layer by the dense matrix it stands for.
 A hot-row cache (:class:`~comera.layers.cached_embedding.CachedTTEmbedding`) counts with its TT
 table: its rows add to the table's size (and so to ``model_size(model, only=TTEmbedding)``), and not
 to the dense size, where they are rows of the plain table already.
+
+This is the one count: ``compression_ratio``, the run summary (``tt_params``, ``model_params``)
+and ``comera report`` (:mod:`comera.surgery.report`, which reads a checkpoint without the model)
+all state sizes this way.
 """
 
 from __future__ import annotations

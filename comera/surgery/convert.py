@@ -16,6 +16,7 @@ left dense and listed in the report as skipped: converting it would silently unt
 from __future__ import annotations
 
 import fnmatch
+import math
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -66,18 +67,48 @@ class ConvertConfig:
     memory: str | int = "fast"
 
     def __post_init__(self) -> None:
+        for key in ("include", "exclude"):
+            value = getattr(self, key)
+            if isinstance(value, str):  # one pattern
+                object.__setattr__(self, key, (value,))
+            elif not isinstance(value, Sequence | set | frozenset) or any(
+                    not isinstance(p, str) for p in value):
+                raise ConfigError(f"{key}={value!r}; pass a list of fnmatch patterns over "
+                                  f"module names, e.g. {key}=['encoder.*'].")
+            else:
+                object.__setattr__(self, key, tuple(value))
+        for key in ("linear", "embedding"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key}={getattr(self, key)!r}; pass True or False.")
+        if isinstance(self.ranks, Mapping):
+            bad = {k: v for k, v in self.ranks.items() if not isinstance(k, str)
+                   or not _is_rank(v)}
+            if bad or not self.ranks:
+                raise ConfigError(f"ranks={dict(self.ranks)!r}; a mapping of fnmatch pattern to "
+                                  "a max rank (an int >= 1), e.g. ranks={'*': 16}.")
+        elif not _is_rank(self.ranks):
+            raise ConfigError(f"ranks={self.ranks!r}; a max rank is an int >= 1 (e.g. ranks=16), "
+                              "or a mapping of pattern to rank.")
+        if self.target_compression is not None and not (
+                _is_number(self.target_compression) and self.target_compression > 1):
+            raise ConfigError(f"target_compression={self.target_compression!r}; it must be a "
+                              "finite number > 1 (dense size / TT size), or None to use ranks.")
+        if isinstance(self.d, bool) or not isinstance(self.d, int) or self.d < 1:
+            raise ConfigError(f"d={self.d!r}; the number of modes per side is an int >= 1 "
+                              "(a TT layer has at least one mode per side; default 3).")
+        if not (_is_number(self.tau) and self.tau >= 0):
+            raise ConfigError(f"tau={self.tau!r}; the gate threshold is a finite number >= 0 "
+                              f"(default {DEFAULT_TAU}).")
         if self.format not in FORMATS:
             raise ConfigError(f"format={self.format!r}; choose one of {', '.join(FORMATS)}.")
+        if not isinstance(self.modes, Mapping) or any(
+                not isinstance(k, str) or not _is_modes(v) for k, v in self.modes.items()):
+            raise ConfigError(f"modes={self.modes!r}; a mapping of layer name to (in_modes, "
+                              "out_modes), each a list of ints >= 1, e.g. "
+                              "modes={'fc': ([8, 8], [4, 16])}.")
         if self.attention_in_proj not in IN_PROJ:
             raise ConfigError(f"attention_in_proj={self.attention_in_proj!r}; choose one of "
                               f"{', '.join(IN_PROJ)}.")
-        if self.target_compression is not None and not self.target_compression > 1:
-            raise ConfigError(f"target_compression={self.target_compression}; it must be > 1 "
-                              "(dense size / TT size).")
-        if isinstance(self.ranks, int) and self.ranks < 1:
-            raise ConfigError(f"ranks={self.ranks}; a rank is at least 1.")
-        if self.d < 1:
-            raise ConfigError(f"d={self.d}; a TT layer has at least one mode per side.")
         check_memory(self.memory)
         if not (self.linear or self.embedding):
             raise ConfigError("linear and embedding are both False: nothing would be converted.")
@@ -91,6 +122,21 @@ class ConvertConfig:
             if fnmatch.fnmatchcase(name, pattern):
                 return rank
         raise ConfigError(f"no ranks pattern matches layer {name!r}; add one or use '*'.")
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _is_rank(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_modes(value: object) -> bool:
+    return (isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2
+            and all(isinstance(side, Sequence) and not isinstance(side, str) and side
+                    and all(_is_rank(m) for m in side) for side in value))
 
 
 @dataclass(frozen=True)
@@ -280,6 +326,40 @@ def _layer_report(name: str, dense: nn.Module, layer) -> LayerReport:
                        layer.num_parameters(effective=True))
 
 
+def full_bonds(layer: GatedTrain) -> tuple[int, ...]:
+    """The largest bonds ``layer``'s modes allow (an exact TT of any matrix): bond k is the
+    smaller of the products of the cores' inner sizes left and right of it."""
+    inner = [math.prod(c.shape[1:-1]) for c in layer.cores]
+    return tuple(min(math.prod(inner[:k]), math.prod(inner[k:])) for k in range(len(inner) + 1))
+
+
+def _warn_oversized(layers: list[tuple[str, int, GatedTrain]],
+                    reports: Mapping[str, LayerReport]) -> None:
+    """One warning naming the layers whose requested rank reaches their full TT rank (the
+    bonds are clipped there) or whose TT form holds more parameters than the dense layer."""
+    full = [f"{name} (rank {rank} >= full {max(full_bonds(layer)[1:-1], default=1)})"
+            for name, rank, layer in layers if rank >= max(full_bonds(layer)[1:-1], default=1)]
+    larger = [f"{r.name} ({r.before / max(r.after, 1):.2f}x)"
+              for r in (reports[name] for name, _, _ in layers) if r.after > r.before]
+    if not (full or larger):
+        return
+    parts = []
+    if full:
+        parts.append(f"the requested rank reaches the full TT rank of {len(full)} layer(s): "
+                     f"{_names(full)} (bonds are clipped there: the TT form is exact and "
+                     "compresses nothing)")
+    if larger:
+        parts.append(f"compression below 1x (more parameters than dense) for {len(larger)} "
+                     f"layer(s): {_names(larger)}")
+    warnings.warn("convert_: " + "; ".join(parts) + ". Lower ranks (or set target_compression) "
+                  "so the TT layers are smaller than the dense ones.", UserWarning, stacklevel=3)
+
+
+def _names(items: list[str], most: int = 6) -> str:
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return ", ".join(items[:most]) + more
+
+
 def _fast_paths_off_(model: nn.Module) -> None:
     """Switch off torch's transformer fast paths where they would read a converted weight."""
     def converted(module: nn.Module) -> bool:
@@ -322,7 +402,7 @@ def convert_(
         raise ConversionError(f"every matching module has its weight tied to another module "
                               f"({', '.join(sorted(tied))}); converting would untie them. Select "
                               "other modules, or untie the weights first.")
-    reports = []
+    reports, oversized = [], []
     for name, module in chosen:
         if name in tied:
             continue
@@ -336,6 +416,10 @@ def convert_(
                 part.memory = config.memory
         swap_submodule(model, name, layer)
         reports += [_layer_report(*part) for part in parts]
+        if not config.target_compression:
+            oversized += [(part_name, config.rank_for(part_name), part)
+                          for part_name, _, part in parts]
+    _warn_oversized(oversized, {r.name: r for r in reports})
     _fast_paths_off_(model)
     if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):
         warnings.warn(HF_SAVE_WARNING, UserWarning, stacklevel=2)

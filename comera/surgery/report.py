@@ -4,6 +4,10 @@
 
 Read from the file alone (no model needed): each recorded layer is rebuilt from its record and
 its weights, so the effective ranks (gate entries above tau) are the ones the model trains with.
+Sizes are counted as :mod:`comera.ranks.size` counts them (``model_size``, ``compression_ratio``
+and the run summary agree with this table): a TT layer at its effective ranks with its bias and
+its hot-row cache (:class:`~comera.layers.cached_embedding.CachedTTEmbedding`), against the dense
+matrix it stands for; every other floating-point tensor counts once, outside the TT layers.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ class LayerRow:
     modes: tuple[tuple[int, ...], tuple[int, ...]]
     bonds: tuple[int, ...]  # stored (physical)
     ranks: tuple[int, ...]  # effective
-    params: int  # at the effective ranks (bias included)
+    params: int  # at the effective ranks (bias and hot-row cache included)
     dense_params: int
+    cache_params: int = 0  # of a hot-row cache, counted in ``params`` (as model_size does)
 
     @property
     def compression(self) -> float:
@@ -70,10 +75,21 @@ class CheckpointReport:
 
     @property
     def compression(self) -> float:
-        """Compression of the TT layers: dense parameters / parameters at the effective ranks."""
+        """Compression of the TT layers: dense parameters / parameters at the effective ranks
+        (1.0 for a checkpoint without TT layers)."""
+        if not self.layers:
+            return 1.0
         return self.tt_dense_params / max(self.tt_params, 1)
 
+    @property
+    def cache_params(self) -> int:
+        """Parameters of the hot-row caches, counted with their TT tables."""
+        return sum(r.cache_params for r in self.layers)
+
     def __str__(self) -> str:
+        if not self.layers:
+            return (f"{self.path}\nno TT layers: a dense checkpoint of {self.other_params:,} "
+                    "parameters (comera convert turns a model into TT layers).")
         head = ("layer", "type", "shape", "modes", "bonds", "ranks", "params", "dense", "ratio")
         rows = [head]
         for r in self.layers:
@@ -94,6 +110,9 @@ class CheckpointReport:
         lines.append(f"whole model: {total:,} parameters ({dense_total:,} dense, "
                      f"{dense_total / max(total, 1):.1f}x); {self.other_params:,} outside the "
                      "TT layers")
+        if self.cache_params:
+            lines.append(f"hot-row caches: {self.cache_params:,} parameters, counted with their "
+                         "TT tables")
         engine = self.extra.get("engine")
         if isinstance(engine, dict):
             lines.append(f"training: step {engine.get('step')}, stage "
@@ -114,13 +133,30 @@ def checkpoint_report(path: str | os.PathLike) -> CheckpointReport:
         layer = build_layer(spec, like)
         layer.load_state_dict(sub)
         layer.tau = float(spec["tau"])
+        cache_key = _cache_key(name, state)
+        cache = 0
+        if cache_key is not None:
+            inside.add(cache_key)
+            cache = state[cache_key].numel()
         rows.append(LayerRow(name, spec["kind"], (spec["in_features"], spec["out_features"]),
                              (tuple(spec["in_modes"]), tuple(spec["out_modes"])),
                              tuple(spec["bonds"]), tuple(layer.ranks),
-                             layer.num_parameters(True), layer.dense_num_parameters()))
+                             layer.num_parameters(True) + cache, layer.dense_num_parameters(),
+                             cache))
     other = sum(v.numel() for k, v in state.items()
                 if k not in inside and not _is_buffer_like(k, v))
     return CheckpointReport(record.path, tuple(rows), other, dict(record.extra))
+
+
+def _cache_key(name: str, state: dict[str, Any]) -> str | None:
+    """The state key of the hot-row cache around the TT table ``name`` (a CachedTTEmbedding
+    stores ``<owner>.tt.*``, ``<owner>.cache`` and ``<owner>.hot_ids``), or None."""
+    owner, _, last = name.rpartition(".")
+    if last != "tt":
+        return None
+    prefix = f"{owner}." if owner else ""
+    key = f"{prefix}cache"
+    return key if key in state and f"{prefix}hot_ids" in state else None
 
 
 def _is_buffer_like(key: str, value: Any) -> bool:

@@ -172,3 +172,53 @@ def test_removed_layer_without_bias_counts_zero():
     assert layer.num_parameters(effective=True) == 0
     assert comera.model_size(nn.Sequential(layer)) == 0
     assert comera.compression_ratio(nn.Sequential(layer)) == 120.0  # guarded by max(size, 1)
+
+
+def _cached_model():
+    """A TT linear layer, a TT token table with a hot-row cache, a pruned rank and a dense head."""
+    from comera import CachedTTEmbedding
+
+    torch.manual_seed(0)
+    table = CachedTTEmbedding(TTEmbedding(60, 8, (4, 15), (2, 4), ranks=3), cache_rows=5)
+    model = nn.ModuleDict({"emb": table,
+                           "proj": TTLinear(8, 12, (2, 4), (3, 4), ranks=3),
+                           "head": nn.Linear(12, 2)})
+    with torch.no_grad():
+        model["proj"].gates[0][0] = 0.0
+    return model
+
+
+def test_checkpoint_report_and_run_summary_count_the_same_size(tmp_path):
+    """One count everywhere: the report, the run summary, model_size and compression_ratio
+    (on main the report left the hot-row cache outside the TT layers, the summary inside)."""
+    from comera.experiments.engine import sizes_of
+    from comera.surgery.report import checkpoint_report
+
+    model = _cached_model()
+    path = tmp_path / "tt.pt"
+    comera.save_checkpoint(path, model)
+    report = checkpoint_report(path)
+    summary = sizes_of(model)
+    tt_size = comera.model_size(model, only=comera.GatedTrain)
+    assert report.tt_params == summary["tt_params"] == tt_size
+    assert report.tt_dense_params == summary["tt_dense_params"]
+    assert report.compression == pytest.approx(summary["tt_compression"])
+    assert report.tt_params + report.other_params == comera.model_size(model)
+    assert report.cache_params == 5 * 8
+    whole = comera.dense_size(model) / comera.model_size(model)
+    assert whole == pytest.approx(comera.compression_ratio(model))
+    text = str(report)
+    assert f"{tt_size:,}" in text and f"{report.compression:.1f}x" in text
+    assert f"{whole:.1f}x" in text and "hot-row caches: 40 parameters" in text
+
+
+def test_report_on_a_dense_checkpoint_says_it_has_no_tt_layers(tmp_path):
+    from comera.surgery.report import checkpoint_report
+
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    path = tmp_path / "dense.pt"
+    comera.save_checkpoint(path, model)
+    report = checkpoint_report(path)
+    text = str(report)
+    assert "no TT layers" in text and "0.0x" not in text and f"{46:,} parameters" in text
+    assert report.compression == 1.0

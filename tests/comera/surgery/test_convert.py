@@ -185,3 +185,66 @@ def test_no_match_raises_with_searched_names():
 def test_config_and_overrides_together_raise():
     with pytest.raises(comera.ConfigError, match="either a ConvertConfig or keyword"):
         comera.convert_(Model(), ConvertConfig(), ranks=2)
+
+
+# -- every field validated up front; oversized ranks said, naming the layer ----------------------
+BAD_FIELDS = [
+    ("include", 3), ("include", [1]), ("exclude", None),
+    ("linear", 1), ("embedding", "yes"),
+    ("ranks", "16"), ("ranks", 0), ("ranks", -4), ("ranks", 2.5), ("ranks", True),
+    ("ranks", {"*": "16"}), ("ranks", {3: 16}), ("ranks", {}),
+    ("target_compression", 1.0), ("target_compression", float("nan")),
+    ("target_compression", float("inf")), ("target_compression", "10"),
+    ("d", 0), ("d", 2.0), ("d", True),
+    ("tau", -1e-3), ("tau", float("nan")), ("tau", float("inf")), ("tau", "0.01"),
+    ("format", "cp"), ("modes", [(4, 4)]), ("modes", {"fc": (4, 4)}),
+    ("modes", {"fc": ([4, 0], [4, 4])}),
+    ("attention_in_proj", "fused"), ("memory", "tiny"), ("memory", -1),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_FIELDS)
+def test_convert_config_refuses_each_bad_field_naming_it(field, value):
+    with pytest.raises(comera.ConfigError, match=re.escape(f"{field}=")) as info:
+        ConvertConfig(**{field: value})
+    assert isinstance(info.value, ValueError)
+
+
+def test_convert_config_covers_every_field():
+    assert {f for f, _ in BAD_FIELDS} == set(ConvertConfig.__dataclass_fields__)
+
+
+def test_a_single_pattern_string_is_one_pattern():
+    assert ConvertConfig(include="fc*").include == ("fc*",)
+
+
+def test_a_rank_past_the_full_rank_warns_naming_the_layer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 512))
+    with pytest.warns(UserWarning, match=r"full TT rank .*\b0 \(rank 100000") as record:
+        report = comera.convert_(model, ranks=100_000, d=2)
+    text = str(record[0].message)
+    assert "below 1x" in text and "0 (" in text
+    assert report.after > report.before  # what the warning is about
+
+
+def test_a_compressing_conversion_does_not_warn():
+    import warnings
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        comera.convert_(model, ranks=4)
+
+
+def test_comera_convert_with_a_huge_rank_warns_naming_the_layer(tmp_path):
+    from tests.comera.test_cli import run_cli
+
+    torch.manual_seed(0)
+    torch.save(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 512)),
+               tmp_path / "model.pt")
+    result = run_cli("convert", str(tmp_path / "model.pt"), "-o", str(tmp_path / "tt.pt"),
+                     "--set", "ranks=100000", "--set", "d=2")
+    assert result.returncode == 0, result.stderr
+    assert "full TT rank" in result.stderr and "below 1x" in result.stderr
+    assert "0 (rank 100000" in result.stderr

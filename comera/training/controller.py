@@ -1,0 +1,401 @@
+"""Rank adaptation any training loop can call: the CoMERA stages around the optimizer step.
+
+    controller = comera.RankController(model, optimizer, lam=0.01)
+    for batch in data:
+        loss = loss_fn(model, batch)
+        controller.loss(loss).backward()        # the stage's objective (L + lam * R early)
+        optimizer.step(); optimizer.zero_grad()
+        controller.after_step(optimizer)        # pruned gates stay pruned; late: land on S*
+    controller.start_late_stage(comera.late_stage_for(model, compression=10, steps=300))
+
+``loss(loss)`` returns the scalar to backpropagate and remembers the gates as they were before
+the step; ``after_step(optimizer)`` keeps what the step pruned pruned (and the optimizer's
+moments there cleared), holds the ``min_rank`` floor and, in the late stage, the size target and
+its step-budget schedule. A loop that cannot change its loss (HuggingFace ``Trainer``, a Lightning
+callback) calls :meth:`RankController.penalty` before the optimizer step and backpropagates that
+alone: gradients add, so the step is the same. ``stats()`` says what the last step did.
+:class:`~comera.training.trainers.CoMERATrainer` is this controller plus backward, checks and the
+optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from comera.errors import ConfigError, NonFiniteLossError
+from comera.layers.linear import GatedTrain
+from comera.ranks.objective import REGULARIZERS, LateStage, floor_size, prune_to_, rank_regularizer
+from comera.ranks.size import dense_size, model_size, tt_modules
+from comera.ranks.truncate import TruncationReport, truncate_
+
+log = logging.getLogger("comera.training.controller")
+
+__all__ = ["RankController", "StepStats", "clear_moments_", "late_stage_for", "torch_optimizer"]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one trainer step did: the loss, the objective it minimised, the stage, which term
+    was weighted, and the model's size (parameters at the effective ranks) and compression
+    (dense size / size) after the step. Late stage: ``scheduled_size`` is the size the step
+    budget asks for after this step (S* without a budget), and ``note`` says, while the size is
+    above it, why ("no step budget ...", "unreachable ...")."""
+
+    loss: float
+    objective: float
+    stage: str  # "early" / "late" (CoMERA) or "dense"
+    weighted: str  # "loss+rank" (early), "loss" / "size" (late), "loss" (dense)
+    size: int
+    compression: float
+    scheduled_size: float | None = None
+    note: str = ""
+
+
+def torch_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside a wrapper (accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``), whose state the controller edits: anything with ``param_groups``
+    and a ``state`` mapping, as ``torch.optim.Optimizer`` has."""
+    seen = optimizer
+    for _ in range(4):
+        inner = getattr(seen, "optimizer", None) or getattr(seen, "_optimizer", None)
+        if inner is None or inner is seen or not hasattr(inner, "param_groups"):
+            break
+        seen = inner
+    if not (hasattr(seen, "param_groups") and hasattr(seen, "state")):
+        raise ConfigError(f"optimizer {type(optimizer).__name__}: expected a torch.optim."
+                          "Optimizer (or a wrapper holding one as .optimizer).")
+    return seen
+
+
+def clear_moments_(optimizer: Any,
+                   entries: Iterable[tuple[Tensor, Any]]) -> None:
+    """Zero the optimizer's per-entry state (Adam's moments) of each ``(gate, index)`` pair;
+    ``index`` is anything that indexes the gate (an int, a bool mask). State tensors shaped
+    otherwise (Adam's step count) are left alone."""
+    if optimizer is None:
+        return
+    with torch.no_grad():
+        for gate, index in entries:
+            for moment in optimizer.state.get(gate, {}).values():
+                if isinstance(moment, Tensor) and moment.shape == gate.shape:
+                    moment[index] = 0.0
+
+
+def late_stage_for(model: nn.Module, compression: float, steps: int | None = None,
+                   target_loss: float = 0.0, rounding: bool = True) -> LateStage:
+    """A late stage whose TT layers end at ``compression`` times below their dense size (the
+    parameters outside them kept as they are), landing within ``steps`` steps."""
+    if not (isinstance(compression, int | float) and not isinstance(compression, bool)
+            and math.isfinite(compression) and compression > 1):
+        raise ConfigError(f"compression={compression!r}; the target is a finite number > 1 "
+                          "(TT layers' dense size / their size).")
+    layers = [m for _, m in tt_modules(model)]
+    if not layers:
+        raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
+    outside = model_size(model) - model_size(model, only=GatedTrain)  # hot rows count inside
+    tt_dense = sum(m.dense_num_parameters() for m in layers)
+    return LateStage(tt_dense / compression + outside, target_loss, steps=steps,
+                     rounding=rounding)
+
+
+@dataclass
+class _Snapshot:
+    """The gates as they were before an optimizer step (tiny vectors)."""
+
+    late: bool
+    pruned: list[tuple[Tensor, Tensor]]  # (gate, mask of entries already pruned)
+    before: list[Tensor]
+
+
+class RankController:
+    """The CoMERA objective and the gate bookkeeping around one optimizer step.
+
+    Early stage: ``loss(L)`` is ``L + lam * R`` (R: :func:`~comera.ranks.objective.
+    rank_regularizer`). Late stage (:meth:`start_late_stage`, truncating the pruned ranks
+    first): ``loss(L)`` weights the loss or the size, whichever is further from its target, and
+    after each step the size follows the stage's step budget down to S* (see
+    :class:`~comera.ranks.objective.LateStage`).
+
+    ``min_rank`` (default 1) is a floor on every bond of every TT layer, in both stages: a step
+    that would leave a gate with fewer than ``min_rank`` entries above tau keeps the largest of
+    the entries it pruned at their previous values, and the late stage's schedule never prunes
+    below it. So no layer is pruned to nothing (a TT token table at rank 0 would map every token
+    to the same vector). ``min_rank=0`` allows removing a layer entirely (its weight is then
+    exactly zero). A late-stage target below the floor's size is reported when the stage starts
+    and in every step's ``note``.
+
+    ``optimizer`` (optional here, or given to each :meth:`after_step`) is the one whose state is
+    cleared where gates are pruned and sliced at truncation.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any = None, lam: float = 0.01,
+                 regularizer: str = "l1", min_rank: int = 1):
+        if not any(True for _ in tt_modules(model)):
+            raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
+        if isinstance(lam, bool) or not isinstance(lam, int | float) or not (
+                lam >= 0 and math.isfinite(lam)):
+            raise ConfigError(f"lam={lam!r}; the rank-regulariser weight is a finite number >= 0.")
+        if regularizer not in REGULARIZERS:
+            raise ConfigError(f"regularizer {regularizer!r}; choose one of "
+                              f"{', '.join(REGULARIZERS)}.")
+        if isinstance(min_rank, bool) or not isinstance(min_rank, int) or min_rank < 0:
+            raise ConfigError(f"min_rank={min_rank!r}; the rank floor is an int >= 0 (default 1; "
+                              "0 lets a layer be pruned away).")
+        self.model = model
+        self.optimizer = None if optimizer is None else torch_optimizer(optimizer)
+        self.lam = lam
+        self.regularizer = regularizer
+        self.min_rank = min_rank
+        self.stage = "early"
+        self.late: LateStage | None = None
+        self.steps = 0
+        self.size_reference: float | None = None
+        self.late_start: tuple[int, float] | None = None  # (step, size) at the stage's start
+        self.late_note = ""
+        self._snapshot: _Snapshot | None = None
+        self._seen: tuple[float, float, str] | None = None  # loss, objective, weighted
+        self._last: StepStats | None = None
+
+    # -- before the optimizer step ---------------------------------------------------------------
+    def objective(self, loss: Tensor, decision_loss: float | None = None) -> tuple[Tensor, str]:
+        """The scalar to minimise for this step, and which term was weighted (no bookkeeping)."""
+        if self.stage == "early":
+            if self.lam == 0:
+                return loss, "loss"
+            return loss + self.lam * rank_regularizer(self.model, self.regularizer), "loss+rank"
+        return self.late.objective(self.model, loss, self.size_reference, decision_loss)
+
+    def loss(self, loss: Tensor, decision_loss: float | None = None) -> Tensor:
+        """The objective to backpropagate for ``loss`` (raises :class:`NonFiniteLossError` on a
+        NaN/inf loss). ``decision_loss``: the loss the late stage decides on (the all-worker mean
+        under data parallelism; default ``loss``). Call it before the optimizer step (once per
+        micro-batch under gradient accumulation)."""
+        check_loss(loss, self.steps)
+        total, which = self.objective(loss, decision_loss)
+        self.before_step()
+        self._seen = (float(loss.detach()), float(total.detach()), which)
+        return total
+
+    def penalty(self, decision_loss: float | None = None) -> Tensor | None:
+        """What :meth:`loss` adds to the loss this step (None when nothing), for loops that
+        cannot change their loss: backpropagate it before the optimizer step, after the loss's
+        own backward. ``decision_loss``: the plain loss of this step (the late stage decides on
+        it; without one a late stage above its target weights the size)."""
+        seen = decision_loss
+        if seen is None and self.late is not None:
+            seen = self.late.target_loss
+        zero = torch.zeros((), dtype=torch.float64)
+        total, which = self.objective(zero, seen)
+        self.before_step()
+        extra = float(total.detach())
+        loss = float("nan") if decision_loss is None else float(decision_loss)
+        self._seen = (loss, loss + extra, which)
+        return total if total.requires_grad else None
+
+    def before_step(self) -> None:
+        """Remember the gates before the optimizer step (:meth:`loss` and :meth:`penalty` call
+        it; a loop calling neither calls it itself)."""
+        layers = [layer for _, layer in tt_modules(self.model)]
+        self._snapshot = _Snapshot(
+            self.stage == "late",
+            [(g, ~m) for layer in layers
+             for g, m in zip(layer.gates, layer.gate_masks(), strict=True)],
+            [g.detach().clone() for layer in layers for g in layer.gates])
+
+    # -- after the optimizer step -----------------------------------------------------------------
+    def after_step(self, optimizer: Any = None) -> StepStats:
+        """Bookkeeping after ``optimizer.step()``: pruned gates stay pruned (their moments
+        cleared), the ``min_rank`` floor holds, and in the late stage the size holds at S* and
+        follows the step budget. Returns (and keeps, for :meth:`stats`) the step's stats."""
+        snap = self._snapshot
+        if snap is None:
+            raise ConfigError("after_step without a step: call controller.loss(loss) (or "
+                              "penalty() / before_step()) before the optimizer step.")
+        opt = self.optimizer if optimizer is None else torch_optimizer(optimizer)
+        layers = [layer for _, layer in tt_modules(self.model)]
+        self._keep_pruned_(snap.pruned, opt)
+        self._hold_floor_([(layer, g) for layer in layers for g in layer.gates], snap.before, opt)
+        scheduled, note = None, ""
+        if snap.late:
+            self._hold_size_target_(layers, snap.before, opt)
+            scheduled = self.late.scheduled_size(self.late_start[1],
+                                                 self.steps - self.late_start[0])
+            if self.late.steps is not None:  # the budget's schedule; else the optimizer's pace
+                lower = scheduled - 0.05 * self.late.target_size  # land within 5% of S*
+                clear_moments_(opt, prune_to_(self.model, scheduled, self.min_rank, lower,
+                                              self.late.rounding, opt))
+        self.steps += 1
+        size = model_size(self.model)
+        if snap.late and (size > self.late.target_size or self.late_note.startswith("below")):
+            note = self.late_note
+        loss, total, which = self._seen if self._seen is not None else (
+            float("nan"), float("nan"), "")
+        self._snapshot, self._seen = None, None
+        self._last = StepStats(loss, total, "late" if snap.late else "early", which, size,
+                               dense_size(self.model) / max(size, 1), scheduled, note)
+        return self._last
+
+    def discard_step(self) -> None:
+        """Forget the step begun by :meth:`loss` (its optimizer step was not applied)."""
+        self._snapshot, self._seen = None, None
+
+    def _keep_pruned_(self, pruned, optimizer) -> None:
+        """A pruned gate gets no gradient, but Adam's momentum would carry it back past tau:
+        pin it at zero and clear its moments, so pruning is final."""
+        with torch.no_grad():
+            for gate, off in pruned:
+                if not bool(off.any()):
+                    continue
+                gate[off] = 0.0
+                clear_moments_(optimizer, [(gate, off)])
+
+    def _hold_floor_(self, gates, before: list[Tensor], optimizer) -> None:
+        """The ``min_rank`` floor: a gate left with fewer than ``min_rank`` live entries by this
+        step gets its largest just-pruned entries back at their previous values."""
+        with torch.no_grad():
+            for (layer, gate), old in zip(gates, before, strict=True):
+                alive = gate.detach().abs() > layer.tau
+                missing = self.min_rank - int(alive.sum())
+                if missing <= 0:
+                    continue
+                lost = (old.abs() > layer.tau) & ~alive
+                order = sorted(lost.nonzero().flatten().tolist(),
+                               key=lambda i, old=old: -float(old[i].abs()))
+                back = order[:missing]
+                for i in back:
+                    gate[i] = old[i]
+                clear_moments_(optimizer, [(gate, i) for i in back])
+
+    def _hold_size_target_(self, layers, before: list[Tensor], optimizer) -> None:
+        """Late stage: a step must not prune far below the size target. Adam moves every gate
+        entry at about the same rate, so many cross tau in the same step; when that takes the
+        model under S*, the entries pruned this step are restored to their previous values,
+        largest first, as long as the size stays at or below S*."""
+        target = self.late.target_size
+        if model_size(self.model) >= target:
+            return
+        gates = [(layer, g) for layer in layers for g in layer.gates]
+        candidates = []
+        for (layer, gate), old in zip(gates, before, strict=True):
+            crossed = (old.abs() > layer.tau) & (gate.detach().abs() <= layer.tau)
+            for i in crossed.nonzero().flatten().tolist():
+                candidates.append((float(old[i].abs()), gate, i, float(old[i])))
+        with torch.no_grad():
+            for _, gate, i, value in sorted(candidates, key=lambda c: -c[0]):
+                pruned_value = float(gate[i])
+                gate[i] = value
+                if model_size(self.model) > target:  # one slice too many: keep it pruned
+                    gate[i] = pruned_value
+                    continue
+                clear_moments_(optimizer, [(gate, i)])
+
+    # -- stages -----------------------------------------------------------------------------------
+    def start_late_stage(self, late: LateStage, truncate: bool = True,
+                         optimizer: Any = None) -> TruncationReport | None:
+        """Switch to the late stage (truncating the pruned ranks first, by default, with the
+        optimizer's state)."""
+        if not isinstance(late, LateStage):
+            raise ConfigError(f"start_late_stage takes a comera.LateStage, got {late!r}.")
+        report = self.truncate(optimizer) if truncate else None
+        self.stage = "late"
+        self.late = late
+        size = float(model_size(self.model))
+        self.size_reference = size
+        self.late_start = (self.steps, size)
+        self.late_note = self._plan_note(late, size, optimizer)
+        if self.late_note:
+            log.warning("late stage: %s", self.late_note)
+        return report
+
+    def _plan_note(self, late: LateStage, size: float, optimizer: Any = None) -> str:
+        """Why the late stage may not reach S* (empty when it will): said up front and in the
+        step stats, never silently."""
+        floor = floor_size(self.model, self.min_rank)
+        if size < 0.95 * late.target_size:
+            return (f"below: the stage starts at {size:.0f} parameters, under the target "
+                    f"{late.target_size:.0f} (the early stage pruned past it, and ranks are not "
+                    "grown back); lower lam or the early steps to land on the target")
+        if floor > late.target_size:
+            return (f"unreachable: the target {late.target_size:.0f} parameters is below the "
+                    f"min_rank={self.min_rank} floor of {floor} (lower min_rank or raise the "
+                    "target)")
+        if late.steps is None and size > late.target_size:
+            opt = self.optimizer if optimizer is None else torch_optimizer(optimizer)
+            groups = opt.param_groups if opt is not None else []
+            lrs = [g["lr"] for g in groups if g.get("name") == "gates"]
+            lr = lrs[0] if lrs else float("nan")
+            tau = max((m.tau for _, m in tt_modules(self.model)), default=0.0)
+            need = math.ceil((1.0 - tau) / lr) if lr > 0 else "many"
+            return (f"no step budget: the size moves only as fast as the gates' learning rate "
+                    f"(lr {lr:g}: ~{need} steps to carry a gate from 1 to tau); give LateStage "
+                    "steps=N to land on the target in N steps")
+        return ""
+
+    def truncate(self, optimizer: Any = None) -> TruncationReport:
+        """Remove pruned ranks now (model and optimizer state)."""
+        opt = self.optimizer if optimizer is None else torch_optimizer(optimizer)
+        return truncate_(self.model, opt)
+
+    # -- reading and saving -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Plain numbers for a logger: the last step's loss and objective, the stage, the step
+        count, the model's size and compression now, and each TT layer's effective ranks."""
+        size = model_size(self.model)
+        last = self._last
+        out: dict[str, Any] = {
+            "stage": self.stage, "steps": self.steps,
+            "loss": last.loss if last else float("nan"),
+            "objective": last.objective if last else float("nan"),
+            "weighted": last.weighted if last else "",
+            "size": size, "compression": dense_size(self.model) / max(size, 1),
+            "ranks": {name: list(m.ranks[1:-1]) for name, m in tt_modules(self.model)},
+        }
+        if last is not None and last.scheduled_size is not None:
+            out["scheduled_size"] = last.scheduled_size
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint: stage, step count, late-stage targets."""
+        late = None if self.late is None else {
+            "target_size": self.late.target_size, "target_loss": self.late.target_loss,
+            "size_weight": self.late.size_weight, "steps": self.late.steps,
+            "landing": self.late.landing, "rounding": self.late.rounding}
+        return {"stage": self.stage, "steps": self.steps, "late": late,
+                "size_reference": self.size_reference, "lam": self.lam,
+                "late_start": None if self.late_start is None else list(self.late_start),
+                "late_note": self.late_note, "min_rank": self.min_rank}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore stage, step count, late-stage targets and ``lam`` from :meth:`state_dict`'s data
+        (a :class:`ConfigError` for a state not saved by a controller or a CoMERATrainer)."""
+        if not isinstance(state, dict) or state.get("stage") not in ("early", "late"):
+            stage = state.get("stage") if isinstance(state, dict) else state
+            raise ConfigError(f"trainer state has stage {stage!r}; expected "
+                              "'early' or 'late' (was it saved by a CoMERATrainer?).")
+        self.stage = state["stage"]
+        self.steps = int(state["steps"])
+        self.late = None if state["late"] is None else LateStage(**state["late"])
+        self.size_reference = state["size_reference"]
+        self.lam = float(state.get("lam", self.lam))
+        start = state.get("late_start")
+        if start is None and self.late is not None:  # saved before step budgets existed
+            start = (self.steps, self.size_reference or 0.0)
+        self.late_start = None if start is None else (int(start[0]), float(start[1]))
+        self.late_note = str(state.get("late_note", ""))
+        self.min_rank = int(state.get("min_rank", self.min_rank))
+
+
+def check_loss(loss: Tensor, step: int) -> None:
+    """Raise :class:`NonFiniteLossError` when ``loss`` holds a NaN or an infinity."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise NonFiniteLossError(
+            f"step {step}: the loss is {float(loss.detach())}; the step was not applied "
+            "(lower the learning rates, or restore the last checkpoint)."
+        )

@@ -1,0 +1,122 @@
+"""CoMERACallback in a real HuggingFace Trainer on a tiny GPT-2 built from a config (random
+weights, no downloads): both stages to a compression target, logs, checkpoints that resume
+exactly, and HF's own from_pretrained refusing a checkpoint instead of re-initialising."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import comera
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from comera.integrations.hf import CoMERACallback  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TARGET, LATE_START, STEPS = 4.0, 3, 8
+
+
+def _model(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    with pytest.warns(UserWarning, match="save_pretrained"):
+        comera.convert_(model, ranks=8)
+    with torch.no_grad():  # a rank per layer already pruned, as an early stage would
+        for _, layer in comera.tt_modules(model):
+            layer.gates[1][:1] = 0.0
+    return model
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (n, 16), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _trainer(model, out, steps: int = STEPS, **callback) -> Trainer:
+    args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=8,
+                             learning_rate=1e-3, logging_steps=2, save_steps=4, report_to=[],
+                             use_cpu=True, disable_tqdm=True, seed=0, save_total_limit=None)
+    cb = CoMERACallback(target_compression=TARGET, late_start=LATE_START, lam=0.01, **callback)
+    return Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=[cb])
+
+
+def _tt_compression(model) -> float:
+    return comera.compression_ratio(model, only=comera.GatedTrain)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, one_thread):
+    out = tmp_path_factory.mktemp("hf")
+    model = _model()
+    trainer = _trainer(model, out)
+    trainer.train()
+    return {"model": model, "trainer": trainer, "out": out}
+
+
+def test_both_stages_reach_the_compression_target(run):
+    model, trainer = run["model"], run["trainer"]
+    callback = next(c for c in trainer.callback_handler.callbacks
+                    if isinstance(c, CoMERACallback))
+    assert callback.driver.controller.stage == "late"
+    assert callback.driver.controller.steps == STEPS
+    assert 0.95 * TARGET <= _tt_compression(model) <= 1.6 * TARGET
+    bonds = [sum(m.bonds) for _, m in comera.tt_modules(model)]
+    fresh = [sum(m.bonds) for _, m in comera.tt_modules(_model())]
+    assert sum(bonds) < sum(fresh)  # truncated physically
+
+
+def test_logs_hold_the_plain_loss_next_to_the_objective_ranks_and_compression(run):
+    logs = [h for h in run["trainer"].state.log_history if "loss" in h]
+    assert logs
+    for entry in logs:
+        assert {"objective", "size", "compression", "rank_total", "late_stage"} <= set(entry)
+        assert entry["objective"] >= entry["loss"]
+    assert logs[0]["late_stage"] == 0.0 and logs[-1]["late_stage"] == 1.0
+    assert logs[-1]["compression"] > logs[0]["compression"]
+
+
+def test_resume_from_a_truncated_checkpoint_is_exact(run):
+    """A fresh model (other random weights, untruncated) resumes from checkpoint-4 (after the
+    truncation at step 3) and ends where the first run ended, bit for bit."""
+    fresh = _model(seed=1)
+    trainer = _trainer(fresh, run["out"] / "again")
+    trainer.train(resume_from_checkpoint=str(run["out"] / "checkpoint-4"))
+    ref = run["model"].state_dict()
+    got = fresh.state_dict()
+    assert ref.keys() == got.keys()
+    for key in ref:
+        assert torch.equal(ref[key], got[key]), key
+
+
+def test_hf_from_pretrained_refuses_a_checkpoint(run):
+    with pytest.raises(RuntimeError, match="mismatch"):
+        GPT2LMHeadModel.from_pretrained(run["out"] / "checkpoint-8")
+
+
+def test_a_model_without_tt_layers_is_refused(tmp_path):
+    torch.manual_seed(0)
+    dense = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                       n_positions=16, bos_token_id=0, eos_token_id=0))
+    with pytest.raises(comera.ConfigError, match="no TT layers"):
+        _trainer(dense, tmp_path)
+
+
+@pytest.mark.parametrize("kwargs", [{"target_compression": 0.5, "late_start": 3},
+                                    {"target_compression": 10}, {"late_start": 3},
+                                    {"lam": -1}, {"late_steps": 0, "target_compression": 4,
+                                                  "late_start": 1}])
+def test_bad_schedules_are_refused(kwargs):
+    with pytest.raises(comera.ConfigError):
+        CoMERACallback(**kwargs)

@@ -1,0 +1,159 @@
+"""RankController: the CoMERA stages any loop calls around its optimizer step.
+
+A hand-written loop with the controller must reproduce CoMERATrainer bit for bit (the trainer is
+the controller plus backward and the optimizer step), through the early stage, the truncation
+with the optimizer state and a late stage with a step budget."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import comera
+from comera import CoMERATrainer, OptimizerConfig, RankController, TTLinear, make_optimizer
+
+F64 = torch.float64
+CONFIG = OptimizerConfig(lr_cores=1e-2, lr_gates=2.5e-2)
+EARLY, LATE = 40, 30
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(TTLinear(16, 32, (4, 4), (4, 8), ranks=6, tau=0.05, dtype=F64),
+                         nn.Tanh(), nn.Linear(32, 4, dtype=F64))
+
+
+def _batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(32, 16, generator=g, dtype=F64),
+             torch.randn(32, 4, generator=g, dtype=F64)) for _ in range(n)]
+
+
+def _late(model):
+    return comera.late_stage_for(model, compression=6.0, steps=LATE // 2, target_loss=0.5)
+
+
+def test_a_hand_loop_with_the_controller_reproduces_comera_trainer_exactly():
+    data = _batches(EARLY + LATE)
+    a = _model()
+    b = copy.deepcopy(a)
+    trainer = CoMERATrainer(a, make_optimizer(a, CONFIG), lam=0.5)
+    opt = make_optimizer(b, CONFIG)
+    controller = RankController(b, opt, lam=0.5)
+    stats_a, stats_b = [], []
+    for i, (x, y) in enumerate(data):
+        if i == EARLY:
+            report_a = trainer.start_late_stage(_late(a))
+            report_b = controller.start_late_stage(_late(b), optimizer=opt)
+            assert str(report_a) == str(report_b) and report_a.changed
+        stats_a.append(trainer.step(F.mse_loss(a(x), y)))
+        opt.zero_grad(set_to_none=True)
+        controller.loss(F.mse_loss(b(x), y)).backward()
+        opt.step()
+        stats_b.append(controller.after_step(opt))
+    assert stats_a == stats_b
+    assert {s.stage for s in stats_b} == {"early", "late"}
+    assert stats_b[-1].size < stats_b[EARLY - 1].size  # the late stage pruned
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert trainer.state_dict() == controller.state_dict()
+
+
+def test_penalty_path_matches_the_loss_path():
+    """A loop that cannot change its loss backpropagates penalty() after its own backward."""
+    data = _batches(12)
+    a = _model()
+    b = copy.deepcopy(a)
+    opt_a, opt_b = make_optimizer(a, CONFIG), make_optimizer(b, CONFIG)
+    ca, cb = RankController(a, opt_a, lam=0.5), RankController(b, opt_b, lam=0.5)
+    for x, y in data:
+        for model, opt, c, hand in ((a, opt_a, ca, False), (b, opt_b, cb, True)):
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x), y)
+            if hand:
+                loss.backward()
+                c.penalty(float(loss.detach())).backward()
+            else:
+                c.loss(loss).backward()
+            opt.step()
+            c.after_step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+    assert ca.stats()["ranks"] == cb.stats()["ranks"]
+    assert cb.stats()["objective"] > cb.stats()["loss"] > 0
+
+
+def test_stats_report_the_stage_size_ranks_and_compression():
+    model = _model()
+    opt = make_optimizer(model, CONFIG)
+    controller = RankController(model, opt, lam=0.5)
+    x, y = _batches(1)[0]
+    controller.loss(F.mse_loss(model(x), y)).backward()
+    opt.step()
+    step = controller.after_step()
+    stats = controller.stats()
+    assert stats["stage"] == "early" and stats["steps"] == 1
+    assert stats["loss"] == step.loss and stats["objective"] == step.objective > step.loss
+    assert stats["size"] == comera.model_size(model)
+    assert stats["compression"] == pytest.approx(comera.dense_size(model) / stats["size"])
+    assert stats["ranks"] == {"0": list(model[0].ranks[1:-1])}
+
+
+def test_after_step_without_a_step_is_refused():
+    controller = RankController(_model())
+    with pytest.raises(comera.ConfigError, match="before the optimizer step"):
+        controller.after_step()
+
+
+@pytest.mark.parametrize("kwargs", [{"lam": -1.0}, {"lam": float("nan")}, {"lam": "0.1"},
+                                    {"regularizer": "l2"}, {"min_rank": 1.5},
+                                    {"min_rank": -1}, {"optimizer": object()}])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(comera.ConfigError):
+        RankController(_model(), **kwargs)
+
+
+def test_clear_moments_has_one_home():
+    """The trainer module no longer carries its own copies of the moment clearing."""
+    import inspect
+
+    from comera.training import trainers
+
+    source = inspect.getsource(trainers)
+    assert "moment[" not in source and "value[off]" not in source
+
+
+@pytest.mark.parametrize("bad", [1.0, float("inf"), "10", None])
+def test_late_stage_for_refuses_a_bad_compression(bad):
+    with pytest.raises(comera.ConfigError, match="compression"):
+        comera.late_stage_for(_model(), bad, steps=10)
+
+
+def test_late_stage_for_counts_tt_layers_against_their_dense_size():
+    model = _model()
+    late = comera.late_stage_for(model, 4.0, steps=10)
+    outside = sum(p.numel() for p in model[2].parameters())
+    assert late.target_size == pytest.approx(model[0].dense_num_parameters() / 4.0 + outside)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("lr_cores", -1e-3), ("lr_cores", float("nan")), ("lr_gates", float("inf")),
+    ("lr_other", "1e-3"), ("weight_decay", -0.1), ("weight_decay", True),
+    ("betas", (0.9,)), ("betas", (0.9, 1.0)), ("betas", "0.9,0.99"), ("betas", (-0.1, 0.9)),
+])
+def test_optimizer_config_refuses_each_bad_field_naming_it(field, value):
+    with pytest.raises(comera.ConfigError, match=f"{field}="):
+        OptimizerConfig(**{field: value})
+
+
+def test_optimizer_config_bad_values_cover_every_field():
+    import dataclasses
+
+    assert {f.name for f in dataclasses.fields(OptimizerConfig)} == {
+        "lr_cores", "lr_gates", "lr_other", "weight_decay", "betas"}
