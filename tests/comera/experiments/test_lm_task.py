@@ -14,9 +14,10 @@ from comera import ConfigError
 from comera.data.stdlib_corpus import IGNORE_INDEX
 from comera.data.stdlib_pairs import split_of
 from comera.data.tokenizer import CLS, PAD, SEP, UNK
-from comera.experiments.engine import EngineConfig, train_model
+from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig, next_token_targets
 from comera.experiments.registry import EXPERIMENTS, experiment
+from comera.experiments.results import run_experiment
 from comera.layers.lowrank import LowRankLinear
 from tests.helpers.tiny_corpus import write_tiny_corpus
 
@@ -117,14 +118,16 @@ def test_bad_inputs(task, tmp_path):
 
 
 @pytest.mark.slow
-def test_engine_trains_dense_and_comera(task, tmp_path):
+def test_experiment_trains_dense_and_comera(task, tmp_path):
+    """What `comera train lm` runs (run_experiment), on the tiny corpus."""
     config = EngineConfig(steps_early=4, steps_late=3, batch_size=4, lr=1e-2, warmup=2,
                           lam=0.02, target_compression=2.0, eval_every=10, threads=1)
-    _, dense = train_model(task, "dense", False, config, tmp_path / "dense")
-    assert dense.steps == 7 and dense.stage_ends["dense"]["val"]["perplexity"] > 1
-    _, rec = train_model(task, "comera", True, config, tmp_path / "comera")
-    assert rec.steps == 7 and set(rec.stage_ends) == {"early", "late"}
-    assert rec.sizes["linear_compression"] > 1.5
+    summary = run_experiment(task, config, tmp_path)
+    rows = {r["name"]: r for r in summary["rows"]}
+    assert set(rows) == {"dense", "comera (early)", "comera (late)"}
+    assert rows["dense"]["val"]["perplexity"] > 1 and summary["metric"] == "perplexity"
+    assert rows["comera (late)"]["sizes"]["linear_compression"] > 1.5
+    assert (tmp_path / "lm.json").is_file() and (tmp_path / "lm.md").is_file()
 
 
 def test_registered_with_quick_and_full_settings():
