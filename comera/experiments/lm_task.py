@@ -39,7 +39,7 @@ EVAL_SPLITS = ("val", "test")
 @dataclass(frozen=True)
 class LMTaskConfig:
     """Data and model sizes. The defaults are the quick run (a few CPU-minutes per model);
-    :meth:`full` a GPT-2-small-like width on longer rows."""
+    :meth:`full` a wider, deeper model on longer rows."""
 
     quick: bool = True
     seq_len: int = 64
