@@ -253,7 +253,7 @@ def summarise(result: dict) -> str:
     lines += ["", "CoMERA's per-layer TT ranks (interior bonds) at each target, first seed, "
               "next to the fixed uniform rank:", ""]
     seen = set()
-    for row in result["rows"]:
+    for row in sorted(result["rows"], key=lambda r: r["target"] or 0):
         if row["method"] == "comera" and row["target"] not in seen:
             seen.add(row["target"])
             fixed = [r.get("rank") for r in result["rows"]
