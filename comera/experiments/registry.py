@@ -54,6 +54,12 @@ def _mlm(quick: bool) -> Task:
     return MLMTask(MLMTaskConfig() if quick else MLMTaskConfig.full())
 
 
+def _lm(quick: bool) -> Task:
+    from comera.experiments.lm_task import LMTask, LMTaskConfig
+
+    return LMTask(LMTaskConfig() if quick else LMTaskConfig.full())
+
+
 # Both transformer tasks train the same classifier the same way.
 _TRANSFORMER_QUICK = EngineConfig(steps_early=400, steps_late=200, batch_size=32, lr=1e-3,
                                   warmup=100, lam=0.05, target_compression=150.0, eval_every=100)
@@ -90,6 +96,15 @@ EXPERIMENTS: dict[str, Experiment] = {
                           warmup=500, lam=0.02, target_compression=8.0, eval_every=500,
                           checkpoint_every=1000),
         checkpoint_blocks=True,
+    ),
+    "lm": Experiment(
+        "lm", "GPT-style causal language model on CPython standard-library sources "
+        "(metric: validation perplexity)", _lm,
+        quick=EngineConfig(steps_early=300, steps_late=150, batch_size=16, lr=2e-3, warmup=50,
+                           lam=0.02, target_compression=8.0, eval_every=75),
+        full=EngineConfig(steps_early=8000, steps_late=4000, batch_size=32, lr=6e-4,
+                          warmup=500, lam=0.02, target_compression=8.0, eval_every=500,
+                          checkpoint_every=1000),
     ),
 }
 

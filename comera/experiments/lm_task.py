@@ -1,0 +1,187 @@
+"""Causal language modelling (GPT-style) on the CPython standard-library sources.
+
+    task = LMTask(LMTaskConfig())             # quick: d_model 128, 2 blocks, 64 tokens
+    model = task.build_model(tt=True)         # every block linear layer a TTLinear
+    ids = task.batch(indices)                 # (b, seq_len) token rows
+    loss = task.loss(model, ids)              # next-token cross-entropy
+
+Data: the sequences of :func:`~comera.data.stdlib_corpus.load_stdlib_corpus` (split by module
+with its hash rule, so no file lands in two splits; the word-level vocabulary is built on the
+training split). Each row is ``[CLS] tokens [SEP] [PAD]...`` from one file; the model reads
+positions ``0 .. s-2`` and predicts positions ``1 .. s-1``. Only word tokens (and ``[UNK]``) are
+predicted: ``[SEP]`` closes every full row at a fixed position, so predicting it would score
+the position, not the text.
+
+The metric is validation perplexity, exp(mean next-token cross-entropy) over a fixed spread-out
+subset of ``eval_limit`` validation rows (lower is better); ``evaluate`` also reports the loss
+and next-token accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from comera import ConfigError
+from comera.data.stdlib_corpus import FIRST_WORD, IGNORE_INDEX, MLMCorpus, load_stdlib_corpus
+from comera.data.tokenizer import UNK
+from comera.experiments.task import Task
+from comera.models.causal_lm import CausalLM, CausalLMConfig
+
+EVAL_SPLITS = ("val", "test")
+
+
+@dataclass(frozen=True)
+class LMTaskConfig:
+    """Data and model sizes. The defaults are the quick run (a few CPU-minutes per model);
+    :meth:`full` a wider, deeper model on longer rows."""
+
+    quick: bool = True
+    seq_len: int = 64
+    vocab_size: int = 2048
+    d_model: int = 128
+    n_heads: int = 4
+    d_ff: int = 512
+    n_layers: int = 2
+    rank: int = 32  # max TT rank of the block linear layers
+    dropout: float = 0.0
+    eval_limit: int | None = 512  # rows of val/test scored (a fixed spread-out subset)
+    eval_batch_size: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.eval_limit is not None and self.eval_limit < 1:
+            raise ConfigError(f"eval_limit={self.eval_limit}; give a number of rows >= 1, "
+                              "or None to score whole splits.")
+        if self.eval_batch_size < 1:
+            raise ConfigError(f"eval_batch_size={self.eval_batch_size}; it must be >= 1.")
+        if self.seq_len < 3:
+            raise ConfigError(f"seq_len={self.seq_len}; a row holds [CLS], tokens and [SEP], "
+                              "so seq_len >= 3.")
+
+    @classmethod
+    def full(cls) -> LMTaskConfig:
+        """d_model 512, 8 heads, FFN 2048, 6 blocks, 128 tokens, vocabulary 16384."""
+        return cls(quick=False, seq_len=128, vocab_size=16384, d_model=512, n_heads=8,
+                   d_ff=2048, n_layers=6, rank=32, eval_limit=None)
+
+    def model_config(self, vocab_size: int, linear: str = "dense",
+                     rank: int | None = None) -> CausalLMConfig:
+        """The model's config with block linear layers of kind ``linear`` at ``rank``
+        (default: the TT max rank ``self.rank``)."""
+        return CausalLMConfig(
+            vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
+            n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout, linear=linear,
+            rank=self.rank if rank is None else rank)
+
+
+def next_token_targets(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """(inputs (b, s-1), targets (b, s-1)) of rows ``ids`` (b, s): targets are the next ids,
+    ``-100`` where the next id is a special token other than ``[UNK]``."""
+    if ids.dim() != 2 or ids.shape[1] < 2:
+        raise ConfigError(f"ids has shape {tuple(ids.shape)}; expected (batch, seq_len >= 2).")
+    nxt = ids[:, 1:]
+    predicted = (nxt >= FIRST_WORD) | (nxt == UNK)
+    return ids[:, :-1], torch.where(predicted, nxt, IGNORE_INDEX)
+
+
+def _spread_subset(n: int, limit: int | None, seed: int) -> Tensor:
+    """A fixed subset of ``limit`` of ``n`` indices, ascending (all of them when limit is None)."""
+    if limit is None or limit >= n:
+        return torch.arange(n)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return order[:limit].sort().values
+
+
+class LMTask(Task):
+    """GPT-style causal LM on the stdlib corpus; metric: validation perplexity."""
+
+    name = "lm"
+    metric = "perplexity"
+    higher_is_better = False
+
+    def __init__(self, config: LMTaskConfig | None = None, root: Path | str | None = None,
+                 use_cache: bool = True):
+        self.config = config if config is not None else LMTaskConfig()
+        c = self.config
+        self.train, val, test, self.tokenizer = load_stdlib_corpus(
+            c.seq_len, c.vocab_size, root=root, use_cache=use_cache)
+        self.splits: dict[str, MLMCorpus] = {"val": val, "test": test}
+        for split, data in (("train", self.train), *self.splits.items()):
+            if len(data) == 0:
+                raise ConfigError(f"the {split} split of the corpus is empty; use a larger "
+                                  "source tree or a shorter seq_len.")
+        self.vocab = len(self.tokenizer.vocab)
+
+    # -- models -------------------------------------------------------------------------------
+    def build(self, linear: str = "dense", rank: int | None = None) -> CausalLM:
+        """The model with block linear layers of kind ``linear`` ("dense", "tt", "lowrank") at
+        ``rank``, initialised from the current RNG."""
+        return CausalLM(self.config.model_config(self.vocab, linear, rank))
+
+    def build_model(self, tt: bool) -> nn.Module:
+        return self.build("tt" if tt else "dense")
+
+    # -- Task protocol ------------------------------------------------------------------------
+    def train_size(self) -> int:
+        return len(self.train)
+
+    def batch(self, indices: Tensor) -> Tensor:
+        """The training rows at ``indices``: token ids (b, seq_len)."""
+        indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= len(self.train)):
+            raise ConfigError(f"example indices span [{int(indices.min())}, "
+                              f"{int(indices.max())}]; the training split has "
+                              f"{len(self.train)} examples.")
+        return self.train.ids[indices]
+
+    def loss(self, model: nn.Module, batch: Tensor) -> Tensor:
+        inputs, targets = next_token_targets(batch)  # (b, s-1) each
+        logits = model(inputs)  # (b, s-1, V)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                           ignore_index=IGNORE_INDEX)
+
+    def eval_rows(self, split: str) -> Tensor:
+        """The fixed rows that ``evaluate`` scores on ``split``."""
+        if split not in self.splits:
+            raise ConfigError(f"split {split!r}; choose one of {', '.join(EVAL_SPLITS)}.")
+        data = self.splits[split]
+        return data.ids[_spread_subset(len(data), self.config.eval_limit, self.config.seed)]
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
+        rows = self.eval_rows(split)
+        device = next(model.parameters()).device
+        total, correct, count = 0.0, 0, 0
+        size = self.config.eval_batch_size
+        for start in range(0, rows.shape[0], size):
+            inputs, targets = next_token_targets(rows[start:start + size].to(device))
+            keep = targets != IGNORE_INDEX  # (b, s-1)
+            if not bool(keep.any()):
+                continue
+            logits = model(inputs)[keep]  # (n, V)
+            goal = targets[keep]  # (n,)
+            total += float(nn.functional.cross_entropy(logits.float(), goal, reduction="sum"))
+            correct += int((logits.argmax(1) == goal).sum())
+            count += goal.numel()
+        if count == 0:
+            raise ConfigError(f"the {split} rows hold no token to predict; use a larger corpus.")
+        loss = total / count
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+                "accuracy": correct / count, "tokens": float(count)}
+
+    def describe(self) -> dict[str, Any]:
+        return {"train": len(self.train), "val": len(self.splits["val"]),
+                "test": len(self.splits["test"]), "eval_rows": int(self.eval_rows("val").shape[0]),
+                "vocab": self.vocab, "seq_len": self.config.seq_len,
+                "train_tokens": int(next_token_targets(self.train.ids)[1].ne(IGNORE_INDEX).sum()),
+                **{f"{s}_modules": len(d.modules) for s, d in (("train", self.train),
+                                                                  *self.splits.items())}}
+
+
+__all__ = ["LMTask", "LMTaskConfig", "next_token_targets"]
