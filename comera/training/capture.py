@@ -154,7 +154,8 @@ class CapturedStep:
         """(objective, loss) of this step, on device: the stage's terms (module docstring)."""
         trainer, model = self.trainer, self.trainer.model
         device = batch[0].device.type if batch else "cpu"
-        with torch.autocast(device, dtype=self.autocast, enabled=self.autocast is not None):
+        with torch.autocast(device, dtype=self.autocast, enabled=self.autocast is not None,
+                            cache_enabled=False):  # a cast cache would outlive a graph
             loss = self.loss_fn(model, *batch)
             if trainer.stage == "early":
                 total = loss if trainer.lam == 0 else (
