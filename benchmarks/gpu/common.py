@@ -130,6 +130,13 @@ class PartWriter:
                                                   if k in ("case", "method", "ms")})
         self._write()
 
+    def extend(self, name: str, key: str, values: dict[str, Any]) -> None:
+        """Merge ``values`` into the dict ``key`` of the saved case ``name`` (a later pass adding
+        a method to a case measured earlier)."""
+        case = next(c for c in self.payload["cases"] if c["case"] == name)
+        case.setdefault(key, {}).update(values)
+        self._write()
+
     def skip(self, name: str, why: str) -> None:
         self.payload["skipped"].append({"case": name, "why": why})
         print(f"  skip {name}: {why}", flush=True)

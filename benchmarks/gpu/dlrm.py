@@ -47,7 +47,7 @@ def run(writer: PartWriter, deadline: Deadline, args) -> None:
                                  "table_compression", "model_compression", "cache_rows")}
                 return {"variant": name, "batch": bench.batch, **info, **result}
 
-            guarded(writer, deadline, f"{name} B={size}", 3 if args.smoke else 40, case)
+            guarded(writer, deadline, f"{name} B={size}", 3 if args.smoke else 15, case)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,8 +47,10 @@ METHODS = ("tncomp", "tncomp_cuda_graphs", "torch_compile", "hand", "dense")
 
 
 def methods_for(in_modes, out_modes, rank: int, rows: int, dtype: torch.dtype,
-                device: str) -> tuple[dict[str, Callable[[], object]], dict]:
-    """Every method's fwd+bwd on one set of cores and one input, and the case's sizes."""
+                device: str, which: tuple[str, ...] = METHODS
+                ) -> tuple[dict[str, Callable[[], object]], dict]:
+    """The fwd+bwd of each method in ``which`` on one set of cores and one input, and the
+    case's sizes."""
     ranks = tncomp.resolve_ranks(rank, tuple(in_modes) + tuple(out_modes))
     cores = make_cores(in_modes, out_modes, ranks, dtype=dtype, device=device)
     n_in, n_out = math.prod(in_modes), math.prod(out_modes)
@@ -59,52 +61,86 @@ def methods_for(in_modes, out_modes, rank: int, rows: int, dtype: torch.dtype,
     dy_modes = dy.view(rows, *out_modes)
     network = tncomp.tt_linear(in_modes, out_modes, ranks)
     eager = tncomp.compile(network, disk_cache=False)
-    fns: dict[str, Callable[[], object]] = {
-        "tncomp": lambda: eager(x_modes, *cores).backward(dy_modes)}
-    if device.startswith("cuda"):
+    fns: dict[str, Callable[[], object]] = {}
+    if "tncomp" in which:
+        fns["tncomp"] = lambda: eager(x_modes, *cores).backward(dy_modes)
+    if "tncomp_cuda_graphs" in which and device.startswith("cuda"):
         graphed = tncomp.compile(network, disk_cache=False, cuda_graphs=True)
         fns["tncomp_cuda_graphs"] = lambda: graphed(x_modes, *cores).backward(dy_modes)
-    compiled = torch.compile(lambda xm, *cs: eager(xm, *cs), dynamic=False)
-    fns["torch_compile"] = lambda: compiled(x_modes, *cores).backward(dy_modes)
-    hand = hand_derived_comera(cores, in_modes, out_modes)
-    fns["hand"] = lambda: hand.run(x, dy)
-    dense = dense_linear(n_in, n_out, dtype=dtype, device=device)
-    fns["dense"] = lambda: dense.run(x, dy)
+    if "torch_compile" in which:
+        compiled = torch.compile(lambda xm, *cs: eager(xm, *cs), dynamic=False)
+        fns["torch_compile"] = lambda: compiled(x_modes, *cores).backward(dy_modes)
+    if "hand" in which:
+        hand = hand_derived_comera(cores, in_modes, out_modes)
+        fns["hand"] = lambda: hand.run(x, dy)
+    if "dense" in which:
+        dense = dense_linear(n_in, n_out, dtype=dtype, device=device)
+        fns["dense"] = lambda: dense.run(x, dy)
     sizes = {"in": n_in, "out": n_out, "rows": rows, "ranks": list(ranks),
              "tt_params": sum(c.numel() for c in cores), "dense_params": n_in * n_out}
     sizes["param_ratio"] = sizes["dense_params"] / sizes["tt_params"]
     return fns, sizes
 
 
+def measure(fns: dict[str, Callable[[], object]], device: str, repeats: int,
+            warmup: int) -> dict[str, dict]:
+    """Per method: time and peak memory, or the error it raised (the others still run)."""
+    out = {}
+    for method, fn in fns.items():
+        try:
+            stats = summary(time_ms(fn, device, repeats, warmup))
+            peak = peak_bytes(fn, device)
+            stats["peak_mib"] = None if peak is None else peak / 2**20
+        except Exception as exc:  # e.g. a capture refused: report it, go on
+            stats = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        out[method] = stats
+    return out
+
+
+def ratios(methods: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """Each method's speed-up over dense and over the hand path (where both were timed)."""
+    ms = {m: s["ms"] for m, s in methods.items() if "ms" in s}
+    return {f"speedup_vs_{ref}": {m: ms[ref] / t for m, t in ms.items()}
+            for ref in ("dense", "hand") if ref in ms}
+
+
 def run(writer: PartWriter, deadline: Deadline, args) -> None:
+    """Every case without torch.compile first (quick), then torch.compile case by case (its
+    first call compiles for a minute or so): a short budget keeps the main comparison."""
     device = args.device
     repeats = args.repeats or (1 if args.smoke else 20)
     warmup = 1 if args.smoke else 3
-    for label, in_modes, out_modes, rank, all_rows in (SMOKE_CASES if args.smoke else CASES):
-        for rows in all_rows:
-            for dname, dtype in DTYPES.items():
-                name = f"{label} B={rows} {dname}"
+    plan = [(f"{label} B={rows} {dname}", in_modes, out_modes, rank, rows, dname)
+            for dname, dtype in DTYPES.items()
+            for label, in_modes, out_modes, rank, all_rows in (SMOKE_CASES if args.smoke
+                                                                else CASES)
+            for rows in all_rows]
+    quick = tuple(m for m in METHODS if m != "torch_compile")
+    for name, in_modes, out_modes, rank, rows, dname in plan:
 
-                def case(in_modes=in_modes, out_modes=out_modes, rank=rank, rows=rows,
-                         dtype=dtype, dname=dname) -> dict:
-                    fns, sizes = methods_for(in_modes, out_modes, rank, rows, dtype, device)
-                    result: dict = {**sizes, "dtype": dname, "methods": {}}
-                    for method, fn in fns.items():
-                        try:
-                            stats = summary(time_ms(fn, device, repeats, warmup))
-                            stats["peak_mib"] = (None if (b := peak_bytes(fn, device)) is None
-                                                 else b / 2**20)
-                        except Exception as exc:  # e.g. a capture refused: report, go on
-                            stats = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                        result["methods"][method] = stats
-                    ms = {m: s["ms"] for m, s in result["methods"].items() if "ms" in s}
-                    if "dense" in ms:
-                        result["speedup_vs_dense"] = {m: ms["dense"] / t for m, t in ms.items()}
-                    if "hand" in ms:
-                        result["speedup_vs_hand"] = {m: ms["hand"] / t for m, t in ms.items()}
-                    return result
+        def case(in_modes=in_modes, out_modes=out_modes, rank=rank, rows=rows,
+                 dname=dname) -> dict:
+            fns, sizes = methods_for(in_modes, out_modes, rank, rows, DTYPES[dname], device,
+                                     quick)
+            methods = measure(fns, device, repeats, warmup)
+            return {**sizes, "dtype": dname, "methods": methods, **ratios(methods)}
 
-                guarded(writer, deadline, name, 5 if args.smoke else 25, case)
+        guarded(writer, deadline, name, 5 if args.smoke else 12, case)
+    done = {c["case"] for c in writer.payload["cases"]}
+    for name, in_modes, out_modes, rank, rows, dname in plan:
+        if name not in done:
+            continue
+
+        def compiled(name=name, in_modes=in_modes, out_modes=out_modes, rank=rank, rows=rows,
+                     dname=dname) -> None:
+            fns, _ = methods_for(in_modes, out_modes, rank, rows, DTYPES[dname], device,
+                                 ("torch_compile",))
+            writer.extend(name, "methods", measure(fns, device, repeats, warmup))
+            case = next(c for c in writer.payload["cases"] if c["case"] == name)
+            case.update(ratios(case["methods"]))
+            writer.extend(name, "methods", {})  # save the ratios too
+
+        guarded(writer, deadline, f"{name} torch.compile", 5 if args.smoke else 40, compiled)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,8 @@ late-stage steps): built as benchmarks/bench_transformer.py builds them. Executi
 GaLore runs eager only (its projection refresh is an SVD on the host's schedule). Precisions:
 fp32, and bf16 autocast (parameters and optimizer state fp32). Time: CUDA events, median of the
 repeats after warm-up; memory: ``torch.cuda.max_memory_allocated`` over one step, everything
-included (parameters, optimizer state, activations). Cases run in priority order (eager first,
-then graphs, then compile) and stop at the part's budget.
+included (parameters, optimizer state, activations). Cases run in priority order (:func:`cases`)
+and stop at the part's budget.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ VARIANTS = ("dense", "galore", "comera_early", "comera_late")
 MODES = ("eager", "graphs", "compile")
 DTYPES = {"bf16": torch.bfloat16, "fp32": None}
 BATCHES = (1, 32)
-ESTIMATE_S = {"eager": 15.0, "graphs": 25.0, "compile": 90.0}  # a case's build, warm-up, repeats
+ESTIMATE_S = {"eager": 8.0, "graphs": 15.0, "compile": 90.0}  # a case's build, warm-up, repeats
 
 
 def loss_fn(model: nn.Module, ids: Tensor, segments: Tensor, labels: Tensor) -> Tensor:
@@ -133,19 +133,18 @@ def step_fn(variant: str, mode: str, model, opt, trainer, batch: tuple[Tensor, .
 
 
 def cases(smoke: bool, device: str) -> list[tuple[str, str, str, int]]:
-    """(variant, mode, dtype, batch) in priority order: every eager step, then graphs, then
-    compile, the bf16 and CoMERA-late cases first within each."""
-    out = []
+    """(variant, mode, dtype, batch) in priority order: bf16 (the targets' precision) eager,
+    then CUDA graphs, then fp32 eager and graphs, and the compile cases (the slowest to set up)
+    last, CoMERA late first within each."""
     batches = (1, 2) if smoke else BATCHES
-    for b in batches:
-        for d in DTYPES:
-            out += [(v, "eager", d, b) for v in VARIANTS]
-    for mode in ("graphs", "compile"):
-        if mode == "graphs" and not device.startswith("cuda"):
-            continue
-        for d in DTYPES:
-            for b in batches:
-                out += [(v, mode, d, b) for v in ("comera_late", "dense", "comera_early")]
+    graphs = ("graphs",) if device.startswith("cuda") else ()
+    order = [("bf16", "eager"), *[("bf16", m) for m in graphs], ("fp32", "eager"),
+             *[("fp32", m) for m in graphs], ("bf16", "compile"), ("fp32", "compile")]
+    out = []
+    for dtype, mode in order:
+        variants = VARIANTS if mode == "eager" else ("comera_late", "dense", "comera_early")
+        for b in (batches if mode == "eager" else sorted(batches)):
+            out += [(v, mode, dtype, b) for v in variants]
     return out
 
 

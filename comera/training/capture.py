@@ -222,7 +222,8 @@ class CapturedStep:
                 self.model = step.trainer.model
 
             def forward(self, *xs: Tensor) -> tuple[Tensor, Tensor]:
-                return step._objective(*xs)
+                total, loss = step._objective(*xs)
+                return total, loss.detach()  # only the objective is backpropagated
 
         samples = tuple(t.detach().clone() for t in batch)
         graphed = torch.cuda.graphs.make_graphed_callables(Objective(), samples)

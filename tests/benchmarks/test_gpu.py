@@ -182,9 +182,15 @@ def test_step_part_setup_on_the_cpu():
     from benchmarks.gpu.step import build, cases, step_fn
 
     order = cases(smoke=True, device="cpu")
-    assert order[0][1] == "eager" and all(m != "graphs" for _, m, _, _ in order)
+    assert all(m != "graphs" for _, m, _, _ in order)
     modes = [m for _, m, _, _ in order]
     assert modes.index("compile") > max(i for i, m in enumerate(modes) if m == "eager")
+    on_gpu = cases(smoke=False, device="cuda")
+    assert on_gpu[0] == ("dense", "eager", "bf16", 1)
+    first_graphs = next(c for c in on_gpu if c[1] == "graphs")
+    assert first_graphs == ("comera_late", "graphs", "bf16", 1)
+    assert on_gpu.index(first_graphs) < on_gpu.index(("dense", "eager", "fp32", 1))
+    assert len(set(on_gpu)) == len(on_gpu) == 4 * 2 * 2 + 3 * 2 * 2 * 2
     cfg = smoke_config()
     batch = make_batch(cfg, 2, cfg.max_len).tensors()
     for variant in ("dense", "comera_late"):
