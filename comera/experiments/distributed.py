@@ -112,21 +112,24 @@ def barrier() -> None:
 GradHook = Callable[[nn.Module], None]
 
 
-def prepare_model_(model: nn.Module, fsdp: bool = False) -> GradHook:
-    """Make ``model`` ready for data-parallel training and return the trainer's gradient hook:
-    plain replication (:func:`average_gradients`), or with ``fsdp`` the dense parts sharded by
-    FSDP2 and the TT layers kept replicated (:func:`comera.training.fsdp.shard_`), whose hook
-    averages only the replicated gradients. Call it after :func:`broadcast_parameters_` and
-    before building the optimizer."""
+def prepare_model_(model: nn.Module, fsdp: bool = False,
+                   max_grad_norm: float | None = None) -> tuple[GradHook, float | None]:
+    """Make ``model`` ready for data-parallel training; return the trainer's gradient hook and
+    the ``max_grad_norm`` to give the trainer. Plain replication: :func:`average_gradients`, and
+    the trainer clips. With ``fsdp``: the dense parts sharded by FSDP2, the TT layers kept
+    replicated (:func:`comera.training.fsdp.shard_`); the hook averages the replicated
+    gradients and clips by the global norm (:func:`comera.training.fsdp.gradient_hook`), so the
+    trainer gets None. Call it after :func:`broadcast_parameters_` and before building the
+    optimizer."""
     if not fsdp:
-        return average_gradients
-    from comera.training.fsdp import average_replicated_gradients, shard_
+        return average_gradients, max_grad_norm
+    from comera.training.fsdp import gradient_hook, shard_
 
     if current_world().size == 1 and not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("--fsdp shards over data-parallel workers: run with --nproc N (N >= 2)"
                           " or under torchrun.")
     shard_(model)
-    return average_replicated_gradients
+    return gradient_hook(max_grad_norm), None
 
 
 def save_run_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -4,7 +4,7 @@
     comera.convert_(model, ranks=16)
     policy = shard_(model)                             # dense parts sharded, TT layers replicated
     opt = comera.make_optimizer(model)
-    trainer = comera.CoMERATrainer(model, opt, grad_hook=average_replicated_gradients)
+    trainer = comera.CoMERATrainer(model, opt, grad_hook=gradient_hook(max_grad_norm=1.0))
     loss = ...; trainer.step(loss, decision_loss=mean_over_workers(float(loss)))
     save_checkpoint(path, model, opt, trainer=trainer.state_dict())   # every worker calls it
 
@@ -12,7 +12,9 @@ The policy: every parameter of a TT layer (cores, gates, its bias) is passed to 
 as an ignored parameter, so it stays a plain, full tensor on every worker; everything else
 (embeddings left dense, norms, heads) is sharded by FSDP2 in units of the model's blocks. After
 backward FSDP2 has reduce-scattered (averaged) the sharded gradients, and
-:func:`average_replicated_gradients` all-reduces (averages) the replicated ones, so every worker
+:func:`average_replicated_gradients` all-reduces (averages) the replicated ones (and
+:func:`gradient_hook` clips by the global norm, which torch's clipping cannot compute over
+mixed sharded and replicated gradients), so every worker
 applies the same update to the same full cores and gates. Hence every gate decision (the masks,
 the regulariser, the size, pruning, the late stage's choice, truncation) reads the full gates and
 agrees on all workers without a message, and truncation, which replaces TT parameters by smaller
@@ -29,7 +31,7 @@ one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,8 +47,8 @@ from comera.surgery.checkpoint import checkpoint_payload, read_checkpoint
 from comera.surgery.swap import check_other_keys, layer_spec, match_layers, restore_layers_
 from comera.surgery.torchfile import write_torch_file
 
-__all__ = ["FSDPPolicy", "average_replicated_gradients", "load_checkpoint", "save_checkpoint",
-           "shard_"]
+__all__ = ["FSDPPolicy", "average_replicated_gradients", "clip_grad_norm_", "gradient_hook",
+           "load_checkpoint", "save_checkpoint", "shard_"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,45 @@ def average_replicated_gradients(model: nn.Module) -> None:
         flat /= dist.get_world_size()
         for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(averaged)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over a model holding both sharded (DTensor) and
+    replicated gradients, which torch's own refuses to mix: the squared norms of the local
+    shards are summed over the workers, the replicated ones counted once, and every gradient is
+    scaled by ``min(1, max_norm / (norm + 1e-6))``. Returns the total norm (float64)."""
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for g in grads:
+        if _is_dtensor(g):
+            sharded += g.to_local().detach().double().square().sum().cpu()
+        else:
+            replicated += g.detach().double().square().sum().cpu()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sharded, op=dist.ReduceOp.SUM)
+    total = (sharded + replicated).sqrt()
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        with torch.no_grad():
+            for g in grads:
+                (g.to_local() if _is_dtensor(g) else g).mul_(coef)
+    return total
+
+
+def gradient_hook(max_grad_norm: float | None = None) -> Callable[[nn.Module], None]:
+    """The trainer's ``grad_hook`` under this policy: average the replicated gradients, then,
+    with ``max_grad_norm``, clip by the global norm (:func:`clip_grad_norm_`). Give the trainer
+    ``max_grad_norm=None`` then: its own clipping cannot mix sharded and replicated gradients."""
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ConfigError(f"max_grad_norm={max_grad_norm}; give a norm > 0 (or None).")
+
+    def hook(model: nn.Module) -> None:
+        average_replicated_gradients(model)
+        if max_grad_norm is not None:
+            clip_grad_norm_(model, max_grad_norm)
+
+    return hook
 
 
 def _full_options():

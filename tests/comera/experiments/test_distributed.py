@@ -88,7 +88,7 @@ def test_run_checkpoint_entries_without_fsdp_round_trip_alone(tmp_path):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(TTLinear(16, 16, (4, 4), (4, 4), ranks=4))
-    assert prepare_model_(model) is average_gradients
+    assert prepare_model_(model, max_grad_norm=1.0) == (average_gradients, 1.0)
     with pytest.raises(ConfigError, match="--nproc"):
         prepare_model_(model, fsdp=True)
     trainer = CoMERATrainer(model, make_optimizer(model))

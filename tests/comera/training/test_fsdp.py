@@ -28,6 +28,7 @@ from comera.training import fsdp
 pytest.importorskip("transformers")
 
 EARLY, LATE, AFTER = 3, 3, 2
+MAX_NORM = 0.5  # below the first steps' gradient norms: clipping is active
 CONFIG = comera.OptimizerConfig(lr_cores=1e-2, lr_gates=5e-2, lr_other=1e-2)
 
 
@@ -53,10 +54,11 @@ def _ids(rank: int, world: int) -> torch.Tensor:
 
 
 def _trainer(model, world: int) -> comera.CoMERATrainer:
-    """Shard (with 2 workers; the engine's --fsdp entry), then the optimizer and trainer."""
-    hook = prepare_model_(model, fsdp=world > 1)
+    """Shard (with 2 workers; the engine's --fsdp entry), then the optimizer and trainer. The
+    gradients are clipped (by the trainer alone, by the FSDP hook with 2 workers)."""
+    hook, clip = prepare_model_(model, fsdp=world > 1, max_grad_norm=MAX_NORM)
     return comera.CoMERATrainer(model, comera.make_optimizer(model, CONFIG), lam=1.0,
-                                grad_hook=hook)
+                                grad_hook=hook, max_grad_norm=clip)
 
 
 def _steps(model, trainer, ids, n: int) -> list[float]:
