@@ -11,12 +11,18 @@ Why not ``DistributedDataParallel``: a late-stage "size" step and the rank regul
 gradients outside the forward graph, and truncation changes parameter shapes mid-run. An
 all-reduce after backward is exact for both and needs no re-wrapping; on CPU/gloo it loses
 little, since DDP's overlap of communication with backward buys little there.
+
+``--fsdp`` (:func:`prepare_model_`): FSDP2 shards the dense parts and keeps the TT layers
+replicated (:mod:`comera.training.fsdp`), so the gate decisions still read identical, full gates.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +30,8 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from comera import ConfigError
+from comera.surgery.checkpoint import load_checkpoint as load_checkpoint_plain
+from comera.surgery.checkpoint import save_checkpoint as save_checkpoint_plain
 
 
 @dataclass(frozen=True)
@@ -98,3 +106,50 @@ def mean_over_workers(value: float, device: str | torch.device = "cpu") -> float
 def barrier() -> None:
     if current_world().size > 1:
         dist.barrier()
+
+
+# -- FSDP2 (``--fsdp``): the engine's three calls, the logic in comera.training.fsdp --------------
+GradHook = Callable[[nn.Module], None]
+
+
+def prepare_model_(model: nn.Module, fsdp: bool = False,
+                   max_grad_norm: float | None = None) -> tuple[GradHook, float | None]:
+    """Make ``model`` ready for data-parallel training; return the trainer's gradient hook and
+    the ``max_grad_norm`` to give the trainer. Plain replication: :func:`average_gradients`, and
+    the trainer clips. With ``fsdp``: the dense parts sharded by FSDP2, the TT layers kept
+    replicated (:func:`comera.training.fsdp.shard_`); the hook averages the replicated
+    gradients and clips by the global norm (:func:`comera.training.fsdp.gradient_hook`), so the
+    trainer gets None. Call it after :func:`broadcast_parameters_` and before building the
+    optimizer."""
+    if not fsdp:
+        return average_gradients, max_grad_norm
+    from comera.training.fsdp import gradient_hook, shard_
+
+    if current_world().size == 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("--fsdp shards over data-parallel workers: run with --nproc N (N >= 2)"
+                          " or under torchrun.")
+    shard_(model)
+    return gradient_hook(max_grad_norm), None
+
+
+def save_run_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        fsdp: bool = False, **extra: Any) -> None:
+    """Write the run's checkpoint: worker 0 alone, or with ``fsdp`` every worker (the sharded
+    state is gathered whole first; the file is the same comera format)."""
+    if fsdp:
+        from comera.training.fsdp import save_checkpoint
+
+        save_checkpoint(path, model, optimizer, **extra)
+    elif current_world().is_main:
+        save_checkpoint_plain(path, model, optimizer, **extra)
+
+
+def load_run_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        fsdp: bool = False) -> dict[str, Any]:
+    """Load the run's checkpoint into ``model`` and ``optimizer`` (sharded ones with ``fsdp``);
+    return its ``extra``."""
+    if fsdp:
+        from comera.training.fsdp import load_checkpoint
+
+        return load_checkpoint(path, model, optimizer)
+    return load_checkpoint_plain(path, model, optimizer)

@@ -71,3 +71,32 @@ def test_checkpoint_holds_worker_zero_optimizer_state_equal_to_a_single_process_
         for key, value in state.items():
             torch.testing.assert_close(ddp_opt["optimizer"]["state"][k][key], value,
                                        rtol=1e-8, atol=1e-12)
+
+
+def test_run_checkpoint_entries_without_fsdp_round_trip_alone(tmp_path):
+    """The engine's entries (prepare_model_, save/load_run_checkpoint) on one process: plain
+    replication, comera's own checkpoint format; --fsdp alone is refused (2 workers:
+    tests/comera/training/test_fsdp.py)."""
+    from comera import CoMERATrainer, TTLinear, make_optimizer
+    from comera.errors import ConfigError
+    from comera.experiments.distributed import (
+        average_gradients,
+        load_run_checkpoint,
+        prepare_model_,
+        save_run_checkpoint,
+    )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(TTLinear(16, 16, (4, 4), (4, 4), ranks=4))
+    assert prepare_model_(model, max_grad_norm=1.0) == (average_gradients, 1.0)
+    with pytest.raises(ConfigError, match="--nproc"):
+        prepare_model_(model, fsdp=True)
+    trainer = CoMERATrainer(model, make_optimizer(model))
+    trainer.step(model(torch.randn(8, 16)).square().mean())
+    save_run_checkpoint(tmp_path / "ck.pt", model, trainer.optimizer, step=1)
+    fresh = torch.nn.Sequential(TTLinear(16, 16, (4, 4), (4, 4), ranks=4))
+    opt = make_optimizer(fresh)
+    assert load_run_checkpoint(tmp_path / "ck.pt", fresh, opt) == {"step": 1}
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert opt.state_dict()["state"].keys() == trainer.optimizer.state_dict()["state"].keys()

@@ -1,0 +1,175 @@
+"""Whole-step capture (comera.training.capture): the captured step trains as the eager trainer
+does, and re-captures exactly when the step's signature changes (truncation, batch shape,
+stage), never for in-place gate changes (pruning)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import comera
+from comera.errors import ConfigError
+from comera.training.capture import CapturedStep, StepSignature
+
+F64 = torch.float64
+
+
+def _model(dtype=torch.float32) -> tuple[nn.Module, comera.CoMERATrainer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(comera.TTLinear(64, 64, (4, 4, 4), (4, 4, 4), ranks=8, dtype=dtype),
+                          nn.ReLU(),
+                          comera.TTLinear(64, 16, (4, 4, 4), (2, 2, 4), ranks=6, dtype=dtype))
+    with torch.no_grad():
+        model[0].gates[0][-2:] = 0.0  # two pruned slices: the masks must keep them at zero
+    opt = comera.make_optimizer(model, comera.OptimizerConfig(lr_cores=1e-2, lr_gates=2e-2))
+    return model, comera.CoMERATrainer(model, opt, lam=0.1)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y)
+
+
+def _data(dtype=torch.float32, rows: int = 32):
+    gen = torch.Generator().manual_seed(1)
+    return (torch.randn(rows, 64, generator=gen, dtype=dtype),
+            torch.randn(rows, 16, generator=gen, dtype=dtype))
+
+
+def _run_both(mode: str, dtype, early: int, late: int, **options):
+    """Eager trainer vs captured step on the same batches, through truncation: both losses."""
+    x, y = _data(dtype)
+    (m1, t1), (m2, t2) = _model(dtype), _model(dtype)
+    step = CapturedStep(t2, _loss, mode=mode, **options)
+    eager, captured = [], []
+    for k in range(early + late):
+        if k == early:
+            for model, trainer in ((m1, t1), (m2, t2)):
+                trainer.start_late_stage(comera.LateStage(
+                    target_size=0.8 * comera.model_size(model), steps=late))
+        eager.append(t1.step(_loss(m1, x, y)).loss)
+        captured.append(float(step(x, y)))
+    return (m1, t1), (m2, t2), step, eager, captured
+
+
+def test_the_uncaptured_body_trains_exactly_as_the_trainer_through_both_stages():
+    (m1, t1), (m2, t2), step, eager, captured = _run_both("eager", F64, early=4, late=4)
+    assert captured == pytest.approx(eager, rel=1e-12, abs=0)
+    for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    assert [m.ranks for _, m in comera.tt_modules(m1)] == [
+        m.ranks for _, m in comera.tt_modules(m2)]
+    assert t2.steps == t1.steps == 8
+    # one capture per signature: the first call, then the stage boundary's truncation
+    assert step.captures == 2 and step.reasons[0] == "first call"
+
+
+def test_torch_compile_of_the_whole_step_matches_eager():
+    """The compile path on the CPU (aot_eager: dynamo and AOT autograd, no code generation)."""
+    (m1, _), (m2, _), step, eager, captured = _run_both("compile", torch.float32, early=2,
+                                                        late=0, backend="aot_eager")
+    assert captured == pytest.approx(eager, rel=1e-5)
+    for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert step.captures == 1
+
+
+@pytest.mark.slow
+def test_torch_compile_of_the_whole_step_matches_eager_through_truncation():
+    (m1, _), (m2, _), step, eager, captured = _run_both("compile", torch.float32, early=3,
+                                                        late=2, backend="aot_eager")
+    assert captured == pytest.approx(eager, rel=1e-5)
+    for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert step.captures == 2
+
+
+@pytest.mark.slow
+def test_reduce_overhead_inductor_step_matches_eager_on_the_cpu():
+    """torch.compile(mode="reduce-overhead") with inductor (CUDA graphs only on CUDA)."""
+    _, _, step, eager, captured = _run_both(
+        "compile", torch.float32, early=3, late=0, compile_mode="reduce-overhead")
+    assert captured == pytest.approx(eager, rel=1e-5)
+    assert step.captures == 1
+
+
+def test_recapture_count_follows_the_shape_change_rules():
+    x, y = _data(F64)
+    model, trainer = _model(F64)
+    step = CapturedStep(trainer, _loss, mode="eager")
+    for _ in range(3):
+        step(x, y)
+    assert step.captures == 1
+    with torch.no_grad():  # pruning is a mask: same tensors, no re-capture
+        model[2].gates[1][0] = 0.0
+    step(x, y)
+    assert step.captures == 1
+    report = trainer.truncate()  # physical truncation: new, smaller parameters
+    assert report.changed
+    step(x, y)
+    assert step.captures == 2 and step.reasons[-1].startswith("parameter shapes changed")
+    trainer.truncate()  # nothing left to cut: same shapes, but new parameter objects
+    step(x, y)
+    assert step.captures == 3 and step.reasons[-1] == "parameters replaced (same shapes)"
+    step(*_data(F64, rows=8))  # a partial batch
+    assert step.captures == 4 and step.reasons[-1].startswith("batch")
+    step(*_data(F64, rows=8))
+    assert step.captures == 4
+
+
+def test_signature_reasons():
+    model, _ = _model()
+    batch = _data()
+    a = StepSignature.of(model, batch, "early")
+    assert a.change_from(None) == "first call"
+    assert a.change_from(a) == ""
+    assert StepSignature.of(model, batch, "late").change_from(a) == "stage early -> late"
+
+
+def test_bad_settings_are_refused():
+    model, trainer = _model()
+    with pytest.raises(ConfigError, match="mode 'fast'"):
+        CapturedStep(trainer, _loss, mode="fast")
+    with pytest.raises(ConfigError, match="check_every"):
+        CapturedStep(trainer, _loss, mode="eager", check_every=0)
+    with pytest.raises(ConfigError, match="CoMERATrainer"):
+        CapturedStep(comera.DenseTrainer(model), _loss)
+    hooked = comera.CoMERATrainer(model, trainer.optimizer, grad_hook=lambda m: None)
+    with pytest.raises(ConfigError, match="grad_hook"):
+        CapturedStep(hooked, _loss, mode="eager")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA"):
+            CapturedStep(trainer, _loss, mode="graphs")
+
+
+def test_a_non_finite_loss_is_refused_after_the_step():
+    _, trainer = _model()
+    x, y = _data()
+    step = CapturedStep(trainer, _loss, mode="eager")
+    with pytest.raises(comera.NonFiniteLossError, match="step 0"):
+        step(x, y * float("nan"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["graphs", "compile"])
+def test_cuda_whole_step_capture_matches_eager(mode):
+    """On CUDA: make_graphed_callables and reduce-overhead (CUDA graphs) against eager."""
+    x, y = (t.cuda() for t in _data())
+    (m1, t1), (m2, t2) = _model(), _model()
+    m1.cuda(), m2.cuda()
+    for trainer in (t1, t2):  # the optimizers were built on CPU tensors: rebuild on the device
+        trainer.optimizer = comera.make_optimizer(trainer.model, comera.OptimizerConfig(
+            lr_cores=1e-2, lr_gates=2e-2))
+    step = CapturedStep(t2, _loss, mode=mode)
+    eager, captured = [], []
+    for k in range(8):
+        if k == 5:
+            for model, trainer in ((m1, t1), (m2, t2)):
+                trainer.start_late_stage(comera.LateStage(
+                    target_size=0.8 * comera.model_size(model), steps=3))
+        eager.append(t1.step(_loss(m1, x, y)).loss)
+        captured.append(float(step(x, y)))
+    assert captured == pytest.approx(eager, rel=1e-4)
+    assert step.captures == 2
