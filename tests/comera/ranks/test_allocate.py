@@ -11,8 +11,14 @@ from torch import nn
 
 import comera
 from comera import LateStage, TTLinear
-from comera.ranks.allocate import (RankOneWarning, allocate, allocate_, bond_spectra, layer_size,
-                                   uniform_ranks)
+from comera.ranks.allocate import (
+    RankOneWarning,
+    allocate,
+    allocate_,
+    bond_spectra,
+    layer_size,
+    uniform_ranks,
+)
 from comera.ranks.truncate import truncate_
 
 F64 = torch.float64
@@ -86,7 +92,7 @@ def test_allocate_applies_the_allocation_exactly():
 def test_the_uniform_floor_keeps_every_uniform_slice():
     model = _model()
     budget = sum(layer_size(m, (1, *r, 1)) for m, r in zip(model, TRUE, strict=True))
-    rank, uniform = uniform_ranks(model, budget)
+    _, uniform = uniform_ranks(model, budget)
     allocation = allocate(model, budget)  # floor="uniform", the default
     assert allocation.uniform == uniform and allocation.size <= budget
     for name, ranks in allocation.ranks.items():
