@@ -226,7 +226,7 @@ def _select(model: nn.Module, of) -> list[tuple[str, object]]:
             raise ConfigError(f"of={of!r}; give a layer type, a tuple of types, or module "
                               "names (str).")
         chosen = [(n, m) for n, m in layers
-                  if any(n == want or n.startswith(want + ".") for want in names)]
+                  if any(want in ("", n) or n.startswith(want + ".") for want in names)]
     if not chosen:
         have = ", ".join(n or "<model>" for n, _ in layers[:8]) or "none"
         raise ConfigError(f"of={of!r} matches no TT layer of the model (its TT layers: {have}"
