@@ -160,11 +160,14 @@ def uniform_ranks(model: nn.Module, target_size: float,
     return best, at(max(best, 1))
 
 
-def allocate(model: nn.Module, target_size: float, floor: str = "uniform") -> Allocation:
+def allocate(model: nn.Module, target_size: float, floor: str = "uniform",
+             min_rank: int = 1) -> Allocation:
     """The bond sizes that keep the most spectral energy per parameter within ``target_size``
     (the whole model's parameters, as :func:`comera.ranks.size.model_size` counts them); see the
     module docstring. ``floor``: ``"uniform"`` starts from the uniform allocation, ``"one"``
-    from rank 1 everywhere. No layer is removed: every bond keeps at least one slice."""
+    from rank 1 everywhere; ``min_rank`` raises that floor on every bond (to what the bond
+    carries). No layer is removed: every bond keeps at least one slice. A budget below the
+    floor's size gives the floor (``size`` then exceeds ``budget``)."""
     if floor not in FLOORS:
         raise ConfigError(f"floor={floor!r}; choose one of {', '.join(FLOORS)}.")
     if not target_size > 0:
@@ -182,7 +185,8 @@ def allocate(model: nn.Module, target_size: float, floor: str = "uniform") -> Al
         energy = [s.square() for s in spectra]
         total = max(float(energy[0].sum()) if energy and energy[0].numel() else 0.0, 1e-300)
         start = uniform[name] if floor == "uniform" and u_rank > 0 else (1,) * len(m.ranks)
-        ranks = _capped(list(start), _inner(m), avail)
+        start = [1, *(max(r, min_rank) for r in start[1:-1]), 1]
+        ranks = _capped(start, _inner(m), avail)
         state.append((name, m, ranks, avail, [e / total for e in energy], _inner(m)))
     size = other + sum(layer_size(m, ranks) for _, m, ranks, *_ in state)
     while True:
@@ -228,13 +232,13 @@ def warn_rank_one(model: nn.Module, why: str) -> list[str]:
 
 
 def allocate_(model: nn.Module, target_size: float, optimizer=None,
-              floor: str = "uniform") -> Allocation:
+              floor: str = "uniform", min_rank: int = 1) -> Allocation:
     """Compute :func:`allocate` and apply it in place: every layer rounded (exact) and its gates
     past the allocated ranks zeroed (the slices of least energy), so the model's size is the
     allocation's. ``optimizer``: the rounded layers' moments are reset as
     :func:`comera.ranks.truncate.round_layer_` does. Warns (:class:`RankOneWarning`) when a layer
     ends at rank 1 on every bond."""
-    allocation = allocate(model, target_size, floor)
+    allocation = allocate(model, target_size, floor, min_rank)
     with torch.no_grad():
         for name, layer in tt_modules(model):
             if name not in allocation.ranks:

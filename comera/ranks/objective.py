@@ -169,14 +169,16 @@ class LateStage:
         rest = model_size(model) - current
         return cls(rest + dense / ratio, target_loss, steps=steps, **options)
 
-    def allocate_(self, model: nn.Module, optimizer=None) -> Allocation | None:
+    def allocate_(self, model: nn.Module, optimizer=None,
+                  min_rank: int = 1) -> Allocation | None:
         """At the start of the stage, with ``allocation="spectrum"``: fix the shape now
         (:func:`comera.ranks.allocate.allocate_`; the weight is rounded and the slices of least
-        energy are gated off, the optimizer's moments of each layer reset). None otherwise, or
-        when the model already fits S*."""
+        energy are gated off, the optimizer's moments of each layer reset; no bond below
+        ``min_rank``, the trainer's floor). None otherwise, or when the model already fits
+        S*."""
         if self.allocation != "spectrum" or model_size(model) <= self.target_size:
             return None
-        return allocate_(model, self.target_size, optimizer, self.floor)
+        return allocate_(model, self.target_size, optimizer, self.floor, min_rank)
 
     def scheduled_size(self, start_size: float, step: int) -> float:
         """The size to be at after ``step`` steps of the stage (0-based; S* without a budget):
