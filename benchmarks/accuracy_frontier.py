@@ -127,6 +127,20 @@ def _lowrank_rank(task, budget: float) -> int:
     return best
 
 
+def _shaped_model(task, seed: int, ranks: dict) -> nn.Module:
+    """A fresh TT model (initialised from ``seed`` as the fixed-rank one is) whose TT layers
+    have the inner bonds ``ranks`` (per layer name, ends included)."""
+    torch.manual_seed(seed)
+    model = PairClassifier(replace(task.model_config(True),
+                                   rank=max(max(r) for r in ranks.values())))
+    for name, layer in list(comera.tt_modules(model)):
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, type(layer)(
+            layer.in_features, layer.out_features, layer.in_modes, layer.out_modes,
+            ranks=list(ranks[name][1:-1]), bias=layer.bias is not None, tau=layer.tau))
+    return model
+
+
 def _tt_optimizer(model, args):
     return comera.make_optimizer(model, comera.OptimizerConfig(args.lr, args.lr_gates, args.lr))
 
@@ -183,12 +197,18 @@ def run(args) -> dict:
                 late = comera.CoMERATrainer(late_model, late_opt, 0.0, max_grad_norm=1.0)
                 stage = comera.LateStage(budgets[target] + other,
                                          steps=args.steps - args.decide, floor=args.floor)
-                stage.allocate_(late_model, late_opt)  # what start_late_stage will call
-                late.start_late_stage(stage)
-                _train(task, late_model, late, stream, args.decide, args.steps - args.decide,
-                       args.warmup, lr)
+                allocation = stage.allocate_(late_model, late_opt)  # start_late_stage's call
+                if args.restart:  # the chosen shape, from a fresh init, for all the steps
+                    late_model = _shaped_model(task, seed, allocation.ranks)
+                    _train(task, late_model, comera.CoMERATrainer(
+                        late_model, _tt_optimizer(late_model, args), 0.0, max_grad_norm=1.0),
+                        stream, 0, args.steps, args.warmup, lr)
+                else:
+                    late.start_late_stage(stage)
+                    _train(task, late_model, late, stream, args.decide,
+                           args.steps - args.decide, args.warmup, lr)
                 add(seed, "comera", target, start - warm, late_model,
-                    uniform_rank=uniform[target])
+                    uniform_rank=uniform[target], restart=args.restart)
         for target in args.targets if "fixed" in args.methods else []:
             rank = uniform[target]
             done = [r for r in result["rows"] if r["seed"] == seed and r["model"] == "fixed"
@@ -351,6 +371,9 @@ def main(argv=None) -> int:
                    help="comera: steps at full rank before the late stage fixes the shape")
     p.add_argument("--floor", choices=comera.ranks.allocate.FLOORS, default="uniform",
                    help="comera: the allocation starts from the uniform ranks or from rank 1")
+    p.add_argument("--restart", action="store_true",
+                   help="comera: train the chosen shape from a fresh init for all --steps "
+                        "(default: go on from the decided model for the remaining steps)")
     p.add_argument("--early", type=int, default=300, help="prune: early-stage steps")
     p.add_argument("--lam", type=float, default=0.05, help="prune: early-stage lam")
     p.add_argument("--batch", type=int, default=32)
