@@ -54,8 +54,10 @@ from comera.ranks.truncate import round_
 
 OUT = RESULTS / "reviews_frontier"
 METHODS = ("dense", "fixed", "lowrank", "comera", "prune")
+ROWS = ("dense", "fixed", "lowrank", "comera", "comera-warm", "prune")  # the names rows carry
 LABELS = {"dense": "dense", "fixed": "fixed uniform TT rank", "lowrank": "low-rank x @ A @ B",
-          "comera": "CoMERA", "prune": "CoMERA (prune)"}
+          "comera": "CoMERA", "comera-warm": "CoMERA, warm (no restart)",
+          "prune": "CoMERA (prune)"}
 
 
 class SmallReviews(ReviewsTask):
@@ -207,8 +209,8 @@ def run(args) -> dict:
                     late.start_late_stage(stage)
                     _train(task, late_model, late, stream, args.decide,
                            args.steps - args.decide, args.warmup, lr)
-                add(seed, "comera", target, start - warm, late_model,
-                    uniform_rank=uniform[target], restart=args.restart)
+                add(seed, "comera" if args.restart else "comera-warm", target, start - warm,
+                    late_model, uniform_rank=uniform[target], restart=args.restart)
         for target in args.targets if "fixed" in args.methods else []:
             rank = uniform[target]
             done = [r for r in result["rows"] if r["seed"] == seed and r["model"] == "fixed"
@@ -265,6 +267,28 @@ def run(args) -> dict:
     return result
 
 
+def merge(paths: list[Path]) -> dict:
+    """One result from several results files: the first's data and machine, every file's rows
+    (dense rows of the earlier frontier format, sizes under ``sizes``, are read as well) and
+    every file's settings and plan, by path."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    rows = []
+    for part in parts:
+        for row in part["rows"]:
+            if row["model"] == "comera" and not row.get("restart", False):
+                row = row | {"model": "comera-warm"}  # written before the rows were named
+            if row["model"] not in ROWS:
+                continue  # rows of other experiments in an earlier file
+            if "linear_compression" not in row and "sizes" in row:
+                row = row | {"linear_compression": row["sizes"].get("linear_compression", 1.0)}
+            rows.append(row)
+    return {"task": parts[0]["task"], "data": parts[0]["data"],
+            "machine": next((p["machine"] for p in parts if "machine" in p), machine()),
+            "parts": {str(path): {"settings": part.get("settings"), "plan": part.get("plan")}
+                      for path, part in zip(paths, parts, strict=True)},
+            "rows": rows}
+
+
 def machine() -> dict:
     """CPU model (lscpu), torch version and thread count, for the results file."""
     try:
@@ -286,7 +310,7 @@ def summarise(result: dict) -> str:
     data = result["data"]
     rows = result["rows"]
     targets = sorted({r["target"] for r in rows if r["target"] is not None})
-    methods = [m for m in METHODS if any(r["model"] == m for r in rows)]
+    methods = [m for m in ROWS if any(r["model"] == m for r in rows)]
     lines = [f"Reviews task: train {data['train']}, val {data['val']}, test {data['test']}; "
              f"majority class: test {data['majority_test']:.4f}. Test accuracy, mean ± sd over "
              "seeds (n); compression of the linear layers in brackets.", ""]
@@ -335,7 +359,8 @@ def plot(result: dict, path: Path) -> None:
         ax.axhline(mean, color="k", lw=1, label=f"dense (mean ± sd of {len(dense)})")
         ax.axhspan(mean - sd, mean + sd, color="k", alpha=0.1)
     ax.axhline(result["data"]["majority_test"], color="grey", ls=":", label="majority class")
-    for method, marker in (("fixed", "^"), ("lowrank", "v"), ("comera", "o"), ("prune", "x")):
+    for method, marker in (("fixed", "^"), ("lowrank", "v"), ("comera", "o"),
+                           ("comera-warm", "s"), ("prune", "x")):
         groups: dict = {}
         for r in rows:
             if r["model"] == method and r["target"] is not None:
@@ -371,9 +396,12 @@ def main(argv=None) -> int:
                    help="comera: steps at full rank before the late stage fixes the shape")
     p.add_argument("--floor", choices=comera.ranks.allocate.FLOORS, default="uniform",
                    help="comera: the allocation starts from the uniform ranks or from rank 1")
-    p.add_argument("--restart", action="store_true",
-                   help="comera: train the chosen shape from a fresh init for all --steps "
-                        "(default: go on from the decided model for the remaining steps)")
+    p.add_argument("--restart", action="store_true", default=True,
+                   help="comera (the default): train the chosen shape from a fresh init for all "
+                        "--steps, as the fixed rank is")
+    p.add_argument("--warm", dest="restart", action="store_false",
+                   help="comera: go on from the decided model for the remaining steps instead "
+                        "(rows named comera-warm)")
     p.add_argument("--early", type=int, default=300, help="prune: early-stage steps")
     p.add_argument("--lam", type=float, default=0.05, help="prune: early-stage lam")
     p.add_argument("--batch", type=int, default=32)
@@ -386,11 +414,18 @@ def main(argv=None) -> int:
     p.add_argument("--append", action="store_true",
                    help="keep the rows already in the results file (more seeds or methods)")
     p.add_argument("--summarise-only", action="store_true")
+    p.add_argument("--merge", type=Path, nargs="+", default=[],
+                   help="write --out from the rows of these results files (runs made in pieces, "
+                        "e.g. one method per process) instead of training")
     args = p.parse_args(argv)
     if not 0 < args.decide < args.steps:
         p.error(f"--decide {args.decide}: give a step count in (0, --steps={args.steps})")
     torch.set_num_threads(args.threads)
-    if args.summarise_only:
+    if args.merge:
+        result = merge(args.merge)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "frontier.json").write_text(json.dumps(result, indent=1, default=str))
+    elif args.summarise_only:
         result = json.loads((args.out / "frontier.json").read_text())
     else:
         result = run(args)
