@@ -49,7 +49,7 @@ from comera.experiments.task import IndexStream
 from comera.experiments.transformer_task import ReviewsTask, ReviewsTaskConfig
 from comera.layers.lowrank import LowRankLinear
 from comera.models import PairClassifier, TransformerConfig
-from comera.ranks.allocate import uniform_ranks
+from comera.ranks.allocate import rebuild_at_, uniform_ranks
 from comera.ranks.truncate import round_
 
 OUT = RESULTS / "reviews_frontier"
@@ -131,16 +131,11 @@ def _lowrank_rank(task, budget: float) -> int:
 
 def _shaped_model(task, seed: int, ranks: dict) -> nn.Module:
     """A fresh TT model (initialised from ``seed`` as the fixed-rank one is) whose TT layers
-    have the inner bonds ``ranks`` (per layer name, ends included)."""
+    have the bonds ``ranks`` (per layer name, ends included)."""
     torch.manual_seed(seed)
     model = PairClassifier(replace(task.model_config(True),
                                    rank=max(max(r) for r in ranks.values())))
-    for name, layer in list(comera.tt_modules(model)):
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, type(layer)(
-            layer.in_features, layer.out_features, layer.in_modes, layer.out_modes,
-            ranks=list(ranks[name][1:-1]), bias=layer.bias is not None, tau=layer.tau))
-    return model
+    return rebuild_at_(model, ranks)
 
 
 def _tt_optimizer(model, args):

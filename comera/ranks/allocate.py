@@ -253,3 +253,30 @@ def allocate_(model: nn.Module, target_size: float, optimizer=None,
     log.info("allocation: %s", allocation)
     warn_rank_one(model, f"the size budget {target_size:.0f}")
     return allocation
+
+
+def rebuild_at_(model: nn.Module, ranks: dict[str, tuple[int, ...]]) -> nn.Module:
+    """Replace each TT layer named in ``ranks`` by a freshly initialised layer of the same type,
+    modes, bias and tau at those bond sizes (ends included), drawn from the current RNG: decide
+    the shape on a briefly trained model (:func:`allocate`), then train that shape from the
+    start, as a fixed-rank model is trained. Returns ``model``."""
+    layers = dict(tt_modules(model))
+    missing = sorted(set(ranks) - set(layers))
+    if missing:
+        raise ConfigError(f"ranks name {missing[:4]}, not TT layers of the model (it has "
+                          f"{sorted(layers)[:4]} ...); pass an allocation of this model.")
+    for name, bonds in ranks.items():
+        layer = layers[name]
+        fresh = type(layer)(layer.in_features, layer.out_features, layer.in_modes,
+                            layer.out_modes, ranks=list(bonds[1:-1]),
+                            bias=layer.bias is not None, tau=layer.tau,
+                            dtype=layer.cores[0].dtype, device=layer.cores[0].device)
+        fresh.compile_options = dict(layer.compile_options)
+        fresh.build_compiled()
+        if name:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, fresh)
+        else:
+            raise ConfigError("the model is itself a TT layer: build a new one at the ranks.")
+    rebuild_stacks(model)
+    return model

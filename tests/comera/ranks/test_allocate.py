@@ -17,6 +17,7 @@ from comera.ranks.allocate import (
     allocate_,
     bond_spectra,
     layer_size,
+    rebuild_at_,
     uniform_ranks,
 )
 from comera.ranks.truncate import truncate_
@@ -138,3 +139,20 @@ def test_late_stage_allocates_at_its_start_and_trains_the_shape():
         LateStage(10.0, allocation="svd")
     with pytest.raises(comera.ConfigError, match="floor='none'"):
         LateStage(10.0, floor="none")
+
+
+def test_rebuild_at_trains_the_chosen_shape_from_a_fresh_init():
+    model = _model()
+    budget = sum(layer_size(m, (1, *r, 1)) for m, r in zip(model, TRUE, strict=True))
+    allocation = allocate(model, budget, floor="one")
+    old = [m.to_dense().detach() for m in model]
+    torch.manual_seed(3)
+    rebuild_at_(model, allocation.ranks)
+    assert [m.bonds for m in model] == [allocation.ranks[n] for n in ("0", "1", "2")]
+    assert comera.model_size(model) == allocation.size
+    assert all(c.dtype == F64 for m in model for c in m.cores)
+    x = torch.randn(4, 64, dtype=F64)
+    assert model(x).shape == (4, 64)
+    assert all(not torch.allclose(m.to_dense(), w) for m, w in zip(model, old, strict=True))
+    with pytest.raises(comera.ConfigError, match=r"ranks name \['7'\]"):
+        rebuild_at_(model, {"7": (1, 2, 1)})
