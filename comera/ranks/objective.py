@@ -37,9 +37,11 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
+from comera.ranks.allocate import FLOORS, Allocation, allocate_
 from comera.ranks.size import model_size, tt_modules
 
 REGULARIZERS = ("l1", "size_weighted")
+ALLOCATIONS = ("spectrum", "prune")
 
 
 def _slice_costs(module) -> list[Tensor]:
@@ -98,6 +100,11 @@ class LateStage:
     then warns when it starts and reports ``behind`` in every step's stats while above S*.
     ``rounding``: pruning rounds away the slices a pruned neighbour leaves useless (see the
     module docstring); False prunes slices alone, as before.
+    ``allocation``: ``"spectrum"`` (default) fixes the shape when the stage starts
+    (:meth:`allocate_`: the budget spent on the slices of most singular-value energy per
+    parameter, across all layers, from ``floor``'s allocation up; :mod:`comera.ranks.allocate`),
+    so the stage trains its final shape throughout; ``"prune"`` shrinks along the step
+    budget's schedule by saliency pruning instead.
     """
 
     target_size: float
@@ -106,6 +113,8 @@ class LateStage:
     steps: int | None = None
     landing: float = 0.75
     rounding: bool = True
+    allocation: str = "spectrum"
+    floor: str = "uniform"
 
     def __post_init__(self) -> None:
         if not self.target_size > 0:
@@ -117,6 +126,11 @@ class LateStage:
                               ">= 1 (or None: no schedule).")
         if not isinstance(self.rounding, bool):
             raise ConfigError(f"rounding={self.rounding!r}; pass True or False.")
+        if self.allocation not in ALLOCATIONS:
+            raise ConfigError(f"allocation={self.allocation!r}; choose one of "
+                              f"{', '.join(ALLOCATIONS)}.")
+        if self.floor not in FLOORS:
+            raise ConfigError(f"floor={self.floor!r}; choose one of {', '.join(FLOORS)}.")
         if not 0 < self.landing <= 1:
             raise ConfigError(f"landing={self.landing}; the fraction of the budget spent "
                               "shrinking is in (0, 1].")
@@ -125,13 +139,46 @@ class LateStage:
     def from_ratio(cls, model: nn.Module, ratio: float, target_loss: float = 0.0,
                    size_weight: float = 1.0, dense_reference: int | None = None,
                    steps: int | None = None, landing: float = 0.75,
-                   rounding: bool = True) -> LateStage:
-        """S* = reference / ratio: ``dense_reference`` (a compression ratio) or, by default,
-        the model's effective size now (shrink by ``ratio`` from the start of the stage)."""
+                   rounding: bool = True, allocation: str = "spectrum",
+                   floor: str = "uniform") -> LateStage:
+        """S* = reference / ratio, the reference being ``dense_reference`` (a parameter count)
+        or, by default, the model's effective size now (shrink the whole model by ``ratio``
+        from the start of the stage). For a ratio against the dense model, of chosen layers,
+        see :meth:`for_compression`."""
         if not ratio > 1:
             raise ConfigError(f"target compression {ratio}; it must be > 1 (a ratio of sizes).")
         reference = dense_reference if dense_reference is not None else model_size(model)
-        return cls(reference / ratio, target_loss, size_weight, steps, landing, rounding)
+        return cls(reference / ratio, target_loss, size_weight, steps, landing, rounding,
+                   allocation, floor)
+
+    @classmethod
+    def for_compression(cls, model: nn.Module, ratio: float, of=None, target_loss: float = 0.0,
+                        steps: int | None = None, **options) -> LateStage:
+        """The target that compresses the layers ``of`` by ``ratio`` against their dense size
+        (``dense parameters of those layers / their parameters = ratio``), every other
+        parameter kept as it is now. ``of``: a layer type or tuple of types (e.g.
+        ``comera.TTLinear``), or qualified module names (a str or a list; a name also takes the
+        TT layers under it); default every TT layer. ``options``: the other fields
+        (``size_weight``, ``landing``, ``rounding``, ``allocation``, ``floor``)."""
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 1:
+            raise ConfigError(f"ratio={ratio!r}; a compression against dense is a number > 1 "
+                              "(10 keeps a tenth of the dense parameters).")
+        layers = _select(model, of)
+        current = sum(m.num_parameters() for _, m in layers)
+        dense = sum(m.dense_num_parameters() for _, m in layers)
+        rest = model_size(model) - current
+        return cls(rest + dense / ratio, target_loss, steps=steps, **options)
+
+    def allocate_(self, model: nn.Module, optimizer=None,
+                  min_rank: int = 1) -> Allocation | None:
+        """At the start of the stage, with ``allocation="spectrum"``: fix the shape now
+        (:func:`comera.ranks.allocate.allocate_`; the weight is rounded and the slices of least
+        energy are gated off, the optimizer's moments of each layer reset; no bond below
+        ``min_rank``, the trainer's floor). None otherwise, or when the model already fits
+        S*."""
+        if self.allocation != "spectrum" or model_size(model) <= self.target_size:
+            return None
+        return allocate_(model, self.target_size, optimizer, self.floor, min_rank)
 
     def scheduled_size(self, start_size: float, step: int) -> float:
         """The size to be at after ``step`` steps of the stage (0-based; S* without a budget):
@@ -164,6 +211,30 @@ class LateStage:
             return loss, which
         reference = size_reference if size_reference is not None else max(size, 1)
         return loss + self.size_weight * soft_size(model) / reference, which
+
+
+def _select(model: nn.Module, of) -> list[tuple[str, object]]:
+    """The TT layers ``of`` names (see :meth:`LateStage.for_compression`), else a ConfigError
+    listing what there is."""
+    layers = list(tt_modules(model))
+    if of is None:
+        chosen = layers
+    elif isinstance(of, type) or (isinstance(of, tuple) and of and
+                                   all(isinstance(t, type) for t in of)):
+        chosen = [(n, m) for n, m in layers if isinstance(m, of)]
+    else:
+        names = [of] if isinstance(of, str) else list(of)
+        if not names or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"of={of!r}; give a layer type, a tuple of types, or module "
+                              "names (str).")
+        chosen = [(n, m) for n, m in layers
+                  if any(want in ("", n) or n.startswith(want + ".") for want in names)]
+    if not chosen:
+        have = ", ".join(n or "<model>" for n, _ in layers[:8]) or "none"
+        raise ConfigError(f"of={of!r} matches no TT layer of the model (its TT layers: {have}"
+                          f"{' ...' if len(layers) > 8 else ''}); name some of them, or leave "
+                          "of out for all.")
+    return chosen
 
 
 def floor_size(model: nn.Module, min_rank: int) -> int:

@@ -64,7 +64,7 @@ def test_without_a_budget_the_stage_says_it_will_not_move(caplog):
     teacher, student = _student_and_data()
     trainer = CoMERATrainer(student)
     with caplog.at_level(logging.WARNING, logger="comera.training.trainers"):
-        trainer.start_late_stage(LateStage.from_ratio(student, 3.0))
+        trainer.start_late_stage(LateStage.from_ratio(student, 3.0, allocation="prune"))
     assert "no step budget" in caplog.text and "~990 steps" in caplog.text
     stats = _train(trainer, student, teacher, 5)
     assert all(s.note.startswith("no step budget") for s in stats), [s.note for s in stats]

@@ -135,6 +135,44 @@ def test_late_stage_from_ratio_and_objective():
     assert which == "loss" and total is loss
 
 
+def _for_compression_model():
+    """TT 64 -> 32 (dense 2,080 with bias), TT-matrix 32 -> 16 (dense 528), a plain Linear."""
+    return nn.Sequential(TTLinear(64, 32, (4, 4, 4), (2, 4, 4), ranks=4),
+                         TTMLinear(32, 16, (4, 8), (4, 4), ranks=3), nn.Linear(16, 2))
+
+
+def test_for_compression_is_a_ratio_against_dense_of_the_layers_named():
+    model = _for_compression_model()
+    tt, ttm, plain = model
+    size = comera.model_size(model)
+    assert (tt.dense_num_parameters(), ttm.dense_num_parameters()) == (2080, 528)
+    # every TT layer: the rest (the Linear's 34) + (2080 + 528) / 8
+    assert LateStage.for_compression(model, 8).target_size == 34 + 2608 / 8
+    # by type: the TT-matrix layer keeps its size, the TT layer goes to 2080 / 10
+    late = LateStage.for_compression(model, 10, of=TTLinear, steps=20, floor="one")
+    assert late.target_size == size - tt.num_parameters() + 208
+    assert (late.steps, late.floor, late.allocation) == (20, "one", "spectrum")
+    # by name ("1" is the TT-matrix layer), and a parent's name takes the layers under it
+    assert LateStage.for_compression(model, 4, of="1").target_size == \
+        size - ttm.num_parameters() + 132
+    assert LateStage.for_compression(model, 8, of=[""]).target_size == 34 + 2608 / 8
+    assert LateStage.for_compression(model, 4, of=(TTLinear, TTMLinear)).target_size == \
+        34 + 2608 / 4
+    assert plain.weight.numel() + plain.bias.numel() == 34
+
+
+def test_for_compression_rejects_what_it_cannot_mean():
+    model = _for_compression_model()
+    with pytest.raises(comera.ConfigError, match=r"of=.2. matches no TT layer.*layers: 0, 1"):
+        LateStage.for_compression(model, 4, of="2")
+    with pytest.raises(comera.ConfigError, match="ratio=1"):
+        LateStage.for_compression(model, 1)
+    with pytest.raises(comera.ConfigError, match="ratio=True"):
+        LateStage.for_compression(model, True)
+    with pytest.raises(comera.ConfigError, match=r"of=\[3\]"):
+        LateStage.for_compression(model, 4, of=[3])
+
+
 def _trainable():
     torch.manual_seed(1)
     return nn.Sequential(TTLinear(15, 14, (3, 5), (7, 2), ranks=3), nn.ReLU(),

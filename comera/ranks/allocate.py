@@ -1,0 +1,282 @@
+"""Rank allocation from the spectrum: one global size budget, spent where the singular values are.
+
+Every bond of a TT layer has singular values: those of the layer's weight unfolded at that bond
+(computed exactly by a QR sweep left to right and an SVD sweep right to left, as TT rounding
+does). Cutting a bond to rank r discards the energy of its singular values past r, and the TT
+error is at most the root of the discarded energies summed over bonds. So, given a size budget,
+:func:`allocate` keeps the slices with the most energy per parameter, across all layers and
+bonds at once: starting from a floor (by default the uniform allocation, the largest uniform
+rank whose model fits the budget), it adds one slice at a time, the one whose share of its
+layer's energy (``sigma^2 / ||W||^2``) per parameter it costs is largest, until no slice fits.
+A slice's cost is what the two cores around its bond grow by (``n_k r_{k-1} + n_{k+1}
+r_{k+1}``), so it changes as the neighbours grow, and a bond never exceeds what its neighbours
+allow (``r_k <= r_{k-1} n_k`` and ``r_k <= n_{k+1} r_{k+1}``).
+
+Starting from the uniform allocation means the result holds every slice the fixed uniform rank
+would: the allocation only spends the budget the uniform rank leaves unused (a uniform rank
+jumps in steps: at rank 1 -> 2 the reviews model's linear layers go from 145x to 108x), and
+where the spectra say a bond carries nothing past a rank, the uniform floor is cut there too.
+
+:func:`allocate_` applies an allocation exactly: each layer is rounded
+(:func:`comera.ranks.truncate.round_layer_`, which leaves every bond's slices in the order of
+its singular values) and the gates past the allocated ranks are zeroed, so truncation
+(:func:`comera.ranks.truncate.truncate_`) then drops them. Used at the start of the late stage
+(``LateStage(allocation="spectrum")``, the default): decide the shape once, then train it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from comera.errors import ConfigError
+from comera.layers.linear import GatedTrain
+from comera.ranks.size import model_size, tt_modules
+from comera.ranks.truncate import rebuild_stacks, round_layer_
+
+log = logging.getLogger("comera.ranks.allocate")
+
+FLOORS = ("uniform", "one")
+
+__all__ = [
+    "FLOORS",
+    "Allocation",
+    "RankOneWarning",
+    "allocate",
+    "allocate_",
+    "bond_spectra",
+    "layer_size",
+    "rank_one_layers",
+    "uniform_ranks",
+    "warn_rank_one",
+]
+
+
+class RankOneWarning(UserWarning):
+    """A size budget left some TT layer at rank 1 on every bond (a rank-1 weight: every input
+    maps onto one direction)."""
+
+
+def _inner(layer: GatedTrain) -> list[int]:
+    return [math.prod(c.shape[1:-1]) for c in layer.cores]
+
+
+def layer_size(layer: GatedTrain, ranks) -> int:
+    """Parameters of ``layer`` at bond sizes ``ranks`` (ends included), bias included."""
+    bias = layer.bias.numel() if layer.bias is not None else 0
+    return bias + sum(ranks[k] * n * ranks[k + 1] for k, n in enumerate(_inner(layer)))
+
+
+def bond_spectra(layer: GatedTrain, rtol: float = 1e-10) -> tuple[Tensor, ...]:
+    """Per bond (gate order), the singular values of ``layer``'s weight unfolded at that bond
+    (live slices, gates folded in; float64, descending; values below ``rtol`` times the
+    largest dropped). Read only: the layer is not changed."""
+    if layer.is_removed():
+        return tuple(torch.zeros(0, dtype=torch.float64) for _ in layer.gates)
+    masks = layer.gate_masks()
+    live = [None] + [m.nonzero().flatten() for m in masks] + [None]
+    with torch.no_grad():
+        cores = []
+        for k, core in enumerate(layer.cores):
+            c = core.detach().double()
+            if live[k] is not None:
+                c = c.index_select(0, live[k])
+            if live[k + 1] is not None:
+                c = c.index_select(c.dim() - 1, live[k + 1]) * layer.gates[k].detach().double()[
+                    live[k + 1]]
+            cores.append(c.reshape(c.shape[0], -1, c.shape[-1]))  # (r_{k-1}, n_k, r_k)
+        n = len(cores)
+        for k in range(n - 1):  # left to right: QR, so the left part is orthonormal
+            r0, m, r1 = cores[k].shape
+            q, r = torch.linalg.qr(cores[k].reshape(r0 * m, r1))
+            cores[k] = q.reshape(r0, m, q.shape[1])
+            cores[k + 1] = torch.tensordot(r, cores[k + 1], dims=1)
+        spectra: list[Tensor] = [torch.zeros(0)] * (n - 1)
+        for k in range(n - 1, 0, -1):  # right to left: SVD of each bond's unfolding
+            r0, m, r1 = cores[k].shape
+            u, s, vh = torch.linalg.svd(cores[k].reshape(r0, m * r1), full_matrices=False)
+            keep = int((s > rtol * s[0]).sum()) if s.numel() and s[0] > 0 else 0
+            spectra[k - 1] = s[:keep].clone()
+            cores[k] = vh.reshape(-1, m, r1)
+            cores[k - 1] = torch.tensordot(cores[k - 1], u * s, dims=1)
+    return tuple(spectra)
+
+
+def _capped(ranks: list[int], inner: list[int], avail: list[int]) -> list[int]:
+    """``ranks`` (ends included) cut to what each bond carries (``avail``) and its neighbours
+    allow, both ways."""
+    out = list(ranks)
+    for k in range(1, len(out) - 1):
+        out[k] = max(1, min(out[k], avail[k - 1], out[k - 1] * inner[k - 1]))
+    for k in range(len(out) - 2, 0, -1):
+        out[k] = max(1, min(out[k], inner[k] * out[k + 1]))
+    return out
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Bond sizes (ends included) per TT layer, the model's size at them, the budget, and the
+    uniform rank (the largest whose model fits the budget; 0 when not even rank 1 does)."""
+
+    ranks: dict[str, tuple[int, ...]]
+    size: int
+    budget: float
+    uniform_rank: int
+    uniform: dict[str, tuple[int, ...]]
+
+    def __str__(self) -> str:
+        rows = [f"{name or '<model>'}: {self.ranks[name][1:-1]} (uniform "
+                f"{self.uniform[name][1:-1]})" for name in self.ranks]
+        return "\n".join([f"size {self.size} of {self.budget:.0f} (uniform rank "
+                          f"{self.uniform_rank})", *rows])
+
+
+def uniform_ranks(model: nn.Module, target_size: float,
+                  limit: int | None = None) -> tuple[int, dict[str, tuple[int, ...]]]:
+    """The largest uniform rank r whose model fits ``target_size`` (every bond at ``min(r, what
+    it carries now and its neighbours allow)``), and those ranks per layer; (0, rank 1 ranks)
+    when not even rank 1 fits. ``limit``: the highest rank tried (default: the largest bond)."""
+    layers = [(name, m) for name, m in tt_modules(model) if not m.is_removed()]
+    other = model_size(model) - sum(m.num_parameters() for _, m in layers)
+    top = limit or max((max(m.ranks) for _, m in layers), default=1)
+
+    def at(r: int) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for name, m in layers:
+            cur = list(m.ranks)
+            out[name] = tuple(_capped([1] + [r] * (len(cur) - 2) + [1], _inner(m), cur[1:-1]))
+        return out
+
+    best = 0
+    for r in range(1, top + 1):
+        ranks = at(r)
+        if other + sum(layer_size(m, ranks[name]) for name, m in layers) <= target_size:
+            best = r
+    return best, at(max(best, 1))
+
+
+def allocate(model: nn.Module, target_size: float, floor: str = "uniform",
+             min_rank: int = 1) -> Allocation:
+    """The bond sizes that keep the most spectral energy per parameter within ``target_size``
+    (the whole model's parameters, as :func:`comera.ranks.size.model_size` counts them); see the
+    module docstring. ``floor``: ``"uniform"`` starts from the uniform allocation, ``"one"``
+    from rank 1 everywhere; ``min_rank`` raises that floor on every bond (to what the bond
+    carries). No layer is removed: every bond keeps at least one slice. A budget below the
+    floor's size gives the floor (``size`` then exceeds ``budget``)."""
+    if floor not in FLOORS:
+        raise ConfigError(f"floor={floor!r}; choose one of {', '.join(FLOORS)}.")
+    if not target_size > 0:
+        raise ConfigError(f"target_size={target_size}; it must be > 0 parameters.")
+    layers = [(name, m) for name, m in tt_modules(model) if not m.is_removed()]
+    if not layers:
+        raise ConfigError("the model has no live TT layers: convert it with comera.convert_ "
+                          "first.")
+    other = model_size(model) - sum(m.num_parameters() for _, m in layers)
+    u_rank, uniform = uniform_ranks(model, target_size)
+    state = []
+    for name, m in layers:
+        spectra = bond_spectra(m)
+        avail = [max(1, s.numel()) for s in spectra]
+        energy = [s.square() for s in spectra]
+        total = max(float(energy[0].sum()) if energy and energy[0].numel() else 0.0, 1e-300)
+        start = uniform[name] if floor == "uniform" and u_rank > 0 else (1,) * len(m.ranks)
+        start = [1, *(max(r, min_rank) for r in start[1:-1]), 1]
+        ranks = _capped(start, _inner(m), avail)
+        state.append((name, m, ranks, avail, [e / total for e in energy], _inner(m)))
+    size = other + sum(layer_size(m, ranks) for _, m, ranks, *_ in state)
+    while True:
+        best = None
+        for i, (_, _m, ranks, avail, share, inner) in enumerate(state):
+            for b in range(1, len(ranks) - 1):
+                r = ranks[b]
+                if r >= avail[b - 1] or r + 1 > ranks[b - 1] * inner[b - 1] or \
+                        r + 1 > inner[b] * ranks[b + 1]:
+                    continue
+                cost = inner[b - 1] * ranks[b - 1] + inner[b] * ranks[b + 1]
+                if size + cost > target_size:
+                    continue
+                score = float(share[b - 1][r]) / cost
+                if best is None or score > best[0]:
+                    best = (score, i, b, cost)
+        if best is None:
+            break
+        _, i, b, cost = best
+        state[i][2][b] += 1
+        size += cost
+    ranks = {name: tuple(r) for name, _, r, *_ in state}
+    return Allocation(ranks, int(size), float(target_size), u_rank,
+                      {name: uniform[name] for name, *_ in state})
+
+
+def rank_one_layers(model: nn.Module) -> list[str]:
+    """Names of the live TT layers whose every bond is at rank 1."""
+    return [name for name, m in tt_modules(model)
+            if not m.is_removed() and all(r == 1 for r in m.ranks)]
+
+
+def warn_rank_one(model: nn.Module, why: str) -> list[str]:
+    """Warn (:class:`RankOneWarning`) naming the layers left at rank 1 on every bond."""
+    names = rank_one_layers(model)
+    if names:
+        warnings.warn(f"{why} leaves {len(names)} TT layer(s) at rank 1 on every bond "
+                      f"({', '.join(n or '<model>' for n in names[:6])}"
+                      f"{' ...' if len(names) > 6 else ''}): a rank-1 weight maps every input "
+                      "onto one direction; raise the size target or compress fewer layers.",
+                      RankOneWarning, stacklevel=3)
+    return names
+
+
+def allocate_(model: nn.Module, target_size: float, optimizer=None,
+              floor: str = "uniform", min_rank: int = 1) -> Allocation:
+    """Compute :func:`allocate` and apply it in place: every layer rounded (exact) and its gates
+    past the allocated ranks zeroed (the slices of least energy), so the model's size is the
+    allocation's. ``optimizer``: the rounded layers' moments are reset as
+    :func:`comera.ranks.truncate.round_layer_` does. Warns (:class:`RankOneWarning`) when a layer
+    ends at rank 1 on every bond."""
+    allocation = allocate(model, target_size, floor, min_rank)
+    with torch.no_grad():
+        for name, layer in tt_modules(model):
+            if name not in allocation.ranks:
+                continue
+            round_layer_(layer, optimizer)
+            for k, gate in enumerate(layer.gates):
+                keep = allocation.ranks[name][k + 1]
+                if int((gate.abs() > layer.tau).sum()) > keep:
+                    gate[keep:] = 0.0
+            layer.build_compiled()
+    rebuild_stacks(model)
+    log.info("allocation: %s", allocation)
+    warn_rank_one(model, f"the size budget {target_size:.0f}")
+    return allocation
+
+
+def rebuild_at_(model: nn.Module, ranks: dict[str, tuple[int, ...]]) -> nn.Module:
+    """Replace each TT layer named in ``ranks`` by a freshly initialised layer of the same type,
+    modes, bias and tau at those bond sizes (ends included), drawn from the current RNG: decide
+    the shape on a briefly trained model (:func:`allocate`), then train that shape from the
+    start, as a fixed-rank model is trained. Returns ``model``."""
+    layers = dict(tt_modules(model))
+    missing = sorted(set(ranks) - set(layers))
+    if missing:
+        raise ConfigError(f"ranks name {missing[:4]}, not TT layers of the model (it has "
+                          f"{sorted(layers)[:4]} ...); pass an allocation of this model.")
+    for name, bonds in ranks.items():
+        layer = layers[name]
+        fresh = type(layer)(layer.in_features, layer.out_features, layer.in_modes,
+                            layer.out_modes, ranks=list(bonds[1:-1]),
+                            bias=layer.bias is not None, tau=layer.tau,
+                            dtype=layer.cores[0].dtype, device=layer.cores[0].device)
+        fresh.compile_options = dict(layer.compile_options)
+        fresh.build_compiled()
+        if name:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, fresh)
+        else:
+            raise ConfigError("the model is itself a TT layer: build a new one at the ranks.")
+    rebuild_stacks(model)
+    return model
