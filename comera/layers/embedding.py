@@ -236,8 +236,12 @@ class TTEmbedding(GatedTrain):
         of ``padding_idx`` are zero. An id outside ``[0, num_embeddings)`` raises
         :class:`LookupIndexError`."""
         check_ids(ids, "TTEmbedding")
+        if ids.device != self.cores[0].device:
+            raise ConfigError(f"TTEmbedding: the ids are on {ids.device}, the cores on "
+                              f"{self.cores[0].device}; move one to the other, e.g. "
+                              f"ids.to('{self.cores[0].device}').")
         flat = ids.reshape(-1)
-        if flat.numel() == 0:
+        if flat.numel() == 0 or ids.device.type == "meta":  # meta: shapes only
             return self.cores[0].new_zeros(*ids.shape, self.embedding_dim)
         device = ids.device.type
         # as nn.Embedding, the rows come in the table's dtype under autocast: no low precision

@@ -78,6 +78,11 @@ def test_meta_inputs_give_meta_outputs_or_a_clear_error(autocast):
         assert y.device.type == "meta" and y.shape == (2, 5, 16)
         with pytest.raises(comera.ConfigError, match="input is on meta, the cores on cpu"):
             _linear()(torch.randn(2, 16, device="meta"))
+        table = comera.TTEmbedding(64, 8, ranks=3, device="meta")
+        rows = table(torch.zeros(2, 3, dtype=torch.long, device="meta"))
+        assert rows.device.type == "meta" and rows.shape == (2, 3, 8)
+        with pytest.raises(comera.ConfigError, match="ids are on meta, the cores on cpu"):
+            comera.TTEmbedding(64, 8, ranks=3)(torch.zeros(2, dtype=torch.long, device="meta"))
 
 
 # -- factorising non-finite weights -----------------------------------------------------------
