@@ -100,3 +100,46 @@ def test_run_checkpoint_entries_without_fsdp_round_trip_alone(tmp_path):
     for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(p, q)
     assert opt.state_dict()["state"].keys() == trainer.optimizer.state_dict()["state"].keys()
+
+
+def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
+    import math
+    from dataclasses import replace
+
+    from tests.helpers.toy_task import ToyTask
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        cfg = replace(CFG, fsdp=True, checkpoint_every=5)
+        model, record = train_model(ToyTask(), "comera", True, cfg, Path(out) / "full")
+        train_model(ToyTask(), "comera", True, cfg, Path(out) / "cut", stop_after=7)
+        resumed, again = train_model(ToyTask(), "comera", True, cfg, Path(out) / "cut",
+                                     resume=True)
+        same = len(again.train_curve) == len(record.train_curve) and all(
+            math.isclose(a[1], b[1], rel_tol=1e-12) and a[3] == b[3]
+            for a, b in zip(again.train_curve, record.train_curve, strict=True))
+        if rank == 0:
+            torch.save({"curve": record.train_curve, "resumed_same": same,
+                        "ranks": [m.ranks for m in model.modules() if hasattr(m, "gates")],
+                        "resumed_ranks": [m.ranks for m in resumed.modules()
+                                          if hasattr(m, "gates")]}, Path(out) / "fsdp.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(EngineConfig(), "fsdp"),
+                    reason="the engine's --fsdp wiring (EngineConfig.fsdp) is not applied yet")
+def test_engine_fsdp_run_matches_replicated_data_parallel_and_resumes(two_workers, tmp_path):
+    """``comera train ... --nproc 2 --fsdp``'s engine path: the same losses, loss/size choices
+    and ranks as the replicated run, and a run stopped after 7 steps resumes to the same end."""
+    (a, _), _ = two_workers
+    mp.start_processes(_fsdp_worker, args=(2, f"file://{tmp_path / 'rdv'}", str(tmp_path)),
+                       nprocs=2, join=True, start_method="spawn")
+    fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=False)
+    torch.testing.assert_close(torch.tensor([c[1] for c in fsdp["curve"]]),
+                               torch.tensor([c[1] for c in a["curve"]]), rtol=1e-9, atol=1e-12)
+    assert [c[3] for c in fsdp["curve"]] == [c[3] for c in a["curve"]]
+    assert fsdp["ranks"] == a["ranks"] == fsdp["resumed_ranks"]
+    assert fsdp["resumed_same"]
