@@ -330,14 +330,14 @@ def _peek(path: Path) -> tuple[str, Any]:
     import pickle
     import warnings
 
-    import torch
+    from comera.surgery.torchfile import read_torch_file
 
     if path.stat().st_size == 0:
         return "unreadable", "empty: 0 bytes"
     try:
         with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the answer says it
             warnings.simplefilter("ignore")
-            return "data", torch.load(path, map_location="cpu", weights_only=True)
+            return "data", read_torch_file(path)
     except pickle.UnpicklingError as exc:
         found = _GLOBAL.search(str(exc))  # the pickle names a class: an object, not garbage
         if found:

@@ -23,6 +23,7 @@ from comera.data.stdlib_pairs import Tokenizer
 from comera.errors import CheckpointError
 from comera.models import MaskedLM, TransformerConfig
 from comera.surgery.checkpoint import load_checkpoint
+from comera.surgery.torchfile import read_torch_file
 
 ENCODER = ("tokens", "positions", "ln", "blocks")
 
@@ -42,7 +43,7 @@ class Pretrained:
 
 def _engine_state(path: Path) -> dict:
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = read_torch_file(path)
     except FileNotFoundError:
         raise CheckpointError(f"--init-from {path}: no such file; give a checkpoint written by "
                               "`comera train mlm` (runs/<out>/checkpoints/comera.pt).") from None
