@@ -54,7 +54,7 @@ def _engine_config(args, exp) -> Any:
                                "on_nonfinite": args.on_nonfinite,
                                "precision": args.precision, "compile": args.compile,
                                "memory": args.memory,
-                               "checkpoint_blocks": args.checkpoint_blocks}
+                               "checkpoint_blocks": args.checkpoint_blocks, "fsdp": args.fsdp}
     for field_name, flag in FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
@@ -493,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start the classifier's encoder from a `comera train mlm` checkpoint "
                         "(transformer, transformer-code)")
     p.add_argument("--nproc", type=int, default=1, help="data-parallel worker processes")
+    p.add_argument("--fsdp", action="store_true",
+                   help="with --nproc N: FSDP2, dense parts sharded, TT layers replicated")
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no bars")
     p.set_defaults(run=_cmd_train)
 

@@ -13,7 +13,8 @@ all-reduce after backward is exact for both and needs no re-wrapping; on CPU/glo
 little, since DDP's overlap of communication with backward buys little there.
 
 ``--fsdp`` (:func:`prepare_model_`): FSDP2 shards the dense parts and keeps the TT layers
-replicated (:mod:`comera.training.fsdp`), so the gate decisions still read identical, full gates.
+replicated (:mod:`comera.integrations.fsdp`), so the gate decisions still read identical, full
+gates.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-# -- FSDP2 (``--fsdp``): the engine's three calls, the logic in comera.training.fsdp --------------
+# -- FSDP2 (``--fsdp``): the engine's three calls, the logic in comera.integrations.fsdp ---
 GradHook = Callable[[nn.Module], None]
 
 
@@ -117,13 +118,13 @@ def prepare_model_(model: nn.Module, fsdp: bool = False,
     """Make ``model`` ready for data-parallel training; return the trainer's gradient hook and
     the ``max_grad_norm`` to give the trainer. Plain replication: :func:`average_gradients`, and
     the trainer clips. With ``fsdp``: the dense parts sharded by FSDP2, the TT layers kept
-    replicated (:func:`comera.training.fsdp.shard_`); the hook averages the replicated
-    gradients and clips by the global norm (:func:`comera.training.fsdp.gradient_hook`), so the
+    replicated (:func:`comera.integrations.fsdp.shard_`); the hook averages the replicated
+    gradients and clips by the global norm (:func:`comera.integrations.fsdp.gradient_hook`), so the
     trainer gets None. Call it after :func:`broadcast_parameters_` and before building the
     optimizer."""
     if not fsdp:
         return average_gradients, max_grad_norm
-    from comera.training.fsdp import gradient_hook, shard_
+    from comera.integrations.fsdp import gradient_hook, shard_
 
     if current_world().size == 1 and not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("--fsdp shards over data-parallel workers: run with --nproc N (N >= 2)"
@@ -137,7 +138,7 @@ def save_run_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.opt
     """Write the run's checkpoint: worker 0 alone, or with ``fsdp`` every worker (the sharded
     state is gathered whole first; the file is the same comera format)."""
     if fsdp:
-        from comera.training.fsdp import save_checkpoint
+        from comera.integrations.fsdp import save_checkpoint
 
         save_checkpoint(path, model, optimizer, **extra)
     elif current_world().is_main:
@@ -149,7 +150,7 @@ def load_run_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.opt
     """Load the run's checkpoint into ``model`` and ``optimizer`` (sharded ones with ``fsdp``);
     return its ``extra``."""
     if fsdp:
-        from comera.training.fsdp import load_checkpoint
+        from comera.integrations.fsdp import load_checkpoint
 
         return load_checkpoint(path, model, optimizer)
     return load_checkpoint_plain(path, model, optimizer)

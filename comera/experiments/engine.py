@@ -44,11 +44,13 @@ from comera import (
 )
 from comera.experiments.distributed import (
     World,
-    average_gradients,
     barrier,
     broadcast_parameters_,
     current_world,
+    load_run_checkpoint,
     mean_over_workers,
+    prepare_model_,
+    save_run_checkpoint,
 )
 from comera.experiments.rundir import hold_run_directory
 from comera.experiments.task import IndexStream, Task
@@ -116,6 +118,7 @@ class EngineConfig:
     # recompute each encoder block in the backward (models with ``checkpoint_blocks``: the
     # transformers); like memory, it trades time for memory and leaves the results unchanged
     checkpoint_blocks: bool = False
+    fsdp: bool = False  # FSDP2 over the workers: dense parts sharded, TT layers replicated
 
     def __post_init__(self) -> None:
         """Check every field (type, range, finiteness) before anything is built."""
@@ -138,7 +141,7 @@ class EngineConfig:
                           "None: no clipping)", positive=True)
         _check_number("target_compression", self.target_compression, "it must be > 1 (dense "
                       "size / TT size), e.g. 50", low=1.0, positive=True)
-        for name in ("compile", "checkpoint_blocks"):
+        for name in ("compile", "checkpoint_blocks", "fsdp"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}; it is True or False.")
         for name, choices in (("stage", STAGES), ("on_nonfinite", ON_NONFINITE),
@@ -196,6 +199,10 @@ def check_settings(config: EngineConfig, tt: bool = True, world_size: int = 1) -
         raise ConfigError(f"batch_size={config.batch_size} cannot be split over {world_size} "
                           "workers; use a multiple of the worker count, e.g. "
                           f"{max(world_size, config.batch_size // world_size * world_size)}.")
+    if config.fsdp and (world_size < 2 or config.precision == "fp16"):
+        raise ConfigError(f"fsdp=True with {world_size} worker(s), precision={config.precision!r}"
+                          ": FSDP (--fsdp) shards over 2 or more workers (--nproc N) and runs "
+                          "fp32 or bf16.")
     steps = config.steps_early if config.stage == "early" else config.total_steps
     if steps < 1:
         raise ConfigError(f"steps_early={config.steps_early}, steps_late={config.steps_late} "
@@ -319,6 +326,7 @@ class _Run:
         if tt and not any(True for _ in comera.tt_modules(self.model)):
             raise ConfigError(f"task {task.name!r} built a model without TT layers for tt=True; "
                               "build_model(tt=True) must use comera's TT layers.")
+        hook, clip = prepare_model_(self.model, config.fsdp, config.max_grad_norm)
         self.base_lr = {"cores": config.lr, "gates": config.lr_gates,
                         "other": config.lr if config.lr_other is None else config.lr_other}
         if tt:
@@ -326,13 +334,12 @@ class _Run:
                 config.lr, config.lr_gates, self.base_lr["other"]))
             lam = config.lam if config.stage != "late" else 0.0
             self.trainer = comera.CoMERATrainer(self.model, opt, lam, config.regularizer,
-                                                config.max_grad_norm, average_gradients)
+                                                clip, hook)
         else:
             opt = torch.optim.AdamW([{"params": list(self.model.parameters()), "lr": config.lr,
                                       "name": "other"}], weight_decay=0.0)
             self.base_lr["other"] = config.lr
-            self.trainer = comera.DenseTrainer(self.model, opt, config.max_grad_norm,
-                                               average_gradients)
+            self.trainer = comera.DenseTrainer(self.model, opt, clip, hook)
         self.optimizer = opt
         self.scaler = (torch.amp.GradScaler(self.device.type) if config.precision == "fp16"
                        else None)
@@ -485,11 +492,12 @@ class _Run:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self) -> None:
-        if not self.world.is_main:
+        if not (self.world.is_main or self.config.fsdp):  # FSDP: every worker gathers
             return
-        self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
-        comera.save_checkpoint(
-            self.checkpoint_path, self.model, self.optimizer,
+        if self.world.is_main:
+            self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
+        save_run_checkpoint(
+            self.checkpoint_path, self.model, self.optimizer, self.config.fsdp,
             engine={"step": self.step, "trainer": self.trainer.state_dict(),
                     "rng_torch": torch.get_rng_state(), "rng_python": random.getstate(),
                     "record": asdict(self.record), "config": asdict(self.config),
@@ -503,7 +511,8 @@ class _Run:
         """Load the run's checkpoint if there is one; False when starting fresh."""
         if not self.checkpoint_path.is_file():
             return False
-        extra = comera.load_checkpoint(self.checkpoint_path, self.model, self.optimizer)
+        extra = load_run_checkpoint(self.checkpoint_path, self.model, self.optimizer,
+                                    self.config.fsdp)
         state = extra.get("engine")
         if not isinstance(state, dict):
             raise CheckpointError(f"{self.checkpoint_path} was not written by the training "
@@ -516,7 +525,7 @@ class _Run:
                 f"not {self.task.name!r} (tt={self.tt}); point --out at that run's directory.")
         defaults = asdict(EngineConfig())  # settings a checkpoint predates have their default
         # settings that leave the results unchanged
-        free = ("device", "compile", "memory", "threads", "checkpoint_blocks")
+        free = ("device", "compile", "memory", "threads", "checkpoint_blocks", "fsdp")
         saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in free}
         mine = {k: v for k, v in asdict(self.config).items() if k not in free}
         changed = sorted(k for k in mine if saved.get(k) != mine[k] and k != "steps_late"
@@ -541,7 +550,8 @@ class _Run:
             raise CheckpointError(f"{self.checkpoint_path}: its engine state cannot be "
                                   f"restored ({type(exc).__name__}: {exc}); the file is "
                                   "damaged or was edited. Start without --resume.") from None
-        broadcast_parameters_(self.model)
+        if not self.config.fsdp:  # FSDP: every worker loaded the same file into its shard
+            broadcast_parameters_(self.model)
         log.info("%s: resumed at step %d (stage %s)", self.name, self.step, self.trainer.stage)
         return True
 

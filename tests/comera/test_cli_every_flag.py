@@ -22,7 +22,7 @@ INT = ["-1", "abc", "1.5", "", "nan", "1" + "0" * 30]  # huge: beyond int64
 FLOAT = ["nan", "inf", "-inf", "-1", "abc", "", "1e400"]
 ZERO_INVALID = {"--batch-size", "--eval-every", "--lr", "--lr-gates", "--target-compression",
                 "--nproc", "--steps"}
-SWITCHES = {"--quick", "--resume", "--compile", "--checkpoint-blocks", "--no-progress",
+SWITCHES = {"--quick", "--resume", "--compile", "--checkpoint-blocks", "--fsdp", "--no-progress",
             "--verbose", "-v"}  # flags without a value
 
 # (command, flag) -> bad values for flags whose type alone does not say what is bad;
@@ -156,6 +156,7 @@ def test_a_bad_value_exits_2_with_one_line_before_any_work(tmp_path, capsys, no_
 @pytest.mark.parametrize("args, needle", [
     (["--lam", "inf"], "lam=inf"), (["--lam", "-1"], "lam=-1"), (["--lam", "nan"], "lam=nan"),
     (["--seed", "100000000000000000000000"], "seed=100000000000000000000000"),
+    (["--fsdp"], "fsdp=True with 1 worker"),  # FSDP shards over 2 or more workers
 ])
 def test_the_issue_reproductions_exit_2_up_front(tmp_path, capsys, no_work, args, needle):
     code = main(["train", "dlrm", "--quick", "--variants", "dense,comera", "--out",

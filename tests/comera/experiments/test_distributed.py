@@ -76,7 +76,7 @@ def test_checkpoint_holds_worker_zero_optimizer_state_equal_to_a_single_process_
 def test_run_checkpoint_entries_without_fsdp_round_trip_alone(tmp_path):
     """The engine's entries (prepare_model_, save/load_run_checkpoint) on one process: plain
     replication, comera's own checkpoint format; --fsdp alone is refused (2 workers:
-    tests/comera/training/test_fsdp.py)."""
+    tests/comera/integrations/test_fsdp.py)."""
     from comera import CoMERATrainer, TTLinear, make_optimizer
     from comera.errors import ConfigError
     from comera.experiments.distributed import (

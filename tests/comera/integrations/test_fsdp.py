@@ -1,4 +1,4 @@
-"""FSDP2 with rank gates on 2 gloo CPU processes (comera.training.fsdp): a converted Llama-style
+"""FSDP2 with rank gates on 2 gloo CPU processes (comera.integrations.fsdp): a converted Llama-style
 model (random init) trains through the early stage, truncation and the late stage's pruning
 with the same losses and final ranks as one process on the same global batches, and its
 checkpoint resumes (into a sharded model, and into an unsharded one) to the same next steps.
@@ -23,7 +23,7 @@ from comera.experiments.distributed import (
     prepare_model_,
     save_run_checkpoint,
 )
-from comera.training import fsdp
+from comera.integrations import fsdp
 
 pytest.importorskip("transformers")
 
