@@ -10,6 +10,7 @@ import torch
 import comera
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # Trainer needs it (the hf extra installs it)
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from comera.integrations.hf import CoMERACallback  # noqa: E402
