@@ -156,3 +156,24 @@ def test_rebuild_at_trains_the_chosen_shape_from_a_fresh_init():
     assert all(not torch.allclose(m.to_dense(), w) for m, w in zip(model, old, strict=True))
     with pytest.raises(comera.ConfigError, match=r"ranks name \['7'\]"):
         rebuild_at_(model, {"7": (1, 2, 1)})
+
+
+def test_from_ratio_allocation_leaves_no_wasted_bond_and_no_rank_one_layer():
+    """Issue 23: LateStage.from_ratio(model, 10) once drove a layer to ranks
+    (1, 6, 1, 1, 1, 1, 1), where the 6 costs parameters and carries nothing. The spectrum
+    allocation lands at the target with every bond within what its neighbours allow."""
+    import warnings
+
+    from comera.ranks.truncate import excess_bonds
+
+    torch.manual_seed(0)
+    model = nn.Sequential(TTLinear(64, 256, ranks=8, bias=False), nn.GELU(),
+                          TTLinear(256, 64, ranks=8, bias=False))
+    stage = LateStage.from_ratio(model, 4.0, steps=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RankOneWarning)
+        allocation = stage.allocate_(model)
+    assert comera.model_size(model) == allocation.size <= stage.target_size
+    assert allocation.size >= 0.9 * stage.target_size
+    assert all(not excess_bonds(m) for m in (model[0], model[2]))
+    assert all(min(m.ranks[1:-1]) >= allocation.uniform_rank for m in (model[0], model[2]))
