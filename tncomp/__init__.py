@@ -4,15 +4,17 @@ Declare a layer as a network (``tt_linear``, ``ttm_linear``, ``ttm_embedding``, 
 inspect its costs (``inspect``), and ``compile`` it into a differentiable torch callable whose
 forward and backward passes are planned together. ``draw_network`` and ``plot_costs`` make
 pictures (matplotlib, imported only when a picture is drawn).
-"""
 
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+This module only re-exports what users call. The compiler's intermediate forms stay importable
+from their modules: ``Problem``, ``problem_for`` and ``Tree`` from :mod:`tncomp.compiler.problem`,
+``Costs`` and ``tree_costs`` from :mod:`tncomp.compiler.cost`, ``Plan`` and ``lower`` from
+:mod:`tncomp.compiler.plan`.
+"""
 
 from tncomp import errors
 from tncomp.api import CompiledNetwork, cache_info, clear_cache, compile, contract
 from tncomp.compiler.builders import (
+    check_modes,
     from_eq,
     resolve_ranks,
     stack_siblings,
@@ -20,30 +22,24 @@ from tncomp.compiler.builders import (
     ttm_embedding,
     ttm_linear,
 )
-from tncomp.compiler.cost import Costs, tree_costs
 from tncomp.compiler.device_model import DeviceModel
-from tncomp.compiler.ir import Dim, Network, Role, TensorSpec, bind_dims, make_network
-from tncomp.compiler.plan import Plan, lower
-from tncomp.compiler.problem import Problem, Tree, problem_for
-from tncomp.views import costplot, draw, report
-from tncomp.views.costplot import CostCurves
-from tncomp.views.draw import NetworkDrawing
+from tncomp.compiler.ir import Dim, Network, Role, TensorSpec, make_network
+from tncomp.compiler.memory import check_memory
+from tncomp.inspection import cost_curves, draw_network, drawing_of, inspect, plot_costs
 from tncomp.views.report import describe_tree
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CompiledNetwork",
-    "Costs",
     "DeviceModel",
     "Dim",
     "Network",
-    "Plan",
-    "Problem",
     "Role",
     "TensorSpec",
-    "Tree",
     "cache_info",
+    "check_memory",
+    "check_modes",
     "clear_cache",
     "compile",
     "contract",
@@ -56,110 +52,9 @@ __all__ = [
     "inspect",
     "make_network",
     "plot_costs",
-    "problem_for",
     "resolve_ranks",
     "stack_siblings",
-    "tree_costs",
     "tt_linear",
     "ttm_embedding",
     "ttm_linear",
 ]
-
-
-# The views take values (plans, trees, regime tables); these public functions compile first.
-
-def _compiled(net_or_compiled: Any, where: str) -> CompiledNetwork:
-    """The :class:`CompiledNetwork` of a Network (compiled here) or a compiled one."""
-    if isinstance(net_or_compiled, CompiledNetwork):
-        return net_or_compiled
-    if isinstance(net_or_compiled, Network):
-        return compile(net_or_compiled)
-    raise errors.TncompError(f"{where} takes a tncomp.Network (from tt_linear, from_eq, ...) or "
-                             f"a compiled one, got {type(net_or_compiled).__name__}.")
-
-
-def inspect(net: Network, batch: int | None = None, **compile_options) -> str:
-    """The cost/regime/plan report of ``net`` as text (what ``tncomp inspect`` prints); with
-    ``memory=`` (a ``compile`` option) it shows what that mode saves and what it recomputes."""
-    compiled = net if isinstance(net, CompiledNetwork) else compile(net, **compile_options)
-    network = compiled.network
-    batch = report.shown_batch(network, batch)
-    needs_grad = (True,) * len(network.operands)
-    model = compiled.model("cpu")
-    sizes = bind_dims(network, batch)
-    plan = compiled.plan_for(sizes, needs_grad)
-    table = (compiled.regimes(needs_grad, plan.itemsize, model) if len(network.dims) == 1
-             else None)
-    saving_all = lower(problem_for(network, sizes), plan.tree, needs_grad, plan.itemsize,
-                       model=model)
-    return report.report(network, plan, model, batch, table, compiled.options.memory,
-                         saving_all.saved_bytes)
-
-
-def drawing_of(net_or_compiled: Any, batch: int | None = None) -> NetworkDrawing:
-    """Everything :func:`draw_network` shows, computed without drawing (no matplotlib)."""
-    compiled = _compiled(net_or_compiled, "draw_network")
-    net = compiled.network
-    batch = draw.representative_batch(net, batch, "draw_network")
-    tree = compiled.plan_for(bind_dims(net, batch), (True,) * len(net.operands)).tree
-    return draw.network_drawing(net, tree, batch)
-
-
-def draw_network(net_or_compiled: Any, path: str | Path, batch: int | None = None,
-                 ) -> NetworkDrawing:
-    """Draw the network (tensors, labelled bonds, dangling open indices) and, beside it, the
-    forward contraction tree chosen for training, each step labelled with its FLOPs at
-    ``batch`` (default 4096 within the symbol's bounds). Writes a picture to ``path``."""
-    from tncomp.views.figures import check_output_path
-
-    path = check_output_path(path)  # before compiling: a bad path fails fast
-    return draw.draw(drawing_of(net_or_compiled, batch), path)
-
-
-def cost_curves(
-    net_or_compiled: Any,
-    batch_range: Sequence[int] | None = None,
-    *,
-    points: int = costplot.DEFAULT_POINTS,
-    needs_grad: Sequence[bool] | None = None,
-    itemsize: int = 4,
-    model: DeviceModel | None = None,
-    name: str | None = None,
-    memory: str | int | None = None,
-) -> CostCurves:
-    """FLOPs, modelled fwd+bwd time and bytes saved for the backward of every candidate plan
-    and of the dense layer, at about ``points`` batch sizes over ``batch_range`` (default: the
-    symbol's bounds, up to 65536).
-
-    ``needs_grad`` defaults to every operand (training); ``model`` to the compiled network's
-    model for the CPU; ``name`` (e.g. the command line's SPEC) is quoted in errors; ``memory``
-    (a ``compile`` memory mode) to the compiled network's: plans are timed and sized under it.
-    """
-    compiled = _compiled(net_or_compiled, "cost_curves")
-    if memory is not None:
-        compiled = compiled.with_memory(memory)
-    request = costplot.curve_request(
-        compiled.network, batch_range, points, needs_grad, itemsize,
-        model if model is not None else compiled.model("cpu"), name, compiled.options.memory)
-    table = compiled.regimes(request.needs_grad, request.itemsize, request.model)
-    return costplot.curves_of(compiled.network, table, request)
-
-
-def plot_costs(
-    net_or_compiled: Any,
-    path: str | Path,
-    batch_range: Sequence[int] | None = None,
-    *,
-    show_memory: bool = False,
-    **options: Any,
-) -> CostCurves:
-    """Draw FLOPs and modelled time against the batch size (log-log) for every candidate plan
-    and the dense layer, with the regime breakpoints as vertical lines and the plan chosen in
-    each regime drawn thick; ``show_memory`` adds the bytes each plan saves for the backward
-    (under ``memory=``, default the compiled network's mode). Writes ``path``; returns the
-    numbers (see :func:`cost_curves`)."""
-    from tncomp.views.figures import check_output_path
-
-    path = check_output_path(path)
-    return costplot.draw_costs(cost_curves(net_or_compiled, batch_range, **options), path,
-                               show_memory)

@@ -101,7 +101,9 @@ class CompiledNetwork:
         self._planner = Planner(net, options, disk_cache)
         self._local: dict = {}
         self._graphs = None  # CapturedGraphs, made on the first CUDA-graph call
-        self._op_id = register(self)  # how the tncomp::contract operator refers to it
+        self.op_id = register(self)
+        """How the ``tncomp::`` torch operators refer to this network (a string key of
+        :func:`tncomp.runtime.library.lookup`; operators take strings, not Python objects)."""
         _LIVE.add(self)
 
     @property
@@ -143,7 +145,7 @@ class CompiledNetwork:
         except (KeyError, AttributeError, TypeError):
             if is_empty(operands):
                 return empty_result(self.network, operands)
-            runner = self._runner_for(operands, grad)
+            runner = self.runner_for(operands, grad)
         if self.options.cuda_graphs and operands[0].is_cuda:
             return self._graphed_call(runner, operands)
         if grad and runner.plan.needs_grad.count(True):
@@ -155,12 +157,17 @@ class CompiledNetwork:
         _check_tensors(operands, "plan_of", [t.name for t in self.network.operands])
         grad = torch.is_grad_enabled()
         runner = self._local.get(binding_key(operands, grad))
-        return (runner if runner is not None else self._runner_for(operands, grad)).plan
+        return (runner if runner is not None else self.runner_for(operands, grad)).plan
 
     # -- building -----------------------------------------------------------------------------
-    def _runner_for(self, operands: Sequence[torch.Tensor], grad: bool,
-                    needs_grad: Sequence[bool] | None = None) -> Runner:
-        """The runner of this binding (``needs_grad`` overrides ``grad and requires_grad``)."""
+    def runner_for(self, operands: Sequence[torch.Tensor], grad: bool,
+                   needs_grad: Sequence[bool] | None = None) -> Runner:
+        """The runner (plan and generated code) of this binding, built and cached on first use.
+
+        The binding is the operands' shapes, dtype and device and which operands need gradients:
+        ``grad and t.requires_grad`` per operand, unless ``needs_grad`` gives the flags (the
+        ``tncomp::`` operators pass them explicitly). The call paths outside the eager hot path
+        (torch.compile operators, torch.func transforms) run plans through this."""
         check_operands(self.network, operands)
         if needs_grad is None:
             needs_grad = tuple(grad and t.requires_grad for t in operands)

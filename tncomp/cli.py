@@ -218,7 +218,7 @@ def _memory(text: str | None) -> str | int | None:
 
 
 def _cmd_inspect(args) -> int:
-    from tncomp import inspect
+    from tncomp.inspection import inspect
 
     memory = _memory(args.memory)  # before parsing the SPEC: a bad value fails fast
     net = parse_spec(args.spec)
@@ -227,7 +227,7 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_draw(args) -> int:
-    from tncomp import draw_network
+    from tncomp.inspection import draw_network
     from tncomp.views.figures import check_output_path
 
     path = check_output_path(args.output)  # before compiling: a bad path fails fast
@@ -240,8 +240,8 @@ def _cmd_draw(args) -> int:
 
 
 def _cmd_plot_costs(args) -> int:
-    from tncomp import plot_costs
     from tncomp.api import model_for
+    from tncomp.inspection import plot_costs
     from tncomp.views.figures import check_output_path
 
     device = _device(args.device)  # before anything else: a missing device fails fast

@@ -14,6 +14,7 @@ import torch
 import tncomp
 from tncomp import Dim, Role
 from tncomp.cli import main as cli_main
+from tncomp.compiler.problem import Tree, problem_for
 from tncomp.errors import IRError, PlanError, SizeError, TncompError
 
 
@@ -299,20 +300,20 @@ def test_regimes_need_exactly_one_symbol():
 
 def test_invalid_trees_and_unbound_lowering():
     with pytest.raises(PlanError, match="needs 2 steps, got 1"):
-        tncomp.Tree(3, ((0, 1),))
+        Tree(3, ((0, 1),))
     with pytest.raises(PlanError, match="uses node"):
-        tncomp.Tree(2, ((0, 0),))
+        Tree(2, ((0, 0),))
     with pytest.raises(PlanError, match="uses node"):
-        tncomp.Tree(3, ((0, 1), (1, 2)))
+        Tree(3, ((0, 1), (1, 2)))
     from tncomp.compiler.plan import lower
 
     net = tncomp.from_eq("bi,ij->bj", ("B", 2), (2, 3))
-    problem = tncomp.problem_for(net)
+    problem = problem_for(net)
     with pytest.raises(PlanError, match="unbound size"):
-        lower(problem, tncomp.Tree(2, ((0, 1),)), (True, True))
-    bound = tncomp.problem_for(net, {"b": 4})
+        lower(problem, Tree(2, ((0, 1),)), (True, True))
+    bound = problem_for(net, {"b": 4})
     with pytest.raises(PlanError, match="needs_grad has 1 entries for 2 operands"):
-        lower(bound, tncomp.Tree(2, ((0, 1),)), (True,))
+        lower(bound, Tree(2, ((0, 1),)), (True,))
 
 
 # -- the CLI ------------------------------------------------------------------------------------

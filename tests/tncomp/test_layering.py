@@ -2,7 +2,8 @@
 
 Allowed direction of imports (a module may import its own layer and the layers below it):
 
-    face      tncomp/__init__.py, api.py, cli.py   -> anything in tncomp
+    face      tncomp/__init__.py, api.py,          -> anything in tncomp
+              inspection.py, cli.py
     runtime   tncomp/runtime/*                      -> runtime, compiler, base
     views     tncomp/views/*                        -> views, compiler, base
     compiler  tncomp/compiler/*                     -> compiler, base
@@ -13,6 +14,7 @@ values; the face compiles). Function-level (lazy) and typing-only imports count 
 module-level ones; the face is the top, so only it may import anything. Besides: no import
 cycle between tncomp modules, no module of tncomp/compiler imports torch (directly, or through
 a tncomp module it imports at import time), and tncomp never imports comera.
+tncomp/__init__.py only re-exports: a docstring, imports, ``__all__`` and ``__version__``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pytest
 from tests.helpers import ROOT
 
 PACKAGE = ROOT / "tncomp"
-FACE = {"tncomp", "tncomp.api", "tncomp.cli"}
+FACE = {"tncomp", "tncomp.api", "tncomp.inspection", "tncomp.cli"}
 BASE = {"tncomp.errors", "tncomp.files"}
 ALLOWED = {  # layer -> the layers it may import
     "base": {"base"},
@@ -150,6 +152,31 @@ def test_tncomp_never_imports_comera():
     offenders = sorted(m for m, names in IMPORTS.items()
                        if any(n.split(".")[0] == "comera" for n, _ in names))
     assert not offenders, f"tncomp modules importing comera: {offenders}"
+
+
+def _not_a_reexport(source: str) -> list[str]:
+    """The statements of a package ``__init__`` that are neither its docstring, an import,
+    ``__all__`` nor ``__version__`` (so code defined there, which belongs in a module)."""
+    body = ast.parse(source).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return [f"line {node.lineno}: {ast.unparse(node).splitlines()[0]}" for node in body
+            if not isinstance(node, ast.Import | ast.ImportFrom) and not (
+                isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id in {"__all__", "__version__"})]
+
+
+def test_package_init_only_reexports():
+    """tncomp/__init__.py holds no code of its own: every public name has a home module."""
+    extra = _not_a_reexport(MODULES["tncomp"].read_text())
+    assert not extra, f"tncomp/__init__.py defines code; move it to a module: {extra}"
+
+
+def test_the_reexport_checker_sees_code():
+    source = ('"""doc"""\nimport x\nfrom y import z\n__all__ = ["z"]\n__version__ = "1"\n'
+              "def f():\n    pass\n_cache = {}\n")
+    assert _not_a_reexport(source) == ["line 6: def f():", "line 8: _cache = {}"]
 
 
 def test_the_checker_sees_lazy_and_from_imports(tmp_path):

@@ -165,7 +165,7 @@ def contract_op(network: str, needs_grad: list[bool], operands: list[torch.Tenso
                 ) -> torch.Tensor:
     """Contract ``operands`` with compiled network #``network``."""
     compiled = lookup(network)
-    runner = compiled._runner_for(operands, False)
+    runner = compiled.runner_for(operands, False)
     return _own(runner.code.forward(*operands)[0], operands)
 
 
@@ -180,7 +180,7 @@ def contract_backward_op(network: str, needs_grad: list[bool], operands: list[to
                          dy: torch.Tensor) -> list[torch.Tensor]:
     """The gradients of the operands flagged in ``needs_grad``, in order."""
     compiled = lookup(network)
-    runner = compiled._runner_for(operands, True, needs_grad)
+    runner = compiled.runner_for(operands, True, needs_grad)
     _y, saved = runner.code.forward(*operands)
     grads = runner.code.backward(operands, saved, dy)
     return [_own(g, [*operands, dy]) for g in grads if g is not None]
@@ -207,7 +207,7 @@ def _backward(ctx, dy, *_saved_grads):
     if not any(needs_grad):
         return None, None, [None] * len(operands)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph, eager
-        runner = lookup(ctx.network)._runner_for(operands, True, needs_grad)
+        runner = lookup(ctx.network).runner_for(operands, True, needs_grad)
         return None, None, list(runner.differentiable_grads(operands, dy))
     if ctx.n_saved:
         grads = contract_backward_saved_op(ctx.network, needs_grad, list(operands),
@@ -228,7 +228,7 @@ contract_op.register_autograd(_backward, setup_context=_setup_context)
 def contract_saving_op(network: str, needs_grad: list[bool], operands: list[torch.Tensor]
                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Contract ``operands``; also return the intermediates the backward reads."""
-    runner = lookup(network)._runner_for(operands, True, needs_grad)
+    runner = lookup(network).runner_for(operands, True, needs_grad)
     y, saved = runner.code.forward(*operands)
     y = _own(y, operands)
     kept = [y]
@@ -245,7 +245,7 @@ def _contract_saving_fake(network, needs_grad, operands):
     # guard, so each batch size gets its own graph, as with static shapes).
     if any(isinstance(s, torch.SymInt) for t in operands for s in t.shape):
         operands = [t.new_empty(tuple(int(s) for s in t.shape)) for t in operands]
-    runner = lookup(network)._runner_for(operands, True, needs_grad)
+    runner = lookup(network).runner_for(operands, True, needs_grad)
     y, saved = runner.plain().forward(*operands)
     return y.new_empty(y.shape), [t.new_empty(t.shape) for t in saved]
 
@@ -255,7 +255,7 @@ def contract_backward_saved_op(network: str, needs_grad: list[bool],
                                operands: list[torch.Tensor], saved: list[torch.Tensor],
                                dy: torch.Tensor) -> list[torch.Tensor]:
     """The gradients of the operands flagged in ``needs_grad`` from the forward's ``saved``."""
-    runner = lookup(network)._runner_for(operands, True, needs_grad)
+    runner = lookup(network).runner_for(operands, True, needs_grad)
     grads = runner.code.backward(operands, tuple(saved), dy)
     return [_own(g, [*operands, *saved, dy]) for g in grads if g is not None]
 
@@ -288,9 +288,9 @@ def traced_call(compiled, operands: tuple) -> torch.Tensor:
         check_operands(compiled.network, operands)
         needs_grad = [grad and t.requires_grad for t in operands]
         if any(needs_grad):  # sizes dynamo made symbolic are specialized by the fake impl
-            return contract_saving_op(compiled._op_id, needs_grad, list(operands))[0]
-        return contract_op(compiled._op_id, needs_grad, list(operands))
-    runner = compiled._runner_for(operands, grad)
+            return contract_saving_op(compiled.op_id, needs_grad, list(operands))[0]
+        return contract_op(compiled.op_id, needs_grad, list(operands))
+    runner = compiled.runner_for(operands, grad)
     if grad and any(runner.plan.needs_grad):
         return FuncContractFunction.apply(runner, *operands)
     return runner.plain().forward(*operands)[0]

@@ -20,7 +20,9 @@ import torch
 
 import tncomp
 from tests.helpers.tn import bind, compile_net
+from tncomp.compiler.cost import tree_costs
 from tncomp.compiler.ops import MatMul, Permute
+from tncomp.compiler.problem import problem_for
 
 B = sympy.Symbol("B", positive=True, integer=True)
 N_OPERANDS = 7
@@ -80,7 +82,7 @@ def test_large_batch_tree_merges_the_factors(table):
 
 
 def _symbolic_costs(net, table, needs=ALL_GRAD):
-    return tncomp.tree_costs(tncomp.problem_for(net), table.tree_for(4096), needs, itemsize=4)
+    return tree_costs(problem_for(net), table.tree_for(4096), needs, itemsize=4)
 
 
 def test_symbolic_costs_are_linear_in_b(net, table):
@@ -108,7 +110,7 @@ def test_costs_without_input_gradient(net, table):
     """With x frozen, x . W_in needs no adjoint for x: one GEMM of 2*B*768*30 fewer."""
     tree = table.tree_for(4096)
     needs = (False,) + (True,) * 6
-    costs = tncomp.tree_costs(tncomp.problem_for(net), tree, needs)
+    costs = tree_costs(problem_for(net), tree, needs)
     expected = 2 * EXPECTED_FORWARD - 2 * 768 * 30 * B
     assert sympy.simplify(costs.backward_flops - expected) == 0
 
@@ -130,7 +132,7 @@ def test_plan_at_4096_matches_the_formulas_and_copies_nothing(net, compiled, tab
 @pytest.mark.parametrize("batch", [1, 2, 16, 300, 4096])
 def test_plan_backward_flops_equal_tree_costs_at_bound_sizes(net, compiled, batch):
     plan = compiled.plan_for(bind(net, batch), ALL_GRAD)
-    costs = tncomp.tree_costs(tncomp.problem_for(net, bind(net, batch)), plan.tree, ALL_GRAD)
+    costs = tree_costs(problem_for(net, bind(net, batch)), plan.tree, ALL_GRAD)
     assert plan.backward_flops == costs.backward_flops
     gemm_flops = sum(op.flops for op in plan.forward if isinstance(op, MatMul))
     assert plan.forward_flops == gemm_flops
@@ -139,7 +141,7 @@ def test_plan_backward_flops_equal_tree_costs_at_bound_sizes(net, compiled, batc
 def test_plan_forward_flops_equal_tree_costs_at_bound_sizes(net, compiled):
     for batch in (1, 2, 16, 300, 4096):
         plan = compiled.plan_for(bind(net, batch), ALL_GRAD)
-        costs = tncomp.tree_costs(tncomp.problem_for(net, bind(net, batch)), plan.tree,
+        costs = tree_costs(problem_for(net, bind(net, batch)), plan.tree,
                                   ALL_GRAD)
         assert plan.forward_flops == costs.forward_flops, batch
 
@@ -172,7 +174,7 @@ def test_regime_choice_beats_the_other_regimes_trees(net, table):
 
     for r in table.regimes:
         b = r.lo if r.hi - r.lo > 1 << 16 else (r.lo + r.hi) // 2
-        problem = tncomp.problem_for(net, bind(net, b))
+        problem = problem_for(net, bind(net, b))
 
         def time(tree, problem=problem):
             return lower(problem, tree, ALL_GRAD, 4, model=CPU_DEFAULT).modelled_time(CPU_DEFAULT)

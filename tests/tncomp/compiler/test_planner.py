@@ -192,8 +192,8 @@ def test_hot_path_uses_the_binding_key(monkeypatch):
     net = tncomp.from_eq("bi,ij->bj", ("B", 3), (3, 4))
     compiled = tncomp.compile(net, disk_cache=False)
     builds = []
-    real = compiled._runner_for
-    monkeypatch.setattr(compiled, "_runner_for", lambda *a: builds.append(1) or real(*a))
+    real = compiled.runner_for
+    monkeypatch.setattr(compiled, "runner_for", lambda *a: builds.append(1) or real(*a))
     for grad in (True, False):
         ts = operands(net, 5, requires_grad=[False, True])
         with torch.set_grad_enabled(grad):

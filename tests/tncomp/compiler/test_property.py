@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import tncomp
 from tests.helpers.tn import F64
+from tncomp.compiler.problem import Tree
 
 MAX_EXAMPLES = 250
 SYMBOLIC_EXAMPLES = 25
@@ -97,7 +98,7 @@ def trees(draw):
         a, b = live[i], live[j]
         live = [v for v in live if v not in (a, b)] + [n + k]
         steps.append((a, b))
-    return tncomp.Tree(n, tuple(steps))
+    return Tree(n, tuple(steps))
 
 
 @settings(max_examples=200, deadline=None)
@@ -105,7 +106,7 @@ def trees(draw):
 def test_linear_path_round_trip(tree):
     path = tree.to_linear_path()
     assert len(path) == max(tree.n_leaves - 1, 0)
-    again = tncomp.Tree.from_linear_path(tree.n_leaves, path)
+    again = Tree.from_linear_path(tree.n_leaves, path)
     assert again.leaves_under()[again.root] == frozenset(range(tree.n_leaves))
     # the same contractions (as leaf sets), in the same order
     assert again.leaves_under() == tree.leaves_under()

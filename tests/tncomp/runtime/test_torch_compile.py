@@ -45,7 +45,7 @@ def test_operator_passes_opcheck():
     net = tncomp.tt_linear([2, 3], [3, 2], 2)
     f = compile_net(net)
     ts = operands(net, 3, seed=0, requires_grad=True)
-    torch.library.opcheck(contract_op, (f._op_id, [True] * len(ts), ts),
+    torch.library.opcheck(contract_op, (f.op_id, [True] * len(ts), ts),
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
 
