@@ -26,6 +26,7 @@ from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Dim, Network, Role, TensorSpec, make_network
 from tncomp.compiler.memory import check_memory
 from tncomp.inspection import cost_curves, draw_network, drawing_of, inspect, plot_costs
+from tncomp.runtime.library import autocast_cast, autocast_dtype
 from tncomp.views.report import describe_tree
 
 __version__ = "0.1.0"
@@ -37,6 +38,8 @@ __all__ = [
     "Network",
     "Role",
     "TensorSpec",
+    "autocast_cast",
+    "autocast_dtype",
     "cache_info",
     "check_memory",
     "check_modes",

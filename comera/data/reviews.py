@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from comera.data.cache import read_cached, write_cached
-from comera.data.stdlib_pairs import PairDataset, Tokenizer, _encode, cache_dir
+from comera.data.stdlib_pairs import PairDataset, Tokenizer, cache_dir, encode_pairs
 from comera.errors import ConfigError, DataFormatError
 
 log = logging.getLogger("comera.data")
@@ -142,7 +142,7 @@ def load_reviews(max_len: int = 128, vocab_size: int = 8000, label: str = "recom
     if tokenizer is None:
         tokenizer = Tokenizer.build((t for a, b, _ in by_split["train"] for t in (a, b)),
                                     vocab_size)
-    data = {s: _encode(items, tokenizer, max_len) for s, items in by_split.items()}
+    data = {s: encode_pairs(items, tokenizer, max_len) for s, items in by_split.items()}
     if use_cache:
         write_cached(path, {"vocab": list(tokenizer.vocab),
                             **{s: {"ids": d.ids, "segments": d.segments, "labels": d.labels}

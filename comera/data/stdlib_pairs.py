@@ -79,7 +79,8 @@ class PairDataset:
             yield self.ids[idx], self.segments[idx], self.labels[idx]
 
 
-def _encode(pairs, tokenizer: Tokenizer, max_len: int) -> PairDataset:
+def encode_pairs(pairs, tokenizer: Tokenizer, max_len: int) -> PairDataset:
+    """(text, text, label) pairs as padded ``[CLS] a [SEP] b [SEP]`` ids with segment ids."""
     ids = torch.full((len(pairs), max_len), PAD, dtype=torch.long)
     seg = torch.zeros((len(pairs), max_len), dtype=torch.long)
     labels = torch.tensor([label for _, _, label in pairs], dtype=torch.long)
@@ -90,7 +91,7 @@ def _encode(pairs, tokenizer: Tokenizer, max_len: int) -> PairDataset:
     return PairDataset(ids, seg, labels)
 
 
-def _pairs(functions, rng: random.Random):
+def matched_pairs(functions, rng: random.Random):
     """Each function once matched and once with another function's body (label 1 / 0)."""
     out = []
     for k, (_, doc, code) in enumerate(functions):
@@ -127,7 +128,8 @@ def load_stdlib_pairs(max_len: int = 128, vocab_size: int = 8000, limit: int | N
         for split, items in by_split.items():
             by_split[split] = rng.sample(items, min(limit, len(items)))
     tokenizer = Tokenizer.build((t for _, d, c in by_split["train"] for t in (d, c)), vocab_size)
-    data = {s: _encode(_pairs(items, rng), tokenizer, max_len) for s, items in by_split.items()}
+    data = {s: encode_pairs(matched_pairs(items, rng), tokenizer, max_len)
+            for s, items in by_split.items()}
     if use_cache:
         write_cached(path, {"vocab": list(tokenizer.vocab),
                             **{s: {"ids": d.ids, "segments": d.segments, "labels": d.labels}

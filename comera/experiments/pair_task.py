@@ -50,16 +50,16 @@ def _encode_with(tokenizer, max_len: int, config: CodePairTaskConfig):
     with a given tokenizer (a pretrained MLM's)."""
     import random
 
-    from comera.data.stdlib_pairs import _encode, _pairs, _split_of, stdlib_functions
+    from comera.data.stdlib_pairs import encode_pairs, matched_pairs, split_of, stdlib_functions
 
     by_split: dict[str, list] = {"train": [], "val": [], "test": []}
     for fn in stdlib_functions():
-        by_split[_split_of(fn[0])].append(fn)
+        by_split[split_of(fn[0])].append(fn)
     rng = random.Random(config.data_seed)
     if config.limit is not None:
         for split, items in by_split.items():
             by_split[split] = rng.sample(items, min(config.limit, len(items)))
-    return tuple(_encode(_pairs(by_split[s], rng), tokenizer, max_len)
+    return tuple(encode_pairs(matched_pairs(by_split[s], rng), tokenizer, max_len)
                  for s in ("train", "val", "test"))
 
 

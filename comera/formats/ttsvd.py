@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from comera.errors import ConfigError
-from tncomp.compiler.builders import check_modes
+from tncomp import check_modes
 from tncomp.errors import IRError
 
 MaxRanks = int | Sequence[int] | None

@@ -37,11 +37,11 @@ from comera.layers.linear import (
     DEFAULT_TAU,
     GatedTrain,
     Ranks,
-    _bonds,
-    _check_features,
-    _check_tau,
-    _load_cores_,
+    check_features,
     check_finite_weight,
+    check_tau,
+    load_cores_,
+    resolve_bonds,
 )
 from comera.lean.recompute import recomputed_in_backward
 
@@ -128,8 +128,8 @@ class TTEmbedding(GatedTrain):
                  ranks: Ranks = 16, padding_idx: int | None = None, tau: float = DEFAULT_TAU,
                  d: int = 3, merge_pairs: bool = True, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
-        self.num_embeddings = _check_features("num_embeddings", num_embeddings)
-        self.embedding_dim = _check_features("embedding_dim", embedding_dim)
+        self.num_embeddings = check_features("num_embeddings", num_embeddings)
+        self.embedding_dim = check_features("embedding_dim", embedding_dim)
         if row_modes is None:
             n = len(tuple(col_modes)) if col_modes is not None else d
             row_modes = factorize(suggest_padded_size(num_embeddings, n), n)
@@ -160,10 +160,10 @@ class TTEmbedding(GatedTrain):
         self.in_features, self.out_features = num_embeddings, embedding_dim
         self.in_modes, self.out_modes = self.row_modes, self.col_modes
         pairs = [m * n for m, n in zip(self.row_modes, self.col_modes, strict=True)]
-        bonds = _bonds(ranks, pairs, "ranks")
+        bonds = resolve_bonds(ranks, pairs, "ranks")
         shapes = [(bonds[k], m, n, bonds[k + 1])
                   for k, (m, n) in enumerate(zip(self.row_modes, self.col_modes, strict=True))]
-        super().__init__(shapes, False, embedding_dim, _check_tau(tau), dtype, device)
+        super().__init__(shapes, False, embedding_dim, check_tau(tau), dtype, device)
         self._gaussian_init_(len(shapes))
         self.build_compiled()
 
@@ -339,7 +339,7 @@ class TTEmbedding(GatedTrain):
                              device=w.device)
         padded[: w.shape[0]] = w
         cores = matrix_to_ttm(padded, layer.row_modes, layer.col_modes, list(layer.bonds[1:-1]))
-        _load_cores_(layer, cores, None)
+        load_cores_(layer, cores, None)
         return layer
 
     def extra_repr(self) -> str:

@@ -20,21 +20,24 @@ import tncomp
 from comera.errors import ConfigError, ConversionError, NonFiniteError
 from comera.formats.factorize import factorize, factorize_pair
 from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, tt_to_matrix, ttm_to_matrix
-from tncomp.compiler.builders import check_modes
-from tncomp.compiler.memory import check_memory as _check_tncomp_memory
+from tncomp import autocast_cast, autocast_dtype, check_modes
+from tncomp import check_memory as _check_tncomp_memory
 
 DEFAULT_TAU = 1e-2
 Ranks = int | Sequence[int]
 
 
-def _bonds(ranks: Ranks, bond_modes: Sequence[int], what: str) -> tuple[int, ...]:
+def resolve_bonds(ranks: Ranks, bond_modes: Sequence[int], what: str) -> tuple[int, ...]:
+    """The interior bond sizes ``ranks`` asks for (tncomp's rule), a bad request as
+    :class:`ConfigError`: shared by every gated layer."""
     try:
         return tncomp.resolve_ranks(ranks, bond_modes, what)
     except tncomp.errors.IRError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def _check_features(name: str, value: int) -> int:
+def check_features(name: str, value: int) -> int:
+    """``value`` as a feature size (an int >= 1), else :class:`ConfigError` naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r}; a feature size is an int >= 1.")
     return value
@@ -62,23 +65,6 @@ def resolve_modes(in_features: int, out_features: int, in_modes, out_modes, d: i
     if out_modes is None:
         out_modes = factorize(out_features, len(tuple(in_modes)))
     return in_modes, out_modes
-
-
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` computes matmuls in on ``device_type`` now (None when off,
-    and on device types autocast does not know, such as ``meta``)."""
-    try:
-        if not torch.is_autocast_enabled(device_type):
-            return None
-        return torch.get_autocast_dtype(device_type)
-    except RuntimeError:  # "unknown device type for autocast": nothing is autocast there
-        return None
-
-
-def _autocast_cast(t: Tensor, low: torch.dtype) -> Tensor:
-    """What autocast does to a matmul operand: float32/float16/bfloat16 to ``low``; float64 (and
-    non-float) tensors are left alone."""
-    return t.to(low) if t.is_floating_point() and t.dtype != torch.float64 else t
 
 
 def add_bias(y: Tensor, bias: Tensor | None, source: Tensor) -> Tensor:
@@ -114,7 +100,8 @@ def check_memory(memory) -> str | int:
         raise ConfigError(str(exc)) from None
 
 
-def _check_tau(tau: float) -> float:
+def check_tau(tau: float) -> float:
+    """``tau`` as a gate threshold (a number >= 0), else :class:`ConfigError`."""
     if not isinstance(tau, int | float) or tau < 0 or math.isnan(tau):
         raise ConfigError(f"tau={tau!r}; the gate threshold is a number >= 0 (default 1e-2).")
     return float(tau)
@@ -129,7 +116,7 @@ class GatedTrain(nn.Module):
     def __init__(self, core_shapes, bias: bool, out_features: int, tau: float,
                  dtype=None, device=None, memory: str | int = "fast"):
         super().__init__()
-        self.tau = _check_tau(tau)
+        self.tau = check_tau(tau)
         factory = {"dtype": dtype, "device": device}
         self.cores = nn.ParameterList(
             [nn.Parameter(torch.empty(shape, **factory)) for shape in core_shapes])
@@ -259,7 +246,7 @@ class GatedTrain(nn.Module):
                 f"{self.cores[0].device}; move one to the other, e.g. x.to("
                 f"'{self.cores[0].device}').")
         if rows == 0 or x.device.type == "meta":  # meta: shapes only, there is nothing to add
-            y = _autocast_cast(x, low).new_zeros(*lead, self.out_features) if low else \
+            y = autocast_cast(x, low).new_zeros(*lead, self.out_features) if low else \
                 x.new_zeros(*lead, self.out_features)
             # as nn.Linear: an empty batch gives the parameters zero gradients, not none
             y = y + sum(p.reshape(-1)[:0].sum() for p in (*self.cores, *self.gates)).to(y.dtype)
@@ -267,7 +254,7 @@ class GatedTrain(nn.Module):
             xm = x.reshape(rows, *self.in_modes)
             cores = self.gated_cores()
             if low is not None:  # as nn.Linear: compute in the autocast dtype, keep params as is
-                xm, cores = _autocast_cast(xm, low), [_autocast_cast(c, low) for c in cores]
+                xm, cores = autocast_cast(xm, low), [autocast_cast(c, low) for c in cores]
             y = self.compiled()(xm, *cores)  # (rows, *out_modes)
             bias = None if self.bias is None else self.bias.view(self.out_modes)
             return add_bias(y, bias, xm).reshape(*lead, self.out_features)
@@ -336,8 +323,8 @@ class _LinearTrain(GatedTrain):
                  ranks: Ranks = 16, bias: bool = True, tau: float = DEFAULT_TAU, d: int = 3,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  memory: str | int = "fast"):
-        self.in_features = _check_features("in_features", in_features)
-        self.out_features = _check_features("out_features", out_features)
+        self.in_features = check_features("in_features", in_features)
+        self.out_features = check_features("out_features", out_features)
         in_modes, out_modes = resolve_modes(in_features, out_features, in_modes, out_modes, d)
         self.in_modes = _check_modes(in_modes, in_features, "in_modes")
         self.out_modes = _check_modes(out_modes, out_features, "out_modes")
@@ -373,7 +360,7 @@ class _LinearTrain(GatedTrain):
                     memory=memory)
         cores = cls._decompose(w.detach().T, layer.in_modes, layer.out_modes,
                                list(layer.bonds[1:-1]))
-        _load_cores_(layer, cores, linear.bias)
+        load_cores_(layer, cores, linear.bias)
         return layer
 
 
@@ -384,7 +371,7 @@ class TTLinear(_LinearTrain):
 
     def _core_shapes(self, ranks: Ranks) -> list[tuple[int, ...]]:
         modes = self.in_modes + self.out_modes
-        bonds = _bonds(ranks, modes, "ranks")
+        bonds = resolve_bonds(ranks, modes, "ranks")
         return [(bonds[k], n, bonds[k + 1]) for k, n in enumerate(modes)]
 
     _decompose = staticmethod(matrix_to_tt)
@@ -404,7 +391,7 @@ class TTMLinear(_LinearTrain):
 
     def _core_shapes(self, ranks: Ranks) -> list[tuple[int, ...]]:
         pairs = list(zip(self.in_modes, self.out_modes, strict=True))
-        bonds = _bonds(ranks, [m * n for m, n in pairs], "ranks")
+        bonds = resolve_bonds(ranks, [m * n for m, n in pairs], "ranks")
         return [(bonds[k], m, n, bonds[k + 1]) for k, (m, n) in enumerate(pairs)]
 
     _decompose = staticmethod(matrix_to_ttm)
@@ -417,7 +404,7 @@ class TTMLinear(_LinearTrain):
         return ttm_to_matrix(self.gated_cores()).T
 
 
-def _load_cores_(layer: GatedTrain, cores: Sequence[Tensor], bias: Tensor | None) -> None:
+def load_cores_(layer: GatedTrain, cores: Sequence[Tensor], bias: Tensor | None) -> None:
     """Copy TT-SVD cores (possibly of smaller rank than requested) into ``layer``."""
     with torch.no_grad():
         for k, core in enumerate(cores):

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import tncomp
-from comera.layers.linear import TTLinear, TTMLinear, _autocast_cast, add_bias, autocast_dtype
-from tncomp import stack_siblings
+from comera.layers.linear import TTLinear, TTMLinear, add_bias
+from tncomp import autocast_cast, autocast_dtype, stack_siblings
 
 # The network of each stackable layer class, at given modes and bonds.
 BUILDERS = {TTLinear: tncomp.tt_linear, TTMLinear: tncomp.ttm_linear}
@@ -119,7 +119,7 @@ class Siblings:
                  for k in range(len(bonds) - 1)]
         low = autocast_dtype(x.device.type)
         if low is not None:  # as the layers do: compute in the autocast dtype
-            xm, cores = _autocast_cast(xm, low), [_autocast_cast(c, low) for c in cores]
+            xm, cores = autocast_cast(xm, low), [autocast_cast(c, low) for c in cores]
         y = self._compiled(xm, *cores)  # (n, B, *out_modes)
         if any(layer.bias is not None for layer in layers):  # one add for all n (zeros: none)
             biases = torch.stack([layer.bias if layer.bias is not None else

@@ -27,7 +27,7 @@ import ast
 import pytest
 
 from tests.helpers import ROOT
-from tests.helpers.imports import first_cycle, imports, package_modules
+from tests.helpers.imports import first_cycle, imports, package_modules, reach_ins
 
 FLOORS = ("base", "lean", "formats", "layers", "ranks", "training", "surgery", "integrations",
           "data", "models", "api", "experiments", "cli")
@@ -87,3 +87,22 @@ def test_design_doc_names_every_module_once():
             continue  # a subpackage's __init__ is its folder
         rel = path.relative_to(ROOT).as_posix()
         assert doc.count(f"`{rel}`") == 1, f"docs/design.md should name {rel} exactly once"
+
+
+# torch's own private attributes that a comera module mirrors and conversion reads on torch's
+# modules (nn.MultiheadAttention's packed-projection flag)
+TORCH_PRIVATE = frozenset({"_qkv_same_embed_dim"})
+TNCOMP_FACE = {"tncomp", "tncomp.errors", "tncomp.files"}
+
+
+def test_no_module_takes_another_modules_private_names():
+    trees = {m: ast.parse(p.read_text(), filename=str(p)) for m, p in MODULES.items()}
+    found = reach_ins(trees, "comera", TORCH_PRIVATE)
+    assert not found, ("private names used across comera modules (make them public in their "
+                       "home, or move the code):\n" + "\n".join(found))
+
+
+def test_comera_uses_only_tncomp_public_modules():
+    reach = sorted(f"{m} imports {name}" for m, names in IMPORTS.items() for name, _ in names
+                   if name.split(".")[0] == "tncomp" and name not in TNCOMP_FACE)
+    assert not reach, f"comera reaches into tncomp's internals: {reach}"

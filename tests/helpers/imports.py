@@ -1,7 +1,8 @@
 """What a package's modules import, read from the source with ``ast`` (so it cannot rot).
 
 Shared by the layering tests of tncomp and comera: module names from paths, every import with
-whether it runs at import time, and the first import cycle among a package's modules.
+whether it runs at import time, the first import cycle among a package's modules, and private
+names one module takes from another.
 """
 
 from __future__ import annotations
@@ -74,3 +75,47 @@ def first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if module not in state and (cycle := walk(module, [module])):
             return cycle
     return None
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined(tree: ast.AST) -> set[str]:
+    """The private names a module defines: functions, classes, assigned names and attributes
+    (``self._x = ...``), parameters."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+    return {n for n in names if _private(n)}
+
+
+def reach_ins(trees: dict[str, ast.AST], package: str,
+              allowed: frozenset[str] = frozenset()) -> list[str]:
+    """Every private name a module of ``trees`` (module name -> parsed source) takes from
+    another module of ``package``, as ``"module:line: what"``. Reads through ``self`` / ``cls``
+    (a class's own, or inherited, members) and the ``allowed`` names are not reach-ins."""
+    defined = {module: _defined(tree) for module, tree in trees.items()}
+    found = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == package:
+                found.extend(f"{module}:{node.lineno}: imports {node.module}.{alias.name}"
+                             for alias in node.names if _private(alias.name))
+            elif (isinstance(node, ast.Attribute) and _private(node.attr)
+                  and node.attr not in defined[module] and node.attr not in allowed
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                homes = sorted(m for m, names in defined.items()
+                               if m != module and node.attr in names)
+                if homes:
+                    found.append(f"{module}:{node.lineno}: reads .{node.attr} of {homes}")
+    return found

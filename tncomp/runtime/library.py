@@ -85,20 +85,34 @@ def check_operands(net, operands: Sequence) -> None:
         raise DtypeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes matmuls in on ``device_type`` now (None when off,
+    and on device types autocast does not know, such as ``meta``). The one home of the autocast
+    rule: tncomp's operators and comera's layers (their bias add, their empty-batch results)
+    follow it."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # "unknown device type for autocast": nothing is autocast there
+        return None
+
+
+def autocast_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What autocast does to a matmul operand: float32/float16/bfloat16 to ``dtype``; float64
+    (and non-float) tensors are left alone."""
+    return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+
 def autocast_operands(operands: tuple) -> tuple:
-    """``operands`` as autocast would pass them to a matmul: floating tensors other than
-    float64 in the autocast dtype of their device (unchanged when autocast is off there)."""
+    """``operands`` as autocast would pass them to a matmul (see :func:`autocast_cast`), in the
+    autocast dtype of their device (unchanged when autocast is off there)."""
     if not operands or not isinstance(operands[0], torch.Tensor):
         return operands
-    device = operands[0].device.type
-    if not torch.is_autocast_enabled(device):
+    dtype = autocast_dtype(operands[0].device.type)
+    if dtype is None:
         return operands
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(
-        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
-        and t.dtype not in (dtype, torch.float64) else t
-        for t in operands
-    )
+    return tuple(autocast_cast(t, dtype) if isinstance(t, torch.Tensor) else t for t in operands)
 
 
 def is_empty(operands: Sequence) -> bool:
