@@ -28,7 +28,14 @@ from torch import nn
 from comera.errors import ConfigError, ConversionError
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import DEFAULT_TAU, GatedTrain, TTLinear, TTMLinear, check_memory
+from comera.layers.linear import (
+    DEFAULT_TAU,
+    GatedTrain,
+    TTLinear,
+    TTMLinear,
+    check_finite_weight,
+    check_memory,
+)
 from comera.surgery.swap import swap_submodule
 
 FORMATS = ("tt", "ttm")
@@ -300,6 +307,19 @@ def _tt_parts(layer: nn.Module):
     return ((n, m) for n, m in layer.named_modules() if isinstance(m, GatedTrain))
 
 
+def _check_finite(chosen: list[tuple[str, nn.Module]], tied: set[str]) -> None:
+    """Every module to convert has finite weights, checked before the first swap, so a bad one
+    leaves the model as it was; the error names the module."""
+    for name, module in chosen:
+        if name in tied:
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            try:
+                check_finite_weight(module, param)
+            except ConversionError as exc:
+                raise ConversionError(f"{name}.{pname}: {exc}") from None
+
+
 def _tied(model: nn.Module, chosen: list[tuple[str, nn.Module]]) -> set[str]:
     """Names of chosen modules whose weight another module of ``model`` also holds."""
     owners: dict[int, set[str]] = {}
@@ -402,6 +422,7 @@ def convert_(
         raise ConversionError(f"every matching module has its weight tied to another module "
                               f"({', '.join(sorted(tied))}); converting would untie them. Select "
                               "other modules, or untie the weights first.")
+    _check_finite(chosen, tied)
     reports, oversized = [], []
     for name, module in chosen:
         if name in tied:

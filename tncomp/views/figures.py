@@ -6,11 +6,13 @@ made, on a bare ``Figure`` with the Agg canvas: no pyplot, no backend switch, no
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 from typing import Any
 
 from tncomp.errors import PlotDependencyError, PlotError
+from tncomp.files import atomic_write_bytes
 
 log = logging.getLogger("tncomp.views.figures")
 
@@ -60,9 +62,12 @@ def new_figure(width: float, height: float, ncols: int) -> tuple[Any, list[Any]]
 
 
 def save_figure(fig: Any, path: Path) -> None:
-    """Write ``fig`` to ``path`` (the format from its suffix); a failed write is a PlotError."""
+    """Write ``fig`` to ``path`` (the format from its suffix) atomically, replacing a link at
+    ``path`` rather than writing through it; a failed write is a PlotError."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=DPI, format=Path(path).suffix.lstrip(".").lower() or None)
     try:
-        fig.savefig(path, dpi=DPI)
+        atomic_write_bytes(path, buffer.getvalue())
     except OSError as exc:
         raise PlotError(f"could not write {str(path)!r}: {exc}") from None
     log.info("wrote %s", path)

@@ -248,3 +248,13 @@ def test_comera_convert_with_a_huge_rank_warns_naming_the_layer(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "full TT rank" in result.stderr and "below 1x" in result.stderr
     assert "0 (rank 100000" in result.stderr
+
+
+def test_a_nan_weight_is_refused_naming_the_layer_before_any_swap():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))
+    with torch.no_grad():
+        model[2].weight[3, 5] = float("nan")
+    with pytest.raises(comera.ConversionError, match=r"^2\.weight: .*1 NaN or infinite weight"):
+        comera.convert_(model, ranks=4)
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear  # nothing was swapped

@@ -359,3 +359,13 @@ def test_subprocess_without_matplotlib(tmp_path):
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "pip install 'tncomp[plot]'" in done.stderr
+
+
+def test_a_picture_replaces_a_planted_link_instead_of_writing_through_it(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("DATA")
+    out = tmp_path / "net.png"
+    out.symlink_to(victim)
+    draw_network(tncomp.tt_linear((4, 4), (4, 4), 2), out)
+    assert victim.read_text() == "DATA"
+    assert not out.is_symlink() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
