@@ -17,9 +17,10 @@ What runs inside the captured region (pure tensor work, no host reads):
   optimizer moments cleared, as :class:`~comera.training.trainers.CoMERATrainer` does.
 
 What runs between captured steps, outside the region (reads a few gate vectors, one sync): the
-non-finite loss check, the ``min_rank`` floor, and the late stage's budget schedule
-(:func:`comera.ranks.objective.prune_to_`), which all change gates in place, so the captured
-region sees them without re-capture. The eager trainer's restore of slices that crossed tau
+non-finite loss check, the ``min_rank`` floor and the late stage's budget schedule (the
+trainer's :class:`~comera.training.controller.RankController`: ``hold_floor_`` and
+``follow_schedule_``, as its ``after_step`` runs them), which all change gates in place, so the
+captured region sees them without re-capture. The eager trainer's restore of slices that crossed tau
 below the size target in one step is left out: with a step budget the schedule lands the size.
 
 Re-capture rule: the region is captured for one :class:`StepSignature` (each parameter's
@@ -47,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteLossError
-from comera.ranks.objective import prune_to_, rank_regularizer, soft_size
+from comera.ranks.objective import rank_regularizer, soft_size
 from comera.ranks.size import model_size, tt_modules
 from comera.training.trainers import CoMERATrainer
 
@@ -167,7 +168,9 @@ class CapturedStep:
             loss_gap = (seen - late.target_loss) / seen.abs().clamp_min(1e-12)
             size_gap = (size - late.target_size) / size
             weigh = ((size > late.target_size) & (size_gap > loss_gap)).to(loss.dtype)
-            reference = trainer._size_reference or float(model_size(model))
+            reference = trainer.controller.size_reference
+            if reference is None:  # as LateStage.objective: the size now
+                reference = float(max(model_size(model), 1))
             return loss + weigh * late.size_weight * soft_size(model) / reference, loss
 
     def _finish(self, masks: list[Tensor]) -> None:
@@ -259,12 +262,5 @@ class CapturedStep:
     def _between_steps(self) -> None:
         """The decisions outside the captured region: the rank floor and the late budget."""
         trainer = self.trainer
-        pairs = [(layer, g) for _, layer in tt_modules(trainer.model) for g in layer.gates]
-        trainer._hold_floor_(pairs, self._before)
-        late = trainer.late
-        if trainer.stage == "late" and late is not None and late.steps is not None:
-            start_step, start_size = trainer._late_start
-            scheduled = late.scheduled_size(start_size, trainer.steps - start_step)
-            lower = scheduled - 0.05 * late.target_size
-            trainer._clear_moments_(prune_to_(trainer.model, scheduled, trainer.min_rank,
-                                              lower, late.rounding, trainer.optimizer))
+        trainer.controller.hold_floor_(self._before, trainer.optimizer)
+        trainer.controller.follow_schedule_(trainer.optimizer)

@@ -221,16 +221,11 @@ class RankController:
         opt = self.optimizer if optimizer is None else torch_optimizer(optimizer)
         layers = [layer for _, layer in tt_modules(self.model)]
         self._keep_pruned_(snap.pruned, opt)
-        self._hold_floor_([(layer, g) for layer in layers for g in layer.gates], snap.before, opt)
+        self.hold_floor_(snap.before, opt)
         scheduled, note = None, ""
         if snap.late:
             self._hold_size_target_(layers, snap.before, opt)
-            scheduled = self.late.scheduled_size(self.late_start[1],
-                                                 self.steps - self.late_start[0])
-            if self.late.steps is not None:  # the budget's schedule; else the optimizer's pace
-                lower = scheduled - 0.05 * self.late.target_size  # land within 5% of S*
-                clear_moments_(opt, prune_to_(self.model, scheduled, self.min_rank, lower,
-                                              self.late.rounding, opt))
+            scheduled = self.follow_schedule_(opt)
         self.steps += 1
         size = model_size(self.model)
         if snap.late and (size > self.late.target_size or self.late_note.startswith("below")):
@@ -256,9 +251,18 @@ class RankController:
                 gate[off] = 0.0
                 clear_moments_(optimizer, [(gate, off)])
 
-    def _hold_floor_(self, gates, before: list[Tensor], optimizer) -> None:
+    def hold_floor_(self, before: list[Tensor], optimizer: Any = None) -> None:
         """The ``min_rank`` floor: a gate left with fewer than ``min_rank`` live entries by this
-        step gets its largest just-pruned entries back at their previous values."""
+        step gets its largest just-pruned entries back at their previous values (and their
+        moments cleared). ``before``: every gate's values before the step, one tensor per gate
+        in :func:`~comera.ranks.size.tt_modules` order. :meth:`after_step` calls it; a step run
+        outside the controller (:class:`~comera.training.capture.CapturedStep`) calls it after
+        its optimizer step."""
+        opt = self.optimizer if optimizer is None else torch_optimizer(optimizer)
+        gates = [(layer, g) for _, layer in tt_modules(self.model) for g in layer.gates]
+        if len(before) != len(gates):
+            raise ConfigError(f"hold_floor_ got {len(before)} gate snapshots for {len(gates)} "
+                              "gates: pass one tensor per gate, taken before the step.")
         with torch.no_grad():
             for (layer, gate), old in zip(gates, before, strict=True):
                 alive = gate.detach().abs() > layer.tau
@@ -271,7 +275,22 @@ class RankController:
                 back = order[:missing]
                 for i in back:
                     gate[i] = old[i]
-                clear_moments_(optimizer, [(gate, i) for i in back])
+                clear_moments_(opt, [(gate, i) for i in back])
+
+    def follow_schedule_(self, optimizer: Any = None) -> float | None:
+        """Late stage: the size the step budget asks for after this step (S* without a budget),
+        and with a budget, prune to it now (within 5% of S* below it; the pruned entries'
+        moments cleared). None in the early stage. Call it after the optimizer step, before
+        ``steps`` counts the step (:meth:`after_step` does)."""
+        if self.stage != "late" or self.late is None:
+            return None
+        opt = self.optimizer if optimizer is None else torch_optimizer(optimizer)
+        scheduled = self.late.scheduled_size(self.late_start[1], self.steps - self.late_start[0])
+        if self.late.steps is not None:  # the budget's schedule; else the optimizer's pace
+            lower = scheduled - 0.05 * self.late.target_size  # land within 5% of S*
+            clear_moments_(opt, prune_to_(self.model, scheduled, self.min_rank, lower,
+                                          self.late.rounding, opt))
+        return scheduled
 
     def _hold_size_target_(self, layers, before: list[Tensor], optimizer) -> None:
         """Late stage: a step must not prune far below the size target. Adam moves every gate

@@ -173,3 +173,38 @@ def test_cuda_whole_step_capture_matches_eager(mode):
         captured.append(float(step(x, y)))
     assert captured == pytest.approx(eager, rel=1e-4)
     assert step.captures == 2
+
+
+def _near_tau(min_rank: int, dtype=F64):
+    """A trainer whose second layer's gates sit just above tau, with a gate rate that prunes them
+    all in one step: only the ``min_rank`` floor keeps entries alive."""
+    model, _ = _model(dtype)
+    with torch.no_grad():
+        for gate in model[2].gates:
+            gate.fill_(model[2].tau * 1.001)
+    opt = comera.make_optimizer(model, comera.OptimizerConfig(lr_cores=1e-2, lr_gates=1e-2))
+    return model, comera.CoMERATrainer(model, opt, lam=10.0, min_rank=min_rank)
+
+
+def test_the_min_rank_floor_holds_between_captured_steps_as_in_the_trainer():
+    """The floor runs between captured steps through the controller's public hold_floor_."""
+    x, y = _data(F64)
+    (m1, t1), (m2, t2) = _near_tau(2), _near_tau(2)
+    step = CapturedStep(t2, _loss, mode="eager")
+    for _ in range(2):
+        t1.step(_loss(m1, x, y))
+        step(x, y)
+    assert [list(m.ranks) for _, m in comera.tt_modules(m2)] == [
+        list(m.ranks) for _, m in comera.tt_modules(m1)]
+    assert min(m2[2].ranks[1:-1]) == 2  # held at the floor, not pruned to nothing
+    for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    bare, trainer = _near_tau(0)  # without a floor the same step prunes the bonds away
+    CapturedStep(trainer, _loss, mode="eager")(x, y)
+    assert min(bare[2].ranks[1:-1]) < 2
+
+
+def test_hold_floor_refuses_a_snapshot_of_other_gates():
+    model, trainer = _model()
+    with pytest.raises(ConfigError, match="gate snapshots"):
+        trainer.controller.hold_floor_([g.detach().clone() for g in model[0].gates])
