@@ -125,7 +125,7 @@ def test_late_stage_bad_targets():
 
 @pytest.mark.parametrize("target", [1.0, 0.5])
 def test_convert_config_target_compression_must_exceed_one(target):
-    pattern = re.escape(f"target_compression={target}; it must be > 1")
+    pattern = re.escape(f"target_compression={target}; it must be a finite number > 1")
     with pytest.raises(ConfigError, match=pattern):
         ConvertConfig(target_compression=target)
 
@@ -133,7 +133,7 @@ def test_convert_config_target_compression_must_exceed_one(target):
 def test_convert_config_other_errors():
     with pytest.raises(ConfigError, match="format='cp'; choose one of tt, ttm"):
         ConvertConfig(format="cp")
-    with pytest.raises(ConfigError, match="ranks=0; a rank is at least 1"):
+    with pytest.raises(ConfigError, match="ranks=0; a max rank is an int >= 1"):
         ConvertConfig(ranks=0)
     with pytest.raises(ConfigError, match="d=0"):
         ConvertConfig(d=0)
