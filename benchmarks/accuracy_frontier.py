@@ -327,6 +327,18 @@ def summarise(result: dict) -> str:
             extra = f", rank {sel[0]['rank']}" if m in ("fixed", "lowrank") else ""
             cells.append(f"{_stats(acc)} (n={len(acc)}; {comp:.1f}x{extra})")
         lines.append(f"| {t:g}x | " + " | ".join(cells) + " |")
+    paired = []
+    for t in targets:
+        fixed = {r["seed"]: r["test"]["accuracy"] for r in rows
+                 if r["model"] == "fixed" and r["target"] == t}
+        diffs = [r["test"]["accuracy"] - fixed[r["seed"]] for r in rows
+                 if r["model"] == "comera" and r["target"] == t and r["seed"] in fixed]
+        if diffs:
+            paired.append(f"- {t:g}x: {_stats(diffs)} (n={len(diffs)}; seeds "
+                          f"{', '.join(f'{d:+.4f}' for d in diffs)})")
+    if paired:
+        lines += ["", "CoMERA minus the fixed uniform rank, per seed (same batches and seed):", "",
+                  *paired]
     seed0 = min((r["seed"] for r in rows), default=0)
     chosen = [r for r in rows if r["model"] == "comera" and r["seed"] == seed0]
     if chosen:

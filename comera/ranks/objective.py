@@ -26,6 +26,13 @@ rounding, a slice's cost counts the parameters the rounding frees with it, and e
 with such a bond is rounded exactly (:func:`comera.ranks.truncate.round_layer_`: QR then SVD sweeps,
 the weight unchanged), so the budget goes to slices that carry something. On the reviews task at
 100x this is the difference between the majority class and a model that learns.
+
+Allocation (``LateStage(allocation="spectrum")``, the default): instead of pruning along the
+schedule, the stage decides the shape when it starts: every bond's singular values, and the
+budget spent on the slices of most energy per parameter across all layers, from the uniform
+allocation up (:mod:`comera.ranks.allocate`). The trainer calls :meth:`LateStage.allocate_`
+before truncating; the stage then trains that shape. ``allocation="prune"`` is the schedule.
+Targets against the dense model: :meth:`LateStage.for_compression`.
 """
 
 from __future__ import annotations

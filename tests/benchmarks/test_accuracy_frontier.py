@@ -56,6 +56,7 @@ def test_summary_gives_mean_and_spread_per_method_and_the_ranks_chosen():
                               f"{sd:.4f} (n=3; 10.5x, rank 8) | 0.8700 ± {sd:.4f} (n=3; 10.0x) |")
     assert lines["| 100x"].split(" | ")[2] == "-"  # no low-rank model fits 100x
     assert "- 100x (uniform rank 4): b0.q [4, 6]" in text
+    assert "- 10x: 0.0200 ± 0.0000 (n=3; seeds +0.0200, +0.0200, +0.0200)" in text  # paired
 
 
 def test_summarise_only_writes_table_and_plot(tmp_path):
