@@ -27,7 +27,7 @@ from comera.errors import ComeraError, ConfigError
 
 EXIT_USAGE = 2
 MAX_NPROC = 1024
-MODELS = ("transformer", "transformer-code", "dlrm", "mlm")
+MODELS = ("transformer", "transformer-code", "dlrm", "mlm", "lm")
 log = logging.getLogger("comera.cli")
 
 

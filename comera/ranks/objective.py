@@ -27,11 +27,13 @@ with such a bond is rounded exactly (:func:`comera.ranks.truncate.round_layer_`:
 the weight unchanged), so the budget goes to slices that carry something. On the reviews task at
 100x this is the difference between the majority class and a model that learns.
 
-Allocation (``LateStage(allocation="spectrum")``, the default): instead of pruning along the
-schedule, the stage decides the shape when it starts: every bond's singular values, and the
+Allocation (``LateStage(allocation="spectrum")``; the default is ``"prune"``, the schedule,
+since on the reviews and language-model frontiers neither beat the other by more than the seeds'
+spread: docs/results.md): instead of pruning along the schedule, the stage decides the shape when
+it starts: every bond's singular values, and the
 budget spent on the slices of most energy per parameter across all layers, from the uniform
 allocation up (:mod:`comera.ranks.allocate`). The trainer calls :meth:`LateStage.allocate_`
-before truncating; the stage then trains that shape. ``allocation="prune"`` is the schedule.
+before truncating; the stage then trains that shape.
 Targets against the dense model: :meth:`LateStage.for_compression`.
 """
 
@@ -107,11 +109,11 @@ class LateStage:
     then warns when it starts and reports ``behind`` in every step's stats while above S*.
     ``rounding``: pruning rounds away the slices a pruned neighbour leaves useless (see the
     module docstring); False prunes slices alone, as before.
-    ``allocation``: ``"spectrum"`` (default) fixes the shape when the stage starts
+    ``allocation``: ``"prune"`` (default) shrinks along the step budget's schedule by saliency
+    pruning; ``"spectrum"`` fixes the shape when the stage starts
     (:meth:`allocate_`: the budget spent on the slices of most singular-value energy per
     parameter, across all layers, from ``floor``'s allocation up; :mod:`comera.ranks.allocate`),
-    so the stage trains its final shape throughout; ``"prune"`` shrinks along the step
-    budget's schedule by saliency pruning instead.
+    so the stage trains its final shape throughout.
     """
 
     target_size: float
@@ -120,7 +122,7 @@ class LateStage:
     steps: int | None = None
     landing: float = 0.75
     rounding: bool = True
-    allocation: str = "spectrum"
+    allocation: str = "prune"
     floor: str = "uniform"
 
     def __post_init__(self) -> None:
@@ -146,7 +148,7 @@ class LateStage:
     def from_ratio(cls, model: nn.Module, ratio: float, target_loss: float = 0.0,
                    size_weight: float = 1.0, dense_reference: int | None = None,
                    steps: int | None = None, landing: float = 0.75,
-                   rounding: bool = True, allocation: str = "spectrum",
+                   rounding: bool = True, allocation: str = "prune",
                    floor: str = "uniform") -> LateStage:
         """S* = reference / ratio, the reference being ``dense_reference`` (a parameter count)
         or, by default, the model's effective size now (shrink the whole model by ``ratio``

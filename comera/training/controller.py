@@ -318,10 +318,13 @@ class RankController:
     # -- stages -----------------------------------------------------------------------------------
     def start_late_stage(self, late: LateStage, truncate: bool = True,
                          optimizer: Any = None) -> TruncationReport | None:
-        """Switch to the late stage (truncating the pruned ranks first, by default, with the
-        optimizer's state)."""
+        """Switch to the late stage: with ``late.allocation == "spectrum"`` fix the shape from
+        the bonds' spectra first (:meth:`LateStage.allocate_`), then truncate the pruned ranks
+        (by default, with the optimizer's state)."""
         if not isinstance(late, LateStage):
             raise ConfigError(f"start_late_stage takes a comera.LateStage, got {late!r}.")
+        opt = self.optimizer if optimizer is None else torch_optimizer(optimizer)
+        late.allocate_(self.model, opt, self.min_rank)
         report = self.truncate(optimizer) if truncate else None
         self.stage = "late"
         self.late = late
@@ -385,7 +388,8 @@ class RankController:
         late = None if self.late is None else {
             "target_size": self.late.target_size, "target_loss": self.late.target_loss,
             "size_weight": self.late.size_weight, "steps": self.late.steps,
-            "landing": self.late.landing, "rounding": self.late.rounding}
+            "landing": self.late.landing, "rounding": self.late.rounding,
+            "allocation": self.late.allocation, "floor": self.late.floor}
         return {"stage": self.stage, "steps": self.steps, "late": late,
                 "size_reference": self.size_reference, "lam": self.lam,
                 "late_start": None if self.late_start is None else list(self.late_start),

@@ -239,7 +239,6 @@ class CoMERATrainer(_Stepper):
     min_rank = _delegate("min_rank", "The rank floor on every bond.")
     late = _delegate("late", "The late stage's targets (None in the early stage).", False)
     regularizer = _delegate("regularizer", "The early stage's regulariser ('l1', ...).", False)
-    _late_start = _delegate("late_start", "(step, size) at the late stage's start.", False)
 
     def objective(self, loss: Tensor, decision_loss: float | None = None) -> tuple[Tensor, str]:
         """The scalar to minimise for this step, and which term was weighted."""

@@ -121,14 +121,15 @@ def test_allocate_rejects_bad_input():
 
 
 def test_late_stage_allocates_at_its_start_and_trains_the_shape():
-    """LateStage's default (allocation="spectrum"): the trainer's stage starts at the target,
-    and the step budget has nothing left to prune."""
+    """allocation="spectrum": the trainer's late stage allocates when it starts (the true
+    ranks), and the step budget has nothing left to prune."""
     model = _model(noise=1e-3)
     budget = sum(layer_size(m, (1, *r, 1)) for m, r in zip(model, TRUE, strict=True))
     trainer = comera.CoMERATrainer(model)
-    stage = LateStage(budget, steps=2, floor="one")
-    assert stage.allocate_(model, trainer.optimizer).size <= budget
+    stage = LateStage(budget, steps=2, floor="one", allocation="spectrum")
+    assert LateStage(budget).allocation == "prune"  # the default: the pruning schedule
     trainer.start_late_stage(stage)
+    assert trainer.controller.state_dict()["late"]["allocation"] == "spectrum"
     assert [m.ranks[1:-1] for m in model] == TRUE
     x = torch.randn(16, 64, dtype=F64)
     for _ in range(2):
@@ -169,7 +170,7 @@ def test_from_ratio_allocation_leaves_no_wasted_bond_and_no_rank_one_layer():
     torch.manual_seed(0)
     model = nn.Sequential(TTLinear(64, 256, ranks=8, bias=False), nn.GELU(),
                           TTLinear(256, 64, ranks=8, bias=False))
-    stage = LateStage.from_ratio(model, 4.0, steps=100)
+    stage = LateStage.from_ratio(model, 4.0, steps=100, allocation="spectrum")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RankOneWarning)
         allocation = stage.allocate_(model)

@@ -103,7 +103,8 @@ def test_late_stage_budget_survives_a_checkpoint_round_trip(rounding):
     state = trainer.state_dict()
     again = CoMERATrainer(student)
     again.load_state_dict(state)
-    assert again.late == trainer.late and again._late_start == trainer._late_start
+    assert again.late == trainer.late
+    assert again.controller.late_start == trainer.controller.late_start
 
 
 def test_late_stage_rejects_a_bad_budget():

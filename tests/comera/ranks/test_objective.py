@@ -151,7 +151,7 @@ def test_for_compression_is_a_ratio_against_dense_of_the_layers_named():
     # by type: the TT-matrix layer keeps its size, the TT layer goes to 2080 / 10
     late = LateStage.for_compression(model, 10, of=TTLinear, steps=20, floor="one")
     assert late.target_size == size - tt.num_parameters() + 208
-    assert (late.steps, late.floor, late.allocation) == (20, "one", "spectrum")
+    assert (late.steps, late.floor, late.allocation) == (20, "one", "prune")
     # by name ("1" is the TT-matrix layer), and a parent's name takes the layers under it
     assert LateStage.for_compression(model, 4, of="1").target_size == \
         size - ttm.num_parameters() + 132
