@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TEST_STAMP := $(VENV)/.installed-test-stamp
 SPEC := tt:768x3072:modes=12,8,8|12,16,16:rank=30
 
-.PHONY: run inspect test test-all bench experiments lint clean
+.PHONY: gpu run inspect test test-all bench experiments lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -55,3 +55,10 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# every GPU claim in one command, at most 9 minutes on one CUDA GPU (docs/gpu.md); exits 2 without
+# CUDA. Wheels carried in .whl/ (benchmarks/gpu/wheels.sh) are installed first where present.
+gpu:
+	@if ls .whl/*.whl >/dev/null 2>&1; then $(PYTHON) -m pip install -q --no-index --no-deps \
+		--no-compile --no-cache-dir --upgrade --target .whl/site .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR)/.whl/site:$(CURDIR) $(PYTHON) -m benchmarks.gpu
