@@ -20,11 +20,11 @@ tncomp/__init__.py only re-exports: a docstring, imports, ``__all__`` and ``__ve
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
 from tests.helpers import ROOT
+from tests.helpers.imports import imports, package_modules
 
 PACKAGE = ROOT / "tncomp"
 FACE = {"tncomp", "tncomp.api", "tncomp.inspection", "tncomp.cli"}
@@ -37,14 +37,7 @@ ALLOWED = {  # layer -> the layers it may import
 }
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+MODULES = package_modules("tncomp")
 
 
 def _layer(module: str) -> str:
@@ -58,39 +51,7 @@ def _layer(module: str) -> str:
     raise AssertionError(f"{module} belongs to no layer; add it to the layering test.")
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _imports(path: Path) -> list[tuple[str, bool]]:
-    """Every module ``path`` imports, with whether the import runs when the module is imported
-    (module level, outside ``if TYPE_CHECKING``) or later (inside a function, or typing only)."""
-    found: list[tuple[str, bool]] = []
-
-    def visit(node: ast.AST, eager: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.Import):
-                found.extend((alias.name, eager) for alias in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                assert child.level == 0, f"{path}: use absolute imports"
-                base = child.module or ""
-                found.append((base, eager))
-                for alias in child.names:  # `from tncomp.views import draw` imports a module
-                    if f"{base}.{alias.name}" in MODULES:
-                        found.append((f"{base}.{alias.name}", eager))
-            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) or (
-                    isinstance(child, ast.If) and _is_type_checking(child)):
-                visit(child, False)  # runs later, or never
-            else:
-                visit(child, eager)
-
-    visit(ast.parse(path.read_text(), filename=str(path)), True)
-    return found
-
-
-IMPORTS = {m: _imports(p) for m, p in MODULES.items()}
+IMPORTS = {m: imports(p, MODULES) for m, p in MODULES.items()}
 
 
 def _tncomp_imports(module: str, eager_only: bool = False) -> set[str]:
@@ -186,7 +147,7 @@ def test_the_checker_sees_lazy_and_from_imports(tmp_path):
         "from typing import TYPE_CHECKING\nimport torch\nfrom tncomp.views import draw\n"
         "if TYPE_CHECKING:\n    import numpy\n"
         "def f():\n    from tncomp.api import compile\n")
-    found = _imports(source)
+    found = imports(source, MODULES)
     assert ("torch", True) in found and ("tncomp.views.draw", True) in found
     assert ("numpy", False) in found and ("tncomp.api", False) in found
 
