@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from comera.errors import ConfigError
 from comera.layers.linear import GatedTrain
 from comera.ranks.size import model_size, tt_modules
-from comera.ranks.truncate import rebuild_stacks, round_layer_
+from comera.ranks.truncate import live_cores, rebuild_stacks, round_layer_
 
 log = logging.getLogger("comera.ranks.allocate")
 
@@ -78,18 +78,9 @@ def bond_spectra(layer: GatedTrain, rtol: float = 1e-10) -> tuple[Tensor, ...]:
     largest dropped). Read only: the layer is not changed."""
     if layer.is_removed():
         return tuple(torch.zeros(0, dtype=torch.float64) for _ in layer.gates)
-    masks = layer.gate_masks()
-    live = [None] + [m.nonzero().flatten() for m in masks] + [None]
     with torch.no_grad():
-        cores = []
-        for k, core in enumerate(layer.cores):
-            c = core.detach().double()
-            if live[k] is not None:
-                c = c.index_select(0, live[k])
-            if live[k + 1] is not None:
-                c = c.index_select(c.dim() - 1, live[k + 1]) * layer.gates[k].detach().double()[
-                    live[k + 1]]
-            cores.append(c.reshape(c.shape[0], -1, c.shape[-1]))  # (r_{k-1}, n_k, r_k)
+        cores = [c.reshape(c.shape[0], -1, c.shape[-1])  # (r_{k-1}, n_k, r_k)
+                 for c in live_cores(layer)]
         n = len(cores)
         for k in range(n - 1):  # left to right: QR, so the left part is orthonormal
             r0, m, r1 = cores[k].shape

@@ -145,6 +145,22 @@ def excess_bonds(layer: GatedTrain) -> list[int]:
     return out
 
 
+def live_cores(layer: GatedTrain) -> list[Tensor]:
+    """``layer``'s cores in float64 restricted to the live slices of each bond, each gate folded
+    into the core on its left: the same weight, as plain TT cores (detached)."""
+    live = [None] + [m.nonzero().flatten() for m in layer.gate_masks()] + [None]
+    cores = []
+    for k, core in enumerate(layer.cores):
+        c = core.detach().double()
+        if live[k] is not None:
+            c = c.index_select(0, live[k])
+        if live[k + 1] is not None:
+            c = c.index_select(c.dim() - 1, live[k + 1]) * layer.gates[k].detach().double()[
+                live[k + 1]]
+        cores.append(c)
+    return cores
+
+
 def round_layer_(layer: GatedTrain, optimizer=None, rtol: float = 1e-7) -> bool:
     """TT rounding in place, keeping the stored shapes: the live slices (gates folded in) are
     orthogonalised left to right (QR), then cut right to left (SVD, dropping singular values
@@ -161,16 +177,7 @@ def round_layer_(layer: GatedTrain, optimizer=None, rtol: float = 1e-7) -> bool:
     masks = layer.gate_masks()
     n = len(layer.cores)
     with torch.no_grad():
-        live = [None] + [m.nonzero().flatten() for m in masks] + [None]
-        cores = []
-        for k, core in enumerate(layer.cores):
-            c = core.detach().double()
-            if live[k] is not None:
-                c = c.index_select(0, live[k])
-            if live[k + 1] is not None:
-                c = c.index_select(c.dim() - 1, live[k + 1]) * layer.gates[k].detach().double()[
-                    live[k + 1]]
-            cores.append(c)
+        cores = live_cores(layer)
         before = [float(c.norm()) for c in cores]
         for k in range(n - 1):  # left to right: QR
             shape = cores[k].shape
