@@ -6,6 +6,9 @@ working. Messages say what was expected, what was received, and how to fix it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class ComeraError(Exception):
     """Base class of every error raised by comera."""
@@ -49,3 +52,15 @@ class LookupIndexError(ComeraError, IndexError):
 
 class DataFormatError(ComeraError, ValueError):
     """A data file that does not parse: names the file, the line and the field."""
+
+
+@contextmanager
+def tncomp_errors_as_config() -> Iterator[None]:
+    """Re-raise a bad-setting error from tncomp (an ``IRError`` or ``OptionError``) as
+    :class:`ConfigError` with the same message: the one place comera translates them."""
+    from tncomp.errors import IRError, OptionError
+
+    try:
+        yield
+    except (IRError, OptionError) as exc:
+        raise ConfigError(str(exc)) from None

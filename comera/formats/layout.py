@@ -1,0 +1,137 @@
+"""A format's layout: the indices each core carries, their sizes, and which indices are bonds.
+
+A gated layer computes ``y = x @ W`` where W is a tensor network of cores. The layout is that
+network written once, as index names: ``x`` carries ``inputs`` (after the batch), ``y`` carries
+``outputs``, core k carries ``cores[k]`` (in axis order). ``bonds`` are the indices that carry a
+rank gate, in gate order; any index of the network can be one (a chain's link, a Tucker factor's
+rank, a CP hyperedge, a ring's closing link). Everything comera does with ranks (gates, sizes,
+regularisers, pruning, truncation, checkpoints) reads the layout, never a format's class.
+
+Gate k folds into the first core that carries bond k (:meth:`Layout.carriers`), along that axis.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import tncomp
+from comera.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layer's network: ``y[b, *outputs] = sum x[b, *inputs] * core_1[...] * ... ``."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    cores: tuple[tuple[str, ...], ...]
+    sizes: tuple[tuple[str, int], ...]
+    bonds: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        known = dict(self.sizes)
+        used = {*self.inputs, *self.outputs, *(i for core in self.cores for i in core)}
+        missing = sorted(used - known.keys())
+        if missing:
+            raise ConfigError(f"indices {missing} have no size; give every index a size.")
+        for name, size in self.sizes:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ConfigError(f"index {name!r} has size {size!r}; sizes are ints >= 1.")
+        for bond in self.bonds:
+            if not any(bond in core for core in self.cores):
+                raise ConfigError(f"bond {bond!r} is on no core; a bond is an index the cores "
+                                  f"carry: one of {sorted({i for c in self.cores for i in c})}.")
+            if bond in self.inputs or bond in self.outputs:
+                raise ConfigError(f"bond {bond!r} is a feature index of x or y; a bond is "
+                                  "summed inside the weight (an index only cores carry).")
+        if len(set(self.bonds)) != len(self.bonds):
+            raise ConfigError(f"bonds {self.bonds} name an index twice.")
+        for k, core in enumerate(self.cores):
+            if len(set(core)) != len(core):
+                raise ConfigError(f"core {k} carries {core}: an index twice.")
+
+    # -- sizes ----------------------------------------------------------------------------------
+    def size(self, index: str) -> int:
+        """The size of ``index``."""
+        return dict(self.sizes)[index]
+
+    @property
+    def in_features(self) -> int:
+        return math.prod(self.size(i) for i in self.inputs)
+
+    @property
+    def out_features(self) -> int:
+        return math.prod(self.size(i) for i in self.outputs)
+
+    @property
+    def in_modes(self) -> tuple[int, ...]:
+        return tuple(self.size(i) for i in self.inputs)
+
+    @property
+    def out_modes(self) -> tuple[int, ...]:
+        return tuple(self.size(i) for i in self.outputs)
+
+    @property
+    def core_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(self.size(i) for i in core) for core in self.cores)
+
+    @property
+    def bond_sizes(self) -> tuple[int, ...]:
+        """The stored size of each bond, in gate order."""
+        return tuple(self.size(b) for b in self.bonds)
+
+    def carriers(self, bond: str) -> tuple[tuple[int, int], ...]:
+        """``(core, axis)`` of every core that carries ``bond``; the gate folds into the first."""
+        return tuple((k, core.index(bond)) for k, core in enumerate(self.cores) if bond in core)
+
+    def resized(self, bond_sizes: Mapping[str, int]) -> Layout:
+        """The same layout with the bonds named in ``bond_sizes`` at those sizes."""
+        sizes = tuple((name, int(bond_sizes.get(name, size))) for name, size in self.sizes)
+        return Layout(self.inputs, self.outputs, self.cores, sizes, self.bonds)
+
+    def parameters_at(self, bond_sizes: Sequence[int]) -> int:
+        """Parameters of the cores with bond k at ``bond_sizes[k]`` (other indices as stored)."""
+        at = dict(self.sizes) | dict(zip(self.bonds, bond_sizes, strict=True))
+        return sum(math.prod(at[i] for i in core) for core in self.cores)
+
+    # -- compute --------------------------------------------------------------------------------
+    def equation(self) -> str:
+        """The einsum of ``y = x @ W`` in letters: ``"b<inputs>,<core>,...->b<outputs>"``."""
+        letters = self._letters()
+        term = lambda ix: "".join(letters[i] for i in ix)  # noqa: E731
+        operands = ",".join(["z" + term(self.inputs), *(term(c) for c in self.cores)])
+        return f"{operands}->z{term(self.outputs)}"
+
+    def network(self, batch: str | int = "B") -> tncomp.Network:
+        """The tncomp network of ``y = x @ W``: operands ``x``, ``core1``... and output ``y``."""
+        operands = [("x", ["b", *self.inputs], tncomp.Role.INPUT)]
+        operands += [(f"core{k + 1}", list(core), tncomp.Role.PARAMETER)
+                     for k, core in enumerate(self.cores)]
+        counts = Counter(i for _, ix, _ in operands for i in ix)
+        counts.update(self.outputs)
+        hyper = [i for i, n in counts.items() if n > 2]
+        sizes = {"b": tncomp.Dim(batch) if isinstance(batch, str) else batch, **dict(self.sizes)}
+        return tncomp.make_network(operands, ("y", ["b", *self.outputs]), sizes, hyper)
+
+    def dense(self, cores: Sequence[Tensor]) -> Tensor:
+        """W as an (in_features, out_features) matrix, contracted by ``torch.einsum``."""
+        letters = self._letters()
+        term = lambda ix: "".join(letters[i] for i in ix)  # noqa: E731
+        eq = ",".join(term(c) for c in self.cores) + "->" + term(self.inputs + self.outputs)
+        w = torch.einsum(eq, *cores)
+        return w.reshape(self.in_features, self.out_features)
+
+    def _letters(self) -> dict[str, str]:
+        names = list(dict(self.sizes))
+        pool = [c for c in string.ascii_letters if c != "z"]
+        if len(names) > len(pool):
+            raise ConfigError(f"a layout of {len(names)} indices is more than einsum's "
+                              f"{len(pool)} letters.")
+        return dict(zip(names, pool, strict=False))

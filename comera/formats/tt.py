@@ -1,0 +1,109 @@
+"""The tensor-train formats: TT (2d cores over input then output modes) and TT-matrix.
+
+TT: W (in x out) as 2d cores (r_{k-1}, n_k, r_k) over ``in_modes + out_modes``; TT-matrix: d
+cores (r_{k-1}, m_k, n_k, r_k). The bonds are the chain's interior links r_1 ... r_{n-1}; the ends
+r_0 = r_n = 1 are plain size-1 indices. Initialisation by TT-SVD, exact rounding by QR and SVD
+sweeps (:func:`round_chain`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+import tncomp
+from comera.errors import tncomp_errors_as_config
+from comera.formats.layout import Layout
+from comera.formats.registry import Format, Ranks
+from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm
+
+
+def chain_layout(inputs: tuple[str, ...], outputs: tuple[str, ...],
+                 carried: list[tuple[str, ...]], sizes: dict[str, int],
+                 bonds: tuple[int, ...]) -> Layout:
+    """A chain: core k carries (r{k}, *carried[k], r{k+1}); ``bonds`` has the ends (1s)."""
+    cores = tuple((f"r{k}", *mid, f"r{k + 1}") for k, mid in enumerate(carried))
+    sizes = {**sizes, **{f"r{k}": r for k, r in enumerate(bonds)}}
+    return Layout(inputs, outputs, cores, tuple(sizes.items()),
+                  tuple(f"r{k}" for k in range(1, len(bonds) - 1)))
+
+
+def chain_bonds(layout: Layout) -> tuple[int, ...]:
+    """A chain layout's bond sizes with the ends: (1, r_1, ..., r_{n-1}, 1)."""
+    return (1, *layout.bond_sizes, 1)
+
+
+class TT(Format):
+    """CoMERA's TT format: all input modes, then all output modes, one core each."""
+
+    name, title, exact_decomposition = "tt", "TT", True
+
+    def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
+        modes = tuple(in_modes) + tuple(out_modes)
+        with tncomp_errors_as_config():
+            bonds = tncomp.resolve_ranks(ranks, modes, "ranks")
+        d = len(in_modes)
+        names = [f"i{k + 1}" for k in range(d)] + [f"o{k + 1}" for k in range(len(out_modes))]
+        return chain_layout(tuple(names[:d]), tuple(names[d:]), [(n,) for n in names],
+                            dict(zip(names, modes, strict=True)), bonds)
+
+    def network(self, layout: Layout) -> tncomp.Network:
+        return tncomp.tt_linear(layout.in_modes, layout.out_modes, chain_bonds(layout))
+
+    def decompose(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+        return matrix_to_tt(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
+
+    def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
+        return round_chain(cores)
+
+
+class TTM(Format):
+    """The interleaved TT-matrix format: core k carries input mode k and output mode k."""
+
+    name, title, exact_decomposition = "ttm", "TT-matrix", True
+
+    def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
+        pairs = list(zip(in_modes, out_modes, strict=True))
+        with tncomp_errors_as_config():
+            bonds = tncomp.resolve_ranks(ranks, [m * n for m, n in pairs], "ranks")
+        d = len(pairs)
+        ins = tuple(f"i{k + 1}" for k in range(d))
+        outs = tuple(f"o{k + 1}" for k in range(d))
+        sizes = dict(zip(ins, in_modes, strict=True)) | dict(zip(outs, out_modes, strict=True))
+        return chain_layout(ins, outs, list(zip(ins, outs, strict=True)), sizes, bonds)
+
+    def network(self, layout: Layout) -> tncomp.Network:
+        return tncomp.ttm_linear(layout.in_modes, layout.out_modes, chain_bonds(layout))
+
+    def decompose(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+        return matrix_to_ttm(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
+
+    def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
+        return round_chain(cores)
+
+
+def round_chain(cores: list[Tensor], rtol: float = 1e-7) -> list[Tensor]:
+    """TT rounding of float64 chain cores: QR sweep left to right, then SVD right to left,
+    dropping singular values below ``rtol`` times the largest (numerically zero). The weight is
+    unchanged; every bond ends at most at what its neighbours allow."""
+    cores = list(cores)
+    n = len(cores)
+    for k in range(n - 1):
+        shape = cores[k].shape
+        q, r = torch.linalg.qr(cores[k].reshape(-1, shape[-1]))
+        cores[k] = q.reshape(*shape[:-1], q.shape[1])
+        cores[k + 1] = torch.tensordot(r, cores[k + 1], dims=1)
+    for k in range(n - 1, 0, -1):
+        shape = cores[k].shape
+        u, s, vh = torch.linalg.svd(cores[k].reshape(shape[0], -1), full_matrices=False)
+        keep = max(1, int((s > rtol * s[0]).sum())) if s.numel() else 1
+        cores[k] = vh[:keep].reshape(keep, *shape[1:])
+        cores[k - 1] = torch.tensordot(cores[k - 1], u[:, :keep] * s[:keep], dims=1)
+    return cores
+
+
+def inner_size(layout: Layout, core: int) -> int:
+    """The product of a chain core's middle indices (its modes)."""
+    return math.prod(layout.size(i) for i in layout.cores[core][1:-1])
