@@ -87,6 +87,12 @@ class Layout:
         """The stored size of each bond, in gate order."""
         return tuple(self.size(b) for b in self.bonds)
 
+    @property
+    def internal(self) -> tuple[str, ...]:
+        """The indices summed inside W (on cores only, not on x or y): bonds and fixed links."""
+        feature = {*self.inputs, *self.outputs}
+        return tuple(dict.fromkeys(i for core in self.cores for i in core if i not in feature))
+
     def carriers(self, bond: str) -> tuple[tuple[int, int], ...]:
         """``(core, axis)`` of every core that carries ``bond``; the gate folds into the first."""
         return tuple((k, core.index(bond)) for k, core in enumerate(self.cores) if bond in core)
@@ -100,6 +106,27 @@ class Layout:
         """Parameters of the cores with bond k at ``bond_sizes[k]`` (other indices as stored)."""
         at = dict(self.sizes) | dict(zip(self.bonds, bond_sizes, strict=True))
         return sum(math.prod(at[i] for i in core) for core in self.cores)
+
+    # -- records --------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """Plain lists and ints (what checkpoints and ``save_pretrained`` records store)."""
+        return {"inputs": list(self.inputs), "outputs": list(self.outputs),
+                "cores": [list(c) for c in self.cores], "sizes": [[n, s] for n, s in self.sizes],
+                "bonds": list(self.bonds)}
+
+    @classmethod
+    def from_dict(cls, record: Mapping) -> Layout:
+        """The layout :meth:`to_dict` wrote; a malformed record raises :class:`ConfigError`."""
+        try:
+            return cls(tuple(map(str, record["inputs"])), tuple(map(str, record["outputs"])),
+                       tuple(tuple(map(str, c)) for c in record["cores"]),
+                       tuple((str(n), s) for n, s in record["sizes"]),
+                       tuple(map(str, record["bonds"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"a layout record needs inputs, outputs, cores, sizes and bonds "
+                              f"as lists; got {type(record).__name__} ({exc}).") from None
 
     # -- compute --------------------------------------------------------------------------------
     def equation(self) -> str:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 
-import tncomp
 from torch import Tensor
 
+import tncomp
 from comera.errors import ConfigError
 from comera.formats.layout import Layout
 
