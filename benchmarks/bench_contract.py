@@ -24,9 +24,9 @@ import tncomp
 from benchmarks.lib.harness import (
     markdown_table,
     num_threads,
+    publish,
     ratio_spread,
     spread_text,
-    write_results_to,
 )
 from comera.experiments.results import machine
 
@@ -126,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
                    "rounds": rounds, "inner": inner, "target": TARGET, "results": results}
     markdown = render_markdown(payload)
-    json_path, md_path = write_results_to(args.out, payload, markdown)
-    print(markdown)
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    return publish(args.out, payload, markdown)
 
 
 if __name__ == "__main__":

@@ -48,10 +48,11 @@ from benchmarks.lib.harness import (
     interleaved_times,
     markdown_table,
     measure_step_memory,
+    publish,
     ratio,
     ratio_spread,
     spread_text,
-    write_results_to,
+    start_run,
 )
 from comera.data.criteo import SyntheticCriteo
 from comera.errors import ConfigError
@@ -410,11 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="results name under benchmarks/results/ or a path stem (default "
                              "dlrm_step_cpu, or dlrm_step_rows<N>_cpu with --max-rows N)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads {args.threads}; give at least 1")
-        torch.set_num_threads(args.threads)
+    start_run(parser, args.threads)
     if args.smoke:
         args.batch, args.repeats, args.warmup = 64, 1, 1
         args.max_rows = args.max_rows or 2000
@@ -429,10 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     markdown = render_markdown(payload)
     out = args.out or ("dlrm_step_cpu" if args.max_rows is None
                        else f"dlrm_step_rows{args.max_rows}_cpu")
-    json_path, md_path = write_results_to(out, payload, markdown)
-    print(markdown)
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    return publish(out, payload, markdown)
 
 
 if __name__ == "__main__":

@@ -45,10 +45,10 @@ from benchmarks.lib.harness import (
     markdown_table,
     num_threads,
     peak_allocated_bytes,
+    publish,
     ratio_spread,
     spread_text,
     unpooled,
-    write_results_to,
 )
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo, zipf_ranks
 from comera.experiments.results import machine
@@ -195,10 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "range of the per-round ratios of interleaved repeats",
                    "result": result}
     markdown = render_markdown(payload)
-    json_path, md_path = write_results_to(args.out, payload, markdown)
-    print(markdown)
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    return publish(args.out, payload, markdown)
 
 
 if __name__ == "__main__":

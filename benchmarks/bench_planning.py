@@ -23,7 +23,7 @@ import time
 import torch
 
 import tncomp
-from benchmarks.lib.harness import markdown_table, run_fresh, write_results_to
+from benchmarks.lib.harness import markdown_table, publish, run_fresh
 from comera.experiments.results import machine
 
 KINDS = ("tt_linear", "ttm_linear")
@@ -110,10 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
                "batch": BATCH, "mode_size": MODE, "rank": RANK, "results": results}
     markdown = render_markdown(payload)
-    json_path, md_path = write_results_to(args.out, payload, markdown)
-    print(markdown)
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    return publish(args.out, payload, markdown)
 
 
 if __name__ == "__main__":

@@ -32,9 +32,9 @@ import comera
 from benchmarks.lib.harness import (
     interleaved_times,
     markdown_table,
+    publish,
     ratio_spread,
     spread_text,
-    write_results_to,
 )
 from comera.experiments.results import machine
 
@@ -168,9 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     payload = {"benchmark": "stack", "backend": backend, "machine": machine(),
                "fresh_caches": not args.warm_caches, "cases": cases}
     name = args.out or ("stack_cpu_quick" if args.quick else "stack_cpu")
-    json_path, md_path = write_results_to(name, payload, render(payload))
-    print(render(payload))
-    print(f"wrote {json_path} and {md_path}")
+    publish(name, payload, render(payload))
     return payload
 
 

@@ -51,11 +51,12 @@ from benchmarks.lib.harness import (
     interleaved_times,
     markdown_table,
     measure_step_memory,
+    publish,
     ratio,
     ratio_spread,
     run_fresh,
     spread_text,
-    write_results_to,
+    start_run,
 )
 from benchmarks.lib.memory import MEMORY_MODES, check_memory_mode, peak_rss_of, set_memory_mode_
 from benchmarks.lib.model_baselines import (
@@ -607,11 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="results name under benchmarks/results/ or a path stem "
                              "(default transformer_cpu, or transformer_small_cpu with --small)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads {args.threads}; give at least 1")
-        torch.set_num_threads(args.threads)
+    start_run(parser, args.threads)
     if args.smoke:
         args.batch, args.repeats, args.warmup, args.late_compression = [1], 1, 1, 60.0
         args.variants = [v for v in args.variants if v != "galore"]
@@ -637,10 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     markdown = render_markdown(payload)
     out = args.out or ("transformer_smoke_cpu" if args.smoke else "transformer_small_cpu"
                        if args.small else "transformer_cpu")
-    json_path, md_path = write_results_to(out, payload, markdown)
-    print(markdown)
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    return publish(out, payload, markdown)
 
 
 if __name__ == "__main__":

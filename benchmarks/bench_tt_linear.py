@@ -40,9 +40,9 @@ from benchmarks.lib.harness import (
     interleaved_times,
     markdown_table,
     peak_allocated_bytes,
+    publish,
     ratio_spread,
     spread_text,
-    write_results_to,
 )
 from comera.experiments.results import machine
 from tncomp.runtime.calibrate import calibrate
@@ -248,11 +248,7 @@ def main(argv=None) -> int:
         "note_spread": "spread: the ratio of medians, and the quartiles (q1, q3) and range of "
                        "the per-round ratios of interleaved repeats",
         "results": results, "dispatch_overhead": overhead}
-    json_path, md_path = write_results_to(args.out or f"tt_linear_{args.device}", payload,
-                                          render_markdown(payload))
-    print(render_markdown(payload))
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    return publish(args.out or f"tt_linear_{args.device}", payload, render_markdown(payload))
 
 
 def render_markdown(payload: dict) -> str:

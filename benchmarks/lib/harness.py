@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import statistics
@@ -195,18 +196,24 @@ def num_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def start_run(parser, threads: int | None) -> None:
+    """What a model benchmark does before it measures: timestamped logging, and ``--threads``
+    (checked: at least 1) handed to torch."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if threads is not None:
+        if threads < 1:
+            parser.error(f"--threads {threads}; give at least 1")
+        torch.set_num_threads(threads)
+
+
 def ratio(num: float, den: float) -> float:
     """``num / den``, or infinity when ``den`` is not positive (a ratio against nothing)."""
     return num / den if den > 0 else math.inf
 
 
 def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    json_path = RESULTS / f"{name}.json"
-    md_path = RESULTS / f"{name}.md"
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    md_path.write_text(markdown + "\n")
-    return json_path, md_path
+    """``payload`` as JSON and ``markdown`` under benchmarks/results/ as ``name``.{json,md}."""
+    return write_results_to(str(RESULTS / name), payload, markdown)
 
 
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
@@ -216,17 +223,24 @@ def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
 
 
 def write_results_to(out: str, payload: dict, markdown: str) -> tuple[Path, Path]:
-    """A bare name goes to benchmarks/results/ (:func:`write_results`); a path (with or
-    without ``.json``) is written in the same format next to where it points."""
-    if "/" not in out and not out.endswith(".json"):
-        return write_results(out, payload, markdown)
-    base = Path(out)
+    """A bare name goes to benchmarks/results/; a path (with or without ``.json``) is written
+    in the same format next to where it points."""
+    base = RESULTS / out if "/" not in out and not out.endswith(".json") else Path(out)
     base = base.with_suffix("") if base.suffix == ".json" else base
     base.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     md_path.write_text(markdown + "\n")
     return json_path, md_path
+
+
+def publish(out: str, payload: dict, markdown: str) -> int:
+    """Every benchmark's ending: write the results (:func:`write_results_to`), print the table
+    and where it went. Returns the exit status, 0."""
+    json_path, md_path = write_results_to(out, payload, markdown)
+    print(markdown)
+    print(f"wrote {json_path} and {md_path}")
+    return 0
 
 
 def run_fresh(module: str, args: list[str]) -> dict:
