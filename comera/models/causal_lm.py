@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from comera.errors import ConfigError
 from comera.layers.linear import DEFAULT_TAU, TTLinear
 from comera.layers.lowrank import LowRankLinear
+from comera.models.transformer import check_token_ids
 
 LINEAR_KINDS = ("dense", "tt", "lowrank")
 EMBEDDING_STD = 0.02  # GPT-2's initializer_range
@@ -130,12 +131,7 @@ class CausalLM(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         """Logits (b, s, V) of token ids (b, s): row t predicts token t + 1."""
-        if ids.dim() != 2:
-            raise ConfigError(f"ids has shape {tuple(ids.shape)}; expected (batch, seq_len).")
-        s = ids.shape[1]
-        if s > self.cfg.max_len:
-            raise ConfigError(f"sequence length {s} exceeds max_len={self.cfg.max_len}; "
-                              "truncate the inputs or raise max_len.")
+        s = check_token_ids(ids, self.cfg.max_len)
         pos = torch.arange(s, device=ids.device)
         x = self.drop(self.tokens(ids) + self.positions(pos)[None])  # (b, s, d)
         for block in self.blocks:

@@ -26,7 +26,13 @@ from comera.formats.factorize import suggest_padded_size
 from comera.layers.embedding import TTEmbedding
 from comera.layers.linear import TTLinear
 from comera.lean.dropout import BoolMaskDropout
-from comera.models.transformer import EncoderBlock, TransformerConfig, linear, run_blocks
+from comera.models.transformer import (
+    EncoderBlock,
+    TransformerConfig,
+    check_token_ids,
+    linear,
+    run_blocks,
+)
 
 IGNORE_INDEX = -100
 EMBEDDING_STD = 0.02  # BERT's initializer_range
@@ -85,12 +91,7 @@ class MaskedLM(nn.Module):
 
     def encode(self, ids: Tensor) -> Tensor:
         """Hidden states (b, s, d) of token ids (b, s); ``pad_id`` positions are not attended."""
-        if ids.dim() != 2:
-            raise ConfigError(f"ids has shape {tuple(ids.shape)}; expected (batch, seq_len).")
-        s = ids.shape[1]
-        if s > self.cfg.max_len:
-            raise ConfigError(f"sequence length {s} exceeds max_len={self.cfg.max_len}; "
-                              "truncate the inputs or raise max_len.")
+        s = check_token_ids(ids, self.cfg.max_len)
         pos = torch.arange(s, device=ids.device)
         x = self.tokens(ids) + self.positions(pos)[None]  # (b, s, d)
         x = self.drop(self.ln(x))

@@ -31,6 +31,18 @@ from comera.lean.dropout import BoolMaskDropout
 from comera.lean.sdpa import scaled_dot_product_attention
 
 
+def check_token_ids(ids: Tensor, max_len: int) -> int:
+    """The sequence length of token ids shaped (batch, seq_len) of at most ``max_len``, else a
+    :class:`ConfigError` naming the shape and the fix (every model of this package reads ids so)."""
+    if ids.dim() != 2:
+        raise ConfigError(f"ids has shape {tuple(ids.shape)}; expected (batch, seq_len).")
+    s = ids.shape[1]
+    if s > max_len:
+        raise ConfigError(f"sequence length {s} exceeds max_len={max_len}; "
+                          "truncate the inputs or raise max_len.")
+    return s
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     """Sizes and TT settings. ``tt=False`` builds the dense baseline of the same model."""
@@ -173,10 +185,7 @@ class PairClassifier(nn.Module):
         self.pad_id = pad_id
 
     def forward(self, ids: Tensor, segments: Tensor | None = None) -> Tensor:
-        s = ids.shape[1]
-        if s > self.cfg.max_len:
-            raise ConfigError(f"sequence length {s} exceeds max_len={self.cfg.max_len}; "
-                              "truncate the inputs or raise max_len.")
+        s = check_token_ids(ids, self.cfg.max_len)
         pos = torch.arange(s, device=ids.device)
         seg = segments if segments is not None else torch.zeros_like(ids)
         x = self.tokens(ids) + self.positions(pos)[None] + self.segments(seg)  # (b, s, d)
