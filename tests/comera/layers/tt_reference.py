@@ -52,7 +52,17 @@ def _record(out, prefix, model):
 
 
 def compute() -> dict[str, torch.Tensor]:
-    """Every tensor of the reference run (see the module docstring)."""
+    """Every tensor of the reference run (see the module docstring), on one thread (a matmul's
+    blocking, and so its bits, follows the thread count; other tests change it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _compute()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compute() -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     torch.manual_seed(0)
     model = Net()
