@@ -126,7 +126,7 @@ def _compute() -> dict[str, torch.Tensor]:
     for name, layer in comera.tt_modules(model):
         for k, s in enumerate(bond_spectra(layer)):
             out[f"spectrum.{name}.{k}"] = s.clone()
-        out[f"excess.{name}"] = torch.tensor(truncate.excess_bonds(layer) + [-1])
+        out[f"excess.{name}"] = torch.tensor([*truncate.excess_bonds(layer), -1])
     truncate.round_(model, only_excess=False)
     _record(out, "rounded", model)
     allocation = allocate_(model, 0.8 * comera.model_size(model))
