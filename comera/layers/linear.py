@@ -125,8 +125,7 @@ class GatedTrain(nn.Module):
             raise ConfigError(f"layout={layout!r}; a gated layer takes a comera Layout (from "
                               "a format's layout(...) or Layout.from_dict).")
         self._layout = layout
-        # gate k scales axis ``axis`` of core ``core``: the first core that carries bond k
-        self._folds = tuple(layout.carriers(bond)[0] for bond in layout.bonds)
+        self._adopt_structure_()
         factory = {"dtype": dtype, "device": device}
         self.cores = nn.ParameterList(
             [nn.Parameter(torch.empty(shape, **factory)) for shape in layout.core_shapes])
@@ -173,13 +172,21 @@ class GatedTrain(nn.Module):
             self._layout = layout
         return self._layout
 
+    def _adopt_structure_(self) -> None:
+        """Read what never changes from the layout: gate k scales axis ``axis`` of core
+        ``core`` (the first core that carries bond k), and the feature modes."""
+        self._folds = tuple(self._layout.carriers(bond)[0] for bond in self._layout.bonds)
+        self._modes = (self._layout.in_modes, self._layout.out_modes)
+
     @property
     def in_modes(self) -> tuple[int, ...]:
-        return self._layout.in_modes
+        """The sizes of x's feature indices (``x`` is reshaped to ``(B, *in_modes)``)."""
+        return self._modes[0]
 
     @property
     def out_modes(self) -> tuple[int, ...]:
-        return self._layout.out_modes
+        """The sizes of y's feature indices."""
+        return self._modes[1]
 
     @property
     def bond_sizes(self) -> tuple[int, ...]:
@@ -352,7 +359,7 @@ class GatedTrain(nn.Module):
         sizes = [int(c.shape[-1]) for c in self.cores][:-1]
         self._layout = layout.resized(dict(zip(layout.bonds, sizes, strict=True)))
         self.format = fmt
-        self._folds = tuple(self._layout.carriers(b)[0] for b in self._layout.bonds)
+        self._adopt_structure_()
 
     def __getstate__(self):  # compiled plans hold generated code: rebuild after unpickling
         state = self.__dict__.copy()

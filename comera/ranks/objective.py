@@ -107,7 +107,8 @@ class LateStage:
     ``rounding``: pruning rounds away the slices a pruned neighbour leaves useless (see the
     module docstring); False prunes slices alone, as before.
     ``allocation``: ``"prune"`` (default) shrinks along the step budget's schedule by saliency
-    pruning; ``"spectrum"`` fixes the shape when the stage starts
+    pruning (every format); ``"spectrum"`` (tensor-train chains only) fixes the shape when the
+    stage starts
     (:meth:`allocate_`: the budget spent on the slices of most singular-value energy per
     parameter, across all layers, from ``floor``'s allocation up; :mod:`comera.ranks.allocate`),
     so the stage trains its final shape throughout.
