@@ -68,7 +68,8 @@ def test_slice_costs_and_the_size_weighted_regulariser():
                                              2 * 3 * 2 + 2 * 2 * 2 * 3)
     reg = objective.rank_regularizer(nn.Sequential(layer), "size_weighted")
     costs = layout.slice_costs((3, 2, 3))
-    expected = sum(c * float(g.detach().abs().sum()) for c, g in zip(costs, layer.gates, strict=True))
+    gates = [float(g.detach().abs().sum()) for g in layer.gates]
+    expected = sum(c * g for c, g in zip(costs, gates, strict=True))
     expected /= sum(c * g.numel() for c, g in zip(costs, layer.gates, strict=True))
     assert float(reg) == pytest.approx(expected, rel=1e-12)
 
@@ -179,3 +180,39 @@ def test_floor_size_counts_every_bond_at_min_rank():
     want = (toy.layout.parameters_at((1, 1, 1)) + 6 + tt.layout.parameters_at((1, 1, 1)) + 6
             + other)
     assert objective.floor_size(model, 1) == want
+
+
+def test_a_non_chain_format_with_an_exact_rounding_rounds_in_place():
+    from tests.comera.layers.toy_formats import TWO
+
+    torch.manual_seed(0)
+    layer = GatedLinear(3, 4, TWO, ranks=5, dtype=F64)
+    assert layer.bonds == (5,) and layer.ranks == (5,)  # not a chain: no ends
+    assert excess_bonds(layer) == [0]  # r = 5 > min(3, 4)
+    assert objective.rounded_ranks(layer) == (3,)
+    x = torch.randn(2, 3, dtype=F64)
+    opt = torch.optim.Adam(layer.parameters())
+    layer(x).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        y = layer(x)
+        assert round_layer_(layer, opt)
+        torch.testing.assert_close(layer(x), y, rtol=1e-10, atol=1e-12)
+    assert layer.bond_ranks == (3,) and layer.gates[0].tolist() == [1, 1, 1, 0, 0]
+    assert float(opt.state[layer.cores[0]]["exp_avg"].abs().sum()) == 0.0
+    comera.truncate_(layer)
+    assert layer.bond_sizes == (3,)
+    torch.testing.assert_close(layer(x), y, rtol=1e-10, atol=1e-12)
+
+
+def test_from_linear_by_a_format_decomposition_shrinks_the_bond_to_what_it_found():
+    from tests.comera.layers.toy_formats import TWO
+
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 4, dtype=F64)
+    layer = GatedLinear.from_linear(linear, TWO, ranks=8)
+    assert layer.bond_sizes == (3,) and layer.gates[0].numel() == 3
+    torch.testing.assert_close(layer.to_dense(), linear.weight, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(layer.bias, linear.bias)
+    with pytest.raises(ConfigError, match="uses no modes"):
+        GatedLinear(3, 4, TWO, in_modes=(3,))
