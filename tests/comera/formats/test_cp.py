@@ -118,3 +118,17 @@ def test_decompose_fits_the_layout_and_keeps_dtype():
     start = cp_to_tensor(cp_als(w.double().reshape(2, 3, 3, 2), 4, 0)).reshape(6, 6)
     assert relative_error(layout.dense(cores).double(), w.double()) < relative_error(start,
                                                                                    w.double())
+
+
+def test_als_is_the_same_whichever_matrix_it_reads():
+    """The halves only change how the products are grouped, not the sweep's updates."""
+    t = torch.randn(3, 4, 2, 5, dtype=F64, generator=torch.Generator().manual_seed(4))
+    ones, threes = cp_als(t, 3, 3, split=1), cp_als(t, 3, 3, split=3)
+    for a, b in zip(ones, threes, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("split", [0, 4])
+def test_als_split_out_of_range(split):
+    with pytest.raises(ConfigError, match=f"split={split}"):
+        cp_als(torch.randn(2, 3, 2, 2, dtype=F64), 2, 1, split=split)
