@@ -7,11 +7,14 @@ and ``torch.einsum(layout.equation(), x, *cores)``, with gradients that pass ``g
 
 from __future__ import annotations
 
+import opt_einsum
 import torch
 
 import tncomp
 from comera.formats.layout import Layout
 from comera.formats.registry import Format
+from tests.helpers.tn import einsum_eq
+from tncomp.compiler.ir import bind_dims
 
 F64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-11}
@@ -56,3 +59,14 @@ def check_gradients(fmt: Format, layout: Layout, batch: int = 2) -> None:
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+def plan_flops_over_optimal(fmt: Format, layout: Layout, batch: int) -> float:
+    """The forward FLOPs of tncomp's plan over opt_einsum's fewest (its exact dynamic
+    programming search), at ``batch``."""
+    net = fmt.network(layout)
+    sizes = bind_dims(net, batch)
+    shapes = [tuple(sizes[i] for i in t.indices) for t in net.operands]
+    _, info = opt_einsum.contract_path(einsum_eq(net), *shapes, shapes=True, optimize="dp")
+    plan = tncomp.compile(net, disk_cache=False).plan_for(sizes, (True,) * len(net.operands))
+    return plan.forward_flops / float(info.opt_cost)
