@@ -12,6 +12,7 @@ from torch.func import functional_call
 
 import comera
 from comera.layers.linear import GatedLinear
+from comera.ranks.objective import prune_to_
 from comera.ranks.truncate import excess_bonds, round_
 
 F64 = torch.float64
@@ -206,3 +207,32 @@ def test_round_leaves_cp_alone(one_thread):
     round_(layer, only_excess=False)
     for k, v in layer.state_dict().items():
         torch.testing.assert_close(v, state[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sizes_and_soft_size_follow_the_layout(fmt, one_thread):
+    """model_size counts the cores at the effective ranks; soft_size, at gates of ones, is the
+    same count (the layout's one size formula)."""
+    layer = _layer(fmt)
+    with torch.no_grad():
+        for g in layer.gates:
+            g.fill_(1.0)
+        layer.gates[0][0] = 0.0
+    cores = layer.layout.parameters_at(layer.bond_ranks)
+    assert comera.model_size(layer) == cores + 12
+    torch.testing.assert_close(comera.soft_size(layer).double(),
+                               torch.tensor(float(cores), dtype=F64))
+    assert comera.compression_ratio(layer) == pytest.approx((72 + 12) / (cores + 12))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_saliency_pruning_lands_under_a_size_limit(fmt, one_thread):
+    layer = _layer(fmt, ranks=12)
+    limit = comera.model_size(layer) * 0.6
+    x = torch.randn(4, 6, dtype=F64)
+    before = _dense_out(layer, x).detach()
+    pruned = prune_to_(layer, limit)
+    assert pruned and comera.model_size(layer) <= limit
+    comera.truncate_(layer)
+    assert layer.layout.parameters_at(layer.bond_sizes) + 12 <= limit
+    assert not torch.equal(layer(x), before)  # slices were really cut
