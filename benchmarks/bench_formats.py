@@ -1,10 +1,10 @@
 """Every registered weight format at one budget: a 768x3072 layer with about 50x fewer parameters.
 
 For each format of :func:`comera.formats.registry.format_names` the largest uniform rank whose
-cores fit ``768 * 3072 / 50`` parameters is chosen; its compiled network (tncomp, the format's
-own :meth:`~comera.formats.registry.Format.network`) and a dense ``nn.Linear`` run forward +
-backward side by side in one process, timed round-robin (median of repeats after warm-up, with
-the spread of the per-round ratios against dense), at B=4096 and B=128. Reports parameters,
+cores fit ``768 * 3072 / 50`` parameters is chosen; its ``GatedLinear`` (gates folded in, no
+bias) and a dense ``nn.Linear`` (no bias) run forward + backward side by side in one process,
+timed round-robin (median of repeats after warm-up, with the spread of the per-round ratios
+against dense), at B=4096 and B=128. Reports parameters,
 ranks, the plan's FLOPs, time, and measured peak memory. Writes
 benchmarks/results/formats_cpu.{json,md}.
 
@@ -16,6 +16,7 @@ benchmarks/results/formats_cpu.{json,md}.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 
@@ -34,6 +35,7 @@ from benchmarks.lib.harness import (
 from comera.experiments.results import machine
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, format_names, get_format
+from comera.layers.linear import GatedLinear
 
 IN_MODES, OUT_MODES = (12, 8, 8), (12, 16, 16)  # 768 x 3072, as in bench_tt_linear
 COMPRESSION = 50
@@ -69,25 +71,27 @@ def run_batch(batch: int, repeats: int, warmup: int) -> list[dict]:
     dense = dense_linear(n_in, n_out)
     methods = {"dense": lambda: dense.run(x, dy)}
     memory_fns = dict(methods)
-    info = {"dense": {"params": n_in * n_out, "ranks": None, "plan_flops": 3 * 2 * batch
+    info = {"dense": {"params": n_in * n_out, "gates": 0, "ranks": None, "plan_flops": 3 * 2 * batch
                       * n_in * n_out, "tree": "x @ W"}}
     for name in format_names():
         fmt = get_format(name)
         layout = layout_at_budget(fmt, budget)
-        net = fmt.network(layout)
-        compiled = tncomp.compile(net, disk_cache=False)
-        unpooled = tncomp.compile(net, disk_cache=False, pool_buffers=False)
-        cores = [(torch.randn(s) * 0.1).requires_grad_() for s in layout.core_shapes]
-        xm = x.detach().view(batch, *layout.in_modes).requires_grad_()
-        dym = dy.view(batch, *layout.out_modes)
-        methods[name] = lambda c=compiled, xm=xm, cores=cores, dym=dym: c(xm, *cores).backward(
-            dym)
-        memory_fns[name] = lambda c=unpooled, xm=xm, cores=cores, dym=dym: c(
-            xm, *cores).backward(dym)
+        modes = {"in_modes": layout.in_modes, "out_modes": layout.out_modes} \
+            if fmt.uses_modes else {}
+        rank = max(layout.bond_sizes)  # the uniform int rank (capped per bond as chosen)
+        layer = GatedLinear(n_in, n_out, format=name, ranks=rank, bias=False, **modes)
+        assert layer.layout == layout, (layer.layout, layout)
+        unpooled = copy.deepcopy(layer)
+        unpooled.compile_options["pool_buffers"] = False
+        unpooled.build_compiled()
+        methods[name] = lambda m=layer: m(x).backward(dy)
+        memory_fns[name] = lambda m=unpooled: m(x).backward(dy)
+        net = layer.compiled().network
         sizes = {**{i: s for i, s in net.sizes if isinstance(s, int)}, "b": batch}
-        plan = compiled.plan_for(sizes, (True,) * len(net.operands))
+        plan = layer.compiled().plan_for(sizes, (True,) * len(net.operands))
         info[name] = {"params": layout.parameters_at(layout.bond_sizes),
-                      "ranks": list(layout.bond_sizes), "title": fmt.title,
+                      "gates": sum(layout.bond_sizes), "ranks": list(layout.bond_sizes),
+                      "title": fmt.title,
                       "plan_flops": plan.forward_flops + plan.backward_flops,
                       "tree": tncomp.describe_tree(net, plan.tree)}
     times = interleaved_times(methods, repeats, warmup)
@@ -131,6 +135,7 @@ def main(argv=None) -> int:
                "note_spread": "vs_dense: dense time over the format's (above 1: faster than "
                               "dense), with the quartiles and range of the per-round ratios",
                "note_peak": "peak bytes allocated during one fwd+bwd (tncomp unpooled)",
+               "note_params": "core parameters (gates, one per bond slice, not counted)",
                "results": results}
     json_path, md_path = write_results_to(args.out or "formats_cpu", payload,
                                           render_markdown(payload))
