@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.nn import functional as F
 
 import comera
 from comera.layers.linear import GatedLinear
@@ -236,3 +237,29 @@ def test_saliency_pruning_lands_under_a_size_limit(fmt, one_thread):
     comera.truncate_(layer)
     assert layer.layout.parameters_at(layer.bond_sizes) + 12 <= limit
     assert not torch.equal(layer(x), before)  # slices were really cut
+
+
+@pytest.mark.parametrize(("fmt", "ranks"), [("tucker", 4), ("cp", 12), ("lowrank", 16)])
+def test_an_early_and_a_late_stage_land_the_target(fmt, ranks, one_thread):
+    """CoMERATrainer's early stage, then a late stage to half the size: the layer lands at or
+    below the target, within one rank slice of it, and still computes (not removed)."""
+    torch.manual_seed(0)
+    modes = {} if fmt == "lowrank" else {"in_modes": (4, 4, 4), "out_modes": (4, 4, 4)}
+    teacher = nn.Linear(64, 64, bias=False, dtype=F64).requires_grad_(False)
+    layer = GatedLinear(64, 64, format=fmt, ranks=ranks, bias=False, dtype=F64, **modes)
+    student = nn.Sequential(layer)
+    trainer = comera.CoMERATrainer(student)
+    most = max(layer.layout.slice_costs(layer.bond_sizes))
+
+    def train(steps):
+        for _ in range(steps):
+            x = torch.randn(32, 64, dtype=F64)
+            stats = trainer.step(F.mse_loss(student(x), teacher(x)))
+        return stats
+
+    train(5)
+    late = comera.LateStage.from_ratio(student, 2.0, steps=20)
+    trainer.start_late_stage(late)
+    stats = train(20)
+    assert late.target_size - most < stats.size <= late.target_size
+    assert comera.model_size(student) == stats.size and not layer.is_removed()
