@@ -67,6 +67,12 @@ def test_compiled_matches_dense_and_einsum(one_thread):
     check_compiled_matches_einsum(FMT, FMT.layout((4,), (2, 3), 3), batch=5)
 
 
+@pytest.mark.parametrize(("in_modes", "out_modes", "ranks"), [
+    ((6,), (4,), 3), ((2, 2, 2), (2, 2, 2), 2), ((3,), (2, 2), 2)])
+def test_compiled_matches_at_one_and_three_modes(in_modes, out_modes, ranks, one_thread):
+    check_compiled_matches_einsum(FMT, FMT.layout(in_modes, out_modes, ranks))
+
+
 def test_gradcheck_and_gradgradcheck(one_thread):
     check_gradients(FMT, FMT.layout((2, 2), (3,), 3))
 
