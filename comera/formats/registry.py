@@ -62,6 +62,9 @@ class Format:
 BUILTIN: tuple[str, ...] = (
     "comera.formats.tt:TT",
     "comera.formats.tt:TTM",
+    "comera.formats.tucker:Tucker",
+    "comera.formats.cp:CP",
+    "comera.formats.lowrank:LowRank",
 )
 
 FORMATS: dict[str, Format] = {}

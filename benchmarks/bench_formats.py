@@ -1,0 +1,172 @@
+"""Every registered weight format at one budget: a 768x3072 layer with about 50x fewer parameters.
+
+For each format of :func:`comera.formats.registry.format_names` the largest uniform rank whose
+cores fit ``768 * 3072 / 50`` parameters is chosen; its ``GatedLinear`` (gates folded in, no
+bias) and a dense ``nn.Linear`` (no bias) run forward + backward side by side in one process,
+timed round-robin (median of repeats after warm-up, with the spread of the per-round ratios
+against dense), at B=4096 and B=128. Reports parameters,
+ranks, the plan's FLOPs, time, and measured peak memory. Writes
+benchmarks/results/formats_cpu.{json,md}.
+
+    python -m benchmarks.bench_formats            # full
+    python -m benchmarks.bench_formats --quick    # fewer repeats
+    python -m benchmarks.bench_formats --smoke --out /tmp/formats   # B=128, one repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+
+import torch
+
+import tncomp
+from benchmarks.lib.baselines import dense_linear
+from benchmarks.lib.harness import (
+    interleaved_times,
+    markdown_table,
+    peak_allocated_bytes,
+    ratio_spread,
+    spread_text,
+    write_results_to,
+)
+from comera.experiments.results import machine
+from comera.formats.layout import Layout
+from comera.formats.registry import Format, format_names, get_format
+from comera.layers.linear import GatedLinear
+
+IN_MODES, OUT_MODES = (12, 8, 8), (12, 16, 16)  # 768 x 3072, as in bench_tt_linear
+COMPRESSION = 50
+BATCHES = (4096, 128)
+
+
+def layout_at_budget(fmt: Format, budget: int) -> Layout:
+    """The format's layout at the largest uniform int rank whose cores fit ``budget``
+    parameters (the parameter count grows with the rank, so a bisection finds it)."""
+    in_modes = IN_MODES if fmt.uses_modes else (768,)
+    out_modes = OUT_MODES if fmt.uses_modes else (3072,)
+
+    def params(rank: int) -> int:
+        layout = fmt.layout(in_modes, out_modes, rank)
+        return layout.parameters_at(layout.bond_sizes)
+
+    low, high = 1, 3072
+    if params(low) > budget:
+        raise SystemExit(f"format {fmt.name!r}: even rank 1 is above {budget} parameters")
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if params(mid) <= budget else (low, mid - 1)
+    return fmt.layout(in_modes, out_modes, low)
+
+
+def run_batch(batch: int, repeats: int, warmup: int) -> list[dict]:
+    """One row per format (and dense) at ``batch``, all timed in one interleaved loop."""
+    torch.manual_seed(0)
+    n_in, n_out = 768, 3072
+    budget = n_in * n_out // COMPRESSION
+    x = torch.randn(batch, n_in, requires_grad=True)
+    dy = torch.randn(batch, n_out)
+    dense = dense_linear(n_in, n_out)
+    methods = {"dense": lambda: dense.run(x, dy)}
+    memory_fns = dict(methods)
+    info = {"dense": {"params": n_in * n_out, "gates": 0, "ranks": None, "plan_flops": 3 * 2 * batch
+                      * n_in * n_out, "tree": "x @ W"}}
+    for name in format_names():
+        fmt = get_format(name)
+        layout = layout_at_budget(fmt, budget)
+        modes = {"in_modes": layout.in_modes, "out_modes": layout.out_modes} \
+            if fmt.uses_modes else {}
+        rank = max(layout.bond_sizes)  # the uniform int rank (capped per bond as chosen)
+        layer = GatedLinear(n_in, n_out, format=name, ranks=rank, bias=False, **modes)
+        assert layer.layout == layout, (layer.layout, layout)
+        unpooled = copy.deepcopy(layer)
+        unpooled.compile_options["pool_buffers"] = False
+        unpooled.build_compiled()
+        methods[name] = lambda m=layer: m(x).backward(dy)
+        memory_fns[name] = lambda m=unpooled: m(x).backward(dy)
+        net = layer.compiled().network
+        sizes = {**{i: s for i, s in net.sizes if isinstance(s, int)}, "b": batch}
+        plan = layer.compiled().plan_for(sizes, (True,) * len(net.operands))
+        info[name] = {"params": layout.parameters_at(layout.bond_sizes),
+                      "gates": sum(layout.bond_sizes), "ranks": list(layout.bond_sizes),
+                      "title": fmt.title,
+                      "plan_flops": plan.forward_flops + plan.backward_flops,
+                      "tree": tncomp.describe_tree(net, plan.tree)}
+    times = interleaved_times(methods, repeats, warmup)
+    peaks = {name: peak_allocated_bytes(fn) for name, fn in memory_fns.items()}
+    rows = []
+    for name, ts in times.items():
+        rows.append({"format": name, "batch": batch, **info[name],
+                     "compression": n_in * n_out / info[name]["params"],
+                     "ms": statistics.median(ts) * 1e3, "peak_mb": peaks[name] / 2**20,
+                     "vs_dense": ratio_spread(times["dense"], ts)})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--smoke", action="store_true",
+                        help="B=128 only, one repeat: checks the script, measures nothing")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--out", default=None,
+                        help="results name under benchmarks/results/ or a path stem "
+                             "(default formats_cpu)")
+    args = parser.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}; give at least 1")
+    batches = BATCHES[1:] if args.smoke else BATCHES
+    results = []
+    for batch in batches:
+        repeats = args.repeats or (1 if args.smoke else 3 if args.quick
+                                   else 9 if batch > 1000 else 25)
+        rows = run_batch(batch, repeats, warmup=1 if args.smoke or args.quick else 3)
+        results += rows
+        for r in rows:
+            print(f"B={batch} {r['format']:>8}: {r['params']:>8} params "
+                  f"({r['compression']:.1f}x), {r['ms']:.2f} ms "
+                  f"({spread_text(r['vs_dense'])} dense), peak {r['peak_mb']:.1f} MiB")
+    payload = {"machine": machine(), "device": "CPU",
+               "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
+               "layer": {"in_features": 768, "out_features": 3072, "in_modes": IN_MODES,
+                         "out_modes": OUT_MODES, "compression_target": COMPRESSION},
+               "note_spread": "vs_dense: dense time over the format's (above 1: faster than "
+                              "dense), with the quartiles and range of the per-round ratios",
+               "note_peak": "peak bytes allocated during one fwd+bwd (tncomp unpooled)",
+               "note_params": "core parameters (gates, one per bond slice, not counted)",
+               "results": results}
+    json_path, md_path = write_results_to(args.out or "formats_cpu", payload,
+                                          render_markdown(payload))
+    print(render_markdown(payload))
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def render_markdown(payload: dict) -> str:
+    """The results as one markdown table, a row per (format, batch)."""
+    rows = [[r["format"], r["batch"], r["params"], f"{r['compression']:.1f}x",
+             "-" if r["ranks"] is None else ",".join(map(str, r["ranks"])),
+             f"{r['plan_flops'] / 1e9:.2f}", f"{r['ms']:.2f}", spread_text(r["vs_dense"]),
+             f"{r['peak_mb']:.1f}"] for r in payload["results"]]
+    m, layer = payload["machine"], payload["layer"]
+    return "\n".join([
+        f"# Weight formats at ~{layer['compression_target']}x, forward + backward "
+        f"({payload['device']})",
+        "",
+        f"A {layer['in_features']}x{layer['out_features']} layer (modes {layer['in_modes']} x "
+        f"{layer['out_modes']}), each format at the largest uniform rank within "
+        f"1/{layer['compression_target']} of the dense parameters. torch {m['torch']}, "
+        f"{m['cpu']} ({m['cores']} cores), {m['threads']} threads, commit {m['commit']}, "
+        f"{m['date']}; {payload['mode']} mode. Median of interleaved repeats after warm-up; "
+        "speed-up over dense with the quartiles and range of its per-round ratios; ratios "
+        "within one run.",
+        "",
+        markdown_table(["format", "B", "params", "compression", "ranks", "GFLOP fwd+bwd",
+                        "ms", "speed-up vs dense", "peak MiB"], rows),
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
