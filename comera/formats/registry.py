@@ -62,6 +62,9 @@ class Format:
 BUILTIN: tuple[str, ...] = (
     "comera.formats.tt:TT",
     "comera.formats.tt:TTM",
+    "comera.formats.tensor_ring:TensorRing",
+    "comera.formats.btt:BlockTT",
+    "comera.formats.einsum:Declared",
 )
 
 FORMATS: dict[str, Format] = {}
