@@ -8,8 +8,9 @@ Decomposition").
 
 Initialisation by TR-SVD (Zhao et al.'s sequential algorithm): the first unfolding
 ``(n_1) x (n_2 ... n_N)`` is split by a truncated SVD whose ``r_0 r_1`` columns are read as the
-pair ``(r_0, r_1)``; the rest, with ``r_0`` moved to its end, is a TT-SVD. It is exact when no
-singular value is cut (every rank at least the TT-SVD's).
+pair ``(r_0, r_1)``; the rest, with ``r_0`` moved to its end, is a TT-SVD. The split takes the
+largest ``r_0`` the later ranks can carry without loss, so an int rank of at least
+:func:`ring_rank_cap` reproduces any weight (at worst as the TT, ``r_0 = 1``).
 
 Rounding: a ring has no canonical form (no orthogonal gauge reaches every bond at once), so
 there is no minimal exact rounding. :meth:`TensorRing.round` rounds exactly what can be: the
@@ -33,7 +34,7 @@ from comera.formats.registry import Format, Ranks
 from comera.formats.tt import round_chain
 from comera.formats.ttsvd import tt_svd
 
-__all__ = ["TensorRing", "ring_rank_cap"]
+__all__ = ["TensorRing", "ring_rank_cap", "round_ring", "tr_svd"]
 
 
 def ring_rank_cap(modes: Sequence[int]) -> int:
@@ -91,9 +92,10 @@ def tr_svd(tensor: Tensor, ranks: Sequence[int]) -> list[Tensor]:
     """The TR-SVD of an N-way tensor (N >= 2): cores ``(r_k, n_k, r_{k+1})``, ``r_N = r_0``.
 
     ``ranks`` caps ``(r_0, ..., r_{N-1})``. The first SVD keeps ``k <= r_0 r_1`` singular
-    values and reads them as ``r_0' = min(r_0, k)`` by ``r_1' = ceil(k / r_0')`` (zero columns
-    fill the last few, which keeps the product exact); the rest is a TT-SVD with ``r_0'`` on
-    its last mode. Exact when no nonzero singular value is cut.
+    values, read as the pair ``(r_0', r_1')`` (:func:`split_first`; zero columns fill the last
+    few when ``k`` does not factor, which keeps the product exact); the rest is a TT-SVD with
+    ``r_0'`` on its last mode. Exact when no nonzero singular value is cut, which an int rank
+    of at least :func:`ring_rank_cap` guarantees.
     """
     shape = tuple(tensor.shape)
     n = len(shape)
@@ -106,9 +108,8 @@ def tr_svd(tensor: Tensor, ranks: Sequence[int]) -> list[Tensor]:
         work = work.float()
     with torch.no_grad():
         u, s, vh = torch.linalg.svd(work.reshape(shape[0], -1), full_matrices=False)
-        k = min(ranks[0] * ranks[1], s.numel())
-        r0 = min(ranks[0], k)
-        r1 = -(-k // r0)
+        r0, r1 = split_first(min(ranks[0] * ranks[1], s.numel()), ranks, shape)
+        k = min(s.numel(), r0 * r1)
         pad = r0 * r1 - k
         u = torch.nn.functional.pad(u[:, :k], (0, pad))  # (n_1, r0 r1)
         carry = torch.nn.functional.pad(s[:k, None] * vh[:k], (0, 0, 0, pad))  # (r0 r1, rest)
@@ -123,6 +124,22 @@ def tr_svd(tensor: Tensor, ranks: Sequence[int]) -> list[Tensor]:
             last = train[-1].reshape(train[-1].shape[0], shape[-1], r0)
             rest = [train[0].reshape(r1, shape[1], -1), *train[1:-1], last]
     return [core.to(dtype).contiguous() for core in [first, *rest]]
+
+
+def split_first(k: int, ranks: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
+    """How TR-SVD reads its first ``k`` singular values as ``(r_0', r_1')``, within ``ranks``:
+    the largest ``r_0'`` that keeps all ``k`` and leaves a train the later ranks hold exactly
+    (at a large enough rank ``r_0' = 1`` always does: the TT); else ``r_0' = min(r_0, k)``.
+    ``r_0' r_1'`` may exceed ``k`` by less than ``r_0'`` (zero columns)."""
+    n = len(shape)
+    for r0 in range(min(ranks[0], k), 0, -1):
+        r1 = min(ranks[1], -(-k // r0))
+        fits = all(min(r1 * math.prod(shape[1:j]), r0 * math.prod(shape[j:])) <= ranks[j]
+                   for j in range(2, n))
+        if r0 * r1 >= k and fits:
+            return r0, r1
+    r0 = max(1, min(ranks[0], k))
+    return r0, max(1, min(ranks[1], -(-k // r0)))
 
 
 def round_ring(cores: list[Tensor], rtol: float = 1e-7) -> list[Tensor]:
