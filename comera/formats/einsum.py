@@ -33,24 +33,24 @@ _BATCH_LABEL = "b"
 def _terms(eq: object) -> tuple[list[str], str]:
     if not isinstance(eq, str):
         raise ConfigError(f"eq={eq!r}; give a string such as 'b i j, i a, a j k -> b k'.")
-    text = eq.replace(" ", "")
-    lhs, arrow, rhs = text.partition("->")
+    lhs, arrow, rhs = eq.partition("->")
     if not arrow or "->" in rhs:
         raise ConfigError(f"eq {eq!r} needs one '->' and the output after it, e.g. "
                           "'b i j, i a, a j k -> b k'.")
-    terms = lhs.split(",")
-    for term in (*terms, rhs):
+    written = [t.strip() for t in (*lhs.split(","), rhs)]
+    terms = [t.replace(" ", "") for t in written]
+    for shown, term in zip(written, terms, strict=True):
         if not _TERM.match(term):
-            raise ConfigError(f"eq {eq!r} has the term {term!r}; indices are single letters "
+            raise ConfigError(f"eq {eq!r} has the term {shown!r}; indices are single letters "
                               "(no digits, '...' or other signs), e.g. 'b i j, i a -> b a'.")
         repeated = [i for i, n in Counter(term).items() if n > 1]
         if repeated:
-            raise ConfigError(f"eq {eq!r}: index {repeated[0]!r} appears twice in {term!r}; "
+            raise ConfigError(f"eq {eq!r}: index {repeated[0]!r} appears twice in {shown!r}; "
                               "each tensor carries an index once (no diagonals or traces).")
-    if len(terms) < 2:
+    if len(terms) < 3:
         raise ConfigError(f"eq {eq!r} has no core: write x first, then one or more cores, "
                           "e.g. 'b i, i k -> b k'.")
-    return terms, rhs
+    return terms[:-1], terms[-1]
 
 
 def _bond_names(bonds: object, eq: str) -> tuple[str, ...]:
