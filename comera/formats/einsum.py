@@ -13,7 +13,6 @@ checkpoint record rebuilds the layer from its layout.
 
 from __future__ import annotations
 
-import math
 import operator
 import re
 from collections import Counter
@@ -132,16 +131,20 @@ def layout_from_eq(eq: str, bonds: str | Sequence[str], sizes: Mapping[str, int]
         if bond in features or bond == batch:
             raise ConfigError(f"eq {eq!r}: bond {bond!r} is on x or y; a bond is summed inside "
                               "the weight (an index only cores carry).")
-    resolved = _resolve_sizes(eq, batch, set(on_cores) | features, bond_names, sizes, ranks,
-                              cores)
+    resolved, capped = _resolve_sizes(eq, batch, set(on_cores) | features, bond_names, sizes,
+                                      ranks)
     order = dict.fromkeys([*inputs, *outputs, *(i for core in cores for i in core)])
-    return Layout(inputs, outputs, tuple(tuple(core) for core in cores),
-                  tuple((i, resolved[i]) for i in order), bond_names)
+    layout = Layout(inputs, outputs, tuple(tuple(core) for core in cores),
+                    tuple((i, resolved[i]) for i in order), bond_names)
+    caps = layout.bond_caps(layout.bond_sizes)
+    return layout.resized({b: min(layout.size(b), cap) for b, cap in
+                           zip(bond_names, caps, strict=True) if b in capped and cap is not None})
 
 
 def _resolve_sizes(eq: str, batch: str, indices: set[str], bonds: tuple[str, ...],
                    sizes: Mapping[str, int], ranks: Ranks | Mapping[str, int] | None,
-                   cores: list[str]) -> dict[str, int]:
+                   ) -> tuple[dict[str, int], set[str]]:
+    """Every index's size, and the bonds that took the int ``ranks`` (which are capped)."""
     if not isinstance(sizes, Mapping):
         raise ConfigError(f"sizes={sizes!r}; give a mapping from index letter to size, e.g. "
                           "{'i': 4, 'j': 8}.")
@@ -176,20 +179,11 @@ def _resolve_sizes(eq: str, batch: str, indices: set[str], bonds: tuple[str, ...
                               f"or {{{bond!r}: r}}) or give it in sizes.")
     resolved = dict(fixed)
     for bond in bonds:
-        if bond in per_bond or bond in fixed:
-            resolved[bond] = per_bond.get(bond, fixed.get(bond))
-        else:
-            resolved[bond] = min(uniform, _bond_cap(bond, cores, fixed, uniform))
-    return resolved
-
-
-def _bond_cap(bond: str, cores: list[str], fixed: Mapping[str, int], uniform: int) -> int:
-    """For a bond on exactly two cores: the smaller product of either core's other indices
-    (bonds at ``uniform``). Beyond it the core's matrix across the bond has no more rank."""
-    carriers = [core for core in cores if bond in core]
-    if len(carriers) != 2:
-        return uniform
-    return min(math.prod(fixed.get(i, uniform) for i in core if i != bond) for core in carriers)
+        if bond in per_bond:
+            resolved[bond] = per_bond[bond]
+        elif bond not in fixed:
+            resolved[bond] = uniform
+    return resolved, {b for b in bonds if b not in per_bond and b not in fixed}
 
 
 class Declared(Format):
