@@ -157,3 +157,49 @@ def test_round_keeps_a_full_rank_btt():
     assert [tuple(c.shape) for c in rounded] == list(layout.core_shapes)
     torch.testing.assert_close(layout.dense(rounded), layout.dense(cores), rtol=0, atol=1e-12)
 
+
+
+# -- the layer ----------------------------------------------------------------------------------
+def test_gated_linear_btt_equals_its_dense_reconstruction():
+    from comera.layers.linear import GatedLinear
+    from tests.comera.formats.layout_checks import check_layer
+
+    torch.manual_seed(0)
+    layer = GatedLinear(12, 12, "btt", ranks=(2, 3), in_modes=(2, 3, 2), out_modes=(3, 2, 2),
+                        dtype=torch.float64)
+    assert layer.bond_sizes == (2, 3)
+    check_layer(layer, _gen(10))
+
+
+def test_gated_linear_btt_from_linear_at_full_rank_is_the_linear():
+    from torch import nn
+
+    from comera.layers.linear import GatedLinear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(12, 20, dtype=torch.float64)
+    layer = GatedLinear.from_linear(linear, "btt", ranks=10_000, in_modes=(3, 4),
+                                    out_modes=(4, 5))
+    torch.testing.assert_close(layer.to_dense(), linear.weight, rtol=0, atol=1e-12)
+    x = torch.randn(3, 12, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), linear(x), rtol=1e-12, atol=1e-12)
+
+
+def _btt_layer():
+    from comera.layers.linear import GatedLinear
+
+    torch.manual_seed(1)
+    return GatedLinear(12, 12, "btt", ranks=(2, 3), in_modes=(2, 3, 2), out_modes=(3, 2, 2),
+                       dtype=torch.float64)
+
+
+def test_pruning_a_btt_bond_cuts_it_from_both_carriers():
+    from tests.comera.formats.layout_checks import check_pruned_slices_leave
+
+    check_pruned_slices_leave(_btt_layer(), {1: [0, 2]}, _gen(11))
+
+
+def test_truncating_a_btt_keeps_the_function_and_adam_state():
+    from tests.comera.formats.layout_checks import check_truncate
+
+    check_truncate(_btt_layer(), {0: [1], 1: [2]}, _gen(12))

@@ -136,3 +136,58 @@ def test_the_format_is_registered_and_points_to_from_eq():
     assert fmt.decompose(torch.zeros(6, 4, dtype=torch.float64), layout) is None
     assert fmt.round(random_cores(layout, _gen()), layout) is None
     assert not fmt.exact_decomposition
+
+
+# -- the layer ----------------------------------------------------------------------------------
+def test_a_declared_layer_equals_its_dense_reconstruction():
+    from comera.layers.linear import GatedLinear
+    from tests.comera.formats.layout_checks import check_layer
+
+    torch.manual_seed(0)
+    # what GatedLinear.from_eq("b i j, i j a, a j c, c k -> b k", "a c", sizes, ranks) builds
+    layout = layout_from_eq("b i j, i j a, a j c, c k -> b k", "a c", SIZES, {"a": 3, "c": 2})
+    layer = GatedLinear.from_layout(layout, "einsum", dtype=torch.float64)
+    assert layer.format.name == "einsum" and layer.bond_sizes == (3, 2)
+    assert (layer.in_features, layer.out_features) == (6, 4)
+    check_layer(layer, _gen(10))
+    again = GatedLinear.from_layout(Layout.from_dict(layer.layout.to_dict()), "einsum",
+                                    dtype=torch.float64)
+    assert again.layout == layer.layout
+
+
+def test_a_declared_layer_from_linear_keeps_its_random_cores_and_the_bias():
+    from torch import nn
+
+    from comera.layers.linear import GatedLinear
+
+    layer = GatedLinear.from_layout(layout_from_eq(EQ, "a", SIZES, 2), "einsum",
+                                    dtype=torch.float64)
+    linear = nn.Linear(6, 4, dtype=torch.float64)
+    before = [c.detach().clone() for c in layer.cores]
+    assert layer.load_weight_(linear.weight.detach().T, linear.bias) is False
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.cores, strict=True))
+    torch.testing.assert_close(layer.bias.detach(), linear.bias.detach())
+
+
+def _declared_layer():
+    from comera.layers.linear import GatedLinear
+
+    torch.manual_seed(1)
+    # not a chain: bond a leads its first carrier, c closes on the first core and trails k
+    layout = layout_from_eq("b i j, a c i, j a, k c j -> b k", "a c", SIZES, {"a": 3, "c": 3})
+    assert not layout.is_chain
+    return GatedLinear.from_layout(layout, "einsum", dtype=torch.float64)
+
+
+def test_pruning_a_declared_bond_cuts_it_from_its_carriers():
+    from tests.comera.formats.layout_checks import check_pruned_slices_leave
+
+    check_pruned_slices_leave(_declared_layer(), {0: [1], 1: [0, 2]}, _gen(11))
+
+
+@pytest.mark.xfail(strict=True, raises=IndexError, reason="truncate_ slices chains only "
+                   "until p1's generic rank machinery lands")
+def test_truncating_a_declared_bond_keeps_the_function_and_adam_state():
+    from tests.comera.formats.layout_checks import check_truncate
+
+    check_truncate(_declared_layer(), {0: [2], 1: [0]}, _gen(12))
