@@ -83,8 +83,8 @@ def layout_from_eq(eq: str, bonds: str | Sequence[str], sizes: Mapping[str, int]
     ``sizes`` gives every index but the batch and the bonds (a bond given here is allowed);
     ``ranks`` gives the bonds: one int for all, a mapping per bond, or None (every bond then in
     ``sizes``). A bond's size in ``sizes`` or a ``ranks`` mapping is used as is; an int
-    ``ranks`` is capped, for a bond joining two cores, at the product of the other indices of
-    either core (a larger bond only repeats what that core can hold).
+    ``ranks`` is capped, for a bond joining two cores, at :meth:`Layout.bond_caps` (the smaller
+    product of either core's other indices: a larger bond only repeats what that core holds).
     """
     terms, out = _terms(eq)
     x, cores = terms[0], terms[1:]
@@ -120,7 +120,7 @@ def layout_from_eq(eq: str, bonds: str | Sequence[str], sizes: Mapping[str, int]
         raise ConfigError(f"eq {eq!r}: index {lonely[0]!r} is on one core only and nowhere "
                           "else, so it is summed inside that core; join it to another core "
                           "or drop it.")
-    if _BATCH_LABEL in on_cores and batch != _BATCH_LABEL:
+    if batch != _BATCH_LABEL and (_BATCH_LABEL in on_cores or _BATCH_LABEL in features):
         raise ConfigError(f"eq {eq!r}: index 'b' is not the batch here ({batch!r} is); comera "
                           "names the batch 'b' in its networks, so rename this index.")
     bond_names = _bond_names(bonds, eq)

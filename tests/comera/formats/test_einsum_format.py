@@ -102,6 +102,7 @@ def test_a_layout_record_rebuilds_the_same_network():
     ("b i j, i a k, a j k -> b k i", "a", SIZES, 2, "'i' is on x and on y"),
     ("b i j, i a q, a j k -> b k", "a", SIZES, 2, "'q' is on one core only"),
     ("n i j, i a b, a j k b -> n k", "a", SIZES, 2, "index 'b' is not the batch"),
+    ("n i b, i b a, a k -> n k", "a", {"i": 2, "k": 2}, 2, "index 'b' is not the batch"),
     ("b i j, i a, a j k -> b k", "c", SIZES, 2, "bond 'c' is on no core"),
     ("b i j, i a, a j k -> b k", "k", SIZES, 2, "bond 'k' is on x or y"),
     ("b i j, i a, a j k -> b k", "i", SIZES, 2, "bond 'i' is on x or y"),
