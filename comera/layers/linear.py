@@ -102,7 +102,7 @@ def check_tau(tau: float) -> float:
     return float(tau)
 
 
-def _along(vector: Tensor, axis: int, ndim: int) -> Tensor:
+def broadcast_along(vector: Tensor, axis: int, ndim: int) -> Tensor:
     """``vector`` shaped to scale axis ``axis`` of an ``ndim``-axis core (as is for the last)."""
     if axis == ndim - 1:
         return vector
@@ -234,7 +234,7 @@ class GatedTrain(nn.Module):
         the right bond of the core before it)."""
         out = list(self.cores)
         for gate, (c, axis) in zip(self.effective_gates(), self._folds, strict=True):
-            out[c] = out[c] * _along(gate, axis, out[c].dim())
+            out[c] = out[c] * broadcast_along(gate, axis, out[c].dim())
         return out
 
     def is_removed(self) -> bool:
