@@ -186,8 +186,6 @@ def test_pruning_a_declared_bond_cuts_it_from_its_carriers():
     check_pruned_slices_leave(_declared_layer(), {0: [1], 1: [0, 2]}, _gen(11))
 
 
-@pytest.mark.xfail(strict=True, reason="truncate_ slices chains only "
-                   "until p1's generic rank machinery lands")
 def test_truncating_a_declared_bond_keeps_the_function_and_adam_state():
     from tests.comera.formats.layout_checks import check_truncate
 

@@ -202,8 +202,6 @@ def test_pruning_a_ring_bond_cuts_it_from_both_carriers():
     check_pruned_slices_leave(_ring_layer(), {0: [1], 2: [0]}, _gen(11))
 
 
-@pytest.mark.xfail(strict=True, reason="truncate_ slices chains only "
-                   "until p1's generic rank machinery lands")
 def test_truncating_the_closing_bond_keeps_the_function_and_adam_state():
     from tests.comera.formats.layout_checks import check_truncate
 
