@@ -203,3 +203,19 @@ def test_truncating_a_btt_keeps_the_function_and_adam_state():
     from tests.comera.formats.layout_checks import check_truncate
 
     check_truncate(_btt_layer(), {0: [1], 1: [2]}, _gen(12))
+
+
+def test_round_layer_shrinks_a_low_rank_btt_and_keeps_the_function():
+    from comera.layers.linear import GatedLinear
+    from comera.ranks.truncate import round_layer_
+
+    small = BTT.layout((2, 3, 2), (3, 2, 2), 1)
+    w = small.dense(random_cores(small, _gen(13)))
+    layer = GatedLinear(12, 12, "btt", ranks=(2, 3), in_modes=(2, 3, 2), out_modes=(3, 2, 2),
+                        dtype=torch.float64)
+    assert layer.load_weight_(w) is True
+    x = torch.randn(3, 12, dtype=torch.float64)
+    before = layer(x).detach()
+    assert round_layer_(layer) is True
+    assert layer.bond_ranks == (1, 1)
+    torch.testing.assert_close(layer(x), before, rtol=1e-10, atol=1e-12)

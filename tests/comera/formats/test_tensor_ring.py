@@ -206,3 +206,22 @@ def test_truncating_the_closing_bond_keeps_the_function_and_adam_state():
     from tests.comera.formats.layout_checks import check_truncate
 
     check_truncate(_ring_layer(), {0: [0, 2], 1: [1]}, _gen(12))
+
+
+def test_round_layer_frees_a_rings_padding_and_keeps_the_function():
+    from comera.layers.linear import GatedLinear
+    from comera.ranks.truncate import round_layer_
+
+    layer = GatedLinear(4, 6, "tr", ranks=4, in_modes=(2, 2), out_modes=(3, 2),
+                        dtype=torch.float64)
+    small = TR.layout((2, 2), (3, 2), 2)
+    with torch.no_grad():
+        for core, c in zip(layer.cores, random_cores(small, _gen(13)), strict=True):
+            core.zero_()
+            core[:2, :, :2] = c
+    x = torch.randn(3, 4, dtype=torch.float64)
+    before = layer(x).detach()
+    assert layer.bond_ranks == (4, 4, 4, 4)
+    assert round_layer_(layer) is True
+    assert all(r <= 2 for r in layer.bond_ranks)
+    torch.testing.assert_close(layer(x), before, rtol=1e-10, atol=1e-12)
