@@ -219,3 +219,11 @@ def test_round_layer_shrinks_a_low_rank_btt_and_keeps_the_function():
     assert round_layer_(layer) is True
     assert layer.bond_ranks == (1, 1)
     torch.testing.assert_close(layer(x), before, rtol=1e-10, atol=1e-12)
+
+
+def test_gated_linear_factorises_both_sides_into_d_modes():
+    from comera.layers.linear import GatedLinear
+
+    layer = GatedLinear(64, 96, "btt", ranks=4, d=2)
+    assert len(layer.in_modes) == len(layer.out_modes) == 2 and layer.bond_sizes == (4,)
+    assert layer(torch.randn(2, 64)).shape == (2, 96)

@@ -190,3 +190,10 @@ def test_truncating_a_declared_bond_keeps_the_function_and_adam_state():
     from tests.comera.formats.layout_checks import check_truncate
 
     check_truncate(_declared_layer(), {0: [2], 1: [0]}, _gen(12))
+
+
+def test_gated_linear_by_name_points_to_from_eq():
+    from comera.layers.linear import GatedLinear
+
+    with pytest.raises(ConfigError, match="from_eq"):
+        GatedLinear(6, 4, "einsum")
