@@ -39,7 +39,8 @@ __all__ = ["TensorRing", "ring_rank_cap", "round_ring", "tr_svd"]
 
 def ring_rank_cap(modes: Sequence[int]) -> int:
     """The largest useful uniform ring rank: the TT-SVD's largest bond. At that rank every
-    weight is already a ring (its TT, padded with zeros), so a larger one only adds zeros."""
+    weight is already a ring (its TT, padded with zeros), so a larger one adds parameters but
+    no weight the ring could not already hold."""
     return max((min(math.prod(modes[:k]), math.prod(modes[k:])) for k in range(1, len(modes))),
                default=1)
 
@@ -49,7 +50,7 @@ def _check_ranks(ranks: Ranks, modes: tuple[int, ...]) -> tuple[int, ...]:
     n = len(modes)
     if isinstance(ranks, bool) or not isinstance(ranks, int | Sequence) or isinstance(ranks, str):
         raise ConfigError(f"ranks={ranks!r}; give one int (every ring bond) or a sequence of {n} "
-                          "ints (r0 the closing bond, then r1 ... r{n-1}).")
+                          f"ints (r0 the closing bond, then r1 ... r{n - 1}).")
     if not isinstance(ranks, Sequence):
         if ranks < 1:
             raise ConfigError(f"ranks={ranks}; a ring rank is an int >= 1.")
