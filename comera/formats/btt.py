@@ -10,8 +10,8 @@ inputs still to come, so it carries::
 
 The bonds are ``r1 ... r{d-1}``. For two cores, W[(i1, i2), (o1, o2)] = sum_r
 core1[i1, i2, o1, r] core2[r, i2, o1, o2]: for each block (i2, o1), the (i1 x o2) block of W
-is a rank-r product, which is the paper's BTT (its general operator takes the same
-one-input-in, one-output-out step per core, as in the authors' ``BTT`` operator).
+is a rank-r product: the paper's two-core BTT. For d cores the paper's operator takes the
+same step per core (one input mode in, one output mode out).
 
 Initialisation: the block SVD, i.e. a TT-SVD batched over the blocks. At step k the carried
 tensor is split, for each block (o_1..o_k, i_{k+1}..i_d), as (r{k-1} i_k) x (o_{k+1}..o_d) by a
