@@ -339,7 +339,20 @@ class GatedTrain(nn.Module):
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
+        if "_layout" not in self.__dict__:  # pickled before layers had a layout: a TT chain
+            self._adopt_chain_layout_()
         self.build_compiled()
+
+    def _adopt_chain_layout_(self) -> None:
+        """Give a layer unpickled from before formats (TTLinear: "tt"; TTMLinear and
+        TTEmbedding: "ttm") its format and the chain layout of its stored cores."""
+        fmt = get_format(getattr(self, "fixed_format", None) or "ttm")
+        in_modes, out_modes = self.__dict__.pop("in_modes"), self.__dict__.pop("out_modes")
+        layout = fmt.layout(tuple(in_modes), tuple(out_modes), 1)
+        sizes = [int(c.shape[-1]) for c in self.cores][:-1]
+        self._layout = layout.resized(dict(zip(layout.bonds, sizes, strict=True)))
+        self.format = fmt
+        self._folds = tuple(self._layout.carriers(b)[0] for b in self._layout.bonds)
 
     def __getstate__(self):  # compiled plans hold generated code: rebuild after unpickling
         state = self.__dict__.copy()
