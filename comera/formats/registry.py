@@ -65,6 +65,9 @@ BUILTIN: tuple[str, ...] = (
     "comera.formats.tucker:Tucker",
     "comera.formats.cp:CP",
     "comera.formats.lowrank:LowRank",
+    "comera.formats.tensor_ring:TensorRing",
+    "comera.formats.btt:BlockTT",
+    "comera.formats.einsum:Declared",
 )
 
 FORMATS: dict[str, Format] = {}
