@@ -15,13 +15,14 @@ CoMERA TT format: 2d cores (r_{k-1}, n_k, r_k) over ``in_modes + out_modes``) an
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 import tncomp
 from comera.errors import ConfigError, ConversionError, NonFiniteError, tncomp_errors_as_config
+from comera.formats.einsum import layout_from_eq
 from comera.formats.factorize import factorize, factorize_pair
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, get_format
@@ -471,7 +472,20 @@ class GatedLinear(GatedTrain):
         layer._setup(layout, fmt, bias, tau, dtype, device, memory)
         return layer
 
-    # from_eq (a network declared as an einsum with named bonds) goes here.
+    @classmethod
+    def from_eq(cls, eq: str, bonds: str | Sequence[str], sizes: Mapping[str, int],
+                ranks: int | Mapping[str, int] | None = 16, bias: bool = True,
+                tau: float = DEFAULT_TAU, dtype: torch.dtype | None = None,
+                device: torch.device | str | None = None,
+                memory: str | int = "fast") -> GatedLinear:
+        """A layer whose weight is the network an einsum declares, with rank gates on ``bonds``:
+        ``GatedLinear.from_eq("b i j, i a, a j k -> b k", bonds="a", sizes={"i": 4, "j": 8,
+        "k": 16}, ranks=8)`` maps x (B, 32) to y (B, 16) through cores (i, a) and (a, j, k).
+        The first index of x and of y is the batch; the rules are
+        :func:`comera.formats.einsum.layout_from_eq`'s. Randomly initialised (format "einsum"),
+        so a researcher tries a structure without writing a class."""
+        return cls.from_layout(layout_from_eq(eq, bonds, sizes, ranks), "einsum", bias, tau,
+                               dtype, device, memory)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: Format | str = "tt", ranks: Ranks = 16,
