@@ -127,6 +127,7 @@ class GatedTrain(nn.Module):
                               "a format's layout(...) or Layout.from_dict).")
         self._layout = layout
         self._adopt_structure_()
+        self._layout_shapes = layout.core_shapes  # the core shapes ``_layout`` is for
         factory = {"dtype": dtype, "device": device}
         self.cores = nn.ParameterList(
             [nn.Parameter(torch.empty(shape, **factory)) for shape in layout.core_shapes])
@@ -161,7 +162,7 @@ class GatedTrain(nn.Module):
         """The layer's layout at its stored core shapes (followed after truncation, rounding and
         loading: whatever resized the cores, the bonds are read from them)."""
         shapes = tuple(tuple(c.shape) for c in self.cores)
-        if shapes != self._layout.core_shapes:
+        if shapes != self._layout_shapes:
             sizes = {bond: int(shapes[c][a])
                      for bond, (c, a) in zip(self._layout.bonds, self._folds, strict=True)}
             layout = self._layout.resized(sizes)
@@ -170,7 +171,7 @@ class GatedTrain(nn.Module):
                     f"{type(self).__name__}: cores of shapes {shapes} do not fit the layout "
                     f"{layout.cores} (every core carrying a bond must give it one size); "
                     "resize layers with resize_bonds_.")
-            self._layout = layout
+            self._layout, self._layout_shapes = layout, shapes
         return self._layout
 
     def _adopt_structure_(self) -> None:
@@ -278,7 +279,7 @@ class GatedTrain(nn.Module):
             if gate.numel() != size:
                 self.gates[k] = nn.Parameter(gate.new_ones(size),
                                              requires_grad=gate.requires_grad)
-        self._layout = layout
+        self._layout, self._layout_shapes = layout, layout.core_shapes
         self.build_compiled()
 
     # -- compute --------------------------------------------------------------------------------
@@ -359,6 +360,7 @@ class GatedTrain(nn.Module):
         layout = fmt.layout(tuple(in_modes), tuple(out_modes), 1)
         sizes = [int(c.shape[-1]) for c in self.cores][:-1]
         self._layout = layout.resized(dict(zip(layout.bonds, sizes, strict=True)))
+        self._layout_shapes = self._layout.core_shapes
         self.format = fmt
         self._adopt_structure_()
 

@@ -64,7 +64,8 @@ def stack_key(layers: Sequence[nn.Module]) -> tuple | None:
     options = tuple(sorted(first.compile_options.items()))
     fixed = _fixed(first.layout)
     for layer in layers:
-        if (type(layer) is not kind or layer.format is not first.format
+        if (type(layer) is not kind or type(layer.format) is not type(first.format)
+                or layer.format.name != first.format.name
                 or _fixed(layer.layout) != fixed
                 or tuple(sorted(layer.compile_options.items())) != options
                 or any(c.dtype != dtype or c.device != device for c in layer.cores)):

@@ -201,3 +201,17 @@ def test_a_model_pickled_before_layouts_loads_and_computes_the_same():
     with torch.no_grad():
         y = b(torch.tanh(a(saved["x"] + emb(saved["ids"]))))
     assert torch.equal(y, saved["y"])
+
+
+def test_copies_keep_their_format_and_still_stack_with_the_originals():
+    import copy
+    import pickle
+
+    from comera.layers.siblings import stack_key
+
+    layer = _toy()
+    for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert twin.format.name == "toy" and twin.layout == layer.layout
+        x = torch.randn(2, 6, dtype=F64)
+        torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
+        assert stack_key([layer, twin]) is not None
