@@ -25,8 +25,6 @@ from comera.formats.registry import Format, Ranks
 __all__ = ["Declared", "layout_from_eq"]
 
 _TERM = re.compile(r"^[A-Za-z]*$")
-#: Layout.network names the batch "b"; another index may not take that name.
-_BATCH_LABEL = "b"
 
 
 def _terms(eq: object) -> tuple[list[str], str]:
@@ -120,9 +118,6 @@ def layout_from_eq(eq: str, bonds: str | Sequence[str], sizes: Mapping[str, int]
         raise ConfigError(f"eq {eq!r}: index {lonely[0]!r} is on one core only and nowhere "
                           "else, so it is summed inside that core; join it to another core "
                           "or drop it.")
-    if batch != _BATCH_LABEL and (_BATCH_LABEL in on_cores or _BATCH_LABEL in features):
-        raise ConfigError(f"eq {eq!r}: index 'b' is not the batch here ({batch!r} is); comera "
-                          "names the batch 'b' in its networks, so rename this index.")
     bond_names = _bond_names(bonds, eq)
     for bond in bond_names:
         if bond not in on_cores:

@@ -192,14 +192,18 @@ class Layout:
 
     def network(self, batch: str | int = "B") -> tncomp.Network:
         """The tncomp network of ``y = x @ W``: operands ``x``, ``core1``... and output ``y``."""
-        operands = [("x", ["b", *self.inputs], tncomp.Role.INPUT)]
+        taken = dict(self.sizes)
+        b = "b"
+        while b in taken:  # the batch takes a label no index of the layout has
+            b = "_" + b
+        operands = [("x", [b, *self.inputs], tncomp.Role.INPUT)]
         operands += [(f"core{k + 1}", list(core), tncomp.Role.PARAMETER)
                      for k, core in enumerate(self.cores)]
         counts = Counter(i for _, ix, _ in operands for i in ix)
         counts.update(self.outputs)
         hyper = [i for i, n in counts.items() if n > 2]
-        sizes = {"b": tncomp.Dim(batch) if isinstance(batch, str) else batch, **dict(self.sizes)}
-        return tncomp.make_network(operands, ("y", ["b", *self.outputs]), sizes, hyper)
+        sizes = {b: tncomp.Dim(batch) if isinstance(batch, str) else batch, **taken}
+        return tncomp.make_network(operands, ("y", [b, *self.outputs]), sizes, hyper)
 
     def dense(self, cores: Sequence[Tensor]) -> Tensor:
         """W as an (in_features, out_features) matrix, contracted by ``torch.einsum``."""

@@ -16,7 +16,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from comera.ranks.size import tt_modules
-from comera.surgery.swap import resize_
 
 # a zero-size tensor under a converted layer's dense weight name: HuggingFace's own
 # from_pretrained meets it as a size mismatch and refuses the checkpoint, instead of
@@ -31,9 +30,9 @@ def _take_saved_bonds(module, state_dict: dict[str, Any], prefix: str, *_: Any) 
     shapes = [state_dict.get(f"{prefix}cores.{k}") for k in range(len(module.cores))]
     if any(s is None for s in shapes):
         return  # not this layer's weights: the load reports the missing keys itself
-    bonds = (*(int(s.shape[0]) for s in shapes), int(shapes[-1].shape[-1]))
-    if bonds != tuple(module.bonds):
-        resize_(module, bonds)
+    sizes = tuple(int(shapes[c].shape[axis]) for c, axis in module.gate_folds())
+    if sizes != module.bond_sizes:
+        module.resize_bonds_(sizes)
 
 
 def follow_saved_bonds_(model: nn.Module) -> list[RemovableHandle]:
