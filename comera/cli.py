@@ -27,7 +27,6 @@ from comera.errors import ComeraError, ConfigError
 
 EXIT_USAGE = 2
 MAX_NPROC = 1024
-MODELS = ("transformer", "transformer-code", "dlrm", "mlm", "lm")
 log = logging.getLogger("comera.cli")
 
 
@@ -450,13 +449,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from comera.experiments.registry import EXPERIMENTS  # the one list of models
+
     parser = _Parser(prog="comera", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("train", help="train a model dense and with CoMERA, side by side")
-    p.add_argument("model", help=f"one of: {', '.join(MODELS)}")
+    p.add_argument("model", help=f"one of: {', '.join(EXPERIMENTS)}")
     p.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
     p.add_argument("--stage", choices=["early", "late", "both"], default="both")
     p.add_argument("--target-compression", type=float, default=None,

@@ -37,6 +37,7 @@ from comera.layers.linear import (
     check_memory,
 )
 from comera.surgery.swap import swap_submodule
+from comera.surgery.table import text_table
 
 FORMATS = ("tt", "ttm")
 IN_PROJ = ("split", "packed")
@@ -187,10 +188,7 @@ class ConversionReport:
                          f"{r.before / max(r.after, 1):.1f}x"))
         rows.append(("total", "", "", "", "", f"{self.before:,}", f"{self.after:,}",
                      f"{self.before / max(self.after, 1):.1f}x"))
-        widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True))
-                 for row in rows]
-        lines.insert(1, "-" * len(lines[0]))
+        lines = text_table(rows[0], rows[1:])
         if self.skipped:
             lines.append(f"left dense (weight tied to another module): {', '.join(self.skipped)}")
         return "\n".join(lines)

@@ -20,6 +20,7 @@ import torch
 
 from comera.surgery.checkpoint import read_checkpoint
 from comera.surgery.swap import build_layer
+from comera.surgery.table import text_table
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,7 @@ class CheckpointReport:
         rows.append(("TT layers", "", "", "", "", "", f"{self.tt_params:,}",
                      f"{self.tt_dense_params:,}",
                      "removed" if all_removed else f"{self.compression:.1f}x"))
-        widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
-                 for row in rows]
-        lines.insert(1, "-" * max(len(line) for line in lines))
+        lines = text_table(rows[0], rows[1:])
         total = self.tt_params + self.other_params
         dense_total = self.tt_dense_params + self.other_params
         lines.append(f"whole model: {total:,} parameters ({dense_total:,} dense, "
