@@ -24,6 +24,7 @@ from comera.formats.registry import Format, get_format
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.embedding import TTEmbedding
 from comera.layers.linear import GatedTrain, TTLinear, TTMLinear
+from comera.surgery.records import layout_of
 
 if TYPE_CHECKING:
     from comera.surgery.convert import ConvertConfig
@@ -98,11 +99,6 @@ def _linear_layer(fmt: str, in_features: int, out_features: int, modes, rank: in
                         config.d, **factory)
 
 
-def layer_layout(layer: GatedTrain, fmt: str) -> Layout:
-    """``layer``'s layout at its stored bond sizes."""
-    return get_format(fmt).layout(layer.in_modes, layer.out_modes, list(layer.bonds[1:-1]))
-
-
 def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
     """The largest uniform max rank whose cores (``fmt``'s layout on ``probe``'s modes) hold at
     most ``budget`` parameters (at least 1). The size grows with the rank until every bond
@@ -139,7 +135,7 @@ def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
     rank = config.rank_for(name)
     if config.target_compression:
         probe = _linear_layer(fmt, *weight.shape, modes, 1, config, device="meta")
-        rank = rank_for_target(get_format(fmt), layer_layout(probe, fmt),
+        rank = rank_for_target(get_format(fmt), layout_of(probe),
                                weight.numel() / config.target_compression)
     return _LINEAR[fmt].from_linear(dense_linear(weight, bias), rank, modes[0], modes[1],
                                     config.tau, config.d, memory=config.memory)
@@ -162,7 +158,7 @@ def _linear_like(read: Callable[[nn.Module], tuple[Tensor, Tensor | None]]) -> C
         before = sum(p.numel() for p in module.parameters())
         fmt = config.format_for(name)
         return layer, [Part(name, tuple(weight.shape), before, layer, fmt,
-                            layer_layout(layer, fmt))]
+                            layout_of(layer))]
     return convert
 
 
@@ -183,14 +179,14 @@ def _embedding(name: str, module: nn.Embedding, config: ConvertConfig):
     if config.target_compression:
         probe = TTEmbedding(module.num_embeddings, module.embedding_dim, modes[0], modes[1], 1,
                             module.padding_idx, config.tau, config.d, device="meta")
-        rank = rank_for_target(get_format("ttm"), layer_layout(probe, "ttm"),
+        rank = rank_for_target(get_format("ttm"), layout_of(probe),
                                module.weight.numel() / config.target_compression)
     layer = TTEmbedding.from_embedding(module, rank, modes[0], modes[1], config.tau, config.d)
     if config.memory != "fast":
         layer.memory = config.memory
     shape = (module.num_embeddings, module.embedding_dim)
     return layer, [Part(name, shape, module.weight.numel(), layer, "ttm",
-                        layer_layout(layer, "ttm"))]
+                        layout_of(layer))]
 
 
 def _check_attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig) -> None:
@@ -234,7 +230,7 @@ def _attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig):
         fmt = config.format_for(f"{name}.{part}")
         parts.append(Part(f"{name}.{part}", tuple(w.shape),
                           w.numel() + (b.numel() if b is not None else 0), layers[part], fmt,
-                          layer_layout(layers[part], fmt)))
+                          layout_of(layers[part])))
     return attention, parts
 
 
