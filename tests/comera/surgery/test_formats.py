@@ -1,0 +1,133 @@
+"""convert_, checkpoints and save_pretrained folders for every registered format (the
+user-declared ``einsum`` one has no dense conversion): an MLP and a HuggingFace BERT convert,
+equal the dense model at full rank where the format decomposes exactly, and round-trip through
+save_checkpoint / load_checkpoint and save_pretrained / from_pretrained, into dense models and
+into models converted at other ranks (resized on load)."""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import comera
+from comera.formats.registry import format_names, get_format
+from comera.surgery.converters import EMBEDDING_FORMATS
+from comera.surgery.records import format_of, layout_of
+from comera.surgery.report import checkpoint_report
+
+F64 = torch.float64
+FORMATS = [f for f in format_names() if f != "einsum"]
+FULL = 10**4  # above every bond cap here: the exact formats reproduce the dense layers
+LOW = 3
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(24, 16, dtype=F64)
+        self.fc2 = nn.Linear(16, 12, bias=False, dtype=F64)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _rank(fmt: str) -> int:
+    return FULL if get_format(fmt).exact_decomposition else LOW
+
+
+def _convert(model: nn.Module, **options):
+    with warnings.catch_warnings():  # full rank compresses nothing: said, and meant here
+        warnings.simplefilter("ignore", UserWarning)
+        return comera.convert_(model, **options)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_mlp_converts_saves_and_loads_in_every_format(fmt, tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    dense = copy.deepcopy(model)
+    x = torch.randn(5, 24, dtype=F64)
+    report = _convert(model, ranks=_rank(fmt), format=fmt)
+    assert [(r.name, r.format) for r in report.layers] == [("fc1", fmt), ("fc2", fmt)]
+    assert format_of(model.fc1) == fmt and format_of(model.fc2) == fmt
+    assert f" {fmt} " in str(report)
+    with torch.no_grad():
+        y = model(x)
+        if get_format(fmt).exact_decomposition:
+            torch.testing.assert_close(y, dense(x), rtol=1e-10, atol=1e-10)
+    comera.save_checkpoint(tmp_path / "run.pt", model)
+    comera.save_pretrained(model, tmp_path / "folder")
+    for load in (lambda m: comera.load_checkpoint(tmp_path / "run.pt", m),
+                 lambda m: comera.from_pretrained(tmp_path / "folder", m)):
+        resized = MLP()
+        _convert(resized, ranks=1, format=fmt)  # other bond sizes: resized on load
+        for target in (MLP(), resized):
+            load(target)
+            assert format_of(target.fc1) == fmt
+            assert layout_of(target.fc1) == layout_of(model.fc1)
+            with torch.no_grad():
+                assert torch.equal(target(x), y)
+    rows = {r.name: r for r in checkpoint_report(tmp_path / "run.pt").layers}
+    assert rows["fc1"].format == fmt and rows["fc1"].bonds == layout_of(model.fc1).bond_sizes
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_target_compression_picks_the_largest_rank_under_budget_in_every_format(fmt):
+    model = MLP()
+    target = 3.0
+    report = _convert(model, target_compression=target, format=fmt)
+    fmt_ = get_format(fmt)
+    for r in report.layers:
+        layout = layout_of(model.get_submodule(r.name))
+        budget = r.shape[0] * r.shape[1] / target
+        assert layout.parameters_at(layout.bond_sizes) <= budget, r.name
+        rank = max(layout.bond_sizes)
+        bigger = fmt_.layout(layout.in_modes, layout.out_modes, rank + 1)
+        assert (bigger.parameters_at(bigger.bond_sizes) > budget
+                or bigger.bond_sizes == layout.bond_sizes), r.name
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f not in EMBEDDING_FORMATS])
+def test_an_embedding_asked_for_a_non_chain_format_says_it_stays_tt_matrix(fmt):
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 4))
+    with pytest.raises(comera.ConfigError, match=re.escape("TT-matrix TTEmbedding only")):
+        comera.convert_(model, embedding=True, format=fmt)
+    assert type(model[0]) is nn.Embedding and type(model[1]) is nn.Linear  # nothing swapped
+    report = _convert(model, embedding=True, ranks=2, format={"0": "ttm", "*": fmt})
+    assert [r.format for r in report.layers] == ["ttm", fmt]
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _bert():
+    config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=16,
+                                     max_position_embeddings=16, num_labels=3)
+    return transformers.BertForSequenceClassification(config)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_bert_converts_and_round_trips_in_every_format(fmt, tmp_path):
+    pytest.importorskip("safetensors")
+    torch.manual_seed(0)
+    model = _bert().eval()
+    dense = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 8))
+    report = _convert(model, ranks=_rank(fmt), format=fmt)
+    assert len(report.layers) >= 6 and {r.format for r in report.layers} == {fmt}
+    with torch.no_grad():
+        logits = model(ids).logits
+        if get_format(fmt).exact_decomposition:
+            torch.testing.assert_close(logits, dense(ids).logits, rtol=1e-4, atol=1e-5)
+    comera.save_pretrained(model, tmp_path)
+    loaded = comera.from_pretrained(tmp_path, type(model))
+    assert {n: format_of(m) for n, m in comera.tt_modules(loaded)} == \
+        {n: format_of(m) for n, m in comera.tt_modules(model)}
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, logits)
