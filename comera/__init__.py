@@ -25,7 +25,7 @@ from comera.formats.factorize import factorize, factorize_pair, suggest_padded_s
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import GatedTrain, TTLinear, TTMLinear
+from comera.layers.linear import GatedLinear, GatedTrain, TTLinear, TTMLinear
 from comera.layers.siblings import Siblings
 from comera.lean.dropout import BoolMaskDropout
 from comera.lean.sdpa import scaled_dot_product_attention
@@ -66,6 +66,7 @@ __all__ = [
     "DataFormatError",
     "DenseTrainer",
     "FactorizationError",
+    "GatedLinear",
     "GatedTrain",
     "LateStage",
     "LookupIndexError",

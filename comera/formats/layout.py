@@ -107,6 +107,60 @@ class Layout:
         at = dict(self.sizes) | dict(zip(self.bonds, bond_sizes, strict=True))
         return sum(math.prod(at[i] for i in core) for core in self.cores)
 
+    @property
+    def is_chain(self) -> bool:
+        """True for a chain (TT, TT-matrix): core k carries bond k-1 first and bond k last,
+        the two ends are size-1 indices on the end cores only. Chain layers state their ranks
+        with the ends, ``(1, r_1, ..., r_{n-1}, 1)``."""
+        n = len(self.cores)
+        if n < 1 or len(self.bonds) != n - 1:
+            return False
+        ends = (self.cores[0][0], self.cores[-1][-1])
+        if any(self.size(e) != 1 or e in self.bonds for e in ends):
+            return False
+        if any(e in core for e in ends[:1] for core in self.cores[1:]) or any(
+                ends[1] in core for core in self.cores[:-1]):
+            return False
+        return all(self.cores[k][-1] == bond and self.cores[k + 1][0] == bond
+                   and self.carriers(bond) == ((k, len(self.cores[k]) - 1), (k + 1, 0))
+                   for k, bond in enumerate(self.bonds))
+
+    def core_sizes_with(self, values: Sequence) -> list:
+        """Each core's size with bond k counted as ``values[k]``: the one size formula.
+
+        ``values`` may be ints (the parameter count, as :meth:`parameters_at`), gate l1 norms
+        (the differentiable soft size) or tensors of live-gate counts (a size kept on the
+        device). Each term is the product of the core's other index sizes (an int) times the
+        bond values in axis order; callers sum the terms in core order."""
+        at = dict(zip(self.bonds, values, strict=True))
+        terms = []
+        for core in self.cores:
+            term = math.prod(self.size(i) for i in core if i not in at)
+            for i in core:
+                if i in at:
+                    term = term * at[i]
+            terms.append(term)
+        return terms
+
+    def slice_costs(self, bond_sizes: Sequence[int]) -> tuple[int, ...]:
+        """Per bond, the parameters one slice of it costs at ``bond_sizes``: the sum over the
+        cores that carry it of the product of that core's other indices."""
+        at = dict(self.sizes) | dict(zip(self.bonds, bond_sizes, strict=True))
+        return tuple(sum(math.prod(at[i] for i in self.cores[k] if i != bond)
+                         for k, _ in self.carriers(bond)) for bond in self.bonds)
+
+    def bond_caps(self, bond_sizes: Sequence[int]) -> tuple[int | None, ...]:
+        """Per bond carried by exactly two cores, the most it can carry at ``bond_sizes``: the
+        smaller of the two cores' other indices' products (a QR of either core reaches it
+        exactly); None for the other bonds (a hyperedge, a bond on one core)."""
+        at = dict(self.sizes) | dict(zip(self.bonds, bond_sizes, strict=True))
+        caps: list[int | None] = []
+        for bond in self.bonds:
+            carriers = self.carriers(bond)
+            caps.append(min(math.prod(at[i] for i in self.cores[k] if i != bond)
+                            for k, _ in carriers) if len(carriers) == 2 else None)
+        return tuple(caps)
+
     # -- records --------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """Plain lists and ints (what checkpoints and ``save_pretrained`` records store)."""

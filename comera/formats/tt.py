@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 import tncomp
-from comera.errors import tncomp_errors_as_config
+from comera.errors import ConfigError, tncomp_errors_as_config
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm
@@ -65,6 +65,10 @@ class TTM(Format):
     name, title, exact_decomposition = "ttm", "TT-matrix", True
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
+        if len(in_modes) != len(out_modes):
+            raise ConfigError(f"in_modes {tuple(in_modes)} and out_modes {tuple(out_modes)} "
+                              f"differ in length; the {self.title} format pairs d input modes "
+                              "with d output modes.")
         pairs = list(zip(in_modes, out_modes, strict=True))
         with tncomp_errors_as_config():
             bonds = tncomp.resolve_ranks(ranks, [m * n for m, n in pairs], "ranks")

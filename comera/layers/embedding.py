@@ -32,6 +32,7 @@ from torch import Tensor, nn
 import tncomp
 from comera.errors import ConfigError, LookupIndexError
 from comera.formats.factorize import factorize, suggest_padded_size
+from comera.formats.registry import get_format
 from comera.formats.ttsvd import matrix_to_ttm, ttm_to_matrix
 from comera.layers.linear import (
     DEFAULT_TAU,
@@ -41,7 +42,6 @@ from comera.layers.linear import (
     check_finite_weight,
     check_tau,
     load_cores_,
-    resolve_bonds,
 )
 from comera.lean.recompute import recomputed_in_backward
 
@@ -156,15 +156,13 @@ class TTEmbedding(GatedTrain):
                 raise ConfigError(f"padding_idx={padding_idx} is outside [0, {num_embeddings}).")
         self.padding_idx = padding_idx
         self.merge_pairs = bool(merge_pairs)
-        # GatedTrain reads these names for sizes and reprs.
+        # GatedTrain reads these names for sizes and reprs (the layout's in_features is the
+        # padded row count).
         self.in_features, self.out_features = num_embeddings, embedding_dim
-        self.in_modes, self.out_modes = self.row_modes, self.col_modes
-        pairs = [m * n for m, n in zip(self.row_modes, self.col_modes, strict=True)]
-        bonds = resolve_bonds(ranks, pairs, "ranks")
-        shapes = [(bonds[k], m, n, bonds[k + 1])
-                  for k, (m, n) in enumerate(zip(self.row_modes, self.col_modes, strict=True))]
-        super().__init__(shapes, False, embedding_dim, check_tau(tau), dtype, device)
-        self._gaussian_init_(len(shapes))
+        ttm = get_format("ttm")  # the table is a TT-matrix: rows x dim, cores (r, m, n, r)
+        layout = ttm.layout(self.row_modes, self.col_modes, ranks)
+        super().__init__(layout, ttm, False, check_tau(tau), dtype, device)
+        self._gaussian_init_()
         self.build_compiled()
 
     # -- structure ------------------------------------------------------------------------------
@@ -189,8 +187,7 @@ class TTEmbedding(GatedTrain):
     def _merges(self) -> list[tncomp.CompiledNetwork | None]:
         """Per group, the compiled pairwise merge of its two cores (None for a single core);
         held by the layer like ``compiled()``, so a traced forward looks nothing up in tncomp."""
-        shapes = (tuple(tuple(c.shape) for c in self.cores), self._structure(),
-                  tuple(sorted(self.compile_options.items())))
+        shapes = self.plan_key()
         if getattr(self, "_merges_for", None) != shapes:
             self._merge_nets = [
                 tncomp.compile(tncomp.from_eq(_MERGE_EQ, tuple(self.cores[g[0]].shape),
@@ -338,7 +335,7 @@ class TTEmbedding(GatedTrain):
         padded = torch.zeros(math.prod(layer.row_modes), w.shape[1], dtype=w.dtype,
                              device=w.device)
         padded[: w.shape[0]] = w
-        cores = matrix_to_ttm(padded, layer.row_modes, layer.col_modes, list(layer.bonds[1:-1]))
+        cores = matrix_to_ttm(padded, layer.row_modes, layer.col_modes, list(layer.bond_sizes))
         load_cores_(layer, cores, None)
         return layer
 

@@ -1,11 +1,15 @@
-"""Tensor-train linear layers with diagonal rank gates, contracted by tncomp plans.
+"""Linear layers of any registered weight format, with diagonal rank gates, on tncomp plans.
 
-``TTLinear`` stores W (in x out) in the CoMERA TT format: 2d cores (r_{k-1}, n_k, r_k) over
-``in_modes + out_modes``. ``TTMLinear`` stores the interleaved TT-matrix format: d cores
-(r_{k-1}, m_k, n_k, r_k). Between consecutive cores sits a gate vector d_k (initialised to 1);
-entries with |d_k| <= tau count as zero: they scale their rank slice to zero and receive no
-gradient. The gated cores are passed to a compiled tncomp network, so the forward and backward
-contractions are planned (no hand-written per-order code here).
+A layer holds a format (:mod:`comera.formats.registry`) and its layout
+(:class:`~comera.formats.layout.Layout`): the cores, and the bonds that carry a gate vector d_k
+each (initialised to 1); entries with |d_k| <= tau count as zero: they scale their rank slice to
+zero and receive no gradient. Gate k folds into the first core that carries bond k, along that
+axis. The gated cores are passed to the format's compiled tncomp network, so the forward and
+backward contractions are planned (no hand-written per-format code here).
+
+``GatedLinear(in, out, format="tucker", ...)`` is the layer for any format; ``TTLinear`` (the
+CoMERA TT format: 2d cores (r_{k-1}, n_k, r_k) over ``in_modes + out_modes``) and ``TTMLinear``
+(the interleaved TT-matrix format: d cores (r_{k-1}, m_k, n_k, r_k)) are it at "tt" and "ttm".
 """
 
 from __future__ import annotations
@@ -17,23 +21,18 @@ import torch
 from torch import Tensor, nn
 
 import tncomp
-from comera.errors import ConfigError, ConversionError, NonFiniteError
+from comera.errors import ConfigError, ConversionError, NonFiniteError, tncomp_errors_as_config
 from comera.formats.factorize import factorize, factorize_pair
-from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, tt_to_matrix, ttm_to_matrix
+from comera.formats.layout import Layout
+from comera.formats.registry import Format, get_format
+from comera.formats.ttsvd import tt_to_matrix, ttm_to_matrix
 from tncomp import autocast_cast, autocast_dtype, check_modes
 from tncomp import check_memory as _check_tncomp_memory
 
+__all__ = ["DEFAULT_TAU", "GatedLinear", "GatedTrain", "TTLinear", "TTMLinear", "load_cores_"]
+
 DEFAULT_TAU = 1e-2
 Ranks = int | Sequence[int]
-
-
-def resolve_bonds(ranks: Ranks, bond_modes: Sequence[int], what: str) -> tuple[int, ...]:
-    """The interior bond sizes ``ranks`` asks for (tncomp's rule), a bad request as
-    :class:`ConfigError`: shared by every gated layer."""
-    try:
-        return tncomp.resolve_ranks(ranks, bond_modes, what)
-    except tncomp.errors.IRError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def check_features(name: str, value: int) -> int:
@@ -44,10 +43,8 @@ def check_features(name: str, value: int) -> int:
 
 
 def _check_modes(modes, features: int, what: str) -> tuple[int, ...]:
-    try:
+    with tncomp_errors_as_config():
         modes = check_modes(modes, what)  # tncomp's one check of modes
-    except tncomp.errors.IRError as exc:
-        raise ConfigError(str(exc)) from None
     if math.prod(modes) != features:
         raise ConfigError(
             f"{what} {modes} multiply to {math.prod(modes)}, not {features}; choose modes whose "
@@ -94,10 +91,8 @@ def add_bias(y: Tensor, bias: Tensor | None, source: Tensor) -> Tensor:
 def check_memory(memory) -> str | int:
     """A tncomp memory mode (``"fast"``, ``"balanced"``, ``"min"`` or a byte budget), else a
     :class:`ConfigError` naming the value and the choices."""
-    try:
+    with tncomp_errors_as_config():
         return _check_tncomp_memory(memory)
-    except tncomp.errors.OptionError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def check_tau(tau: float) -> float:
@@ -107,22 +102,37 @@ def check_tau(tau: float) -> float:
     return float(tau)
 
 
+def _along(vector: Tensor, axis: int, ndim: int) -> Tensor:
+    """``vector`` shaped to scale axis ``axis`` of an ``ndim``-axis core (as is for the last)."""
+    if axis == ndim - 1:
+        return vector
+    return vector.reshape(vector.shape[0], *(1,) * (ndim - 1 - axis))
+
+
 class GatedTrain(nn.Module):
-    """What TT and TT-matrix layers share: cores, rank gates, tau, bias and the compiled plan."""
+    """What every gated layer shares: a format and its layout, cores, one rank gate per bond,
+    tau, bias and the compiled plan. Subclasses set ``in_features`` and ``out_features``."""
 
     in_features: int
     out_features: int
 
-    def __init__(self, core_shapes, bias: bool, out_features: int, tau: float,
+    def __init__(self, layout: Layout, format: Format | str, bias: bool, tau: float,
                  dtype=None, device=None, memory: str | int = "fast"):
         super().__init__()
         self.tau = check_tau(tau)
+        self.format = get_format(format)
+        if not isinstance(layout, Layout):
+            raise ConfigError(f"layout={layout!r}; a gated layer takes a comera Layout (from "
+                              "a format's layout(...) or Layout.from_dict).")
+        self._layout = layout
+        # gate k scales axis ``axis`` of core ``core``: the first core that carries bond k
+        self._folds = tuple(layout.carriers(bond)[0] for bond in layout.bonds)
         factory = {"dtype": dtype, "device": device}
         self.cores = nn.ParameterList(
-            [nn.Parameter(torch.empty(shape, **factory)) for shape in core_shapes])
+            [nn.Parameter(torch.empty(shape, **factory)) for shape in layout.core_shapes])
         self.gates = nn.ParameterList(
-            [nn.Parameter(torch.ones(shape[-1], **factory)) for shape in core_shapes[:-1]])
-        self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
+            [nn.Parameter(torch.ones(size, **factory)) for size in layout.bond_sizes])
+        self.bias = nn.Parameter(torch.zeros(layout.out_features, **factory)) if bias else None
         self._compiled_for: tuple | None = None
         self._compiled = None
         # Options for tncomp.compile, e.g. {"cuda_graphs": True} to replay the contraction
@@ -147,14 +157,51 @@ class GatedTrain(nn.Module):
 
     # -- structure ------------------------------------------------------------------------------
     @property
+    def layout(self) -> Layout:
+        """The layer's layout at its stored core shapes (followed after truncation, rounding and
+        loading: whatever resized the cores, the bonds are read from them)."""
+        shapes = tuple(tuple(c.shape) for c in self.cores)
+        if shapes != self._layout.core_shapes:
+            sizes = {bond: int(shapes[c][a])
+                     for bond, (c, a) in zip(self._layout.bonds, self._folds, strict=True)}
+            layout = self._layout.resized(sizes)
+            if layout.core_shapes != shapes:
+                raise ConfigError(
+                    f"{type(self).__name__}: cores of shapes {shapes} do not fit the layout "
+                    f"{layout.cores} (every core carrying a bond must give it one size); "
+                    "resize layers with resize_bonds_.")
+            self._layout = layout
+        return self._layout
+
+    @property
+    def in_modes(self) -> tuple[int, ...]:
+        return self._layout.in_modes
+
+    @property
+    def out_modes(self) -> tuple[int, ...]:
+        return self._layout.out_modes
+
+    @property
+    def bond_sizes(self) -> tuple[int, ...]:
+        """Stored (physical) size of each bond, in gate order."""
+        return self.layout.bond_sizes
+
+    @property
+    def bond_ranks(self) -> tuple[int, ...]:
+        """Effective size of each bond (its gate entries above tau), in gate order."""
+        return tuple(int(m.sum()) for m in self.gate_masks())
+
+    @property
     def bonds(self) -> tuple[int, ...]:
-        """Stored (physical) bond sizes, ends included."""
-        return (1, *(int(c.shape[-1]) for c in self.cores))
+        """Stored bond sizes; a chain's with its ends, ``(1, r_1, ..., r_{n-1}, 1)``."""
+        sizes = self.bond_sizes
+        return (1, *sizes, 1) if self._layout.is_chain else sizes
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        """Effective bond sizes: gate entries above tau, ends included."""
-        return (1, *(int(m.sum()) for m in self.gate_masks()), 1)
+        """Effective bond sizes (gate entries above tau); a chain's with its ends."""
+        ranks = self.bond_ranks
+        return (1, *ranks, 1) if self._layout.is_chain else ranks
 
     def gate_masks(self) -> list[Tensor]:
         """Per gate, a bool mask of the rank slices still alive (``|gate| > tau``), detached.
@@ -178,16 +225,21 @@ class GatedTrain(nn.Module):
                     f"{bad[:8]}; its output is NaN, so its ranks are not cut. Restore the layer "
                     "from a checkpoint (or lower the learning rates) before truncating.")
 
+    def gate_folds(self) -> tuple[tuple[int, int], ...]:
+        """Per gate, the ``(core, axis)`` it folds into: the first core carrying its bond."""
+        return self._folds
+
     def gated_cores(self) -> list[Tensor]:
-        """Cores with each gate folded into the right bond of the core before it."""
-        gates = self.effective_gates()
-        out = []
-        for k, core in enumerate(self.cores):
-            out.append(core * gates[k] if k < len(gates) else core)
+        """Cores with each gate folded into the first core that carries its bond (for a chain:
+        the right bond of the core before it)."""
+        out = list(self.cores)
+        for gate, (c, axis) in zip(self.effective_gates(), self._folds, strict=True):
+            out[c] = out[c] * _along(gate, axis, out[c].dim())
         return out
 
     def is_removed(self) -> bool:
-        """True when some gate is entirely zero: the TT weight is then exactly zero."""
+        """True when some gate is entirely zero: the weight is then exactly zero (every term
+        of the network sums over that bond)."""
         return any(not bool(m.any()) for m in self.gate_masks())
 
     def num_parameters(self, effective: bool = True) -> int:
@@ -198,30 +250,49 @@ class GatedTrain(nn.Module):
             return sum(p.numel() for p in self.parameters())
         if self.is_removed():
             return bias
-        ranks = self.ranks
-        return bias + sum(ranks[k] * math.prod(c.shape[1:-1]) * ranks[k + 1]
-                          for k, c in enumerate(self.cores))
+        return bias + self.layout.parameters_at(self.bond_ranks)
 
     def dense_num_parameters(self) -> int:
         """Parameters of the equivalent dense layer: ``in_features * out_features`` + bias."""
         return self.in_features * self.out_features + (
             self.bias.numel() if self.bias is not None else 0)
 
+    def resize_bonds_(self, bond_sizes: Sequence[int]) -> None:
+        """Give the layer cores and gates of ``bond_sizes`` (gate order): new uninitialised
+        Parameters where a shape differs (load the weights next), gates of ones."""
+        layout = self._layout.resized(dict(zip(self._layout.bonds, (int(b) for b in bond_sizes),
+                                               strict=True)))
+        for k, (old, shape) in enumerate(zip(self.cores, layout.core_shapes, strict=True)):
+            if tuple(old.shape) != shape:
+                self.cores[k] = nn.Parameter(old.new_empty(shape),
+                                             requires_grad=old.requires_grad)
+        for k, (gate, size) in enumerate(zip(self.gates, layout.bond_sizes, strict=True)):
+            if gate.numel() != size:
+                self.gates[k] = nn.Parameter(gate.new_ones(size),
+                                             requires_grad=gate.requires_grad)
+        self._layout = layout
+        self.build_compiled()
+
     # -- compute --------------------------------------------------------------------------------
     def _network(self) -> tncomp.Network:
-        raise NotImplementedError
+        return self.format.network(self.layout)
 
     def _structure(self) -> tuple:
         """Whatever besides the core shapes decides the network (part of the plan key)."""
         return ()
 
+    def plan_key(self) -> tuple:
+        """What decides the layer's compiled networks: core shapes, structure, compile options
+        (the one key of every plan a gated layer holds)."""
+        return (tuple(tuple(c.shape) for c in self.cores), self._structure(),
+                tuple(sorted(self.compile_options.items())))
+
     def compiled(self) -> tncomp.CompiledNetwork:
         """The compiled contraction for the current core shapes (re-planned after truncation)."""
-        shapes = (tuple(tuple(c.shape) for c in self.cores), self._structure(),
-                  tuple(sorted(self.compile_options.items())))
-        if self._compiled is None or self._compiled_for != shapes:
+        key = self.plan_key()
+        if self._compiled is None or self._compiled_for != key:
             self._compiled = tncomp.compile(self._network(), **self.compile_options)
-            self._compiled_for = shapes
+            self._compiled_for = key
         return self._compiled
 
     def forward(self, x: Tensor) -> Tensor:
@@ -276,14 +347,16 @@ class GatedTrain(nn.Module):
         state["_compiled_for"] = None
         return state
 
-    def _gaussian_init_(self, n_cores: int) -> None:
-        """Gaussian cores scaled so the dense weight has variance about 1/(fan_in + fan_out).
-        Cores on the meta device hold no values: nothing to draw."""
+    def _gaussian_init_(self) -> None:
+        """Gaussian cores scaled so the dense weight has variance about 1/(fan_in + fan_out):
+        std = (target / prod of the internal index sizes) ** (1 / (2 * cores)). Cores on the
+        meta device hold no values: nothing to draw."""
         if self.cores[0].is_meta:
             return
-        bonds = self.bonds
+        layout = self.layout
         target = 1.0 / (self.in_features + self.out_features)
-        std = (target / math.prod(bonds)) ** (1.0 / (2 * n_cores))
+        internal = math.prod(layout.size(i) for i in layout.internal)
+        std = (target / internal) ** (1.0 / (2 * len(self.cores)))
         with torch.no_grad():
             for core in self.cores:
                 core.normal_(0.0, std)
@@ -313,37 +386,130 @@ def check_finite_weight(module: nn.Module, weight: Tensor, bias: Tensor | None =
                 "exclude=[...].")
 
 
-class _LinearTrain(GatedTrain):
-    """What TT and TT-matrix linear layers share: mode checks, construction, from_linear."""
+def _check_linear(linear: nn.Module) -> None:
+    if not isinstance(linear, nn.Linear):
+        raise ConfigError(f"from_linear takes an nn.Linear, got {type(linear).__name__}.")
+    check_finite_weight(linear, linear.weight, linear.bias)
 
-    format_name = ""
+
+class GatedLinear(GatedTrain):
+    """``y = x @ W + b`` with W in a registered format (``"tt"``, ``"ttm"``, ... or a
+    :class:`~comera.formats.registry.Format`), rank gates on its bonds.
+
+    ``ranks``: an int (every bond at most that) or one rank per bond. ``in_modes`` /
+    ``out_modes``: how the features factor (a missing side is factorised, ``d`` modes when both
+    are); a format that uses no modes (plain low-rank) takes none."""
+
+    #: The format a subclass is fixed to (TTLinear: "tt"); None: any.
+    fixed_format: str | None = None
+
+    def __init__(self, in_features: int, out_features: int, format: Format | str = "tt",
+                 ranks: Ranks = 16, in_modes: Sequence[int] | None = None,
+                 out_modes: Sequence[int] | None = None, bias: bool = True,
+                 tau: float = DEFAULT_TAU, d: int = 3, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, memory: str | int = "fast"):
+        check_features("in_features", in_features)
+        check_features("out_features", out_features)
+        fmt = get_format(format)
+        if fmt.uses_modes:
+            in_modes, out_modes = resolve_modes(in_features, out_features, in_modes, out_modes,
+                                                d)
+            in_modes = _check_modes(in_modes, in_features, "in_modes")
+            out_modes = _check_modes(out_modes, out_features, "out_modes")
+            self._check_mode_counts(in_modes, out_modes)
+        elif in_modes is not None or out_modes is not None:
+            raise ConfigError(f"format {fmt.name!r} uses no modes, got in_modes={in_modes!r}, "
+                              f"out_modes={out_modes!r}; leave them out.")
+        else:
+            in_modes, out_modes = (in_features,), (out_features,)
+        layout = fmt.layout(tuple(in_modes), tuple(out_modes), ranks)
+        self._setup(layout, fmt, bias, tau, dtype, device, memory)
+
+    def _check_mode_counts(self, in_modes: tuple[int, ...], out_modes: tuple[int, ...]) -> None:
+        """A subclass's own rule on the numbers of modes (nothing by default)."""
+
+    def _setup(self, layout: Layout, fmt: Format, bias: bool, tau: float, dtype, device,
+               memory) -> None:
+        if self.fixed_format is not None and fmt.name != self.fixed_format:
+            raise ConfigError(f"{type(self).__name__} is the {self.fixed_format!r} format, got "
+                              f"format {fmt.name!r}; use GatedLinear for other formats.")
+        self.in_features = layout.in_features
+        self.out_features = layout.out_features
+        GatedTrain.__init__(self, layout, fmt, bias, tau, dtype, device, memory)
+        self._gaussian_init_()
+        self.build_compiled()
+
+    @classmethod
+    def from_layout(cls, layout: Layout, format: Format | str, bias: bool = True,
+                    tau: float = DEFAULT_TAU, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None,
+                    memory: str | int = "fast") -> GatedLinear:
+        """A layer of ``layout`` in ``format`` (a registered name or a Format), randomly
+        initialised: how records (checkpoints, pretrained folders) rebuild a layer."""
+        fmt = get_format(format)
+        layer = cls.__new__(cls)
+        layer._setup(layout, fmt, bias, tau, dtype, device, memory)
+        return layer
+
+    # from_eq (a network declared as an einsum with named bonds) goes here.
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, format: Format | str = "tt", ranks: Ranks = 16,
+                    in_modes: Sequence[int] | None = None,
+                    out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
+                    d: int = 3, memory: str | int = "fast") -> GatedLinear:
+        """A layer initialised from a trained ``nn.Linear`` by the format's decomposition (exact
+        at full rank where the format's is; bonds shrink to what it found), or randomly where
+        the format has none (the bias is copied either way)."""
+        _check_linear(linear)
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, format, ranks, in_modes, out_modes,
+                    linear.bias is not None, tau, d, dtype=w.dtype, device=w.device,
+                    memory=memory)
+        layer.load_weight_(w.detach().T, linear.bias)
+        return layer
+
+    def load_weight_(self, weight: Tensor, bias: Tensor | None = None) -> bool:
+        """Set the cores from a dense ``weight`` (in_features x out_features) by the format's
+        decomposition (:func:`load_cores_`), and the bias; False (cores unchanged) when the
+        format has no decomposition."""
+        cores = self.format.decompose(weight, self.layout)
+        if cores is None:
+            if bias is not None and self.bias is not None:
+                with torch.no_grad():
+                    self.bias.copy_(bias.detach())
+            return False
+        load_cores_(self, cores, bias)
+        return True
+
+    def to_dense(self) -> Tensor:
+        """The dense weight as nn.Linear stores it: (out_features, in_features)."""
+        return self.layout.dense(self.gated_cores()).T
+
+    def extra_repr(self) -> str:
+        own = "" if self.fixed_format is not None else f"format={self.format.name!r}, "
+        return own + super().extra_repr()
+
+
+class _ChainLinear(GatedLinear):
+    """TTLinear and TTMLinear: GatedLinear at one chain format, with their historic signature
+    (modes before ranks) and their d-input-modes-to-d-output-modes rule."""
 
     def __init__(self, in_features: int, out_features: int,
                  in_modes: Sequence[int] | None = None, out_modes: Sequence[int] | None = None,
                  ranks: Ranks = 16, bias: bool = True, tau: float = DEFAULT_TAU, d: int = 3,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  memory: str | int = "fast"):
-        self.in_features = check_features("in_features", in_features)
-        self.out_features = check_features("out_features", out_features)
-        in_modes, out_modes = resolve_modes(in_features, out_features, in_modes, out_modes, d)
-        self.in_modes = _check_modes(in_modes, in_features, "in_modes")
-        self.out_modes = _check_modes(out_modes, out_features, "out_modes")
-        if len(self.in_modes) != len(self.out_modes):
+        super().__init__(in_features, out_features, self.fixed_format, ranks, in_modes,
+                         out_modes, bias, tau, d, dtype, device, memory)
+
+    def _check_mode_counts(self, in_modes: tuple[int, ...], out_modes: tuple[int, ...]) -> None:
+        if len(in_modes) != len(out_modes):
             raise ConfigError(
-                f"in_modes {self.in_modes} and out_modes {self.out_modes} differ in length; the "
-                f"{self.format_name} format pairs d input modes with d output modes."
+                f"in_modes {in_modes} and out_modes {out_modes} differ in length; the "
+                f"{get_format(self.fixed_format).title} format pairs d input modes with d "
+                "output modes."
             )
-        shapes = self._core_shapes(ranks)
-        super().__init__(shapes, bias, out_features, tau, dtype, device, memory)
-        self._gaussian_init_(len(shapes))
-        self.build_compiled()
-
-    def _core_shapes(self, ranks: Ranks) -> list[tuple[int, ...]]:
-        raise NotImplementedError
-
-    @staticmethod
-    def _decompose(weight: Tensor, in_modes, out_modes, interior: list[int]) -> list[Tensor]:
-        raise NotImplementedError
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, ranks: Ranks = 16,
@@ -351,53 +517,29 @@ class _LinearTrain(GatedTrain):
                     out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
                     d: int = 3, memory: str | int = "fast"):
         """A layer initialised by TT-SVD of a trained ``nn.Linear`` (exact at full rank)."""
-        if not isinstance(linear, nn.Linear):
-            raise ConfigError(f"from_linear takes an nn.Linear, got {type(linear).__name__}.")
-        check_finite_weight(linear, linear.weight, linear.bias)
+        _check_linear(linear)
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, in_modes, out_modes, ranks,
                     linear.bias is not None, tau, d, dtype=w.dtype, device=w.device,
                     memory=memory)
-        cores = cls._decompose(w.detach().T, layer.in_modes, layer.out_modes,
-                               list(layer.bonds[1:-1]))
-        load_cores_(layer, cores, linear.bias)
+        layer.load_weight_(w.detach().T, linear.bias)
         return layer
 
 
-class TTLinear(_LinearTrain):
+class TTLinear(_ChainLinear):
     """y = x @ W + b with W in the CoMERA TT format (input modes, then output modes)."""
 
-    format_name = "TT"
-
-    def _core_shapes(self, ranks: Ranks) -> list[tuple[int, ...]]:
-        modes = self.in_modes + self.out_modes
-        bonds = resolve_bonds(ranks, modes, "ranks")
-        return [(bonds[k], n, bonds[k + 1]) for k, n in enumerate(modes)]
-
-    _decompose = staticmethod(matrix_to_tt)
-
-    def _network(self) -> tncomp.Network:
-        return tncomp.tt_linear(self.in_modes, self.out_modes, self.bonds)
+    fixed_format = "tt"
 
     def to_dense(self) -> Tensor:
         """The dense weight as nn.Linear stores it: (out_features, in_features)."""
         return tt_to_matrix(self.gated_cores(), len(self.in_modes)).T
 
 
-class TTMLinear(_LinearTrain):
+class TTMLinear(_ChainLinear):
     """y = x @ W + b with W in the interleaved TT-matrix format (cores (r, m_k, n_k, r))."""
 
-    format_name = "TT-matrix"
-
-    def _core_shapes(self, ranks: Ranks) -> list[tuple[int, ...]]:
-        pairs = list(zip(self.in_modes, self.out_modes, strict=True))
-        bonds = resolve_bonds(ranks, [m * n for m, n in pairs], "ranks")
-        return [(bonds[k], m, n, bonds[k + 1]) for k, (m, n) in enumerate(pairs)]
-
-    _decompose = staticmethod(matrix_to_ttm)
-
-    def _network(self) -> tncomp.Network:
-        return tncomp.ttm_linear(self.in_modes, self.out_modes, self.bonds)
+    fixed_format = "ttm"
 
     def to_dense(self) -> Tensor:
         """The dense weight as nn.Linear stores it: (out_features, in_features)."""
@@ -405,7 +547,11 @@ class TTMLinear(_LinearTrain):
 
 
 def load_cores_(layer: GatedTrain, cores: Sequence[Tensor], bias: Tensor | None) -> None:
-    """Copy TT-SVD cores (possibly of smaller rank than requested) into ``layer``."""
+    """Copy decomposed cores (whose bonds may be smaller than the layer's: the decomposition
+    found a lower exact rank) into ``layer``; each gate takes its bond's new size (ones)."""
+    if len(cores) != len(layer.cores):
+        raise ConfigError(f"{len(cores)} cores for a layer of {len(layer.cores)}; a "
+                          "decomposition gives one core per core of the layout.")
     with torch.no_grad():
         for k, core in enumerate(cores):
             target = layer.cores[k]
@@ -413,11 +559,13 @@ def load_cores_(layer: GatedTrain, cores: Sequence[Tensor], bias: Tensor | None)
                 layer.cores[k] = nn.Parameter(core.to(target.dtype).clone())
             else:
                 target.copy_(core)
-        for k, gate in enumerate(layer.gates):
-            size = layer.cores[k].shape[-1]
+        for k, (gate, (c, axis)) in enumerate(zip(layer.gates, layer.gate_folds(),
+                                                  strict=True)):
+            size = layer.cores[c].shape[axis]
             if gate.numel() != size:
                 layer.gates[k] = nn.Parameter(torch.ones(size, dtype=gate.dtype,
                                                          device=gate.device))
         if bias is not None and layer.bias is not None:
             layer.bias.copy_(bias.detach())
+    layer.layout  # noqa: B018  (checks the new shapes fit the layout)
     layer.build_compiled()
