@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError, ConversionError
@@ -23,8 +22,8 @@ from comera.formats.layout import Layout
 from comera.formats.registry import Format, get_format
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import GatedTrain, TTLinear, TTMLinear
-from comera.surgery.records import layout_of
+from comera.layers.linear import GatedLinear, GatedTrain
+from comera.surgery.records import linear_class
 
 if TYPE_CHECKING:
     from comera.surgery.convert import ConvertConfig
@@ -79,24 +78,13 @@ def _check_layer(name: str, config: ConvertConfig) -> None:
 
 
 # -- building one gated linear layer from a dense weight ------------------------------------------
-def dense_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
-    """An ``nn.Linear`` holding ``weight`` (in x out, as comera reads weights) and ``bias``."""
-    linear = nn.Linear(weight.shape[0], weight.shape[1], bias is not None,
-                       dtype=weight.dtype, device=weight.device)
-    with torch.no_grad():
-        linear.weight.copy_(weight.T)
-        if bias is not None:
-            linear.bias.copy_(bias)
-    return linear
-
-
-_LINEAR = {"tt": TTLinear, "ttm": TTMLinear}  # until GatedLinear takes any format
-
-
-def _linear_layer(fmt: str, in_features: int, out_features: int, modes, rank: int,
-                  config: ConvertConfig, **factory) -> GatedTrain:
-    return _LINEAR[fmt](in_features, out_features, modes[0], modes[1], rank, True, config.tau,
-                        config.d, **factory)
+def _linear(fmt: str, in_features: int, out_features: int, modes, rank: int, bias: bool,
+            config: ConvertConfig, **factory) -> GatedLinear:
+    """A randomly initialised linear layer of ``fmt`` (of the class fixed to it, if any)."""
+    cls = linear_class(fmt)
+    own = {} if cls.fixed_format is not None else {"format": fmt}
+    return cls(in_features, out_features, ranks=rank, in_modes=modes[0], out_modes=modes[1],
+               bias=bias, tau=config.tau, d=config.d, memory=config.memory, **own, **factory)
 
 
 def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
@@ -134,11 +122,13 @@ def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
     modes = config.modes.get(name, (None, None))
     rank = config.rank_for(name)
     if config.target_compression:
-        probe = _linear_layer(fmt, *weight.shape, modes, 1, config, device="meta")
-        rank = rank_for_target(get_format(fmt), layout_of(probe),
+        probe = _linear(fmt, *weight.shape, modes, 1, False, config, device="meta")
+        rank = rank_for_target(get_format(fmt), probe.layout,
                                weight.numel() / config.target_compression)
-    return _LINEAR[fmt].from_linear(dense_linear(weight, bias), rank, modes[0], modes[1],
-                                    config.tau, config.d, memory=config.memory)
+    layer = _linear(fmt, *weight.shape, modes, rank, bias is not None, config,
+                    dtype=weight.dtype, device=weight.device)
+    layer.load_weight_(weight, bias)
+    return layer
 
 
 # -- the converters -------------------------------------------------------------------------------
@@ -158,7 +148,7 @@ def _linear_like(read: Callable[[nn.Module], tuple[Tensor, Tensor | None]]) -> C
         before = sum(p.numel() for p in module.parameters())
         fmt = config.format_for(name)
         return layer, [Part(name, tuple(weight.shape), before, layer, fmt,
-                            layout_of(layer))]
+                            layer.layout)]
     return convert
 
 
@@ -179,14 +169,14 @@ def _embedding(name: str, module: nn.Embedding, config: ConvertConfig):
     if config.target_compression:
         probe = TTEmbedding(module.num_embeddings, module.embedding_dim, modes[0], modes[1], 1,
                             module.padding_idx, config.tau, config.d, device="meta")
-        rank = rank_for_target(get_format("ttm"), layout_of(probe),
+        rank = rank_for_target(get_format("ttm"), probe.layout,
                                module.weight.numel() / config.target_compression)
     layer = TTEmbedding.from_embedding(module, rank, modes[0], modes[1], config.tau, config.d)
     if config.memory != "fast":
         layer.memory = config.memory
     shape = (module.num_embeddings, module.embedding_dim)
     return layer, [Part(name, shape, module.weight.numel(), layer, "ttm",
-                        layout_of(layer))]
+                        layer.layout)]
 
 
 def _check_attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig) -> None:
@@ -230,7 +220,7 @@ def _attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig):
         fmt = config.format_for(f"{name}.{part}")
         parts.append(Part(f"{name}.{part}", tuple(w.shape),
                           w.numel() + (b.numel() if b is not None else 0), layers[part], fmt,
-                          layout_of(layers[part])))
+                          layers[part].layout))
     return attention, parts
 
 
@@ -260,5 +250,5 @@ def converter_for(module: nn.Module, converters: tuple[Converter, ...]) -> Conve
     return next((c for c in converters if c.matches(module)), None)
 
 
-__all__ = ["CONVERTERS", "EMBEDDING_FORMATS", "Converter", "Part", "converter_for",
-           "dense_linear", "full_rank", "gated_linear", "rank_for_target"]
+__all__ = ["CONVERTERS", "EMBEDDING_FORMATS", "Converter", "Part", "converter_for", "full_rank",
+           "gated_linear", "rank_for_target"]

@@ -39,7 +39,7 @@ from comera.layers.linear import GatedTrain
 from comera.ranks.size import tt_modules
 from comera.surgery import checkpoint as _ckpt
 from comera.surgery.convert import HF_SAVE_WARNING, ConvertConfig, convert_
-from comera.surgery.records import KINDS, build_layer, format_of, layer_spec, layout_of
+from comera.surgery.records import KINDS, build_layer, layer_spec
 from tncomp.files import atomic_write_bytes, atomic_write_text, link_or_special
 
 WEIGHTS = "comera_model.safetensors"
@@ -215,7 +215,7 @@ def _convert_like_(model: nn.Module, layers: Mapping[str, Mapping]) -> None:
             if not isinstance(_get(model, target), nn.MultiheadAttention):
                 continue  # load_checkpoint names what is missing
         layer = build_layer(spec, torch.empty(0, device="meta"))
-        fmt, layout = format_of(layer), layout_of(layer)
+        fmt, layout = layer.format.name, layer.layout
         modes = (layout.in_modes, layout.out_modes) if get_format(fmt).uses_modes else None
         key = (KINDS[spec["kind"]].switch, f"{target}.in_proj" in layers)
         groups.setdefault(key, {})[name] = (fmt, modes)

@@ -28,7 +28,7 @@ from comera.errors import CheckpointError, ConfigError
 from comera.formats.layout import Layout
 from comera.formats.registry import format_names, get_format
 from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import GatedTrain, TTLinear, TTMLinear
+from comera.layers.linear import GatedLinear, GatedTrain
 
 MAX_FEATURES = 2**31 - 1  # a record's sizes and bonds: int32, checked before anything is built
 MAX_MODES = 64
@@ -37,27 +37,15 @@ LEGACY = {"TTLinear": "tt", "TTMLinear": "ttm"}  # kinds written before the form
 LEGACY_KEYS = ("kind", "in_features", "out_features", "in_modes", "out_modes", "bonds", "tau",
                "bias", "padding_idx", "merge_pairs")
 
-# -- a layer's format and layout (until every layer carries .format and .layout) ------------------
-_LINEAR_CLASSES = {"tt": TTLinear, "ttm": TTMLinear}
-
-
-def format_of(layer: GatedTrain) -> str:
-    """The name of ``layer``'s format."""
-    if isinstance(layer, TTMLinear | TTEmbedding):
-        return "ttm"
-    return "tt"
-
-
-def layout_of(layer: GatedTrain) -> Layout:
-    """``layer``'s layout at its stored bond sizes."""
-    return get_format(format_of(layer)).layout(layer.in_modes, layer.out_modes,
-                                               list(layer.bonds[1:-1]))
-
-
-def _linear_from_layout(layout: Layout, fmt: str, bias: bool, tau: float,
-                        factory: dict) -> GatedTrain:
-    return _LINEAR_CLASSES[fmt](layout.in_features, layout.out_features, layout.in_modes,
-                                layout.out_modes, list(layout.bond_sizes), bias, tau, **factory)
+def linear_class(fmt: str) -> type[GatedLinear]:
+    """The linear layer class fixed to the format ``fmt`` (TTLinear for ``"tt"``), or
+    GatedLinear: a layer rebuilt from a record is of the class a converted one has."""
+    todo, seen = list(GatedLinear.__subclasses__()), []
+    while todo:
+        cls = todo.pop(0)
+        seen.append(cls)
+        todo += cls.__subclasses__()
+    return next((c for c in seen if c.fixed_format == fmt), GatedLinear)
 
 
 # -- checks of plain values -----------------------------------------------------------------------
@@ -99,8 +87,8 @@ class RecordKind:
 
 
 def _linear_write(layer: GatedTrain) -> dict[str, Any]:
-    return {"kind": "GatedLinear", "format": format_of(layer),
-            "layout": layout_of(layer).to_dict(), "bias": layer.bias is not None,
+    return {"kind": "GatedLinear", "format": layer.format.name,
+            "layout": layer.layout.to_dict(), "bias": layer.bias is not None,
             "tau": float(layer.tau)}
 
 
@@ -143,8 +131,9 @@ def _linear_problem(spec: Mapping[str, Any]) -> str | None:
 
 
 def _linear_build(spec: Mapping[str, Any], factory: dict) -> GatedTrain:
-    layout = Layout.from_dict(spec["layout"])
-    return _linear_from_layout(layout, spec["format"], spec["bias"], float(spec["tau"]), factory)
+    return linear_class(spec["format"]).from_layout(
+        Layout.from_dict(spec["layout"]), spec["format"], spec["bias"], float(spec["tau"]),
+        **factory)
 
 
 def _linear_fits(module: nn.Module, spec: Mapping[str, Any]) -> str | None:
@@ -206,7 +195,7 @@ KINDS: dict[str, RecordKind] = {
     "TTEmbedding": RecordKind("TTEmbedding", lambda m: isinstance(m, TTEmbedding),
                               _embedding_write, _legacy_problem, _embedding_build, nn.Embedding,
                               _embedding_fits, "embedding"),
-    "GatedLinear": RecordKind("GatedLinear", lambda m: not isinstance(m, TTEmbedding),
+    "GatedLinear": RecordKind("GatedLinear", lambda m: isinstance(m, GatedLinear),
                               _linear_write, _linear_problem, _linear_build, nn.Linear,
                               _linear_fits, "linear"),
 }
@@ -305,5 +294,5 @@ def read_records(layers: Any, state: Mapping[str, Any], where: str) -> dict[str,
     return read
 
 
-__all__ = ["KINDS", "LEGACY", "RecordKind", "build_layer", "format_of", "kind_of", "layer_spec",
-           "layout_of", "layout_problem", "read_records", "record_problem", "upgrade"]
+__all__ = ["KINDS", "LEGACY", "RecordKind", "build_layer", "kind_of", "layer_spec",
+           "layout_problem", "linear_class", "read_records", "record_problem", "upgrade"]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from comera.surgery.checkpoint import read_checkpoint
-from comera.surgery.records import build_layer, format_of, layout_of
+from comera.surgery.records import build_layer
 from comera.surgery.table import text_table
 
 
@@ -139,12 +139,12 @@ def checkpoint_report(path: str | os.PathLike) -> CheckpointReport:
         if cache_key is not None:
             inside.add(cache_key)
             cache = state[cache_key].numel()
-        layout = layout_of(layer)
-        ranks = tuple(int(m.sum()) for m in layer.gate_masks())
+        layout = layer.layout
         rows.append(LayerRow(name, type(layer).__name__, (layer.in_features, layer.out_features),
-                             (layout.in_modes, layout.out_modes), layout.bond_sizes, ranks,
+                             (layout.in_modes, layout.out_modes), layout.bond_sizes,
+                             layer.bond_ranks,
                              layer.num_parameters(True) + cache, layer.dense_num_parameters(),
-                             cache, format_of(layer)))
+                             cache, layer.format.name))
     other = sum(v.numel() for k, v in state.items()
                 if k not in inside and not _is_buffer_like(k, v))
     return CheckpointReport(record.path, tuple(rows), other, dict(record.extra))

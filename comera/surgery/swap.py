@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from comera.errors import CheckpointError, ConfigError
 from comera.formats.layout import Layout
 from comera.layers.linear import GatedTrain
-from comera.surgery.records import KINDS, build_layer, format_of, kind_of, layer_spec, layout_of
+from comera.surgery.records import KINDS, build_layer, kind_of, layer_spec
 
 LayerPlan = list[tuple[str, nn.Module, Mapping[str, Any]]]  # (name, module now, record)
 
@@ -39,19 +39,17 @@ def swap_submodule(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
 
 
 def resize_(module: GatedTrain, layout: Layout) -> None:
-    """Give ``module`` the cores and gates of ``layout`` (its own layout at other bond sizes):
-    a bond's new size reaches every core that carries it; new uninitialised Parameters where
-    a shape differs (load the weights next)."""
+    """Give ``module`` the cores and gates of ``layout``: its own layout at other bond sizes
+    (a bond's size reaches every core that carries it; new uninitialised Parameters where a
+    shape differs: load the weights next)."""
     if not isinstance(layout, Layout):
         raise ConfigError(f"resize_ takes the layer's Layout at the new bond sizes, got "
-                          f"{type(layout).__name__}; e.g. layout.resized({{'r1': 4}}).")
-    for k, (old, shape) in enumerate(zip(module.cores, layout.core_shapes, strict=True)):
-        if tuple(old.shape) != shape:
-            module.cores[k] = nn.Parameter(old.new_empty(shape), requires_grad=old.requires_grad)
-    for k, (gate, size) in enumerate(zip(module.gates, layout.bond_sizes, strict=True)):
-        if gate.numel() != size:
-            module.gates[k] = nn.Parameter(gate.new_ones(size), requires_grad=gate.requires_grad)
-    module.build_compiled()
+                          f"{type(layout).__name__}; e.g. layer.layout.resized({{'r1': 4}}).")
+    mine = module.layout
+    if mine.resized(dict(zip(mine.bonds, layout.bond_sizes, strict=True))) != layout:
+        raise ConfigError(f"resize_: {layout} is not the layout of {type(module).__name__} "
+                          f"({mine}) at other bond sizes.")
+    module.resize_bonds_(layout.bond_sizes)
 
 
 # -- matching a model against records ------------------------------------------------------------
@@ -66,10 +64,10 @@ def _check_gated(module: GatedTrain, spec: Mapping[str, Any]) -> str | None:
     if kind_of(module).name != spec["kind"]:
         return f"the model has a {type(module).__name__}, the checkpoint a {spec['kind']}"
     theirs = build_layer(spec, torch.empty(0, device="meta"))
-    if format_of(module) != format_of(theirs):
-        return (f"the model's layer has format {format_of(module)}, the checkpoint's "
-                f"{format_of(theirs)}")
-    mine, want = layout_of(module), layout_of(theirs)
+    if module.format.name != theirs.format.name:
+        return (f"the model's layer has format {module.format.name}, the checkpoint's "
+                f"{theirs.format.name}")
+    mine, want = module.layout, theirs.layout
     if len(mine.bonds) != len(want.bonds) or \
             mine.resized(dict(zip(mine.bonds, want.bond_sizes, strict=True))) != want:
         return f"the model's layer has {_describe(mine)}, the checkpoint's {_describe(want)}"
@@ -153,7 +151,7 @@ def restore_layers_(model: nn.Module, plan: LayerPlan) -> None:
     recorded one."""
     for name, module, spec in plan:
         if isinstance(module, GatedTrain):
-            resize_(module, layout_of(build_layer(spec, torch.empty(0, device="meta"))))
+            resize_(module, build_layer(spec, torch.empty(0, device="meta")).layout)
             module.tau = float(spec["tau"])
         else:
             swap_submodule(model, name, build_layer(spec, module.weight))

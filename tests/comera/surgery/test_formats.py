@@ -17,7 +17,6 @@ from torch import nn
 import comera
 from comera.formats.registry import format_names, get_format
 from comera.surgery.converters import EMBEDDING_FORMATS
-from comera.surgery.records import format_of, layout_of
 from comera.surgery.report import checkpoint_report
 
 F64 = torch.float64
@@ -54,7 +53,7 @@ def test_an_mlp_converts_saves_and_loads_in_every_format(fmt, tmp_path):
     x = torch.randn(5, 24, dtype=F64)
     report = _convert(model, ranks=_rank(fmt), format=fmt)
     assert [(r.name, r.format) for r in report.layers] == [("fc1", fmt), ("fc2", fmt)]
-    assert format_of(model.fc1) == fmt and format_of(model.fc2) == fmt
+    assert model.fc1.format.name == fmt and model.fc2.format.name == fmt
     assert f" {fmt} " in str(report)
     with torch.no_grad():
         y = model(x)
@@ -68,12 +67,12 @@ def test_an_mlp_converts_saves_and_loads_in_every_format(fmt, tmp_path):
         _convert(resized, ranks=1, format=fmt)  # other bond sizes: resized on load
         for target in (MLP(), resized):
             load(target)
-            assert format_of(target.fc1) == fmt
-            assert layout_of(target.fc1) == layout_of(model.fc1)
+            assert target.fc1.format.name == fmt
+            assert target.fc1.layout == model.fc1.layout
             with torch.no_grad():
                 assert torch.equal(target(x), y)
     rows = {r.name: r for r in checkpoint_report(tmp_path / "run.pt").layers}
-    assert rows["fc1"].format == fmt and rows["fc1"].bonds == layout_of(model.fc1).bond_sizes
+    assert rows["fc1"].format == fmt and rows["fc1"].bonds == model.fc1.layout.bond_sizes
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -83,7 +82,7 @@ def test_target_compression_picks_the_largest_rank_under_budget_in_every_format(
     report = _convert(model, target_compression=target, format=fmt)
     fmt_ = get_format(fmt)
     for r in report.layers:
-        layout = layout_of(model.get_submodule(r.name))
+        layout = model.get_submodule(r.name).layout
         budget = r.shape[0] * r.shape[1] / target
         assert layout.parameters_at(layout.bond_sizes) <= budget, r.name
         rank = max(layout.bond_sizes)
@@ -127,7 +126,7 @@ def test_a_bert_converts_and_round_trips_in_every_format(fmt, tmp_path):
             torch.testing.assert_close(logits, dense(ids).logits, rtol=1e-4, atol=1e-5)
     comera.save_pretrained(model, tmp_path)
     loaded = comera.from_pretrained(tmp_path, type(model))
-    assert {n: format_of(m) for n, m in comera.tt_modules(loaded)} == \
-        {n: format_of(m) for n, m in comera.tt_modules(model)}
+    assert {n: m.format.name for n, m in comera.tt_modules(loaded)} == \
+        {n: m.format.name for n, m in comera.tt_modules(model)}
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, logits)
