@@ -1,8 +1,10 @@
 """convert_, checkpoints and save_pretrained folders for every registered format (the
-user-declared ``einsum`` one has no dense conversion): an MLP and a HuggingFace BERT convert,
-equal the dense model at full rank where the format decomposes exactly, and round-trip through
-save_checkpoint / load_checkpoint and save_pretrained / from_pretrained, into dense models and
-into models converted at other ranks (resized on load)."""
+user-declared ``einsum`` one has no dense conversion), and for a toy non-chain format registered
+here (a hyperedge, a ring-like link, a fixed link: tests/comera/layers/toy_formats.py): an MLP
+and a HuggingFace BERT convert, equal the dense model at full rank where the format decomposes
+exactly, and round-trip through save_checkpoint / load_checkpoint and save_pretrained /
+from_pretrained, into dense models and into models converted at other ranks (resized on
+load)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ import torch
 from torch import nn
 
 import comera
+from comera.formats import registry
 from comera.formats.registry import format_names, get_format
 from comera.surgery.converters import EMBEDDING_FORMATS
 from comera.surgery.report import checkpoint_report
+from tests.comera.layers.toy_formats import TOY
 
 F64 = torch.float64
-FORMATS = [f for f in format_names() if f != "einsum"]
+FORMATS = [*(f for f in format_names() if f != "einsum"), TOY.name]
 FULL = 10**4  # above every bond cap here: the exact formats reproduce the dense layers
 LOW = 3
 
@@ -35,6 +39,12 @@ class MLP(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
+@pytest.fixture(autouse=True)
+def _toy_registered(monkeypatch):
+    format_names()  # the built-in formats first
+    monkeypatch.setitem(registry.FORMATS, TOY.name, TOY)
+
+
 def _rank(fmt: str) -> int:
     return FULL if get_format(fmt).exact_decomposition else LOW
 
@@ -42,7 +52,7 @@ def _rank(fmt: str) -> int:
 def _convert(model: nn.Module, **options):
     with warnings.catch_warnings():  # full rank compresses nothing: said, and meant here
         warnings.simplefilter("ignore", UserWarning)
-        return comera.convert_(model, **options)
+        return comera.convert_(model, **{"d": 2, **options})  # the toy format has 2 modes a side
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -95,7 +105,7 @@ def test_target_compression_picks_the_largest_rank_under_budget_in_every_format(
 def test_an_embedding_asked_for_a_non_chain_format_says_it_stays_tt_matrix(fmt):
     model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 4))
     with pytest.raises(comera.ConfigError, match=re.escape("TT-matrix TTEmbedding only")):
-        comera.convert_(model, embedding=True, format=fmt)
+        comera.convert_(model, embedding=True, format=fmt, d=2)
     assert type(model[0]) is nn.Embedding and type(model[1]) is nn.Linear  # nothing swapped
     report = _convert(model, embedding=True, ranks=2, format={"0": "ttm", "*": fmt})
     assert [r.format for r in report.layers] == ["ttm", fmt]
