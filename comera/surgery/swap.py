@@ -3,7 +3,8 @@
 A truncated gated layer's cores are smaller than a freshly built one's, so restoring saved
 weights first reshapes the target model: every recorded layer (:mod:`comera.surgery.records`)
 is matched by its dotted name, a gated layer of other bond sizes is resized in place
-(:func:`resize_`: every bond, in every core that carries it), and an unconverted ``nn.Linear`` /
+(``GatedTrain.resize_bonds_``: every bond, in every core that carries it; :func:`match_layers`
+has checked the layouts agree up to bond sizes), and an unconverted ``nn.Linear`` /
 ``nn.Embedding`` is replaced by the recorded layer. :func:`match_layers` checks the whole model
 before :func:`restore_layers_` changes anything. :func:`swap_submodule` is the one place a
 submodule is replaced by name (``convert_`` and checkpoint loading both use it).
@@ -36,20 +37,6 @@ def swap_submodule(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     old = getattr(parent, child)
     setattr(parent, child, new)
     return old
-
-
-def resize_(module: GatedTrain, layout: Layout) -> None:
-    """Give ``module`` the cores and gates of ``layout``: its own layout at other bond sizes
-    (a bond's size reaches every core that carries it; new uninitialised Parameters where a
-    shape differs: load the weights next)."""
-    if not isinstance(layout, Layout):
-        raise ConfigError(f"resize_ takes the layer's Layout at the new bond sizes, got "
-                          f"{type(layout).__name__}; e.g. layer.layout.resized({{'r1': 4}}).")
-    mine = module.layout
-    if mine.resized(dict(zip(mine.bonds, layout.bond_sizes, strict=True))) != layout:
-        raise ConfigError(f"resize_: {layout} is not the layout of {type(module).__name__} "
-                          f"({mine}) at other bond sizes.")
-    module.resize_bonds_(layout.bond_sizes)
 
 
 # -- matching a model against records ------------------------------------------------------------
@@ -151,12 +138,11 @@ def restore_layers_(model: nn.Module, plan: LayerPlan) -> None:
     recorded one."""
     for name, module, spec in plan:
         if isinstance(module, GatedTrain):
-            resize_(module, build_layer(spec, torch.empty(0, device="meta")).layout)
+            module.resize_bonds_(build_layer(spec, torch.empty(0, device="meta")).bond_sizes)
             module.tau = float(spec["tau"])
         else:
             swap_submodule(model, name, build_layer(spec, module.weight))
 
 
 # layer_spec lives in comera.surgery.records; named here for the modules that import it from swap
-__all__ = ["check_other_keys", "layer_spec", "match_layers", "resize_", "restore_layers_",
-           "swap_submodule"]
+__all__ = ["check_other_keys", "layer_spec", "match_layers", "restore_layers_", "swap_submodule"]
