@@ -270,7 +270,7 @@ def _finite(value: Any) -> bool:
 
 
 def _convert_config(args):
-    from comera.surgery.convert import ConvertConfig
+    from comera.surgery.config import ConvertConfig
 
     fields: dict[str, Any] = {}
     if args.config is not None:

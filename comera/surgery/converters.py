@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from torch import Tensor, nn
 
@@ -23,10 +23,8 @@ from comera.formats.registry import Format, get_format
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.embedding import TTEmbedding
 from comera.layers.linear import GatedLinear, GatedTrain
+from comera.surgery.config import ConvertConfig
 from comera.surgery.records import linear_class
-
-if TYPE_CHECKING:
-    from comera.surgery.convert import ConvertConfig
 
 #: the formats an embedding table can take: the chain formats, both stored as a TT-matrix table
 EMBEDDING_FORMATS = ("tt", "ttm")
@@ -46,7 +44,7 @@ class Part(NamedTuple):
     layout: Layout
 
 
-Convert = Callable[[str, nn.Module, "ConvertConfig"], tuple[nn.Module, list[Part]]]
+Convert = Callable[[str, nn.Module, ConvertConfig], tuple[nn.Module, list[Part]]]
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ from comera.formats.registry import get_format
 from comera.layers.linear import GatedTrain
 from comera.ranks.size import tt_modules
 from comera.surgery import checkpoint as _ckpt
-from comera.surgery.convert import HF_SAVE_WARNING, ConvertConfig, convert_
+from comera.surgery.config import ConvertConfig
+from comera.surgery.convert import HF_SAVE_WARNING, convert_
 from comera.surgery.records import KINDS, build_layer, layer_spec
 from tncomp.files import atomic_write_bytes, atomic_write_text, link_or_special
 
