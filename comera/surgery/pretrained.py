@@ -207,14 +207,14 @@ def _convert_like_(model: nn.Module, layers: Mapping[str, Mapping]) -> None:
     groups: dict[tuple[str, bool], dict[str, tuple[str, tuple | None]]] = {}
     targets: dict[tuple[str, bool], set[str]] = {}
     for name, spec in layers.items():
-        try:
-            if isinstance(model.get_submodule(name), GatedTrain):
-                continue
+        owner = name.rpartition(".")[0]
+        if isinstance(_get(model, owner), nn.MultiheadAttention):
+            target = owner  # a projection of a dense attention: converted with it
+        elif isinstance(_get(model, name), nn.Module) and \
+                not isinstance(_get(model, name), GatedTrain):
             target = name
-        except AttributeError:  # a projection of a (dense) nn.MultiheadAttention
-            target = name.rpartition(".")[0]
-            if not isinstance(_get(model, target), nn.MultiheadAttention):
-                continue  # load_checkpoint names what is missing
+        else:
+            continue  # converted already, or missing: load_checkpoint names what is missing
         layer = build_layer(spec, torch.empty(0, device="meta"))
         fmt, layout = layer.format.name, layer.layout
         modes = (layout.in_modes, layout.out_modes) if get_format(fmt).uses_modes else None

@@ -111,6 +111,29 @@ def test_an_embedding_asked_for_a_non_chain_format_says_it_stays_tt_matrix(fmt):
     assert [r.format for r in report.layers] == ["ttm", fmt]
 
 
+@pytest.mark.parametrize("in_proj", ["split", "packed"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_attention_layer_round_trips_through_a_folder(fmt, in_proj, tmp_path):
+    """nn.MultiheadAttention's projections (packed: one in_proj) in any format, the feed-forward
+    in another: from_pretrained converts the dense attention with all its parts (the packed
+    in_proj and out_proj failed to load before: they were converted in separate groups)."""
+    pytest.importorskip("safetensors")
+
+    def layer():
+        torch.manual_seed(0)
+        return nn.TransformerEncoderLayer(16, 2, 16, batch_first=True, dropout=0.0,
+                                          dtype=F64).eval()
+
+    model = layer()
+    x = torch.randn(2, 5, 16, dtype=F64)
+    _convert(model, ranks=LOW, format={"linear1": "tt", "*": fmt}, attention_in_proj=in_proj)
+    assert model.self_attn.out_proj.format.name == fmt and model.linear1.format.name == "tt"
+    comera.save_pretrained(model, tmp_path)
+    loaded = comera.from_pretrained(tmp_path, layer())
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
 transformers = pytest.importorskip("transformers")
 
 
