@@ -69,10 +69,14 @@ class Converter:
 
 
 def _check_layer(name: str, config: ConvertConfig) -> None:
-    """The config gives the layer ``name`` a format and a rank (else its ConfigError)."""
-    config.format_for(name)
+    """The config gives the layer ``name`` a format and a rank, and modes only where its format
+    uses modes (else a ConfigError, raised before any module is swapped)."""
+    fmt = config.format_for(name)
     if not config.target_compression:
         config.rank_for(name)
+    if name in config.modes and not get_format(fmt).uses_modes:
+        raise ConfigError(f"modes={{{name!r}: ...}}: layer {name!r} is converted to the format "
+                          f"{fmt!r}, which uses no modes; leave {name!r} out of modes.")
 
 
 # -- building one gated linear layer from a dense weight ------------------------------------------

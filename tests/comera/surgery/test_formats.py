@@ -18,13 +18,29 @@ from torch import nn
 
 import comera
 from comera.formats import registry
-from comera.formats.registry import format_names, get_format
+from comera.formats.layout import Layout
+from comera.formats.registry import Format, format_names, get_format
 from comera.surgery.converters import EMBEDDING_FORMATS
 from comera.surgery.report import checkpoint_report
 from tests.comera.layers.toy_formats import TOY
 
 F64 = torch.float64
-FORMATS = [*(f for f in format_names() if f != "einsum"), TOY.name]
+
+
+class TwoFactors(Format):
+    """A format without modes (W = A B), as plain low-rank is: exercises the mode-less path."""
+
+    name, title, uses_modes = "two-factors", "two factors", False
+
+    def layout(self, in_modes, out_modes, ranks) -> Layout:
+        (n,), (m,) = in_modes, out_modes
+        rank = min(ranks, n, m) if isinstance(ranks, int) else ranks[0]
+        return Layout(("i",), ("o",), (("i", "a"), ("a", "o")),
+                      (("i", n), ("o", m), ("a", rank)), ("a",))
+
+
+TWO = TwoFactors()
+FORMATS = [*(f for f in format_names() if f != "einsum"), TOY.name, TWO.name]
 FULL = 10**4  # above every bond cap here: the exact formats reproduce the dense layers
 LOW = 3
 
@@ -43,6 +59,7 @@ class MLP(nn.Module):
 def _toy_registered(monkeypatch):
     format_names()  # the built-in formats first
     monkeypatch.setitem(registry.FORMATS, TOY.name, TOY)
+    monkeypatch.setitem(registry.FORMATS, TWO.name, TWO)
 
 
 def _rank(fmt: str) -> int:
@@ -132,6 +149,14 @@ def test_an_attention_layer_round_trips_through_a_folder(fmt, in_proj, tmp_path)
     loaded = comera.from_pretrained(tmp_path, layer())
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+
+
+def test_modes_for_a_format_without_modes_are_refused_before_any_swap():
+    model = MLP()
+    with pytest.raises(comera.ConfigError, match="uses no modes"):
+        comera.convert_(model, format={"fc1": "tt", "*": TWO.name},
+                        modes={"fc2": ((4, 4), (3, 4))}, ranks=2)
+    assert type(model.fc1) is nn.Linear  # nothing swapped
 
 
 transformers = pytest.importorskip("transformers")
