@@ -27,20 +27,31 @@ from comera.surgery.table import text_table
 
 @dataclass(frozen=True)
 class LayerRow:
-    """One gated layer of a checkpoint: type, format, dense shape, modes, stored bond sizes and
-    effective ranks (one per bond, in gate order) and parameters (at the effective ranks, and
-    dense)."""
+    """One gated layer of a checkpoint: type, format, dense shape, modes, stored bonds and
+    effective ranks (as the layer gives them: a chain's with its ends 1) and parameters (at the
+    effective ranks, and dense)."""
 
     name: str
     kind: str
     shape: tuple[int, int]
     modes: tuple[tuple[int, ...], tuple[int, ...]]
-    bonds: tuple[int, ...]  # stored (physical), one per bond
-    ranks: tuple[int, ...]  # effective, one per bond
+    bonds: tuple[int, ...]  # stored (physical): the layer's ``bonds``
+    ranks: tuple[int, ...]  # effective: the layer's ``ranks``
     params: int  # at the effective ranks (bias and hot-row cache included)
     dense_params: int
     cache_params: int = 0  # of a hot-row cache, counted in ``params`` (as model_size does)
     format: str = "tt"
+    chain: bool = True  # bonds and ranks carry a chain's ends
+
+    @property
+    def bond_sizes(self) -> tuple[int, ...]:
+        """The stored size of each bond, in gate order (a chain's ends left out)."""
+        return self.bonds[1:-1] if self.chain else self.bonds
+
+    @property
+    def bond_ranks(self) -> tuple[int, ...]:
+        """The effective size of each bond, in gate order (a chain's ends left out)."""
+        return self.ranks[1:-1] if self.chain else self.ranks
 
     @property
     def compression(self) -> float:
@@ -98,8 +109,8 @@ class CheckpointReport:
         head = ("layer", "type", "format", "shape", "modes", "bonds", "ranks", "params", "dense",
                 "ratio")
         rows = [(r.name, r.kind, r.format, f"{r.shape[0]}x{r.shape[1]}",
-                 f"{list(r.modes[0])}x{list(r.modes[1])}", str(list(r.bonds)),
-                 str(list(r.ranks)), f"{r.params:,}", f"{r.dense_params:,}", r.ratio_text())
+                 f"{list(r.modes[0])}x{list(r.modes[1])}", str(list(r.bond_sizes)),
+                 str(list(r.bond_ranks)), f"{r.params:,}", f"{r.dense_params:,}", r.ratio_text())
                 for r in self.layers]
         all_removed = bool(self.layers) and all(r.removed for r in self.layers)
         rows.append(("TT layers", "", "", "", "", "", "", f"{self.tt_params:,}",
@@ -141,10 +152,9 @@ def checkpoint_report(path: str | os.PathLike) -> CheckpointReport:
             cache = state[cache_key].numel()
         layout = layer.layout
         rows.append(LayerRow(name, type(layer).__name__, (layer.in_features, layer.out_features),
-                             (layout.in_modes, layout.out_modes), layout.bond_sizes,
-                             layer.bond_ranks,
+                             (layout.in_modes, layout.out_modes), layer.bonds, layer.ranks,
                              layer.num_parameters(True) + cache, layer.dense_num_parameters(),
-                             cache, layer.format.name))
+                             cache, layer.format.name, layout.is_chain))
     other = sum(v.numel() for k, v in state.items()
                 if k not in inside and not _is_buffer_like(k, v))
     return CheckpointReport(record.path, tuple(rows), other, dict(record.extra))

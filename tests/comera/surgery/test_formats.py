@@ -99,7 +99,7 @@ def test_an_mlp_converts_saves_and_loads_in_every_format(fmt, tmp_path):
             with torch.no_grad():
                 assert torch.equal(target(x), y)
     rows = {r.name: r for r in checkpoint_report(tmp_path / "run.pt").layers}
-    assert rows["fc1"].format == fmt and rows["fc1"].bonds == model.fc1.layout.bond_sizes
+    assert rows["fc1"].format == fmt and rows["fc1"].bond_sizes == model.fc1.layout.bond_sizes
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -51,7 +51,8 @@ def test_an_old_checkpoint_reads_as_records_of_today():
     assert rows["a"].format == "tt" and rows["b"].format == "ttm"
     old = torch.load(CHECKPOINT, weights_only=True)["layers"]
     for name in ("a", "b", "emb"):  # the bonds main stored, without the chain's ends
-        assert rows[name].bonds == tuple(old[name]["bonds"][1:-1]), name
+        assert rows[name].bonds == tuple(old[name]["bonds"]), name
+        assert rows[name].bond_sizes == tuple(old[name]["bonds"][1:-1]), name
     assert "ttm" in str(report)
 
 
