@@ -102,7 +102,7 @@ def check_tau(tau: float) -> float:
     return float(tau)
 
 
-def _along(vector: Tensor, axis: int, ndim: int) -> Tensor:
+def broadcast_along(vector: Tensor, axis: int, ndim: int) -> Tensor:
     """``vector`` shaped to scale axis ``axis`` of an ``ndim``-axis core (as is for the last)."""
     if axis == ndim - 1:
         return vector
@@ -125,8 +125,8 @@ class GatedTrain(nn.Module):
             raise ConfigError(f"layout={layout!r}; a gated layer takes a comera Layout (from "
                               "a format's layout(...) or Layout.from_dict).")
         self._layout = layout
-        # gate k scales axis ``axis`` of core ``core``: the first core that carries bond k
-        self._folds = tuple(layout.carriers(bond)[0] for bond in layout.bonds)
+        self._adopt_structure_()
+        self._layout_shapes = layout.core_shapes  # the core shapes ``_layout`` is for
         factory = {"dtype": dtype, "device": device}
         self.cores = nn.ParameterList(
             [nn.Parameter(torch.empty(shape, **factory)) for shape in layout.core_shapes])
@@ -161,7 +161,7 @@ class GatedTrain(nn.Module):
         """The layer's layout at its stored core shapes (followed after truncation, rounding and
         loading: whatever resized the cores, the bonds are read from them)."""
         shapes = tuple(tuple(c.shape) for c in self.cores)
-        if shapes != self._layout.core_shapes:
+        if shapes != self._layout_shapes:
             sizes = {bond: int(shapes[c][a])
                      for bond, (c, a) in zip(self._layout.bonds, self._folds, strict=True)}
             layout = self._layout.resized(sizes)
@@ -170,16 +170,24 @@ class GatedTrain(nn.Module):
                     f"{type(self).__name__}: cores of shapes {shapes} do not fit the layout "
                     f"{layout.cores} (every core carrying a bond must give it one size); "
                     "resize layers with resize_bonds_.")
-            self._layout = layout
+            self._layout, self._layout_shapes = layout, shapes
         return self._layout
+
+    def _adopt_structure_(self) -> None:
+        """Read what never changes from the layout: gate k scales axis ``axis`` of core
+        ``core`` (the first core that carries bond k), and the feature modes."""
+        self._folds = tuple(self._layout.carriers(bond)[0] for bond in self._layout.bonds)
+        self._modes = (self._layout.in_modes, self._layout.out_modes)
 
     @property
     def in_modes(self) -> tuple[int, ...]:
-        return self._layout.in_modes
+        """The sizes of x's feature indices (``x`` is reshaped to ``(B, *in_modes)``)."""
+        return self._modes[0]
 
     @property
     def out_modes(self) -> tuple[int, ...]:
-        return self._layout.out_modes
+        """The sizes of y's feature indices."""
+        return self._modes[1]
 
     @property
     def bond_sizes(self) -> tuple[int, ...]:
@@ -234,7 +242,7 @@ class GatedTrain(nn.Module):
         the right bond of the core before it)."""
         out = list(self.cores)
         for gate, (c, axis) in zip(self.effective_gates(), self._folds, strict=True):
-            out[c] = out[c] * _along(gate, axis, out[c].dim())
+            out[c] = out[c] * broadcast_along(gate, axis, out[c].dim())
         return out
 
     def is_removed(self) -> bool:
@@ -270,7 +278,7 @@ class GatedTrain(nn.Module):
             if gate.numel() != size:
                 self.gates[k] = nn.Parameter(gate.new_ones(size),
                                              requires_grad=gate.requires_grad)
-        self._layout = layout
+        self._layout, self._layout_shapes = layout, layout.core_shapes
         self.build_compiled()
 
     # -- compute --------------------------------------------------------------------------------
@@ -339,7 +347,21 @@ class GatedTrain(nn.Module):
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
+        if "_layout" not in self.__dict__:  # pickled before layers had a layout: a TT chain
+            self._adopt_chain_layout_()
         self.build_compiled()
+
+    def _adopt_chain_layout_(self) -> None:
+        """Give a layer unpickled from before formats (TTLinear: "tt"; TTMLinear and
+        TTEmbedding: "ttm") its format and the chain layout of its stored cores."""
+        fmt = get_format(getattr(self, "fixed_format", None) or "ttm")
+        in_modes, out_modes = self.__dict__.pop("in_modes"), self.__dict__.pop("out_modes")
+        layout = fmt.layout(tuple(in_modes), tuple(out_modes), 1)
+        sizes = [int(c.shape[-1]) for c in self.cores][:-1]
+        self._layout = layout.resized(dict(zip(layout.bonds, sizes, strict=True)))
+        self._layout_shapes = self._layout.core_shapes
+        self.format = fmt
+        self._adopt_structure_()
 
     def __getstate__(self):  # compiled plans hold generated code: rebuild after unpickling
         state = self.__dict__.copy()

@@ -8,13 +8,14 @@ GEMM is one ``n * r`` wide product, the per-sibling steps are batched GEMMs, and
 the stacked gradient back into each layer's own cores and gates (``torch.stack`` in forward).
 The layers themselves stay as they are: their parameters, state_dict and checkpoints.
 
-Siblings stack when they have the same class (TTLinear or TTMLinear), modes, dtype, device and
-compile options. Ranks may differ (rank-adaptive training prunes them apart, ``truncate_``
-removes the pruned slices physically): each core is padded with zero slices up to the largest
-bond. That is exact: a zero slice adds exactly zero to every sum, and the padding is a
-constant, so no gradient reaches it (rank pruning by gates already computes on such zeros).
-Padding costs work, so the siblings stack only while the padded bonds sum to at most
-``MAX_PADDING`` times the stored ones (interior bonds); beyond that, and for inputs with no
+Siblings stack when they are gated linear layers (:class:`~comera.layers.linear.GatedLinear`:
+TTLinear, TTMLinear or any format) of the same class, format, layout (up to bond sizes),
+dtype, device and compile options. Ranks may differ (rank-adaptive training prunes them apart,
+``truncate_`` removes the pruned slices physically): each core is padded with zero slices on
+every bond axis up to that bond's largest size. That is exact: a zero slice adds exactly zero
+to every sum, and the padding is a constant, so no gradient reaches it (rank pruning by gates
+already computes on such zeros). Padding costs work, so the siblings stack only while the padded
+bonds sum to at most ``MAX_PADDING`` times the stored ones; beyond that, and for inputs with no
 rows, they run one by one.
 """
 
@@ -28,52 +29,62 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import tncomp
-from comera.layers.linear import TTLinear, TTMLinear, add_bias
+from comera.formats.layout import Layout
+from comera.layers.linear import GatedLinear, add_bias
 from tncomp import autocast_cast, autocast_dtype, stack_siblings
 
-# The network of each stackable layer class, at given modes and bonds.
-BUILDERS = {TTLinear: tncomp.tt_linear, TTMLinear: tncomp.ttm_linear}
 # Stack while the padded bonds sum to at most this many times the stored ones (the work that
 # grows with the batch is linear in each bond). Measured on CPU, 1 thread, 768x768 q/k/v at
 # B = 16..4096: stacking was as fast or faster up to a ratio of 2.15 (ranks 30, 6 and 3).
 MAX_PADDING = 2.25
 
 
-def _padded_bonds(layers: Sequence[nn.Module]) -> tuple[int, ...]:
-    return tuple(max(bonds) for bonds in zip(*(layer.bonds for layer in layers), strict=True))
+def _padded_bonds(layers: Sequence[GatedLinear]) -> tuple[int, ...]:
+    return tuple(max(sizes) for sizes in zip(*(layer.bond_sizes for layer in layers),
+                                             strict=True))
+
+
+def _fixed(layout: Layout) -> tuple:
+    """The layout without its bond sizes: what siblings must share."""
+    sizes = tuple((n, s) for n, s in layout.sizes if n not in layout.bonds)
+    return layout.inputs, layout.outputs, layout.cores, layout.bonds, sizes
 
 
 def stack_key(layers: Sequence[nn.Module]) -> tuple | None:
-    """What decides the stacked network of ``layers`` (class, modes, padded bonds, dtype, device,
-    compile options), or None when they do not stack (see the module docstring)."""
+    """What decides the stacked network of ``layers`` (class, format, layout, padded bonds,
+    dtype, device, compile options), or None when they do not stack (see the module
+    docstring)."""
     if len(layers) < 2:
         return None
     first = layers[0]
     kind = type(first)
-    if kind not in BUILDERS:
+    if not isinstance(first, GatedLinear):
         return None
     dtype, device = first.cores[0].dtype, first.cores[0].device
     options = tuple(sorted(first.compile_options.items()))
+    fixed = _fixed(first.layout)
     for layer in layers:
-        if (type(layer) is not kind or layer.in_modes != first.in_modes
-                or layer.out_modes != first.out_modes
+        if (type(layer) is not kind or type(layer.format) is not type(first.format)
+                or layer.format.name != first.format.name
+                or _fixed(layer.layout) != fixed
                 or tuple(sorted(layer.compile_options.items())) != options
                 or any(c.dtype != dtype or c.device != device for c in layer.cores)):
             return None
     bonds = _padded_bonds(layers)
-    stored = sum(sum(layer.bonds[1:-1]) for layer in layers)  # interior bonds
-    if len(layers) * sum(bonds[1:-1]) > MAX_PADDING * stored:
+    stored = sum(sum(layer.bond_sizes) for layer in layers)
+    if len(layers) * sum(bonds) > MAX_PADDING * stored:
         return None
-    return kind, first.in_modes, first.out_modes, bonds, len(layers), dtype, device, options
+    return kind, first.format.name, fixed, bonds, len(layers), dtype, device, options
 
 
-def _pad(core: Tensor, left: int, right: int) -> Tensor:
-    """``core`` (r, ..., r') with zero slices appended up to (left, ..., right)."""
-    grow_left, grow_right = left - core.shape[0], right - core.shape[-1]
-    if not grow_left and not grow_right:
+def _pad(core: Tensor, target: Sequence[int]) -> Tensor:
+    """``core`` with zero slices appended on each axis up to ``target`` (its padded shape)."""
+    grow = [t - n for t, n in zip(target, core.shape, strict=True)]
+    if not any(grow):
         return core
     pad = [0] * (2 * core.dim())
-    pad[1], pad[-1] = grow_right, grow_left  # F.pad lists the last axis first
+    for axis, g in enumerate(grow):
+        pad[2 * (core.dim() - 1 - axis) + 1] = g  # F.pad lists the last axis first
     return F.pad(core, pad)
 
 
@@ -87,6 +98,7 @@ class Siblings:
     def __init__(self) -> None:
         self._compiled: tncomp.CompiledNetwork | None = None
         self._compiled_for: tuple | None = None
+        self._padded_shapes: tuple[tuple[int, ...], ...] = ()
 
     def build_compiled(self, layers: Sequence[nn.Module]) -> bool:
         """Build the stacked network of ``layers``' current shapes now (outside any
@@ -95,10 +107,13 @@ class Siblings:
         if key is None:
             return False
         if self._compiled_for != key:
-            kind, in_modes, out_modes, bonds, n, _, _, options = key
-            net = stack_siblings(BUILDERS[kind](in_modes, out_modes, bonds), n)
+            first = layers[0]
+            _, _, _, bonds, n, _, _, options = key
+            padded = first.layout.resized(dict(zip(first.layout.bonds, bonds, strict=True)))
+            net = stack_siblings(first.format.network(padded), n)
             self._compiled = tncomp.compile(net, **dict(options))
             self._compiled_for = key
+            self._padded_shapes = padded.core_shapes
         return True
 
     def __call__(self, layers: Sequence[nn.Module], x: Tensor) -> list[Tensor]:
@@ -111,12 +126,11 @@ class Siblings:
             if torch.compiler.is_compiling():  # building one inside a trace breaks the graph
                 return [layer(x) for layer in layers]
             self.build_compiled(layers)
-        bonds = key[3]
         lead = x.shape[:-1]
         xm = x.reshape(math.prod(lead), *first.in_modes)  # (B, *in_modes)
         gated = [layer.gated_cores() for layer in layers]
-        cores = [torch.stack([_pad(g[k], bonds[k], bonds[k + 1]) for g in gated])  # (n, r, ., r')
-                 for k in range(len(bonds) - 1)]
+        cores = [torch.stack([_pad(g[k], shape) for g in gated])  # (n, *core k's padded shape)
+                 for k, shape in enumerate(self._padded_shapes)]
         low = autocast_dtype(x.device.type)
         if low is not None:  # as the layers do: compute in the autocast dtype
             xm, cores = autocast_cast(xm, low), [autocast_cast(c, low) for c in cores]

@@ -35,9 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
-from comera.layers.linear import GatedTrain
+from comera.layers.linear import GatedLinear, GatedTrain
 from comera.ranks.size import model_size, tt_modules
-from comera.ranks.truncate import live_cores, rebuild_stacks, round_layer_
+from comera.ranks.truncate import live_cores, rebuild_stacks, round_layer_, rounds_exactly
 
 log = logging.getLogger("comera.ranks.allocate")
 
@@ -66,16 +66,31 @@ def _inner(layer: GatedTrain) -> list[int]:
     return [math.prod(c.shape[1:-1]) for c in layer.cores]
 
 
+def check_chains(layers) -> None:
+    """Spectrum allocation reads a chain's bond spectra and rounds it exactly: every layer must
+    be a chain (TT, TT-matrix) whose format rounds, else a :class:`ConfigError` naming the
+    first other layer and the fix."""
+    for name, layer in layers:
+        if not (layer.layout.is_chain and rounds_exactly(layer)):
+            raise ConfigError(
+                f"layer {name or '<model>'} is in the {layer.format.name!r} format; spectrum "
+                "allocation needs tensor-train chains (tt, ttm) with an exact rounding. Use "
+                "allocation=\"prune\" (LateStage(allocation=\"prune\"), the default), which "
+                "works for every format.")
+
+
 def layer_size(layer: GatedTrain, ranks) -> int:
-    """Parameters of ``layer`` at bond sizes ``ranks`` (ends included), bias included."""
+    """Parameters of a chain ``layer`` at bond sizes ``ranks`` (ends included), bias
+    included."""
     bias = layer.bias.numel() if layer.bias is not None else 0
-    return bias + sum(ranks[k] * n * ranks[k + 1] for k, n in enumerate(_inner(layer)))
+    return bias + layer.layout.parameters_at(tuple(ranks[1:-1]))
 
 
 def bond_spectra(layer: GatedTrain, rtol: float = 1e-10) -> tuple[Tensor, ...]:
     """Per bond (gate order), the singular values of ``layer``'s weight unfolded at that bond
     (live slices, gates folded in; float64, descending; values below ``rtol`` times the
     largest dropped). Read only: the layer is not changed."""
+    check_chains([("", layer)])
     if layer.is_removed():
         return tuple(torch.zeros(0, dtype=torch.float64) for _ in layer.gates)
     with torch.no_grad():
@@ -133,6 +148,7 @@ def uniform_ranks(model: nn.Module, target_size: float,
     it carries now and its neighbours allow)``), and those ranks per layer; (0, rank 1 ranks)
     when not even rank 1 fits. ``limit``: the highest rank tried (default: the largest bond)."""
     layers = [(name, m) for name, m in tt_modules(model) if not m.is_removed()]
+    check_chains(layers)
     other = model_size(model) - sum(m.num_parameters() for _, m in layers)
     top = limit or max((max(m.ranks) for _, m in layers), default=1)
 
@@ -167,6 +183,7 @@ def allocate(model: nn.Module, target_size: float, floor: str = "uniform",
     if not layers:
         raise ConfigError("the model has no live TT layers: convert it with comera.convert_ "
                           "first.")
+    check_chains(layers)
     other = model_size(model) - sum(m.num_parameters() for _, m in layers)
     u_rank, uniform = uniform_ranks(model, target_size)
     state = []
@@ -258,10 +275,15 @@ def rebuild_at_(model: nn.Module, ranks: dict[str, tuple[int, ...]]) -> nn.Modul
                           f"{sorted(layers)[:4]} ...); pass an allocation of this model.")
     for name, bonds in ranks.items():
         layer = layers[name]
-        fresh = type(layer)(layer.in_features, layer.out_features, layer.in_modes,
-                            layer.out_modes, ranks=list(bonds[1:-1]),
-                            bias=layer.bias is not None, tau=layer.tau,
-                            dtype=layer.cores[0].dtype, device=layer.cores[0].device)
+        if not isinstance(layer, GatedLinear):
+            raise ConfigError(f"layer {name or '<model>'} is a {type(layer).__name__}; "
+                              "rebuild_at_ rebuilds linear layers (GatedLinear, TTLinear, "
+                              "TTMLinear) only.")
+        sizes = bonds[1:-1] if layer.layout.is_chain else bonds
+        layout = layer.layout.resized(dict(zip(layer.layout.bonds, sizes, strict=True)))
+        fresh = type(layer).from_layout(layout, layer.format, bias=layer.bias is not None,
+                                        tau=layer.tau, dtype=layer.cores[0].dtype,
+                                        device=layer.cores[0].device)
         fresh.compile_options = dict(layer.compile_options)
         fresh.build_compiled()
         if name:

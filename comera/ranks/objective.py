@@ -48,20 +48,17 @@ from torch import Tensor, nn
 from comera.errors import ConfigError
 from comera.ranks.allocate import FLOORS, Allocation, allocate_
 from comera.ranks.size import model_size, tt_modules
+from comera.ranks.truncate import round_, rounded_bond_ranks
 
 REGULARIZERS = ("l1", "size_weighted")
 ALLOCATIONS = ("spectrum", "prune")
 
 
 def _slice_costs(module) -> list[Tensor]:
-    """Per gate, the parameters one rank slice of that bond costs in its two cores."""
-    costs = []
-    ranks = module.ranks
-    for k in range(len(module.gates)):
-        left = math.prod(module.cores[k].shape[1:-1]) * ranks[k]
-        right = math.prod(module.cores[k + 1].shape[1:-1]) * ranks[k + 2]
-        costs.append(torch.tensor(float(left + right)))
-    return costs
+    """Per gate, the parameters one rank slice of that bond costs in the cores carrying it
+    (at the effective ranks)."""
+    return [torch.tensor(float(cost))
+            for cost in module.layout.slice_costs(module.bond_ranks)]
 
 
 def rank_regularizer(model: nn.Module, kind: str = "l1") -> Tensor:
@@ -86,13 +83,13 @@ def rank_regularizer(model: nn.Module, kind: str = "l1") -> Tensor:
 
 
 def soft_size(model: nn.Module) -> Tensor:
-    """The size formula with each bond's rank replaced by the l1 norm of its gate."""
+    """The size formula with each bond's rank replaced by the l1 norm of its gate (each core's
+    size with every bond axis counted as its gate's l1, :meth:`Layout.core_sizes_with`)."""
     total: Tensor | float | None = None
     for _, module in tt_modules(model):
-        gates = module.effective_gates()
-        soft = [1.0] + [g.abs().sum() for g in gates] + [1.0]
-        for k, core in enumerate(module.cores):
-            term = math.prod(core.shape[1:-1]) * soft[k] * soft[k + 1]
+        soft = [g.abs().sum() for g in module.effective_gates()]
+        for term in module.layout.core_sizes_with(soft):  # the layout's one size formula
+            term = term if isinstance(term, Tensor) else float(term)
             total = term if total is None else total + term
     if total is None:
         raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
@@ -110,7 +107,8 @@ class LateStage:
     ``rounding``: pruning rounds away the slices a pruned neighbour leaves useless (see the
     module docstring); False prunes slices alone, as before.
     ``allocation``: ``"prune"`` (default) shrinks along the step budget's schedule by saliency
-    pruning; ``"spectrum"`` fixes the shape when the stage starts
+    pruning (every format); ``"spectrum"`` (tensor-train chains only) fixes the shape when the
+    stage starts
     (:meth:`allocate_`: the budget spent on the slices of most singular-value energy per
     parameter, across all layers, from ``floor``'s allocation up; :mod:`comera.ranks.allocate`),
     so the stage trains its final shape throughout.
@@ -253,50 +251,46 @@ def floor_size(model: nn.Module, min_rank: int) -> int:
         if layer.is_removed():
             total += layer.num_parameters()
             continue
-        ranks = [min(min_rank, r) for r in layer.ranks]
-        ranks[0] = ranks[-1] = 1
-        total += sum(ranks[k] * math.prod(c.shape[1:-1]) * ranks[k + 1]
-                     for k, c in enumerate(layer.cores))
+        ranks = [min(min_rank, r) for r in layer.bond_ranks]
+        total += layer.layout.parameters_at(ranks)
         total += layer.bias.numel() if layer.bias is not None else 0
     return total + model_size(model) - sum(m.num_parameters() for _, m in tt_modules(model))
 
 
+def _slice_norms(core: Tensor, axis: int) -> Tensor:
+    """The norm of each slice of ``core`` along ``axis``: (core.shape[axis],)."""
+    if axis == core.dim() - 1:
+        return core.reshape(-1, core.shape[-1]).norm(dim=0)
+    if axis == 0:
+        return core.reshape(core.shape[0], -1).norm(dim=1)
+    return core.movedim(axis, 0).reshape(core.shape[axis], -1).norm(dim=1)
+
+
 def _saliency(layer, k: int) -> Tensor:
-    """Per entry of gate k: ``|d_i| * |G_k[..., i]| * |G_{k+1}[i, ...]|`` (detached)."""
-    left = layer.cores[k].detach()
-    right = layer.cores[k + 1].detach()
-    left_norm = left.reshape(-1, left.shape[-1]).norm(dim=0)  # (r_k,)
-    right_norm = right.reshape(right.shape[0], -1).norm(dim=1)  # (r_k,)
-    return layer.gates[k].detach().abs() * left_norm * right_norm
+    """Per entry of gate k: ``|d_i|`` times the norm of slice i in every core carrying bond k
+    (a chain's: ``|d_i| * |G_k[..., i]| * |G_{k+1}[i, ...]|``), detached."""
+    score = layer.gates[k].detach().abs()
+    for c, axis in layer.layout.carriers(layer.layout.bonds[k]):
+        score = score * _slice_norms(layer.cores[c].detach(), axis)
+    return score
 
 
 def rounded_ranks(layer) -> tuple[int, ...]:
-    """The effective ranks TT rounding leaves (ends included): each bond capped by what its
-    neighbours allow, ``r_k <= r_{k-1} n_{k-1}`` left to right, then ``r_k <= n_k r_{k+1}``
-    right to left (``n_k`` the inner size of core k), as the QR and SVD sweeps of
-    :func:`comera.ranks.truncate.round_layer_` do."""
-    ranks = list(layer.ranks)
-    inner = [math.prod(c.shape[1:-1]) for c in layer.cores]
-    for k in range(1, len(ranks) - 1):
-        ranks[k] = min(ranks[k], ranks[k - 1] * inner[k - 1])
-    for k in range(len(ranks) - 2, 0, -1):
-        ranks[k] = min(ranks[k], inner[k] * ranks[k + 1])
-    return tuple(ranks)
+    """The effective ranks exact rounding leaves, as ``layer.ranks`` states them (a chain's
+    with its ends): :func:`comera.ranks.truncate.rounded_bond_ranks`."""
+    ranks = rounded_bond_ranks(layer)
+    return (1, *ranks, 1) if layer.layout.is_chain else ranks
 
 
 def _layer_size(layer, rounding: bool) -> int:
     """Effective parameters of a layer, after rounding when ``rounding``."""
     if not rounding or layer.is_removed():
         return layer.num_parameters()
-    ranks = rounded_ranks(layer)
     bias = layer.bias.numel() if layer.bias is not None else 0
-    return bias + sum(ranks[k] * math.prod(c.shape[1:-1]) * ranks[k + 1]
-                      for k, c in enumerate(layer.cores))
+    return bias + layer.layout.parameters_at(rounded_bond_ranks(layer))
 
 
 def _round_excess_(model: nn.Module, optimizer) -> None:
-    from comera.ranks.truncate import round_
-
     round_(model, optimizer)
 
 
@@ -343,13 +337,10 @@ def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int,
     layers = [m for _, m in tt_modules(model) if not m.is_removed()]
     candidates = []
     for layer in layers:
-        ranks = layer.ranks
+        costs = layer.layout.slice_costs(layer.bond_ranks)
         for k, gate in enumerate(layer.gates):
             alive = gate.detach().abs() > layer.tau
-            inner_left = math.prod(layer.cores[k].shape[1:-1])
-            inner_right = math.prod(layer.cores[k + 1].shape[1:-1])
-            cost = inner_left * ranks[k] + inner_right * ranks[k + 2]
-            score = _saliency(layer, k) / max(cost, 1)
+            score = _saliency(layer, k) / max(costs[k], 1)
             for i in alive.nonzero().flatten().tolist():
                 candidates.append((float(score[i]), id(gate), i, layer, gate))
     candidates.sort(key=lambda c: (c[0], c[1], c[2]))

@@ -1,9 +1,10 @@
 """Model size S(model) at the effective ranks, and compression ratios.
 
-S counts every parameter the model would ship with after truncation: TT cores at their
-effective ranks (TT-matrix slices cost m_k * n_k each; a layer with an all-zero gate counts as
-removed), every non-TT parameter, biases included. Gates fold into the cores, so they do not
-count. The dense size replaces each TT layer by the dense matrix it stands for.
+S counts every parameter the model would ship with after truncation: the cores of every gated
+layer (TT, TT-matrix or any format) at their effective ranks, as the layer's layout counts them
+(:meth:`comera.formats.layout.Layout.parameters_at`; a layer with an all-zero gate counts as
+removed), every other parameter, biases included. Gates fold into the cores, so they do not
+count. The dense size replaces each gated layer by the dense matrix it stands for.
 
 A hot-row cache (:class:`~comera.layers.cached_embedding.CachedTTEmbedding`) counts with its TT
 table: its rows add to the table's size (and so to ``model_size(model, only=TTEmbedding)``), and not
@@ -25,7 +26,8 @@ from comera.layers.linear import GatedTrain
 
 
 def tt_modules(model: nn.Module) -> Iterator[tuple[str, GatedTrain]]:
-    """Every gated tensor-train layer of ``model`` with its qualified name."""
+    """Every gated layer (:class:`~comera.layers.linear.GatedTrain`: TT, TT-matrix or any
+    format) of ``model`` with its qualified name."""
     for name, module in model.named_modules():
         if isinstance(module, GatedTrain):
             yield name, module

@@ -2,20 +2,23 @@
 
 During training a pruned rank is only masked (its gate entry is at or below tau), so shapes and
 captured graphs stay valid. ``truncate_`` makes it physical: for every bond it keeps the slices
-whose gate survives, multiplies each gate into the core on its left (then resets the gate to
-ones), and slices the optimizer's per-parameter state (Adam's moments) the same way. Parameters
+whose gate survives in every core that carries the bond, multiplies each gate into the first of
+them (a chain's: the core on its left; then resets the gate to ones), and slices the
+optimizer's per-parameter state (Adam's moments) the same way. Parameters
 are replaced by new, smaller ones (autograd caches a parameter's shape, so resizing one in
 place is not allowed), and the optimizer is updated to match: its param groups point at the new
 parameters and their state is the old state, sliced. Hooks on the old parameters are not carried
 over; a DDP wrapper must be rebuilt. The function the model computes is unchanged; the compiled
 plans are re-made for the new shapes.
 
-Rounding (``round_``, ``round_layer_``): TT rounding in place, keeping the stored shapes. A bond
-can carry no more than its neighbours allow (``r_k <= r_{k-1} n_k`` and ``r_k <= n_{k+1}
-r_{k+1}``); pruning can leave bonds above that (``excess_bonds``), whose extra slices cost
-parameters and add nothing. Rounding re-expresses the same weight at those bounds (QR sweep left
-to right, SVD sweep right to left) and prunes the freed slices. The late stage's pruning does it
-as it goes (``LateStage(rounding=True)``, see :mod:`comera.ranks.objective`).
+Rounding (``round_``, ``round_layer_``): the format's exact rounding in place, keeping the
+stored shapes (TT and TT-matrix: QR sweep left to right, SVD sweep right to left; a format
+without one is left as it is). A bond between two cores can carry no more than the smaller of
+their other indices' products (a chain's: ``r_k <= r_{k-1} n_k`` and ``r_k <= n_{k+1} r_{k+1}``);
+pruning can leave bonds above that (``excess_bonds``), whose extra slices cost parameters and
+add nothing. Rounding re-expresses the same weight within those bounds and prunes the freed
+slices. The late stage's pruning does it as it goes (``LateStage(rounding=True)``, see
+:mod:`comera.ranks.objective`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from comera.layers.linear import GatedTrain
+from comera.formats.registry import Format
+from comera.layers.linear import GatedTrain, broadcast_along
 from comera.ranks.size import tt_modules
 
 
@@ -82,14 +86,17 @@ def truncate_layer_(layer: GatedTrain, optimizer=None, fold_gates: bool = True) 
     masks = layer.gate_masks()
     if removed:  # the weight is exactly zero: keep one (masked) slice per bond
         masks = [torch.zeros_like(m) for m in masks]
-    for k, mask in enumerate(masks):
-        keep = _keep_indices(mask.to(layer.cores[k].device))
-        _sliced_(layer.cores, k, layer.cores[k].dim() - 1, keep, optimizer)
-        _sliced_(layer.cores, k + 1, 0, keep, optimizer)
+    layout = layer.layout
+    for k, (bond, mask) in enumerate(zip(layout.bonds, masks, strict=True)):
+        carriers = layout.carriers(bond)
+        keep = _keep_indices(mask.to(layer.cores[carriers[0][0]].device))
+        for c, axis in carriers:
+            _sliced_(layer.cores, c, axis, keep, optimizer)
         _sliced_(layer.gates, k, 0, keep, optimizer)
         if fold_gates and not removed:
+            c, axis = carriers[0]
             with torch.no_grad():
-                layer.cores[k].mul_(layer.gates[k])
+                layer.cores[c].mul_(broadcast_along(layer.gates[k], axis, layer.cores[c].dim()))
                 layer.gates[k].fill_(1.0)
     if removed:
         with torch.no_grad():
@@ -130,66 +137,85 @@ def rebuild_stacks(model: nn.Module) -> None:
             module.build_compiled()
 
 
+def rounds_exactly(layer: GatedTrain) -> bool:
+    """True when ``layer``'s format has an exact rounding (:meth:`Format.round`)."""
+    return type(layer.format).round is not Format.round
+
+
+def rounded_bond_ranks(layer: GatedTrain) -> tuple[int, ...]:
+    """Per bond, the effective rank exact rounding leaves: each bond between two cores capped
+    by the smaller of their other indices' products, repeated until no cap moves (a chain's:
+    ``r_k <= r_{k-1} n_{k-1}`` and ``r_k <= n_k r_{k+1}``, as the QR and SVD sweeps leave
+    them). The effective ranks as they are for a format without an exact rounding."""
+    ranks = layer.bond_ranks
+    if not rounds_exactly(layer):
+        return ranks
+    while True:
+        caps = layer.layout.bond_caps(ranks)
+        capped = tuple(r if cap is None else min(r, cap)
+                       for r, cap in zip(ranks, caps, strict=True))
+        if capped == ranks:
+            return ranks
+        ranks = capped
+
+
 def excess_bonds(layer: GatedTrain) -> list[int]:
-    """Bonds (0-based gate indices) whose effective rank exceeds what their neighbours allow:
-    ``r_k > min(r_{k-1} * n_k, n_{k+1} * r_{k+1})`` (``n_k`` the inner size of core k). The
-    extra slices cost parameters but add nothing to the weight; :func:`round_layer_` drops them
-    exactly."""
-    ranks = layer.ranks
-    out = []
-    for k in range(len(layer.gates)):
-        left = ranks[k] * math.prod(layer.cores[k].shape[1:-1])
-        right = math.prod(layer.cores[k + 1].shape[1:-1]) * ranks[k + 2]
-        if ranks[k + 1] > min(left, right):
-            out.append(k)
-    return out
+    """Bonds (0-based gate indices) carried by two cores whose effective rank exceeds what those
+    cores allow (:meth:`Layout.bond_caps`; a chain's: ``r_k > min(r_{k-1} * n_k, n_{k+1} *
+    r_{k+1})``, ``n_k`` the inner size of core k). The extra slices cost parameters but add
+    nothing to the weight; :func:`round_layer_` drops them exactly."""
+    ranks = layer.bond_ranks
+    caps = layer.layout.bond_caps(ranks)
+    return [k for k, (r, cap) in enumerate(zip(ranks, caps, strict=True))
+            if cap is not None and r > cap]
 
 
 def live_cores(layer: GatedTrain) -> list[Tensor]:
     """``layer``'s cores in float64 restricted to the live slices of each bond, each gate folded
-    into the core on its left: the same weight, as plain TT cores (detached)."""
-    live = [None] + [m.nonzero().flatten() for m in layer.gate_masks()] + [None]
+    into the first core carrying its bond (a chain's: the core on its left): the same weight,
+    as plain cores of the layout at the effective ranks (detached)."""
+    layout = layer.layout
+    live = [m.nonzero().flatten() for m in layer.gate_masks()]
+    folds = layer.gate_folds()
+    on_core: list[list[tuple[int, int]]] = [[] for _ in layer.cores]  # (axis, bond) per core
+    for k, bond in enumerate(layout.bonds):
+        for c, axis in layout.carriers(bond):
+            on_core[c].append((axis, k))
     cores = []
-    for k, core in enumerate(layer.cores):
-        c = core.detach().double()
-        if live[k] is not None:
-            c = c.index_select(0, live[k])
-        if live[k + 1] is not None:
-            c = c.index_select(c.dim() - 1, live[k + 1]) * layer.gates[k].detach().double()[
-                live[k + 1]]
-        cores.append(c)
+    for c, core in enumerate(layer.cores):
+        t = core.detach().double()
+        for axis, k in sorted(on_core[c]):
+            t = t.index_select(axis, live[k])
+            if folds[k] == (c, axis):
+                t = t * broadcast_along(layer.gates[k].detach().double()[live[k]], axis, t.dim())
+        cores.append(t)
     return cores
 
 
-def round_layer_(layer: GatedTrain, optimizer=None, rtol: float = 1e-7) -> bool:
-    """TT rounding in place, keeping the stored shapes: the live slices (gates folded in) are
-    orthogonalised left to right (QR), then cut right to left (SVD, dropping singular values
-    below ``rtol`` times the largest: numerically zero ones), so every bond ends at most at what
-    its neighbours allow. The weight is unchanged (to float rounding); the new slices fill the
-    first positions of each bond with gates of one, the rest are pruned (gate zero). Core norms
-    are rebalanced to the layer's previous proportions, so no core holds the whole scale.
+def round_layer_(layer: GatedTrain, optimizer=None) -> bool:
+    """The format's exact rounding in place, keeping the stored shapes (TT and TT-matrix: the
+    live slices, gates folded in, orthogonalised left to right by QR, then cut right to left by
+    SVD, dropping numerically zero singular values), so every bond ends at most at what its
+    cores allow. The weight is unchanged (to float rounding); the new slices fill the first
+    positions of each bond with gates of one, the rest are pruned (gate zero). Core norms are
+    rebalanced to the layer's previous proportions, so no core holds the whole scale.
     ``optimizer``: the layer's cores' and gates' state (Adam's moments) no longer matches the new
     basis: first moments are zeroed, second moments set to their mean. Returns True when some
-    bond shrank."""
+    bond shrank; False, changing nothing, for a removed layer or a format without an exact
+    rounding."""
     layer.check_finite_gates()
-    if layer.is_removed():
+    if layer.is_removed() or not rounds_exactly(layer):
         return False
     masks = layer.gate_masks()
     n = len(layer.cores)
+    live_layout = layer.layout.resized(
+        {bond: int(m.sum()) for bond, m in zip(layer.layout.bonds, masks, strict=True)})
     with torch.no_grad():
         cores = live_cores(layer)
         before = [float(c.norm()) for c in cores]
-        for k in range(n - 1):  # left to right: QR
-            shape = cores[k].shape
-            q, r = torch.linalg.qr(cores[k].reshape(-1, shape[-1]))
-            cores[k] = q.reshape(*shape[:-1], q.shape[1])
-            cores[k + 1] = torch.tensordot(r, cores[k + 1], dims=1)
-        for k in range(n - 1, 0, -1):  # right to left: SVD, drop numerically zero directions
-            shape = cores[k].shape
-            u, s, vh = torch.linalg.svd(cores[k].reshape(shape[0], -1), full_matrices=False)
-            keep = max(1, int((s > rtol * s[0]).sum())) if s.numel() else 1
-            cores[k] = vh[:keep].reshape(keep, *shape[1:])
-            cores[k - 1] = torch.tensordot(cores[k - 1], u[:, :keep] * s[:keep], dims=1)
+        cores = layer.format.round(cores, live_layout)
+        if cores is None:
+            return False
         after = [float(c.norm()) for c in cores]
         if all(b > 0 for b in before) and all(a > 0 for a in after):
             common = math.exp(sum(math.log(a / b) for a, b in zip(after, before, strict=True)) / n)
@@ -197,14 +223,14 @@ def round_layer_(layer: GatedTrain, optimizer=None, rtol: float = 1e-7) -> bool:
                 cores[k] = cores[k] * (common * before[k] / after[k])
         shrank = False
         for k, core in enumerate(layer.cores):
-            rank = cores[k].shape[-1]
             core.zero_()
             core[tuple(slice(0, d) for d in cores[k].shape)] = cores[k].to(core.dtype)
-            if k < len(layer.gates):
-                gate = layer.gates[k]
-                shrank |= rank < int(masks[k].sum())
-                gate.zero_()
-                gate[:rank] = 1.0
+        for k, (gate, (c, axis)) in enumerate(zip(layer.gates, layer.gate_folds(),
+                                                  strict=True)):
+            rank = cores[c].shape[axis]
+            shrank |= rank < int(masks[k].sum())
+            gate.zero_()
+            gate[:rank] = 1.0
         if optimizer is not None:
             for param in [*layer.cores, *layer.gates]:
                 for key, value in optimizer.state.get(param, {}).items():
@@ -217,15 +243,17 @@ def round_layer_(layer: GatedTrain, optimizer=None, rtol: float = 1e-7) -> bool:
 
 
 def round_(model: nn.Module, optimizer=None, only_excess: bool = True) -> TruncationReport:
-    """Round the TT layers of ``model`` in place (:func:`round_layer_`): by default only those
-    with a bond above what its neighbours allow (:func:`excess_bonds`), whose extra slices are
-    then freed; the function is unchanged. The report gives each layer's effective ranks.
-    Non-finite gates are refused first, as in :func:`truncate_`."""
+    """Round the gated layers of ``model`` in place (:func:`round_layer_`): by default only
+    those with a bond above what its cores allow (:func:`excess_bonds`), whose extra slices are
+    then freed; the function is unchanged. Layers whose format has no exact rounding are left
+    as they are. The report gives each layer's effective ranks. Non-finite gates are refused
+    first, as in :func:`truncate_`."""
     check_finite_gates(model)
     rows = []
     for name, layer in tt_modules(model):
         before = layer.ranks
-        if not layer.is_removed() and (not only_excess or excess_bonds(layer)):
+        if (not layer.is_removed() and rounds_exactly(layer)
+                and (not only_excess or excess_bonds(layer))):
             round_layer_(layer, optimizer)
             layer.build_compiled()
         rows.append((name, before, layer.ranks))

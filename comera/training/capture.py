@@ -39,7 +39,6 @@ optimizer step and the masks eagerly after it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -93,16 +92,13 @@ class StepSignature:
 
 
 def _tensor_size(model: nn.Module, constant: int) -> Tensor:
-    """The model's size at the live ranks as a device tensor (no host read): per TT layer,
-    sum_k prod(inner_k) * r_k * r_{k+1} with r_k the count of gate entries above tau, plus the
-    parameters outside the cores (``constant``)."""
+    """The model's size at the live ranks as a device tensor (no host read): per gated layer,
+    the layout's size formula (:meth:`Layout.core_sizes_with`) with each bond counted as its
+    gate entries above tau, plus the parameters outside the cores (``constant``)."""
     total: Tensor | None = None
     for _, layer in tt_modules(model):
-        counts: list[Tensor | float] = [1.0]
-        counts += [(g.detach().abs() > layer.tau).sum().to(g.dtype) for g in layer.gates]
-        counts.append(1.0)
-        for k, core in enumerate(layer.cores):
-            term = math.prod(core.shape[1:-1]) * counts[k] * counts[k + 1]
+        counts = [(g.detach().abs() > layer.tau).sum().to(g.dtype) for g in layer.gates]
+        for term in layer.layout.core_sizes_with(counts):
             total = term if total is None else total + term
     assert total is not None  # CoMERATrainer refuses a model without TT layers
     return total + constant

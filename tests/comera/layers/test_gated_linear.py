@@ -171,3 +171,47 @@ def test_resize_bonds_follows_into_the_layout_and_plan():
 
 def test_gated_linear_is_exported():
     assert comera.GatedLinear is GatedLinear and "GatedLinear" in comera.__all__
+
+
+def test_siblings_of_a_non_chain_format_stack_with_padded_bonds():
+    from comera.layers.siblings import Siblings, stack_key
+
+    torch.manual_seed(0)
+    layers = [_toy(ranks=r, seed=i) for i, r in enumerate([(3, 2, 3), (2, 2, 3), (3, 1, 2)])]
+    assert stack_key(layers) is not None
+    x = torch.randn(4, 6, dtype=F64)
+    stacked = Siblings()(layers, x)
+    for layer, y in zip(layers, stacked, strict=True):
+        torch.testing.assert_close(y, layer(x), rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(sum(y.sum() for y in stacked), [layers[2].cores[2]])
+    want = torch.autograd.grad(layers[2](x).sum(), [layers[2].cores[2]])
+    torch.testing.assert_close(grads[0], want[0], rtol=1e-12, atol=1e-12)
+    assert stack_key([layers[0], TTLinear(6, 6, (2, 3), (2, 3), ranks=2, dtype=F64)]) is None
+
+
+def test_a_model_pickled_before_layouts_loads_and_computes_the_same():
+    from pathlib import Path
+
+    saved = torch.load(Path(__file__).parent / "data" / "legacy_tt_model.pt", weights_only=False)
+    model = saved["model"]  # torch.save of TTLinear, TTMLinear, TTEmbedding at c57ff6a
+    a, b, emb = model["a"], model["b"], model["emb"]
+    assert (a.format.name, b.format.name, emb.format.name) == ("tt", "ttm", "ttm")
+    assert a.layout.is_chain and a.ranks[1] == a.bonds[1] - 1
+    assert emb.in_modes == emb.row_modes and a.in_modes == (2, 2, 3)
+    with torch.no_grad():
+        y = b(torch.tanh(a(saved["x"] + emb(saved["ids"]))))
+    assert torch.equal(y, saved["y"])
+
+
+def test_copies_keep_their_format_and_still_stack_with_the_originals():
+    import copy
+    import pickle
+
+    from comera.layers.siblings import stack_key
+
+    layer = _toy()
+    for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert twin.format.name == "toy" and twin.layout == layer.layout
+        x = torch.randn(2, 6, dtype=F64)
+        torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
+        assert stack_key([layer, twin]) is not None

@@ -4,6 +4,8 @@ fixed (ungated) internal link."""
 
 from __future__ import annotations
 
+import torch
+
 from comera.formats.layout import Layout
 from comera.formats.registry import Format
 
@@ -24,3 +26,27 @@ class Toy(Format):
 
 
 TOY = Toy()
+
+
+class TwoFactors(Format):
+    """W = A[i, r] B[r, o]: a toy non-chain layout (no size-1 ends) with a decomposition and an
+    exact rounding, both by SVD."""
+
+    name, title, uses_modes, exact_decomposition = "two_factors", "two factors", False, True
+
+    def layout(self, in_modes, out_modes, ranks) -> Layout:
+        (n_in,), (n_out,) = in_modes, out_modes
+        rank = ranks if isinstance(ranks, int) else ranks[0]
+        return Layout(("i",), ("o",), (("i", "r"), ("r", "o")),
+                      (("i", n_in), ("o", n_out), ("r", rank)), ("r",))
+
+    def decompose(self, weight, layout):
+        u, s, vh = torch.linalg.svd(weight, full_matrices=False)
+        keep = min(layout.size("r"), int((s > 1e-12 * s[0]).sum()))
+        return [u[:, :keep] * s[:keep], vh[:keep]]
+
+    def round(self, cores, layout):
+        return self.decompose(cores[0] @ cores[1], layout)
+
+
+TWO = TwoFactors()

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import comera
-from comera import TTEmbedding, TTLinear, TTMLinear
+from comera import Siblings, TTEmbedding, TTLinear, TTMLinear
 from comera.ranks import objective, truncate
 from comera.ranks.allocate import allocate_, bond_spectra
 from comera.training.capture import _tensor_size
@@ -132,6 +132,17 @@ def _compute() -> dict[str, torch.Tensor]:
     allocation = allocate_(model, 0.8 * comera.model_size(model))
     out["allocation"] = torch.tensor([r for ranks in allocation.ranks.values() for r in ranks])
     _record(out, "allocated", model)
+
+    # siblings: q, k, v of different ranks stacked into one contraction (zero-padded bonds)
+    torch.manual_seed(5)
+    qkv = [TTLinear(12, 12, (3, 4), (4, 3), ranks=r) for r in (4, 3, 2)]
+    xs = torch.randn(3, 12)
+    ys = Siblings()(qkv, xs)
+    sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+    for i, (layer, y) in enumerate(zip(qkv, ys, strict=True)):
+        out[f"siblings.{i}"] = y.detach().clone()
+        for name, p in layer.named_parameters():
+            out[f"siblings.{i}.grad.{name}"] = p.grad.detach().clone()
 
     # initialisation from dense weights
     torch.manual_seed(4)

@@ -65,6 +65,39 @@ def test_the_uncaptured_body_trains_exactly_as_the_trainer_through_both_stages()
     assert step.captures == 2 and step.reasons[0] == "first call"
 
 
+def test_a_non_chain_format_trains_captured_as_the_trainer_through_truncation():
+    """The toy format (a hyperedge bond, a ring-like link): the on-device size of the late
+    stage is the layout's size formula, as model_size counts it."""
+    from tests.comera.layers.toy_formats import TOY
+
+    def toy_model():
+        torch.manual_seed(0)
+        model = nn.Sequential(comera.GatedLinear(64, 64, "tt", ranks=6, in_modes=(8, 8),
+                                                 out_modes=(8, 8), dtype=F64), nn.Tanh(),
+                              comera.GatedLinear(64, 16, TOY, ranks=(4, 3, 4), in_modes=(8, 8),
+                                                 out_modes=(4, 4), dtype=F64))
+        opt = comera.make_optimizer(model, comera.OptimizerConfig(lr_cores=1e-2,
+                                                                  lr_gates=2e-2))
+        return model, comera.CoMERATrainer(model, opt, lam=0.1)
+
+    x, y = _data(F64)
+    (m1, t1), (m2, t2) = toy_model(), toy_model()
+    step = CapturedStep(t2, _loss, mode="eager")
+    eager, captured = [], []
+    for k in range(6):
+        if k == 3:
+            for model, trainer in ((m1, t1), (m2, t2)):
+                trainer.start_late_stage(comera.LateStage(
+                    target_size=0.7 * comera.model_size(model), steps=3))
+        eager.append(t1.step(_loss(m1, x, y)).loss)
+        captured.append(float(step(x, y)))
+    assert captured == pytest.approx(eager, rel=1e-12, abs=0)
+    assert [m.ranks for _, m in comera.tt_modules(m1)] == [
+        m.ranks for _, m in comera.tt_modules(m2)]
+    assert comera.model_size(m2) <= t2.late.target_size  # landed: pruned, truncated
+    assert step.captures == 2
+
+
 def test_torch_compile_of_the_whole_step_matches_eager():
     """The compile path on the CPU (aot_eager: dynamo and AOT autograd, no code generation)."""
     (m1, _), (m2, _), step, eager, captured = _run_both("compile", torch.float32, early=2,
