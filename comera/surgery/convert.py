@@ -147,6 +147,22 @@ def _warn_oversized(parts: list[Part], config: ConvertConfig) -> None:
                   UserWarning, stacklevel=3)
 
 
+def _warn_out_of_reach(parts: list[Part], target: float) -> None:
+    """One warning naming the layers whose cores hold more than dense / target parameters at
+    rank 1 (the smallest their format has): the target is out of their reach."""
+    over = []
+    for p in parts:
+        layout, dense = p.layer.layout, p.shape[0] * p.shape[1]
+        cores = layout.parameters_at(layout.bond_sizes)
+        if cores > dense / target:
+            over.append(f"{p.name} ({p.format}: {dense / cores:.2f}x)")
+    if over:
+        warnings.warn(f"convert_: target_compression={target} is out of reach for {len(over)} "
+                      f"layer(s) even at rank 1: {_names(over)}. Choose modes or a format that "
+                      "factor them further, or leave them dense with exclude=[...].",
+                      UserWarning, stacklevel=3)
+
+
 def _names(items: list[str], most: int = 6) -> str:
     more = f" and {len(items) - most} more" if len(items) > most else ""
     return ", ".join(items[:most]) + more
@@ -212,7 +228,9 @@ def convert_(
         layer, made = converter.convert(name, module, config)
         swap_submodule(model, name, layer)
         parts += made
-    if not config.target_compression:
+    if config.target_compression:
+        _warn_out_of_reach(parts, config.target_compression)
+    else:
         _warn_oversized(parts, config)
     _fast_paths_off_(model)
     if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):

@@ -106,13 +106,18 @@ def test_an_mlp_converts_saves_and_loads_in_every_format(fmt, tmp_path):
 def test_target_compression_picks_the_largest_rank_under_budget_in_every_format(fmt):
     model = MLP()
     target = 3.0
-    report = _convert(model, target_compression=target, format=fmt)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        report = comera.convert_(model, target_compression=target, format=fmt, d=2)
     fmt_ = get_format(fmt)
     for r in report.layers:
         layout = model.get_submodule(r.name).layout
         budget = r.shape[0] * r.shape[1] / target
-        assert layout.parameters_at(layout.bond_sizes) <= budget, r.name
         rank = max(layout.bond_sizes)
+        if layout.parameters_at(layout.bond_sizes) > budget:  # even rank 1 is above: said
+            assert rank == 1 and any(f"{r.name} ({fmt}:" in str(w.message) and
+                                     "out of reach" in str(w.message) for w in said), r.name
+            continue
         bigger = fmt_.layout(layout.in_modes, layout.out_modes, rank + 1)
         assert (bigger.parameters_at(bigger.bond_sizes) > budget
                 or bigger.bond_sizes == layout.bond_sizes), r.name
