@@ -23,11 +23,10 @@ from torch import nn
 
 from comera.errors import ConfigError, ConversionError
 from comera.formats.registry import get_format
-from comera.layers.attention import TTMultiheadAttention
-from comera.layers.linear import GatedTrain, check_finite_weight
+from comera.layers.linear import check_finite_weight
 from comera.surgery.config import ConvertConfig
 from comera.surgery.converters import CONVERTERS, Converter, Part, converter_for, full_rank
-from comera.surgery.swap import swap_submodule
+from comera.surgery.swap import fast_paths_off_, swap_submodule
 from comera.surgery.table import text_table
 
 HF_SAVE_WARNING = (
@@ -168,18 +167,6 @@ def _names(items: list[str], most: int = 6) -> str:
     return ", ".join(items[:most]) + more
 
 
-def _fast_paths_off_(model: nn.Module) -> None:
-    """Switch off torch's transformer fast paths where they would read a converted weight."""
-    def converted(module: nn.Module) -> bool:
-        return any(isinstance(m, GatedTrain | TTMultiheadAttention) for m in module.modules())
-
-    for module in model.modules():
-        if isinstance(module, nn.TransformerEncoderLayer) and converted(module):
-            module.activation_relu_or_gelu = 0  # the fast path requires relu/gelu flagged
-        elif isinstance(module, nn.TransformerEncoder) and converted(module):
-            module.use_nested_tensor = False
-
-
 def _candidates(model: nn.Module, converters: tuple[Converter, ...]):
     """(name, module, converter) of every module a converter matches, outside the modules
     another converter replaces whole (an nn.MultiheadAttention's out_proj goes with it)."""
@@ -232,7 +219,7 @@ def convert_(
         _warn_out_of_reach(parts, config.target_compression)
     else:
         _warn_oversized(parts, config)
-    _fast_paths_off_(model)
+    fast_paths_off_(model)
     if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):
         warnings.warn(HF_SAVE_WARNING, UserWarning, stacklevel=2)
     return ConversionReport(tuple(_layer_report(p) for p in parts), tuple(sorted(tied)))

@@ -202,16 +202,19 @@ def _pattern(name: str) -> str:
 
 def _convert_like_(model: nn.Module, layers: Mapping[str, Mapping]) -> None:
     """Convert the still dense modules of ``model`` that the records (checked and upgraded,
-    :func:`~comera.surgery.records.read_records`) hold as gated layers, each to its recorded
-    format and modes (rank 1: they are resized and loaded afterwards)."""
+    :func:`~comera.surgery.records.read_records`) hold as gated layers and that loading cannot
+    replace by itself (a dense nn.MultiheadAttention's projections, HF's Conv1D), each to its
+    recorded format and modes (rank 1: they are resized and loaded afterwards). A plain
+    ``nn.Linear`` / ``nn.Embedding`` is left to loading, which puts the recorded layer in its
+    place (any format, a declared einsum one too)."""
     groups: dict[tuple[str, bool], dict[str, tuple[str, tuple | None]]] = {}
     targets: dict[tuple[str, bool], set[str]] = {}
     for name, spec in layers.items():
         owner = name.rpartition(".")[0]
         if isinstance(_get(model, owner), nn.MultiheadAttention):
             target = owner  # a projection of a dense attention: converted with it
-        elif isinstance(_get(model, name), nn.Module) and \
-                not isinstance(_get(model, name), GatedTrain):
+        elif isinstance(_get(model, name), nn.Module) and not isinstance(
+                _get(model, name), GatedTrain | KINDS[spec["kind"]].dense):
             target = name
         else:
             continue  # converted already, or missing: load_checkpoint names what is missing

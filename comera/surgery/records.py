@@ -94,7 +94,8 @@ def _linear_write(layer: GatedTrain) -> dict[str, Any]:
 
 def layout_problem(fmt_name: str, layout: Layout) -> str | None:
     """Why ``layout`` is not one the format ``fmt_name`` builds at its own bond sizes (None when
-    it is, or when the format declares no layouts of its own: a user-declared network)."""
+    it is, or when the format builds no layouts from modes: a user-declared network, whose
+    layout is the whole description and is computed as it stands)."""
     sizes = [s for _, s in layout.sizes]
     if len(sizes) > MAX_INDICES or len(layout.cores) > MAX_INDICES:
         return f"has a layout of {len(sizes)} indices and {len(layout.cores)} cores"
@@ -103,9 +104,11 @@ def layout_problem(fmt_name: str, layout: Layout) -> str | None:
         return f"has a layout whose sizes pass {MAX_FEATURES}"
     fmt = get_format(fmt_name)
     try:
+        fmt.layout(layout.in_modes, layout.out_modes, 1)
+    except (NotImplementedError, ConfigError):
+        return None  # no layouts from modes (a declared network): the layout is its network
+    try:
         expected = fmt.layout(layout.in_modes, layout.out_modes, list(layout.bond_sizes))
-    except NotImplementedError:
-        return None
     except ConfigError as exc:
         return f"has bond sizes {layout.bond_sizes} that the {fmt_name} format refuses ({exc})"
     if expected != layout:

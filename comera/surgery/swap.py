@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from comera.errors import CheckpointError, ConfigError
 from comera.formats.layout import Layout
+from comera.layers.attention import TTMultiheadAttention
 from comera.layers.linear import GatedTrain
 from comera.surgery.records import KINDS, build_layer, kind_of, layer_spec
 
@@ -37,6 +38,19 @@ def swap_submodule(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     old = getattr(parent, child)
     setattr(parent, child, new)
     return old
+
+
+def fast_paths_off_(model: nn.Module) -> None:
+    """Switch off torch's transformer fast paths where they would read a dense weight that a
+    gated layer replaced (``convert_`` and loading a checkpoint into a dense model both swap)."""
+    def converted(module: nn.Module) -> bool:
+        return any(isinstance(m, GatedTrain | TTMultiheadAttention) for m in module.modules())
+
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoderLayer) and converted(module):
+            module.activation_relu_or_gelu = 0  # the fast path requires relu/gelu flagged
+        elif isinstance(module, nn.TransformerEncoder) and converted(module):
+            module.use_nested_tensor = False
 
 
 # -- matching a model against records ------------------------------------------------------------
@@ -142,7 +156,9 @@ def restore_layers_(model: nn.Module, plan: LayerPlan) -> None:
             module.tau = float(spec["tau"])
         else:
             swap_submodule(model, name, build_layer(spec, module.weight))
+    fast_paths_off_(model)
 
 
 # layer_spec lives in comera.surgery.records; named here for the modules that import it from swap
-__all__ = ["check_other_keys", "layer_spec", "match_layers", "restore_layers_", "swap_submodule"]
+__all__ = ["check_other_keys", "fast_paths_off_", "layer_spec", "match_layers", "restore_layers_",
+           "swap_submodule"]

@@ -20,6 +20,7 @@ import comera
 from comera.formats import registry
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, format_names, get_format
+from comera.surgery import checkpoint
 from comera.surgery.converters import EMBEDDING_FORMATS
 from comera.surgery.report import checkpoint_report
 from tests.comera.layers.toy_formats import TOY
@@ -40,6 +41,16 @@ class TwoFactors(Format):
 
 
 TWO = TwoFactors()
+
+
+class Declared(Format):
+    """A format that builds no layouts from modes (as a declared einsum network): a layer is
+    made from a layout with GatedLinear.from_layout, its record is the layout as it stands."""
+
+    name, title = "declared-test", "declared network"
+
+    def layout(self, in_modes, out_modes, ranks) -> Layout:
+        raise comera.ConfigError("declared-test has no layout from modes; use from_layout.")
 FORMATS = [*(f for f in format_names() if f != "einsum"), TOY.name, TWO.name]
 FULL = 10**4  # above every bond cap here: the exact formats reproduce the dense layers
 LOW = 3
@@ -60,6 +71,7 @@ def _toy_registered(monkeypatch):
     format_names()  # the built-in formats first
     monkeypatch.setitem(registry.FORMATS, TOY.name, TOY)
     monkeypatch.setitem(registry.FORMATS, TWO.name, TWO)
+    monkeypatch.setitem(registry.FORMATS, "declared-test", Declared())
 
 
 def _rank(fmt: str) -> int:
@@ -154,6 +166,33 @@ def test_an_attention_layer_round_trips_through_a_folder(fmt, in_proj, tmp_path)
     loaded = comera.from_pretrained(tmp_path, layer())
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+
+
+def test_a_declared_network_saves_and_loads_into_a_dense_model(tmp_path):
+    """A layer of a format without layouts from modes (a declared einsum network) round-trips
+    through a checkpoint and a folder into the dense model; its layout is checked as a layout
+    (a bond on no core is refused), not against the format."""
+    torch.manual_seed(0)
+    model = MLP()
+    model.fc1 = comera.GatedLinear.from_layout(TOY.layout((4, 6), (4, 4), 2), "declared-test",
+                                               dtype=F64)
+    x = torch.randn(3, 24, dtype=F64)
+    with torch.no_grad():
+        y = model(x)
+    comera.save_checkpoint(tmp_path / "run.pt", model)
+    comera.save_pretrained(model, tmp_path / "folder")
+    for load in (lambda m: comera.load_checkpoint(tmp_path / "run.pt", m),
+                 lambda m: comera.from_pretrained(tmp_path / "folder", m)):
+        target = MLP()
+        load(target)
+        assert target.fc1.format.name == "declared-test"
+        with torch.no_grad():
+            assert torch.equal(target(x), y)
+    payload = torch.load(tmp_path / "run.pt", weights_only=True)
+    payload["layers"]["fc1"]["layout"]["bonds"] = ["a", "e", "zz"]
+    payload["checksum"] = checkpoint._checksum(payload)
+    with pytest.raises(comera.CheckpointError, match="layout that does not parse"):
+        comera.load_checkpoint(payload, MLP())
 
 
 def test_modes_for_a_format_without_modes_are_refused_before_any_swap():
