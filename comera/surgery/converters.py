@@ -122,11 +122,12 @@ def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
     config gives the layer ``name`` (initialised by the format's decomposition)."""
     fmt = config.format_for(name)
     modes = config.modes.get(name, (None, None))
-    rank = config.rank_for(name)
     if config.target_compression:
         probe = _linear(fmt, *weight.shape, modes, 1, False, config, device="meta")
         rank = rank_for_target(get_format(fmt), probe.layout,
                                weight.numel() / config.target_compression)
+    else:
+        rank = config.rank_for(name)
     layer = _linear(fmt, *weight.shape, modes, rank, bias is not None, config,
                     dtype=weight.dtype, device=weight.device)
     layer.load_weight_(weight, bias)
@@ -167,17 +168,17 @@ def _check_embedding(name: str, module: nn.Embedding, config: ConvertConfig) -> 
 
 def _embedding(name: str, module: nn.Embedding, config: ConvertConfig):
     modes = config.modes.get(name, (None, None))
-    rank = config.rank_for(name)
+    rank = 1 if config.target_compression else config.rank_for(name)
     if config.target_compression:
         probe = TTEmbedding(module.num_embeddings, module.embedding_dim, modes[0], modes[1], 1,
                             module.padding_idx, config.tau, config.d, device="meta")
-        rank = rank_for_target(get_format("ttm"), probe.layout,
+        rank = rank_for_target(probe.format, probe.layout,
                                module.weight.numel() / config.target_compression)
     layer = TTEmbedding.from_embedding(module, rank, modes[0], modes[1], config.tau, config.d)
     if config.memory != "fast":
         layer.memory = config.memory
     shape = (module.num_embeddings, module.embedding_dim)
-    return layer, [Part(name, shape, module.weight.numel(), layer, "ttm",
+    return layer, [Part(name, shape, module.weight.numel(), layer, layer.format.name,
                         layer.layout)]
 
 

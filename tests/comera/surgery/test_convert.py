@@ -283,3 +283,9 @@ def test_a_nan_weight_is_refused_naming_the_layer_before_any_swap():
     with pytest.raises(comera.ConversionError, match=r"^2\.weight: .*1 NaN or infinite weight"):
         comera.convert_(model, ranks=4)
     assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear  # nothing was swapped
+
+
+def test_target_compression_ignores_rank_patterns():
+    model = nn.Sequential(nn.Linear(64, 64, dtype=F64))
+    report = comera.convert_(model, ranks={"nothing.*": 2}, target_compression=4.0)
+    assert report.after <= report.before / 4.0 + 64  # the bias is not compressed
