@@ -1,8 +1,8 @@
 """Writes the legacy fixtures of test_legacy.py: a checkpoint and a save_pretrained folder in the
 record shape comera wrote before the format protocol (kinds TTLinear / TTMLinear / TTEmbedding
 with modes and chain bonds). They were written with main's record code of c57ff6a (p2 at 9845fa2,
-records untouched); this script is kept to say
-how, and writes the new record shape when run with today's code.
+records untouched); this script is kept to say how, and writes the new record shape when run
+with today's code.
 
     PYTHONPATH=$PWD python tests/comera/surgery/data/make_legacy.py
 """
