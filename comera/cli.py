@@ -500,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_train)
 
     p = sub.add_parser(
-        "convert", help="replace a saved model's linear/embedding layers by TT",
+        "convert", help="replace a saved model's linear/embedding layers by gated layers of "
+        "any format (TT by default)",
         description="Convert a whole model saved with torch.save(model, path) and write a comera "
         "checkpoint. The input must be a file you trust: loading a pickled model runs code from "
         "the file. Files of plain data (a state dict, a checkpoint, a tensor) are refused before "
@@ -511,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the comera checkpoint to write (its folder must exist)")
     p.add_argument("--config", help="ConvertConfig as a JSON file or JSON text")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="one ConvertConfig field, e.g. ranks=16 or target_compression=20")
+                   help="one ConvertConfig field, e.g. ranks=16, format=ttm or "
+                   "target_compression=20")
     p.set_defaults(run=_cmd_convert)
 
     p = sub.add_parser("report", help="per-layer ranks, sizes and compression of a checkpoint")
