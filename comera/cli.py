@@ -27,7 +27,6 @@ from comera.errors import ComeraError, ConfigError
 
 EXIT_USAGE = 2
 MAX_NPROC = 1024
-MODELS = ("transformer", "transformer-code", "dlrm", "mlm", "lm")
 log = logging.getLogger("comera.cli")
 
 
@@ -271,7 +270,7 @@ def _finite(value: Any) -> bool:
 
 
 def _convert_config(args):
-    from comera.surgery.convert import ConvertConfig
+    from comera.surgery.config import ConvertConfig
 
     fields: dict[str, Any] = {}
     if args.config is not None:
@@ -450,13 +449,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from comera.experiments.registry import EXPERIMENTS  # the one list of models
+
     parser = _Parser(prog="comera", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("train", help="train a model dense and with CoMERA, side by side")
-    p.add_argument("model", help=f"one of: {', '.join(MODELS)}")
+    p.add_argument("model", help=f"one of: {', '.join(EXPERIMENTS)}")
     p.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
     p.add_argument("--stage", choices=["early", "late", "both"], default="both")
     p.add_argument("--target-compression", type=float, default=None,
@@ -499,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_train)
 
     p = sub.add_parser(
-        "convert", help="replace a saved model's linear/embedding layers by TT",
+        "convert", help="replace a saved model's linear/embedding layers by gated layers of "
+        "any format (TT by default)",
         description="Convert a whole model saved with torch.save(model, path) and write a comera "
         "checkpoint. The input must be a file you trust: loading a pickled model runs code from "
         "the file. Files of plain data (a state dict, a checkpoint, a tensor) are refused before "
@@ -510,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the comera checkpoint to write (its folder must exist)")
     p.add_argument("--config", help="ConvertConfig as a JSON file or JSON text")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="one ConvertConfig field, e.g. ranks=16 or target_compression=20")
+                   help="one ConvertConfig field, e.g. ranks=16, format=ttm or "
+                   "target_compression=20")
     p.set_defaults(run=_cmd_convert)
 
     p = sub.add_parser("report", help="per-layer ranks, sizes and compression of a checkpoint")

@@ -9,13 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from comera import ConfigError
+from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.experiments.task import Task
 
 
 @dataclass(frozen=True)
 class Experiment:
+    """One model ``comera train`` knows (the CLI lists :data:`EXPERIMENTS`' keys)."""
+
     name: str
     description: str
     make_task: Callable[..., Task]  # (quick, init_from=None) -> task

@@ -1,12 +1,12 @@
-"""Checkpoints of rank-adaptive TT models: save once, load into a truncated, untruncated or
+"""Checkpoints of rank-adaptive models: save once, load into a truncated, untruncated or
 unconverted model with one call.
 
 A truncated model's cores are smaller than the ones a freshly built model has, so a plain
-``load_state_dict`` fails on the shapes. The checkpoint therefore records, per TT layer, its type,
-modes and physical bonds; ``load_checkpoint`` resizes each TT layer of the target model to the
-recorded bonds (or, where the target still holds the ``nn.Linear`` / ``nn.Embedding`` it was
-converted from, builds the recorded TT layer in its place) before loading the weights (the
-surgery lives in :mod:`comera.surgery.swap`).
+``load_state_dict`` fails on the shapes. The checkpoint therefore records, per gated layer, its
+format and layout at the stored bond sizes (:mod:`comera.surgery.records`); ``load_checkpoint``
+resizes each gated layer of the target model to the recorded bonds (or, where the target still
+holds the ``nn.Linear`` / ``nn.Embedding`` it was converted from, builds the recorded layer in
+its place) before loading the weights (the surgery lives in :mod:`comera.surgery.swap`).
 
     comera.save_checkpoint("run.pt", model, optimizer, step=1200)
     extra = comera.load_checkpoint("run.pt", fresh_model, optimizer)   # extra == {"step": 1200}
@@ -47,13 +47,8 @@ from torch import Tensor, nn
 
 from comera.errors import CheckpointError
 from comera.ranks.size import tt_modules
-from comera.surgery.swap import (
-    check_other_keys,
-    check_records,
-    layer_spec,
-    match_layers,
-    restore_layers_,
-)
+from comera.surgery.records import layer_spec, read_records
+from comera.surgery.swap import check_other_keys, match_layers, restore_layers_
 from comera.surgery.torchfile import (
     load_error_reason,
     read_torch_file,
@@ -67,7 +62,8 @@ from tncomp.files import sweep_temp_files
 log = logging.getLogger("comera.surgery.checkpoint")
 
 FORMAT = "comera-checkpoint"
-VERSION = 2  # 2: the checksum covers ``extra``
+VERSION = 3  # 2: the checksum covers ``extra``; 3: layer records of any format (records.py)
+READS = (2, 3)  # version 2 records (TTLinear / TTMLinear kinds) are read as today's
 STALE_TEMP_S = 600.0  # a checkpoint temp file this old belongs to a writer that died mid-write
 LEGACY_TEMP_SUFFIX = ".tmp"  # what checkpoint temp files ended in before tncomp.files
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, Tensor, torch.dtype, torch.device,
@@ -81,7 +77,8 @@ _RAW = (KeyError, AttributeError, TypeError, ValueError, IndexError, RuntimeErro
 @dataclass(frozen=True)
 class CheckpointRecord:
     """What a comera checkpoint holds, read and checksum-verified: the model's state dict, a
-    :func:`~comera.surgery.swap.layer_spec` record per TT layer (by dotted name), the optimizer
+    :func:`~comera.surgery.records.layer_spec` record per gated layer (by dotted name; records
+    of older versions upgraded to today's kinds), the optimizer
     state (``None`` when saved without one) and the ``extra`` data."""
 
     path: str  # where it was read from
@@ -136,7 +133,7 @@ def checkpoint_payload(model_state: Mapping[str, Tensor], layers: Mapping[str, A
                        optimizer: Mapping[str, Any] | None = None,
                        extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The checkpoint format as a dict (what :func:`save_checkpoint` writes and
-    :func:`read_checkpoint` / :func:`load_checkpoint` accept): a model state dict, TT layer
+    :func:`read_checkpoint` / :func:`load_checkpoint` accept): a model state dict, layer
     records (:func:`comera.layer_spec`), an optimizer record, ``extra``, and their checksum."""
     payload: dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "model": model_state, "layers": dict(layers),
@@ -150,7 +147,7 @@ def checkpoint_payload(model_state: Mapping[str, Tensor], layers: Mapping[str, A
 
 def save_checkpoint(path: PathLike, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
-    """Write model, TT layer records, optimizer state and ``extra`` to ``path``, atomically."""
+    """Write model, layer records, optimizer state and ``extra`` to ``path``, atomically."""
     _check_plain(extra, "extra")
     layers = {name: layer_spec(layer) for name, layer in tt_modules(model)}
     payload = checkpoint_payload(
@@ -200,9 +197,10 @@ def _read(source: PathLike | Mapping[str, Any]) -> CheckpointRecord:
                               f"format={FORMAT!r}, got {got}. Write checkpoints with "
                               "comera.save_checkpoint.")
     version = payload.get("version")
-    if version != VERSION:
+    if version not in READS:
         raise CheckpointError(f"{where} has checkpoint version {version!r}; this comera reads "
-                              f"version {VERSION}. Load it with the comera that wrote it.")
+                              f"versions {' and '.join(map(str, READS))}. Load it with the "
+                              "comera that wrote it.")
     for key in ("model", "layers", "checksum", "extra"):
         if key not in payload:
             raise CheckpointError(f"{where} lacks the entry {key!r}; the file is damaged.")
@@ -212,23 +210,23 @@ def _read(source: PathLike | Mapping[str, Any]) -> CheckpointRecord:
                               f"..., computed {expected[:16]}...): its contents changed after "
                               "it was saved (a damaged or truncated copy, or an edit). Use "
                               "another copy of the checkpoint.")
-    _check_contents(payload, where)
+    layers = _check_contents(payload, where)
     return CheckpointRecord(
-        where, payload["model"], payload["layers"], payload["extra"], payload.get("optimizer"),
+        where, payload["model"], layers, payload["extra"], payload.get("optimizer"),
         payload.get("optimizer_class"), payload.get("optimizer_param_names"), version)
 
 
-def _check_contents(payload: Mapping[str, Any], where: str) -> None:
+def _check_contents(payload: Mapping[str, Any], where: str) -> dict[str, dict]:
     """Types and sizes of a checksummed payload (whoever can write the file can recompute the
-    checksum): a state dict of tensors, TT layer records that match those tensors, plain
+    checksum): a state dict of tensors, layer records that match those tensors, plain
     ``extra``, optimizer entries of the right kinds. Raises CheckpointError, before anything
-    is built or allocated."""
+    is built or allocated; returns the layer records, upgraded to today's kinds."""
     model = payload["model"]
     if not isinstance(model, Mapping) or not all(
             isinstance(k, str) and isinstance(v, Tensor) for k, v in model.items()):
         raise CheckpointError(f"{where}: its model entry is not a state dict of named tensors; "
                               "the file is damaged or was edited.")
-    check_records(payload["layers"], model, where)
+    layers = read_records(payload["layers"], model, where)
     if not isinstance(payload["extra"], Mapping):
         raise CheckpointError(f"{where}: its extra entry is a {type(payload['extra']).__name__}, "
                               "not a mapping; the file is damaged or was edited.")
@@ -243,6 +241,7 @@ def _check_contents(payload: Mapping[str, Any], where: str) -> None:
             isinstance(group, list) and all(isinstance(n, str) for n in group) for group in names):
         raise CheckpointError(f"{where}: its optimizer_param_names are not lists of names; the "
                               "file is damaged or was edited.")
+    return layers
 
 
 def read_checkpoint(source: PathLike | Mapping[str, Any]) -> CheckpointRecord:
@@ -257,10 +256,10 @@ def load_checkpoint(source: PathLike | Mapping[str, Any], model: nn.Module,
                     strict: bool = True) -> dict[str, Any]:
     """Load ``source`` (a path, or the dict torch.load returned) into ``model``; return ``extra``.
 
-    Each recorded TT layer is matched by name: a TT layer of other bonds is resized in place, an
-    unconverted ``nn.Linear`` / ``nn.Embedding`` is replaced by the recorded TT layer; its gate
+    Each recorded layer is matched by name: a gated layer of other bonds is resized in place, an
+    unconverted ``nn.Linear`` / ``nn.Embedding`` is replaced by the recorded layer; its gate
     threshold tau is restored. The model is checked against the checkpoint before it is changed.
-    ``strict`` applies to the entries outside the TT layers (as in ``load_state_dict``). With
+    ``strict`` applies to the entries outside the gated layers (as in ``load_state_dict``). With
     ``optimizer``, its param groups are rebuilt over the loaded model and the saved state is
     loaded into it (see the module docstring).
     """

@@ -4,14 +4,15 @@
     model = comera.from_pretrained("out/tt-bert", BertForSequenceClassification)
 
 The folder holds ``comera_model.safetensors`` (every tensor of the model; tensors shared by tied
-modules stored once), ``comera_layers.json`` (per TT layer its kind, modes, bonds, tau, bias,
-padding_idx and merge setting; the tied-tensor aliases; a sha256 over tensors, records and
-``config.json``) and, for a HuggingFace model, its ``config.json``. Records read back are
-checked (types, ranges, shapes against the tensors present) before anything is built, so an
-edited folder raises :class:`~comera.errors.CheckpointError`, never a raw error or a huge
-allocation. ``from_pretrained`` builds the model (from the class
-and that config, or takes a model you built), converts the recorded layers at the recorded modes,
-resizes them to the recorded bonds and loads every tensor: the result equals the saved model.
+modules stored once), ``comera_layers.json`` (per gated layer its record,
+:mod:`comera.surgery.records`: format, layout, tau, bias; the tied-tensor aliases; a sha256 over
+tensors, records and ``config.json``) and, for a HuggingFace model, its ``config.json``.
+Records read back are checked (types, ranges, layouts, shapes against the tensors present)
+before anything is built, so an edited folder raises :class:`~comera.errors.CheckpointError`,
+never a raw error or a huge allocation. ``from_pretrained`` builds the model (from the class and
+that config, or takes a model you built), converts the recorded layers to the recorded formats
+and modes, resizes them to the recorded bonds and loads every tensor: the result equals the
+saved model.
 
 HuggingFace's own ``from_pretrained`` cannot read this folder: there is no ``model.safetensors``
 (it raises ``OSError`` rather than returning a dense model with freshly random layers, which is
@@ -25,6 +26,7 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +34,21 @@ import torch
 from torch import nn
 
 from comera.errors import CheckpointError
+from comera.formats.registry import get_format
 from comera.layers.linear import GatedTrain
 from comera.ranks.size import tt_modules
 from comera.surgery import checkpoint as _ckpt
-from comera.surgery.convert import HF_SAVE_WARNING, ConvertConfig, convert_
+from comera.surgery.config import ConvertConfig
+from comera.surgery.convert import HF_SAVE_WARNING, convert_
+from comera.surgery.records import KINDS, build_layer, layer_spec
 from tncomp.files import atomic_write_bytes, atomic_write_text, link_or_special
 
 WEIGHTS = "comera_model.safetensors"
 HF_CONFIG = "config.json"
 RECORDS = "comera_layers.json"
 FORMAT = "comera-pretrained"
-VERSION = 2  # 2: the checksum covers HF's config.json too
-READS = (1, 2)  # version 1 folders load, with a warning that config.json is not covered
+VERSION = 3  # 2: the checksum covers HF's config.json too; 3: layer records of any format
+READS = (1, 2, 3)  # version 1 folders load, with a warning that config.json is not covered
 MAX_RECORDS_BYTES = 64 * 2**20  # a records or config file larger than this is not ours
 
 PathLike = str | os.PathLike
@@ -79,7 +84,7 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors, aliases = _deduplicated(model.state_dict())
-    layers = {name: _ckpt.layer_spec(layer) for name, layer in tt_modules(model)}
+    layers = {name: layer_spec(layer) for name, layer in tt_modules(model)}
     every = {**tensors, **{a: tensors[t] for a, t in aliases.items()}}
     config = getattr(model, "config", None)
     config_bytes = None
@@ -190,31 +195,44 @@ def _build(model_or_class: nn.Module | type, directory: Path) -> nn.Module:
                           f"{model_or_class!r}.")
 
 
-def _convert_like_(model: nn.Module, layers: dict[str, dict]) -> None:
-    """Convert the still dense modules of ``model`` that the records hold as TT layers, at the
-    recorded modes (rank 1: the weights are loaded afterwards)."""
-    groups: dict[tuple, dict[str, tuple]] = {}
+def _pattern(name: str) -> str:
+    """``name`` as an fnmatch pattern matching only itself."""
+    return re.sub(r"([*?[])", r"[\1]", name)
+
+
+def _convert_like_(model: nn.Module, layers: Mapping[str, Mapping]) -> None:
+    """Convert the still dense modules of ``model`` that the records (checked and upgraded,
+    :func:`~comera.surgery.records.read_records`) hold as gated layers and that loading cannot
+    replace by itself (a dense nn.MultiheadAttention's projections, HF's Conv1D), each to its
+    recorded format and modes (rank 1: they are resized and loaded afterwards). A plain
+    ``nn.Linear`` / ``nn.Embedding`` is left to loading, which puts the recorded layer in its
+    place (any format, a declared einsum one too)."""
+    groups: dict[tuple[str, bool], dict[str, tuple[str, tuple | None]]] = {}
+    targets: dict[tuple[str, bool], set[str]] = {}
     for name, spec in layers.items():
-        try:
-            if isinstance(model.get_submodule(name), GatedTrain):
-                continue
+        owner = name.rpartition(".")[0]
+        if isinstance(_get(model, owner), nn.MultiheadAttention):
+            target = owner  # a projection of a dense attention: converted with it
+        elif isinstance(_get(model, name), nn.Module) and not isinstance(
+                _get(model, name), GatedTrain | KINDS[spec["kind"]].dense):
             target = name
-        except AttributeError:  # a projection of a (dense) nn.MultiheadAttention
-            target = name.rpartition(".")[0]
-            if not isinstance(_get(model, target), nn.MultiheadAttention):
-                continue  # load_checkpoint names what is missing
-        packed = f"{target}.in_proj" in layers
-        fmt = "ttm" if spec["kind"] == "TTMLinear" else "tt"
-        key = (fmt, spec["kind"] == "TTEmbedding", packed)
-        groups.setdefault(key, {})[name] = (spec["in_modes"], spec["out_modes"])
-        groups[key].setdefault(target, (spec["in_modes"], spec["out_modes"]))
-    for (fmt, embedding, packed), modes in groups.items():
+        else:
+            continue  # converted already, or missing: load_checkpoint names what is missing
+        layer = build_layer(spec, torch.empty(0, device="meta"))
+        fmt, layout = layer.format.name, layer.layout
+        modes = (layout.in_modes, layout.out_modes) if get_format(fmt).uses_modes else None
+        key = (KINDS[spec["kind"]].switch, f"{target}.in_proj" in layers)
+        groups.setdefault(key, {})[name] = (fmt, modes)
+        targets.setdefault(key, set()).add(target)
+    for (switch, packed), entries in groups.items():
         with warnings.catch_warnings():  # loading is how HF_SAVE_WARNING's advice is followed
             warnings.filterwarnings("ignore", message=re.escape(HF_SAVE_WARNING[:40]))
-            convert_(model, ConvertConfig(include=tuple(modes), linear=not embedding,
-                                          embedding=embedding, ranks=1, format=fmt,
-                                          modes=modes,
-                                          attention_in_proj="packed" if packed else "split"))
+            convert_(model, ConvertConfig(
+                include=tuple(_pattern(t) for t in sorted(targets[(switch, packed)])),
+                linear=switch == "linear", embedding=switch == "embedding", ranks=1,
+                format={_pattern(n): fmt for n, (fmt, _) in entries.items()},
+                modes={n: modes for n, (_, modes) in entries.items() if modes is not None},
+                attention_in_proj="packed" if packed else "split"))
     for name, spec in layers.items():
         module = _get(model, name)
         if spec.get("merge_pairs") is not None and module is not None:
@@ -229,10 +247,10 @@ def _get(model: nn.Module, name: str) -> nn.Module | None:
 
 
 def from_pretrained(directory: PathLike, model_or_class: nn.Module | type) -> nn.Module:
-    """The model saved by :func:`save_pretrained` in ``directory``, with its TT layers at the
-    saved ranks. ``model_or_class``: a model of the saved architecture (converted or not; it is
-    changed in place), or its class (a HuggingFace class is built from the saved config and put
-    in eval mode, as HuggingFace's ``from_pretrained`` does)."""
+    """The model saved by :func:`save_pretrained` in ``directory``, with its gated layers at
+    the saved formats and ranks. ``model_or_class``: a model of the saved architecture
+    (converted or not; it is changed in place), or its class (a HuggingFace class is built
+    from the saved config and put in eval mode, as HuggingFace's ``from_pretrained`` does)."""
     directory = Path(directory)
     records = _read_records(directory)
     extra = _covered(records, directory)  # before config.json is read to build the model
@@ -254,10 +272,10 @@ def from_pretrained(directory: PathLike, model_or_class: nn.Module | type) -> nn
     payload = _ckpt.checkpoint_payload(dict(sorted(tensors.items())), records.get("layers"),
                                        extra=extra)
     payload["checksum"] = records["checksum"]  # the stored one: read_checkpoint verifies it
-    _ckpt.read_checkpoint(payload)  # checksum and records, before the model is changed
+    record = _ckpt.read_checkpoint(payload)  # checksum and records, before the model changes
     model = _build(model_or_class, directory)
     try:
-        _convert_like_(model, records["layers"])
+        _convert_like_(model, record.layers)
     except CheckpointError:
         raise
     except (KeyError, AttributeError, TypeError, ValueError, IndexError, RuntimeError) as exc:

@@ -1,9 +1,11 @@
-"""What a checkpoint holds, per TT layer: modes, stored bonds, effective ranks, size, compression.
+"""What a checkpoint holds, per gated layer: format, modes, stored bonds, effective ranks, size,
+compression.
 
     print(comera.checkpoint_report("runs/latest/checkpoints/comera.pt"))
 
-Read from the file alone (no model needed): each recorded layer is rebuilt from its record and
-its weights, so the effective ranks (gate entries above tau) are the ones the model trains with.
+Read from the file alone (no model needed): each recorded layer, of any format, is rebuilt from
+its record (:mod:`comera.surgery.records`) and its weights, so the effective ranks (gate entries
+above tau, one per bond) are the ones the model trains with.
 Sizes are counted as :mod:`comera.ranks.size` counts them (``model_size``, ``compression_ratio``
 and the run summary agree with this table): a TT layer at its effective ranks with its bias and
 its hot-row cache (:class:`~comera.layers.cached_embedding.CachedTTEmbedding`), against the dense
@@ -19,23 +21,37 @@ from typing import Any
 import torch
 
 from comera.surgery.checkpoint import read_checkpoint
-from comera.surgery.swap import build_layer
+from comera.surgery.records import build_layer
+from comera.surgery.table import text_table
 
 
 @dataclass(frozen=True)
 class LayerRow:
-    """One TT layer of a checkpoint: type, dense shape, modes, stored bonds, effective ranks and
-    parameters (at the effective ranks, and dense)."""
+    """One gated layer of a checkpoint: type, format, dense shape, modes, stored bonds and
+    effective ranks (as the layer gives them: a chain's with its ends 1) and parameters (at the
+    effective ranks, and dense)."""
 
     name: str
     kind: str
     shape: tuple[int, int]
     modes: tuple[tuple[int, ...], tuple[int, ...]]
-    bonds: tuple[int, ...]  # stored (physical)
-    ranks: tuple[int, ...]  # effective
+    bonds: tuple[int, ...]  # stored (physical): the layer's ``bonds``
+    ranks: tuple[int, ...]  # effective: the layer's ``ranks``
     params: int  # at the effective ranks (bias and hot-row cache included)
     dense_params: int
     cache_params: int = 0  # of a hot-row cache, counted in ``params`` (as model_size does)
+    format: str = "tt"
+    chain: bool = True  # bonds and ranks carry a chain's ends
+
+    @property
+    def bond_sizes(self) -> tuple[int, ...]:
+        """The stored size of each bond, in gate order (a chain's ends left out)."""
+        return self.bonds[1:-1] if self.chain else self.bonds
+
+    @property
+    def bond_ranks(self) -> tuple[int, ...]:
+        """The effective size of each bond, in gate order (a chain's ends left out)."""
+        return self.ranks[1:-1] if self.chain else self.ranks
 
     @property
     def compression(self) -> float:
@@ -90,21 +106,17 @@ class CheckpointReport:
         if not self.layers:
             return (f"{self.path}\nno TT layers: a dense checkpoint of {self.other_params:,} "
                     "parameters (comera convert turns a model into TT layers).")
-        head = ("layer", "type", "shape", "modes", "bonds", "ranks", "params", "dense", "ratio")
-        rows = [head]
-        for r in self.layers:
-            rows.append((r.name, r.kind, f"{r.shape[0]}x{r.shape[1]}",
-                         f"{list(r.modes[0])}x{list(r.modes[1])}", str(list(r.bonds[1:-1])),
-                         str(list(r.ranks[1:-1])), f"{r.params:,}", f"{r.dense_params:,}",
-                         r.ratio_text()))
+        head = ("layer", "type", "format", "shape", "modes", "bonds", "ranks", "params", "dense",
+                "ratio")
+        rows = [(r.name, r.kind, r.format, f"{r.shape[0]}x{r.shape[1]}",
+                 f"{list(r.modes[0])}x{list(r.modes[1])}", str(list(r.bond_sizes)),
+                 str(list(r.bond_ranks)), f"{r.params:,}", f"{r.dense_params:,}", r.ratio_text())
+                for r in self.layers]
         all_removed = bool(self.layers) and all(r.removed for r in self.layers)
-        rows.append(("TT layers", "", "", "", "", "", f"{self.tt_params:,}",
+        rows.append(("TT layers", "", "", "", "", "", "", f"{self.tt_params:,}",
                      f"{self.tt_dense_params:,}",
                      "removed" if all_removed else f"{self.compression:.1f}x"))
-        widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
-                 for row in rows]
-        lines.insert(1, "-" * max(len(line) for line in lines))
+        lines = text_table(head, rows)
         total = self.tt_params + self.other_params
         dense_total = self.tt_dense_params + self.other_params
         lines.append(f"whole model: {total:,} parameters ({dense_total:,} dense, "
@@ -138,11 +150,11 @@ def checkpoint_report(path: str | os.PathLike) -> CheckpointReport:
         if cache_key is not None:
             inside.add(cache_key)
             cache = state[cache_key].numel()
-        rows.append(LayerRow(name, spec["kind"], (spec["in_features"], spec["out_features"]),
-                             (tuple(spec["in_modes"]), tuple(spec["out_modes"])),
-                             tuple(spec["bonds"]), tuple(layer.ranks),
+        layout = layer.layout
+        rows.append(LayerRow(name, type(layer).__name__, (layer.in_features, layer.out_features),
+                             (layout.in_modes, layout.out_modes), layer.bonds, layer.ranks,
                              layer.num_parameters(True) + cache, layer.dense_num_parameters(),
-                             cache))
+                             cache, layer.format.name, layout.is_chain))
     other = sum(v.numel() for k, v in state.items()
                 if k not in inside and not _is_buffer_like(k, v))
     return CheckpointReport(record.path, tuple(rows), other, dict(record.extra))

@@ -12,6 +12,7 @@ from torch import nn
 
 import comera
 from comera.errors import CheckpointError
+from comera.formats.layout import Layout
 from comera.surgery.checkpoint import STALE_TEMP_S, load_checkpoint, save_checkpoint
 from tncomp.files import TEMP_SUFFIX
 
@@ -274,7 +275,7 @@ def test_layer_of_other_shape_or_modes(trained):
         load_checkpoint(trained["path"], model)
     model = Net()
     model.b = comera.TTLinear(16, 8, (2, 2, 4), (2, 2, 2), ranks=3, dtype=F64)
-    with pytest.raises(CheckpointError, match="has a TTLinear, the checkpoint a TTMLinear"):
+    with pytest.raises(CheckpointError, match="has format tt, the checkpoint's ttm"):
         load_checkpoint(trained["path"], model)
 
 
@@ -341,7 +342,9 @@ def test_read_checkpoint_returns_the_verified_contents(trained):
     assert record.version == comera.surgery.checkpoint.VERSION
     assert record.extra == {"step": 5, "note": "truncated"}
     assert set(record.layers) == {"emb", "a", "b"}
-    assert tuple(record.layers["a"]["bonds"]) == trained["bonds"]["a"]
+    layout = Layout.from_dict(record.layers["a"]["layout"])
+    assert record.layers["a"]["format"] == "tt"
+    assert (1, *layout.bond_sizes, 1) == trained["bonds"]["a"]
     assert record.optimizer_class == "AdamW"
     assert record.model.keys() == trained["model"].state_dict().keys()
 

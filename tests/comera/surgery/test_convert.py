@@ -116,6 +116,29 @@ def test_ranks_dict_first_match_wins():
         assert r.ranks == layer.ranks
 
 
+def test_format_dict_first_match_wins():
+    model = Model()
+    report = comera.convert_(model, ranks=2, format={"attn.*": "ttm", "*": "tt"})
+    kinds = {r.name: (r.kind, r.format) for r in report.layers}
+    assert kinds == {name: ("TTMLinear", "ttm") if name.startswith("attn.") else
+                     ("TTLinear", "tt") for name in LINEAR_NAMES}
+    assert "ttm" in str(report).splitlines()[2].split()
+
+
+def test_format_dict_without_match_raises_before_any_swap():
+    model = Model()
+    with pytest.raises(comera.ConfigError, match=re.escape("no format pattern matches layer")):
+        comera.convert_(model, ranks=2, format={"attn.*": "ttm"})
+    assert type(model.head) is nn.Linear and type(model.attn.q) is nn.Linear
+
+
+def test_an_unknown_format_names_the_registered_ones():
+    from comera.formats.registry import format_names
+
+    with pytest.raises(comera.ConfigError, match=re.escape(", ".join(format_names()))):
+        ConvertConfig(format="tucker2")
+
+
 def test_ranks_dict_without_match_raises():
     pattern = re.escape("no ranks pattern matches layer 'attn.q'")
     with pytest.raises(comera.ConfigError, match=pattern):
@@ -160,7 +183,7 @@ def test_report_str_table():
     report = comera.convert_(Model(), ranks=2, embedding=True)
     text = str(report)
     lines = text.splitlines()
-    assert lines[0].split()[:3] == ["layer", "type", "shape"]
+    assert lines[0].split()[:4] == ["layer", "type", "format", "shape"]
     assert set(lines[1]) == {"-"}
     for name in ["emb", *LINEAR_NAMES]:
         assert any(line.startswith(name + " ") for line in lines), name
@@ -197,7 +220,8 @@ BAD_FIELDS = [
     ("target_compression", float("inf")), ("target_compression", "10"),
     ("d", 0), ("d", 2.0), ("d", True),
     ("tau", -1e-3), ("tau", float("nan")), ("tau", float("inf")), ("tau", "0.01"),
-    ("format", "cp"), ("modes", [(4, 4)]), ("modes", {"fc": (4, 4)}),
+    ("format", "nope"), ("format", {"*": "nope"}), ("format", {}), ("format", 3),
+    ("modes", [(4, 4)]), ("modes", {"fc": (4, 4)}),
     ("modes", {"fc": ([4, 0], [4, 4])}),
     ("attention_in_proj", "fused"), ("memory", "tiny"), ("memory", -1),
 ]
@@ -221,7 +245,8 @@ def test_a_single_pattern_string_is_one_pattern():
 def test_a_rank_past_the_full_rank_warns_naming_the_layer():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 512))
-    with pytest.warns(UserWarning, match=r"full TT rank .*\b0 \(rank 100000") as record:
+    with pytest.warns(UserWarning,
+                      match=r"full rank .*\b0 \(tt rank 100000 >= full 16") as record:
         report = comera.convert_(model, ranks=100_000, d=2)
     text = str(record[0].message)
     assert "below 1x" in text and "0 (" in text
@@ -246,8 +271,8 @@ def test_comera_convert_with_a_huge_rank_warns_naming_the_layer(tmp_path):
     result = run_cli("convert", str(tmp_path / "model.pt"), "-o", str(tmp_path / "tt.pt"),
                      "--set", "ranks=100000", "--set", "d=2")
     assert result.returncode == 0, result.stderr
-    assert "full TT rank" in result.stderr and "below 1x" in result.stderr
-    assert "0 (rank 100000" in result.stderr
+    assert "full rank" in result.stderr and "below 1x" in result.stderr
+    assert "0 (tt rank 100000" in result.stderr
 
 
 def test_a_nan_weight_is_refused_naming_the_layer_before_any_swap():
@@ -258,3 +283,9 @@ def test_a_nan_weight_is_refused_naming_the_layer_before_any_swap():
     with pytest.raises(comera.ConversionError, match=r"^2\.weight: .*1 NaN or infinite weight"):
         comera.convert_(model, ranks=4)
     assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear  # nothing was swapped
+
+
+def test_target_compression_ignores_rank_patterns():
+    model = nn.Sequential(nn.Linear(64, 64, dtype=F64))
+    report = comera.convert_(model, ranks={"nothing.*": 2}, target_compression=4.0)
+    assert report.after <= report.before / 4.0 + 64  # the bias is not compressed

@@ -8,7 +8,8 @@ from torch import nn
 
 import comera
 from comera.errors import ConfigError
-from comera.surgery.swap import build_layer, layer_spec, swap_submodule
+from comera.surgery.records import build_layer, layer_spec
+from comera.surgery.swap import swap_submodule
 
 
 def test_swap_submodule_by_dotted_name():

@@ -63,23 +63,66 @@ def _drop(path: list):
     return edit
 
 
+def _size(index: str, value, layer: str = "0"):
+    """Set the size of ``index`` in the layout of the linear record ``layer``."""
+    def edit(records):
+        sizes = records["layers"][layer]["layout"]["sizes"]
+        for entry in sizes:
+            if entry[0] == index:
+                entry[1] = value
+    return edit
+
+
+def _legacy(**changes):
+    """Replace record 0 (a TT linear 16x16, modes (4, 4) x (4, 4), bonds (1, 3, 3, 3, 1)) by
+    the record main wrote for it before the format protocol, with ``changes``."""
+    def edit(records):
+        records["layers"]["0"] = {
+            "kind": "TTLinear", "in_features": 16, "out_features": 16, "in_modes": [4, 4],
+            "out_modes": [4, 4], "bonds": [1, 3, 3, 3, 1], "tau": 0.01, "bias": True,
+            "padding_idx": None, "merge_pairs": None, **changes}
+    return edit
+
+
 EDITS = {
-    "huge-bonds": _set(["layers", "0", "bonds"], [1, 4_000_000_000, 1]),
-    "huge-but-int32-bonds": _set(["layers", "0", "bonds"], [1, 2_000_000_000, 1]),
+    "huge-bonds": _size("r1", 4_000_000_000),
+    "huge-but-int32-bonds": _size("r1", 2_000_000_000),
     "bonds-of-another-shape": _set(["layers", "2", "bonds"], [1, 5, 5, 1]),
-    "bonds-as-text": _set(["layers", "0", "bonds"], "1,3,1"),
-    "huge-features": _set(["layers", "0", "in_features"], 10**12),
+    "bonds-as-text": _set(["layers", "0", "layout", "bonds"], "r1,r2"),
+    "bond-a-feature-index": _set(["layers", "0", "layout", "bonds"], ["i1", "r2", "r3"]),
+    "huge-features": _size("i1", 10**12),
+    "modes-of-floats": _size("i1", 4.0),
+    "inputs-swapped": _set(["layers", "0", "layout", "inputs"], ["i2", "i1"]),
+    "cores-reordered": lambda r: r["layers"]["0"]["layout"]["cores"].reverse(),
+    "format-of-another-layout": _set(["layers", "0", "format"], "ttm"),
+    "unknown-format": _set(["layers", "0", "format"], "tt9"),
+    "layout-not-a-dict": _set(["layers", "0", "layout"], 5),
+    "no-layout": _drop(["layers", "0", "layout"]),
     "unknown-kind": _set(["layers", "0", "kind"], "TTConv"),
     "no-tau": _drop(["layers", "0", "tau"]),
     "tau-nan": _set(["layers", "0", "tau"], float("nan")),
-    "modes-of-floats": _set(["layers", "0", "in_modes"], [4.0, 4.0]),
     "record-not-a-dict": _set(["layers", "0"], 5),
     "layers-not-a-dict": _set(["layers"], [1, 2]),
     "layer-the-model-lacks": _set(["layers", "9"], None),
     "alias-to-nothing": _set(["aliases"], {"x.weight": "missing.weight"}),
     "aliases-not-a-dict": _set(["aliases"], 3),
     "no-checksum-field": _drop(["checksum"]),
+    "legacy-huge-bonds": _legacy(bonds=[1, 4_000_000_000, 3, 3, 1]),
+    "legacy-bonds-unlike-the-tensors": _legacy(bonds=[1, 2, 3, 3, 1]),
+    "legacy-modes-of-floats": _legacy(in_modes=[4.0, 4.0]),
+    "legacy-modes-unlike-features": _legacy(in_modes=[2, 4]),
+    "legacy-open-ends": _legacy(bonds=[2, 3, 3, 3, 1]),
+    "legacy-no-bonds": lambda r: (_legacy()(r), r["layers"]["0"].pop("bonds")),
 }
+
+
+def test_the_legacy_record_of_the_edits_is_the_one_main_wrote(tmp_path):
+    """The legacy edits start from a record that loads: only their change is refused."""
+    comera.save_pretrained(_model(), tmp_path)
+    _rewrite_records(tmp_path, _legacy())
+    loaded = comera.from_pretrained(tmp_path, _fresh())
+    x = torch.randn(3, 16)
+    assert torch.equal(loaded[0](x), _model()[0](x))
 
 
 @pytest.mark.parametrize("name", list(EDITS))
@@ -148,8 +191,10 @@ def _edited_checkpoint(tmp_path, edit):
 
 
 CHECKPOINT_EDITS = {
-    "huge-bonds": lambda p: p["layers"]["0"].__setitem__("bonds", (1, 4_000_000_000, 1)),
-    "bonds-unlike-the-tensors": lambda p: p["layers"]["0"].__setitem__("bonds", (1, 2, 1)),
+    "huge-bonds": _size("r1", 4_000_000_000),
+    "bonds-unlike-the-tensors": _size("r1", 2),
+    "inputs-swapped": _set(["layers", "0", "layout", "inputs"], ["i2", "i1"]),
+    "legacy-bonds-unlike-the-tensors": _legacy(bonds=[1, 2, 3, 3, 1]),
     "record-without-kind": lambda p: p["layers"]["0"].pop("kind"),
     "model-not-a-state-dict": lambda p: p.__setitem__("model", [1, 2]),
     "tensor-missing": lambda p: p["model"].pop("0.cores.1"),

@@ -157,3 +157,22 @@ def test_attention_with_bias_kv_is_refused():
     mha = nn.MultiheadAttention(E, H, add_bias_kv=True)
     with pytest.raises(comera.ConversionError, match="add_bias_kv"):
         comera.convert_(nn.Sequential(mha))
+
+
+def test_a_checkpoint_loaded_into_a_dense_encoder_layer_runs_in_eval(tmp_path):
+    """Loading swaps gated layers into an unconverted nn.TransformerEncoderLayer: its eval fast
+    path (which reads linear1.weight) is switched off there too (it raised AttributeError)."""
+    def layer():
+        torch.manual_seed(0)
+        return nn.TransformerEncoderLayer(16, 2, 16, batch_first=True, dropout=0.0).eval()
+
+    model = layer()
+    comera.convert_(model, ranks=4, exclude=["self_attn"])
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        y = model(x)
+    comera.save_checkpoint(tmp_path / "run.pt", model)
+    fresh = layer()
+    comera.load_checkpoint(tmp_path / "run.pt", fresh)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), y)

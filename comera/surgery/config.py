@@ -1,0 +1,143 @@
+"""``ConvertConfig``: what ``convert_`` converts and how, validated when it is built (every bad
+field a :class:`~comera.errors.ConfigError` naming it), as PEFT's tuner configs are."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from comera.errors import ConfigError
+from comera.formats.registry import format_names
+from comera.layers.linear import DEFAULT_TAU, check_memory
+
+IN_PROJ = ("split", "packed")
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """What to convert and how.
+
+    include / exclude: fnmatch patterns over qualified module names ("*" matches all).
+    ranks: a max rank for every layer, or {pattern: max rank}, first match wins.
+    target_compression: instead of ranks, the largest uniform max rank per layer whose TT size
+    is at most dense / target (per layer).
+    """
+
+    include: Sequence[str] = ("*",)
+    exclude: Sequence[str] = ()
+    linear: bool = True
+    embedding: bool = False
+    ranks: int | Mapping[str, int] = 16
+    target_compression: float | None = None
+    d: int = 3
+    tau: float = DEFAULT_TAU
+    # the target format of every linear layer (a name of comera.formats.format_names()), or
+    # {pattern: format}, first match wins; embedding tables are TT-matrix ("tt" or "ttm")
+    format: str | Mapping[str, str] = "tt"
+    modes: Mapping[str, tuple[Sequence[int], Sequence[int]]] = field(default_factory=dict)
+    # nn.MultiheadAttention's packed q/k/v projection: three TT layers ("split": <name>.q_proj,
+    # .k_proj, .v_proj) or one with 3 x embed_dim outputs ("packed": <name>.in_proj)
+    attention_in_proj: str = "split"
+    # what the TT layers keep for the backward (tncomp's memory option, GatedTrain.memory):
+    # "fast", "balanced", "min" or a byte budget per layer call
+    memory: str | int = "fast"
+
+    def __post_init__(self) -> None:
+        for key in ("include", "exclude"):
+            value = getattr(self, key)
+            if isinstance(value, str):  # one pattern
+                object.__setattr__(self, key, (value,))
+            elif not isinstance(value, Sequence | set | frozenset) or any(
+                    not isinstance(p, str) for p in value):
+                raise ConfigError(f"{key}={value!r}; pass a list of fnmatch patterns over "
+                                  f"module names, e.g. {key}=['encoder.*'].")
+            else:
+                object.__setattr__(self, key, tuple(value))
+        for key in ("linear", "embedding"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key}={getattr(self, key)!r}; pass True or False.")
+        if isinstance(self.ranks, Mapping):
+            bad = {k: v for k, v in self.ranks.items() if not isinstance(k, str)
+                   or not _is_rank(v)}
+            if bad or not self.ranks:
+                raise ConfigError(f"ranks={dict(self.ranks)!r}; a mapping of fnmatch pattern to "
+                                  "a max rank (an int >= 1), e.g. ranks={'*': 16}.")
+        elif not _is_rank(self.ranks):
+            raise ConfigError(f"ranks={self.ranks!r}; a max rank is an int >= 1 (e.g. ranks=16), "
+                              "or a mapping of pattern to rank.")
+        if self.target_compression is not None and not (
+                _is_number(self.target_compression) and self.target_compression > 1):
+            raise ConfigError(f"target_compression={self.target_compression!r}; it must be a "
+                              "finite number > 1 (dense size / TT size), or None to use ranks.")
+        if isinstance(self.d, bool) or not isinstance(self.d, int) or self.d < 1:
+            raise ConfigError(f"d={self.d!r}; the number of modes per side is an int >= 1 "
+                              "(a TT layer has at least one mode per side; default 3).")
+        if not (_is_number(self.tau) and self.tau >= 0):
+            raise ConfigError(f"tau={self.tau!r}; the gate threshold is a finite number >= 0 "
+                              f"(default {DEFAULT_TAU}).")
+        _check_format(self.format)
+        if not isinstance(self.modes, Mapping) or any(
+                not isinstance(k, str) or not _is_modes(v) for k, v in self.modes.items()):
+            raise ConfigError(f"modes={self.modes!r}; a mapping of layer name to (in_modes, "
+                              "out_modes), each a list of ints >= 1, e.g. "
+                              "modes={'fc': ([8, 8], [4, 16])}.")
+        if self.attention_in_proj not in IN_PROJ:
+            raise ConfigError(f"attention_in_proj={self.attention_in_proj!r}; choose one of "
+                              f"{', '.join(IN_PROJ)}.")
+        check_memory(self.memory)
+        if not (self.linear or self.embedding):
+            raise ConfigError("linear and embedding are both False: nothing would be converted.")
+
+    def rank_for(self, name: str) -> int:
+        """The max rank for the layer named ``name``: ``ranks`` itself, or the value of the first
+        pattern in ``ranks`` that matches (a :class:`ConfigError` when none does)."""
+        if isinstance(self.ranks, int):
+            return self.ranks
+        for pattern, rank in self.ranks.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return rank
+        raise ConfigError(f"no ranks pattern matches layer {name!r}; add one or use '*'.")
+
+
+    def format_for(self, name: str) -> str:
+        """The format of the layer named ``name``: ``format`` itself, or the value of the first
+        pattern in ``format`` that matches (a :class:`ConfigError` when none does)."""
+        if isinstance(self.format, str):
+            return self.format
+        for pattern, fmt in self.format.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return fmt
+        raise ConfigError(f"no format pattern matches layer {name!r} (patterns "
+                          f"{list(self.format)}); add one or use '*'.")
+
+
+def _check_format(value: object) -> None:
+    """A registered format's name, or a non-empty {pattern: name} mapping of them."""
+    names = format_names()
+    if isinstance(value, str) and value in names:
+        return
+    if isinstance(value, Mapping) and value and all(
+            isinstance(k, str) and isinstance(v, str) and v in names for k, v in value.items()):
+        return
+    raise ConfigError(f"format={value!r}; choose one of {', '.join(names)}, or map fnmatch "
+                      "patterns to them, e.g. format={'encoder.*': 'tt', '*': 'ttm'}.")
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _is_rank(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_modes(value: object) -> bool:
+    return (isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2
+            and all(isinstance(side, Sequence) and not isinstance(side, str) and side
+                    and all(_is_rank(m) for m in side) for side in value))
+
+
+__all__ = ["IN_PROJ", "ConvertConfig"]

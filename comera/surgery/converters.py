@@ -1,0 +1,257 @@
+"""The converter list of ``convert_``: one entry per source module type, first match wins.
+
+As PEFT's ``dispatch_*`` functions: each :class:`Converter` says which modules it matches, how it
+reads their weight (in x out) and bias, and how it builds the gated layer(s) that replace them.
+The target format comes from the config (:meth:`ConvertConfig.format_for`), so nothing here
+names a format: a linear weight becomes a :class:`~comera.layers.linear.GatedLinear` of any
+registered format, an embedding table a TT-matrix :class:`~comera.layers.embedding.TTEmbedding`.
+Adding a source type is one entry in :data:`CONVERTERS`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from torch import Tensor, nn
+
+from comera.errors import ConfigError, ConversionError
+from comera.formats.layout import Layout
+from comera.formats.registry import Format, get_format
+from comera.layers.attention import TTMultiheadAttention
+from comera.layers.embedding import TTEmbedding
+from comera.layers.linear import GatedLinear, GatedTrain
+from comera.surgery.config import ConvertConfig
+from comera.surgery.records import linear_class
+
+#: the formats an embedding table can take: the chain formats, both stored as a TT-matrix table
+EMBEDDING_FORMATS = ("tt", "ttm")
+IN_PARTS = ("q_proj", "k_proj", "v_proj")  # an nn.MultiheadAttention's split projections
+MAX_RANK = 1 << 16  # target_compression searches ranks up to this
+
+
+class Part(NamedTuple):
+    """One gated layer a conversion made: its qualified name, the dense (in, out) it stands
+    for, the dense parameters it replaces, the layer, its format's name and its layout."""
+
+    name: str
+    shape: tuple[int, int]
+    before: int
+    layer: GatedTrain
+    format: str
+    layout: Layout
+
+
+Convert = Callable[[str, nn.Module, ConvertConfig], tuple[nn.Module, list[Part]]]
+
+
+@dataclass(frozen=True)
+class Converter:
+    """How ``convert_`` turns one type of module into gated layers.
+
+    source: the module type in words (errors list it); switch: the ConvertConfig flag that turns
+    the converter on (``"linear"`` or ``"embedding"``); types: the module types it matches
+    (looked up when used, so an optional library is imported only if the model holds it);
+    convert: ``(name, module, config) -> (replacement, parts)``; check: refusals raised before
+    any module is swapped."""
+
+    source: str
+    switch: str
+    types: Callable[[], tuple[type, ...]]
+    convert: Convert
+    check: Callable[[str, nn.Module, ConvertConfig], None] = (
+        lambda name, module, config: _check_layer(name, config))
+
+    def matches(self, module: nn.Module) -> bool:
+        return isinstance(module, self.types())
+
+
+def _check_layer(name: str, config: ConvertConfig) -> None:
+    """The config gives the layer ``name`` a format and a rank, and modes only where its format
+    uses modes (else a ConfigError, raised before any module is swapped)."""
+    fmt = config.format_for(name)
+    if not config.target_compression:
+        config.rank_for(name)
+    if name in config.modes and not get_format(fmt).uses_modes:
+        raise ConfigError(f"modes={{{name!r}: ...}}: layer {name!r} is converted to the format "
+                          f"{fmt!r}, which uses no modes; leave {name!r} out of modes.")
+
+
+# -- building one gated linear layer from a dense weight ------------------------------------------
+def _linear(fmt: str, in_features: int, out_features: int, modes, rank: int, bias: bool,
+            config: ConvertConfig, **factory) -> GatedLinear:
+    """A randomly initialised linear layer of ``fmt`` (of the class fixed to it, if any)."""
+    cls = linear_class(fmt)
+    own = {} if cls.fixed_format is not None else {"format": fmt}
+    return cls(in_features, out_features, ranks=rank, in_modes=modes[0], out_modes=modes[1],
+               bias=bias, tau=config.tau, d=config.d, memory=config.memory, **own, **factory)
+
+
+def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
+    """The largest uniform max rank whose cores (``fmt``'s layout on ``probe``'s modes) hold at
+    most ``budget`` parameters (at least 1). The size grows with the rank until every bond
+    reaches the format's cap, so double, then bisect."""
+    def size(rank: int) -> int:
+        layout = fmt.layout(probe.in_modes, probe.out_modes, rank)
+        return layout.parameters_at(layout.bond_sizes)
+
+    lo, hi = 1, 1
+    while size(hi) <= budget and hi < MAX_RANK:
+        if size(hi * 2) == size(hi):  # every bond is at its cap already
+            return hi
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if size(mid) <= budget else (lo, mid)
+    return lo
+
+
+def full_rank(fmt: Format, layout: Layout, rank: int) -> int | None:
+    """The largest bond ``fmt`` allows on ``layout``'s modes when asked for ``rank`` or more
+    (the bonds are clipped there), or None when ``rank`` is below every cap."""
+    at = fmt.layout(layout.in_modes, layout.out_modes, rank).bond_sizes
+    above = fmt.layout(layout.in_modes, layout.out_modes, rank + 1).bond_sizes
+    return max(at, default=1) if at == above else None
+
+
+def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
+                 config: ConvertConfig) -> GatedTrain:
+    """``weight`` (in x out) and ``bias`` as a gated layer of the format, modes and rank the
+    config gives the layer ``name`` (initialised by the format's decomposition)."""
+    fmt = config.format_for(name)
+    modes = config.modes.get(name, (None, None))
+    if config.target_compression:
+        probe = _linear(fmt, *weight.shape, modes, 1, False, config, device="meta")
+        rank = rank_for_target(get_format(fmt), probe.layout,
+                               weight.numel() / config.target_compression)
+    else:
+        rank = config.rank_for(name)
+    layer = _linear(fmt, *weight.shape, modes, rank, bias is not None, config,
+                    dtype=weight.dtype, device=weight.device)
+    layer.load_weight_(weight, bias)
+    return layer
+
+
+# -- the converters -------------------------------------------------------------------------------
+def _linear_weight(module: nn.Linear) -> tuple[Tensor, Tensor | None]:
+    return module.weight.detach().T, module.bias
+
+
+def _conv1d_weight(module: nn.Module) -> tuple[Tensor, Tensor | None]:
+    return module.weight.detach(), module.bias  # HF's Conv1D stores (in, out): y = x @ W + b
+
+
+def _linear_like(read: Callable[[nn.Module], tuple[Tensor, Tensor | None]]) -> Convert:
+    """The converter body of a module holding one linear map: read it, build one layer."""
+    def convert(name: str, module: nn.Module, config: ConvertConfig):
+        weight, bias = read(module)
+        layer = gated_linear(name, weight, bias, config)
+        before = sum(p.numel() for p in module.parameters())
+        fmt = config.format_for(name)
+        return layer, [Part(name, tuple(weight.shape), before, layer, fmt,
+                            layer.layout)]
+    return convert
+
+
+def _check_embedding(name: str, module: nn.Embedding, config: ConvertConfig) -> None:
+    _check_layer(name, config)
+    fmt = config.format_for(name)
+    if fmt not in EMBEDDING_FORMATS:
+        raise ConfigError(
+            f"format {fmt!r} for the embedding {name!r}: embedding tables are converted to the "
+            f"TT-matrix TTEmbedding only (format {' or '.join(map(repr, EMBEDDING_FORMATS))}); "
+            f"give the embeddings a pattern of their own, e.g. format={{{name!r}: 'ttm', "
+            f"'*': {fmt!r}}}, or leave them dense with embedding=False.")
+
+
+def _embedding(name: str, module: nn.Embedding, config: ConvertConfig):
+    modes = config.modes.get(name, (None, None))
+    rank = 1 if config.target_compression else config.rank_for(name)
+    if config.target_compression:
+        probe = TTEmbedding(module.num_embeddings, module.embedding_dim, modes[0], modes[1], 1,
+                            module.padding_idx, config.tau, config.d, device="meta")
+        rank = rank_for_target(probe.format, probe.layout,
+                               module.weight.numel() / config.target_compression)
+    layer = TTEmbedding.from_embedding(module, rank, modes[0], modes[1], config.tau, config.d)
+    if config.memory != "fast":
+        layer.memory = config.memory
+    shape = (module.num_embeddings, module.embedding_dim)
+    return layer, [Part(name, shape, module.weight.numel(), layer, layer.format.name,
+                        layer.layout)]
+
+
+def _check_attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig) -> None:
+    if mha.bias_k is not None or mha.add_zero_attn:
+        raise ConversionError(f"{name}: nn.MultiheadAttention with add_bias_kv / add_zero_attn "
+                              "is not supported; leave it dense with exclude=[...].")
+    if config.attention_in_proj == "packed" and not mha._qkv_same_embed_dim:
+        raise ConversionError(f"{name}: attention_in_proj='packed' needs kdim == vdim == "
+                              f"embed_dim (got {mha.kdim}, {mha.vdim}, {mha.embed_dim}); use "
+                              "'split'.")
+    parts = ("in_proj",) if config.attention_in_proj == "packed" else IN_PARTS
+    for part in (*parts, "out_proj"):
+        _check_layer(f"{name}.{part}", config)
+
+
+def _attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig):
+    """A :class:`TTMultiheadAttention` computing what ``mha`` does: its q/k/v projections (or
+    the packed ``in_proj``) and ``out_proj`` as gated layers, each named ``<name>.<part>``."""
+    bias = mha.in_proj_bias
+    pieces: dict[str, tuple[Tensor, Tensor | None]] = {}
+    if config.attention_in_proj == "packed":
+        pieces["in_proj"] = (mha.in_proj_weight.detach().T, bias)
+    else:
+        if mha._qkv_same_embed_dim:
+            weights = mha.in_proj_weight.detach().chunk(3)
+        else:
+            weights = (mha.q_proj_weight.detach(), mha.k_proj_weight.detach(),
+                       mha.v_proj_weight.detach())
+        biases = bias.detach().chunk(3) if bias is not None else (None,) * 3
+        for part, w, b in zip(IN_PARTS, weights, biases, strict=True):
+            pieces[part] = (w.T, b)
+    pieces["out_proj"] = _linear_weight(mha.out_proj)
+    layers = {part: gated_linear(f"{name}.{part}", w, b, config)
+              for part, (w, b) in pieces.items()}
+    attention = TTMultiheadAttention(mha.embed_dim, mha.num_heads, dropout=mha.dropout,
+                                     batch_first=mha.batch_first, kdim=mha.kdim, vdim=mha.vdim,
+                                     **layers)
+    attention.train(mha.training)
+    parts = []
+    for part, (w, b) in pieces.items():
+        fmt = config.format_for(f"{name}.{part}")
+        parts.append(Part(f"{name}.{part}", tuple(w.shape),
+                          w.numel() + (b.numel() if b is not None else 0), layers[part], fmt,
+                          layers[part].layout))
+    return attention, parts
+
+
+def conv1d_types() -> tuple[type, ...]:
+    """HuggingFace's ``Conv1D`` (a linear layer storing its weight as (in, out)), when loaded."""
+    if "transformers" not in sys.modules:  # a model holding one has imported it already
+        return ()
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return ()
+    return (Conv1D,)
+
+
+#: the converter list, first match wins
+CONVERTERS: tuple[Converter, ...] = (
+    Converter("MultiheadAttention", "linear", lambda: (nn.MultiheadAttention,), _attention,
+              _check_attention),
+    Converter("Linear", "linear", lambda: (nn.Linear,), _linear_like(_linear_weight)),
+    Converter("Conv1D", "linear", conv1d_types, _linear_like(_conv1d_weight)),
+    Converter("Embedding", "embedding", lambda: (nn.Embedding,), _embedding, _check_embedding),
+)
+
+
+def converter_for(module: nn.Module, converters: tuple[Converter, ...]) -> Converter | None:
+    """The first of ``converters`` that matches ``module`` (None when none does)."""
+    return next((c for c in converters if c.matches(module)), None)
+
+
+__all__ = ["CONVERTERS", "EMBEDDING_FORMATS", "Converter", "Part", "converter_for", "full_rank",
+           "gated_linear", "rank_for_target"]
