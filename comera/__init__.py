@@ -32,16 +32,10 @@ from comera.lean.sdpa import scaled_dot_product_attention
 from comera.ranks.objective import LateStage, rank_regularizer, soft_size
 from comera.ranks.size import compression_ratio, dense_size, model_size, tt_modules
 from comera.ranks.truncate import TruncationReport, truncate_
-from comera.surgery.checkpoint import (
-    CheckpointRecord,
-    checkpoint_payload,
-    load_checkpoint,
-    read_checkpoint,
-    save_checkpoint,
-)
-from comera.surgery.convert import ConversionReport, ConvertConfig, convert_
+from comera.surgery.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from comera.surgery.config import ConvertConfig
+from comera.surgery.convert import ConversionReport, convert_
 from comera.surgery.pretrained import from_pretrained, save_pretrained
-from comera.surgery.swap import layer_spec
 from comera.training.controller import RankController, clear_moments_, late_stage_for
 from comera.training.trainers import (
     CoMERATrainer,
@@ -56,7 +50,6 @@ __all__ = [
     "BoolMaskDropout",
     "CachedTTEmbedding",
     "CheckpointError",
-    "CheckpointRecord",
     "CoMERATrainer",
     "ComeraError",
     "ConfigError",
@@ -83,7 +76,6 @@ __all__ = [
     "TTMultiheadAttention",
     "TrainingStopped",
     "TruncationReport",
-    "checkpoint_payload",
     "clear_moments_",
     "compression_ratio",
     "convert_",
@@ -92,7 +84,6 @@ __all__ = [
     "factorize_pair",
     "from_pretrained",
     "late_stage_for",
-    "layer_spec",
     "load_checkpoint",
     "make_optimizer",
     "model_size",

@@ -19,19 +19,16 @@ from collections.abc import Sequence
 
 import torch
 
-from comera.errors import ConfigError
+from comera.errors import ConfigError, tncomp_errors_as_config
 from tncomp import check_modes
-from tncomp.errors import IRError
 
 MaxRanks = int | Sequence[int] | None
 
 
 def _check_modes(modes: Sequence[int], name: str) -> tuple[int, ...]:
     """``modes`` as a non-empty tuple of ints >= 1 (tncomp's one check), or a ConfigError."""
-    try:
+    with tncomp_errors_as_config():
         return check_modes(modes, name)
-    except IRError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def _check_product(modes: tuple[int, ...], size: int, name: str, what: str) -> None:

@@ -134,7 +134,8 @@ def checkpoint_payload(model_state: Mapping[str, Tensor], layers: Mapping[str, A
                        extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The checkpoint format as a dict (what :func:`save_checkpoint` writes and
     :func:`read_checkpoint` / :func:`load_checkpoint` accept): a model state dict, layer
-    records (:func:`comera.layer_spec`), an optimizer record, ``extra``, and their checksum."""
+    records (:func:`comera.surgery.records.layer_spec`), an optimizer record, ``extra``, and
+    their checksum."""
     payload: dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "model": model_state, "layers": dict(layers),
         "optimizer": None, "optimizer_class": None, "optimizer_param_names": None,

@@ -22,7 +22,7 @@ from comera.errors import CheckpointError, ConfigError
 from comera.formats.layout import Layout
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.linear import GatedTrain
-from comera.surgery.records import KINDS, build_layer, kind_of, layer_spec
+from comera.surgery.records import KINDS, build_layer, kind_of
 
 LayerPlan = list[tuple[str, nn.Module, Mapping[str, Any]]]  # (name, module now, record)
 
@@ -159,6 +159,5 @@ def restore_layers_(model: nn.Module, plan: LayerPlan) -> None:
     fast_paths_off_(model)
 
 
-# layer_spec lives in comera.surgery.records; named here for the modules that import it from swap
-__all__ = ["check_other_keys", "fast_paths_off_", "layer_spec", "match_layers", "restore_layers_",
+__all__ = ["check_other_keys", "fast_paths_off_", "match_layers", "restore_layers_",
            "swap_submodule"]

@@ -13,7 +13,12 @@ from torch import nn
 import comera
 from comera.errors import CheckpointError
 from comera.formats.layout import Layout
-from comera.surgery.checkpoint import STALE_TEMP_S, load_checkpoint, save_checkpoint
+from comera.surgery.checkpoint import (
+    STALE_TEMP_S,
+    CheckpointRecord,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tncomp.files import TEMP_SUFFIX
 
 F64 = torch.float64
@@ -337,7 +342,7 @@ def test_stale_temp_files_of_the_old_format_are_swept(trained, tmp_path):
 
 def test_read_checkpoint_returns_the_verified_contents(trained):
     record = comera.read_checkpoint(trained["path"])
-    assert isinstance(record, comera.CheckpointRecord)
+    assert isinstance(record, CheckpointRecord)
     assert record.path == str(trained["path"])
     assert record.version == comera.surgery.checkpoint.VERSION
     assert record.extra == {"step": 5, "note": "truncated"}

@@ -1,0 +1,198 @@
+"""Every registered format passes the same checks: a new format gets them by registering.
+
+Per format (float64 unless said): the layer equals its dense reconstruction, forward and
+gradients; gradcheck; conversion from a dense layer at full rank reproduces it (formats with an
+exact decomposition); a zeroed gate entry prunes a slice (size and function both follow);
+``truncate_`` keeps the function and slices Adam's state to the new shapes; ``round_`` (formats
+with a rounding) keeps the function and never grows a bond; a checkpoint round trip; ``convert_``
+of an MLP; an early then late stage under :class:`comera.RankController` lands on its target.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import comera
+from comera.formats.registry import Format, format_names, get_format
+from comera.layers.linear import GatedLinear
+from comera.ranks.size import model_size
+from comera.ranks.truncate import round_
+
+FORMATS = [name for name in format_names() if name != "einsum"]
+IN, OUT = 12, 20  # 12 = 2*2*3, 20 = 2*2*5: three modes a side
+
+
+def _layer(fmt: str, ranks=3, seed: int = 0) -> GatedLinear:
+    torch.manual_seed(seed)
+    return GatedLinear(IN, OUT, format=fmt, ranks=ranks, d=3, dtype=torch.float64)
+
+
+def _dense_out(layer: GatedLinear, x: torch.Tensor) -> torch.Tensor:
+    w = layer.to_dense()  # (out, in), as nn.Linear stores it
+    return x @ w.T + (layer.bias if layer.bias is not None else 0)
+
+
+@pytest.fixture(params=FORMATS)
+def fmt(request) -> str:
+    return request.param
+
+
+def test_registry_lists_every_format():
+    assert {"tt", "ttm"} <= set(format_names())
+    for name in FORMATS:
+        assert get_format(name).name == name
+
+
+def test_layer_equals_its_dense_reconstruction(fmt):
+    layer = _layer(fmt)
+    with torch.no_grad():
+        for g in layer.gates:  # gates other than one, so folding them in is exercised
+            g.uniform_(0.5, 1.5)
+    x = torch.randn(5, IN, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    ref = _dense_out(layer, x)
+    torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-12)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, *layer.cores, *layer.gates], g)
+    ref_grads = torch.autograd.grad(ref, [x, *layer.cores, *layer.gates], g)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_gradcheck(fmt):
+    layer = _layer(fmt, ranks=2)
+    names = [name for name, _ in layer.named_parameters()]
+    values = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+    x = torch.randn(3, IN, dtype=torch.float64, requires_grad=True)
+
+    def run(x, *values):
+        return torch.func.functional_call(layer, dict(zip(names, values, strict=True)), (x,))
+
+    assert torch.autograd.gradcheck(run, (x, *values))
+
+
+def test_full_rank_conversion_reproduces_the_linear(fmt):
+    if not get_format(fmt).exact_decomposition:
+        pytest.skip(f"{fmt} has no exact decomposition")
+    torch.manual_seed(1)
+    linear = nn.Linear(IN, OUT, dtype=torch.float64)
+    layer = GatedLinear.from_linear(linear, format=fmt, ranks=10_000)
+    x = torch.randn(4, IN, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), linear(x), rtol=1e-9, atol=1e-10)
+
+
+def test_a_zeroed_gate_entry_prunes_a_slice(fmt):
+    layer = _layer(fmt, ranks=3)
+    before = layer.num_parameters()
+    with torch.no_grad():
+        layer.gates[0][0] = 0.0
+    assert layer.num_parameters() < before
+    x = torch.randn(4, IN, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), _dense_out(layer, x), rtol=1e-10, atol=1e-12)
+
+
+def test_truncate_keeps_the_function_and_the_optimizer_state(fmt):
+    layer = _layer(fmt, ranks=3)
+    model = nn.Sequential(layer)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(4, IN, dtype=torch.float64)
+    model(x).square().sum().backward()
+    opt.step()
+    with torch.no_grad():
+        layer.gates[0][-1] = 0.0
+    expected = model(x).detach()
+    size = model_size(model)
+    comera.truncate_(model, opt)
+    torch.testing.assert_close(model(x), expected, rtol=1e-10, atol=1e-12)
+    assert model_size(model) == size
+    assert layer.layout.core_shapes == tuple(tuple(c.shape) for c in layer.cores)
+    for p in model.parameters():
+        for value in opt.state.get(p, {}).values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert value.shape == p.shape
+    model(x).sum().backward()  # the optimizer still steps the new parameters
+    opt.step()
+
+
+def test_round_keeps_the_function(fmt):
+    if type(get_format(fmt)).round is Format.round:
+        pytest.skip(f"{fmt} has no exact rounding")
+    layer = _layer(fmt, ranks=4)
+    x = torch.randn(4, IN, dtype=torch.float64)
+    expected = layer(x).detach()
+    ranks = layer.bond_ranks
+    round_(nn.Sequential(layer), only_excess=False)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-8, atol=1e-10)
+    assert all(a <= b for a, b in zip(layer.bond_ranks, ranks, strict=True))
+
+
+def test_checkpoint_round_trip(fmt, tmp_path):
+    model = nn.Sequential(_layer(fmt, ranks=3, seed=2))
+    with torch.no_grad():
+        model[0].gates[0][0] = 0.0
+    comera.truncate_(model)
+    path = tmp_path / "m.pt"
+    comera.save_checkpoint(path, model)
+    fresh = nn.Sequential(_layer(fmt, ranks=3, seed=3))
+    comera.load_checkpoint(path, fresh)
+    x = torch.randn(4, IN, dtype=torch.float64)
+    torch.testing.assert_close(fresh(x), model(x))
+    assert fresh[0].layout == model[0].layout
+
+
+def test_convert_an_mlp(fmt):
+    torch.manual_seed(4)
+    mlp = nn.Sequential(nn.Linear(IN, OUT), nn.ReLU(), nn.Linear(OUT, IN)).double()
+    x = torch.randn(4, IN, dtype=torch.float64)
+    expected = mlp(x).detach()
+    comera.convert_(mlp, comera.ConvertConfig(format=fmt, ranks=10_000))
+    assert all(isinstance(mlp[k], GatedLinear) and mlp[k].format.name == fmt for k in (0, 2))
+    if get_format(fmt).exact_decomposition:
+        torch.testing.assert_close(mlp(x), expected, rtol=1e-8, atol=1e-9)
+
+
+def test_early_and_late_stage_land_on_the_target(fmt):
+    torch.manual_seed(5)
+    teacher = nn.Linear(IN, OUT, dtype=torch.float64)
+    layer = _layer(fmt, ranks=4, seed=6)
+    model = nn.Sequential(layer)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    control = comera.RankController(model, opt, lam=0.01)
+    x = torch.randn(256, IN, dtype=torch.float64)
+    y = teacher(x).detach()
+    for _ in range(20):
+        opt.zero_grad()
+        control.loss(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        control.after_step()
+    target = math.floor(model_size(model) * 0.6)
+    control.start_late_stage(comera.LateStage(target, steps=20))
+    for _ in range(20):
+        opt.zero_grad()
+        control.loss(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        control.after_step()
+    assert model_size(model) <= target
+    assert torch.isfinite(model(x)).all()
+
+
+def test_from_eq_declares_a_layer_without_a_class():
+    torch.manual_seed(7)
+    layer = GatedLinear.from_eq("b i j, i a, a j k -> b k", bonds="a",
+                                sizes={"i": 3, "j": 4, "k": 5}, ranks=2, dtype=torch.float64)
+    with torch.no_grad():
+        layer.gates[0].copy_(torch.tensor([0.7, 0.0]))  # the second slice pruned
+    x = torch.randn(6, 12, dtype=torch.float64)
+    a, b = layer.cores
+    gate = layer.gates[0] * torch.tensor([1.0, 0.0], dtype=torch.float64)
+    ref = torch.einsum("bij,ia,ajk->bk", x.reshape(6, 3, 4), a * gate, b) + layer.bias
+    torch.testing.assert_close(layer(x), ref)
+    assert layer.num_parameters() == 3 * 1 + 1 * 4 * 5 + 5
+    model = nn.Sequential(layer)
+    comera.truncate_(model)
+    assert layer.layout.bond_sizes == (1,)
+    torch.testing.assert_close(layer(x), ref)
