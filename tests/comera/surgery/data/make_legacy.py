@@ -15,23 +15,10 @@ import torch
 from torch import nn
 
 import comera
+from tests.comera.surgery.test_checkpoint import Net  # the same model the checkpoint tests use
 
 HERE = Path(__file__).parent
 F64 = torch.float64
-
-
-class Net(nn.Module):
-    """Embedding -> Linear -> Linear -> head."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(30, 12, padding_idx=0, dtype=F64)
-        self.a = nn.Linear(12, 16, dtype=F64)
-        self.b = nn.Linear(16, 8, dtype=F64)
-        self.head = nn.Linear(8, 3, dtype=F64)
-
-    def forward(self, ids):
-        return self.head(torch.relu(self.b(torch.relu(self.a(self.emb(ids))))))
 
 
 def trained() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
