@@ -75,6 +75,8 @@ def run_batch(batch: int, repeats: int, warmup: int) -> list[dict]:
                       * n_in * n_out, "tree": "x @ W"}}
     for name in format_names():
         fmt = get_format(name)
+        if not fmt.from_modes:  # a declared format has no layout of its own
+            continue
         layout = layout_at_budget(fmt, budget)
         modes = {"in_modes": layout.in_modes, "out_modes": layout.out_modes} \
             if fmt.uses_modes else {}

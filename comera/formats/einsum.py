@@ -185,6 +185,7 @@ class Declared(Format):
     """The format of a layer declared by an einsum (:func:`layout_from_eq`)."""
 
     name, title = "einsum", "declared einsum"
+    from_modes = False
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         raise ConfigError("format='einsum' has no layout from modes: declare the network with "

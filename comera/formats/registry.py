@@ -32,6 +32,9 @@ class Format:
     uses_modes: bool = True
     #: True when :meth:`decompose` is exact at full rank (TT-SVD, HOSVD, SVD, block SVD).
     exact_decomposition: bool = False
+    #: False for a declared format (``"einsum"``): its layout is the user's declaration, so
+    #: :meth:`layout` from modes and ranks is refused (loops over formats skip it).
+    from_modes: bool = True
 
     def layout(self, in_modes: tuple[int, ...], out_modes: tuple[int, ...],
                ranks: Ranks) -> Layout:

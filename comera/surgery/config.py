@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from comera.errors import ConfigError
-from comera.formats.registry import format_names
+from comera.formats.registry import format_names, get_format
 from comera.layers.linear import DEFAULT_TAU, check_memory
 
 IN_PROJ = ("split", "packed")
@@ -115,7 +115,15 @@ class ConvertConfig:
 
 def _check_format(value: object) -> None:
     """A registered format's name, or a non-empty {pattern: name} mapping of them."""
-    names = format_names()
+    names = [n for n in format_names() if get_format(n).from_modes]
+    declared = sorted(set(format_names()) - set(names))
+    asked = list(value.values()) if isinstance(value, Mapping) else [value]
+    for name in asked:
+        if isinstance(name, str) and name in declared:
+            raise ConfigError(f"format={name!r} is a declared network, not built from a layer's "
+                              "modes, so convert_ cannot make one: build it with "
+                              "GatedLinear.from_eq and swap it in, or choose one of "
+                              f"{', '.join(names)}.")
     if isinstance(value, str) and value in names:
         return
     if isinstance(value, Mapping) and value and all(

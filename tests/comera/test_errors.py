@@ -131,8 +131,10 @@ def test_convert_config_target_compression_must_exceed_one(target):
 
 
 def test_convert_config_other_errors():
-    with pytest.raises(ConfigError, match="format='cp'; choose one of tt, ttm"):
-        ConvertConfig(format="cp")
+    with pytest.raises(ConfigError, match="format='nope'; choose one of tt, ttm"):
+        ConvertConfig(format="nope")
+    with pytest.raises(ConfigError, match="format='einsum' is a declared network"):
+        ConvertConfig(format={"*": "einsum"})
     with pytest.raises(ConfigError, match="ranks=0; a max rank is an int >= 1"):
         ConvertConfig(ranks=0)
     with pytest.raises(ConfigError, match="d=0"):

@@ -22,7 +22,7 @@ from comera.layers.linear import GatedLinear
 from comera.ranks.size import model_size
 from comera.ranks.truncate import round_
 
-FORMATS = [name for name in format_names() if name != "einsum"]
+FORMATS = [name for name in format_names() if get_format(name).from_modes]
 IN, OUT = 12, 20  # 12 = 2*2*3, 20 = 2*2*5: three modes a side
 
 

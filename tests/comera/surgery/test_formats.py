@@ -51,7 +51,7 @@ class Declared(Format):
 
     def layout(self, in_modes, out_modes, ranks) -> Layout:
         raise comera.ConfigError("declared-test has no layout from modes; use from_layout.")
-FORMATS = [*(f for f in format_names() if f != "einsum"), TOY.name, TWO.name]
+FORMATS = [*(f for f in format_names() if get_format(f).from_modes), TOY.name, TWO.name]
 FULL = 10**4  # above every bond cap here: the exact formats reproduce the dense layers
 LOW = 3
 
