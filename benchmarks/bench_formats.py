@@ -28,9 +28,9 @@ from benchmarks.lib.harness import (
     interleaved_times,
     markdown_table,
     peak_allocated_bytes,
+    publish,
     ratio_spread,
     spread_text,
-    write_results_to,
 )
 from comera.experiments.results import machine
 from comera.formats.layout import Layout
@@ -139,11 +139,7 @@ def main(argv=None) -> int:
                "note_peak": "peak bytes allocated during one fwd+bwd (tncomp unpooled)",
                "note_params": "core parameters (gates, one per bond slice, not counted)",
                "results": results}
-    json_path, md_path = write_results_to(args.out or "formats_cpu", payload,
-                                          render_markdown(payload))
-    print(render_markdown(payload))
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    return publish(args.out or "formats_cpu", payload, render_markdown(payload))
 
 
 def render_markdown(payload: dict) -> str:
