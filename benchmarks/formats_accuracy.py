@@ -13,7 +13,7 @@ trained.
 
 Every model is then built and trained exactly as that frontier's "fixed" model is:
 ``torch.manual_seed(seed)`` right before the model is constructed (the layers are made in the
-same order, through the same factory ``comera.models.transformer.linear``, so format ``tt``
+same order, by the model's own ``TransformerConfig(linear_format=...)``, so format ``tt``
 gives the fixed model itself), the same batches (:class:`IndexStream` of the seed), AdamW at
 ``--lr`` (gates ``--lr-gates``) with ``--warmup`` warm-up steps, grad-norm clip 1.0, no rank
 adaptation (lam 0, no late stage), ``--steps`` steps. The dense model (``tt=False``) trains the
@@ -31,8 +31,6 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,7 +38,6 @@ import torch
 from torch import nn
 
 import comera
-import comera.models.transformer as transformer
 from benchmarks.accuracy_frontier import (
     SmallReviews,
     _score,
@@ -54,7 +51,7 @@ from comera.errors import ConfigError
 from comera.experiments.task import IndexStream
 from comera.experiments.transformer_task import ReviewsTaskConfig
 from comera.formats.registry import format_names, get_format
-from comera.layers.linear import GatedLinear, resolve_modes
+from comera.layers.linear import resolve_modes
 from comera.models import PairClassifier
 
 OUT = RESULTS / "formats_reviews"
@@ -107,32 +104,12 @@ def rank_for(fmt: str, shapes, budget: float) -> tuple[int, int]:
     return best, size
 
 
-@contextmanager
-def encoder_layers(fmt: str, rank: int) -> Iterator[None]:
-    """While inside, PairClassifier makes its encoder linear layers as
-    ``GatedLinear(format=fmt, ranks=rank)``. The model builds them through
-    ``comera.models.transformer.linear``, which has no format option; swapping that factory
-    keeps the construction order (and so the random draws after ``manual_seed``) of the
-    fixed-rank TT model."""
-    original = transformer.linear
-
-    def linear(cfg, n_in: int, n_out: int, modes) -> nn.Module:
-        return GatedLinear(n_in, n_out, format=fmt, ranks=rank, tau=cfg.tau, d=D)
-
-    transformer.linear = linear
-    try:
-        yield
-    finally:
-        transformer.linear = original
-
-
 def build_model(task, fmt: str, rank: int, seed: int) -> nn.Module:
     """The classifier with every encoder linear layer in ``fmt`` at ``rank``, initialised from
     ``seed`` as the fixed-rank TT model is (``fmt="tt"``: that model itself)."""
-    cfg = replace(task.model_config(True), rank=rank)
+    cfg = replace(task.model_config(True), rank=rank, linear_format=fmt)
     torch.manual_seed(seed)
-    with encoder_layers(fmt, rank):
-        return PairClassifier(cfg)
+    return PairClassifier(cfg)
 
 
 def plan(task, formats, target: float) -> dict:

@@ -24,8 +24,9 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
+from comera.formats.registry import get_format
 from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import TTLinear
+from comera.layers.linear import GatedLinear, TTLinear
 from comera.layers.siblings import Siblings
 from comera.lean.dropout import BoolMaskDropout
 from comera.lean.sdpa import scaled_dot_product_attention
@@ -64,8 +65,13 @@ class TransformerConfig:
     ffn_out_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((16, 16, 12), (8, 8, 12))
     embedding_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((16, 20, 10, 10), (4, 4, 8, 6))
     tau: float = 1e-2
+    linear_format: str = "tt"  # the encoder's linear layers: any format of format_names()
 
     def __post_init__(self) -> None:
+        fmt = get_format(self.linear_format)  # names the choices when unknown
+        if not fmt.from_modes:
+            raise ConfigError(f"linear_format={self.linear_format!r} is a declared network; "
+                              "choose a format built from modes, e.g. 'tt' or 'tucker'.")
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads="
                               f"{self.n_heads}; pick a head count that divides it.")
@@ -87,7 +93,12 @@ def linear(cfg: TransformerConfig, n_in: int, n_out: int, modes) -> nn.Module:
     if modes is not None and (math.prod(modes[0]) != n_in or math.prod(modes[1]) != n_out):
         modes = None  # sizes changed by an override: factorize automatically
     in_modes, out_modes = modes if modes is not None else (None, None)
-    return TTLinear(n_in, n_out, in_modes, out_modes, cfg.rank, tau=cfg.tau)
+    if cfg.linear_format == "tt":
+        return TTLinear(n_in, n_out, in_modes, out_modes, cfg.rank, tau=cfg.tau)
+    if not get_format(cfg.linear_format).uses_modes:
+        in_modes = out_modes = None
+    return GatedLinear(n_in, n_out, cfg.linear_format, cfg.rank, in_modes, out_modes,
+                       tau=cfg.tau)
 
 
 class SelfAttention(nn.Module):
