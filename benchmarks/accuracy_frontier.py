@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
-import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -44,7 +42,9 @@ import torch
 from torch import nn
 
 import comera
+from benchmarks.frontier import atomic_write, mean_sd
 from benchmarks.lib.harness import RESULTS
+from comera.experiments.results import machine
 from comera.experiments.task import IndexStream
 from comera.experiments.transformer_task import ReviewsTask, ReviewsTaskConfig
 from comera.layers.lowrank import LowRankLinear
@@ -161,7 +161,7 @@ def run(args) -> dict:
 
     def save():
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "frontier.json").write_text(json.dumps(result, indent=1, default=str))
+        atomic_write(args.out / "frontier.json", json.dumps(result, indent=1, default=str))
 
     def add(seed, method, target, start, model, **extra):
         result["rows"].append({"seed": seed, "model": method, "target": target,
@@ -193,7 +193,8 @@ def run(args) -> dict:
                 late_model, late_opt = copy.deepcopy((model, trainer.optimizer))
                 late = comera.CoMERATrainer(late_model, late_opt, 0.0, max_grad_norm=1.0)
                 stage = comera.LateStage(budgets[target] + other,
-                                         steps=args.steps - args.decide, floor=args.floor)
+                                         steps=args.steps - args.decide, floor=args.floor,
+                                         allocation="spectrum")
                 allocation = stage.allocate_(late_model, late_opt)  # start_late_stage's call
                 if args.restart:  # the chosen shape, from a fresh init, for all the steps
                     late_model = _shaped_model(task, seed, allocation.ranks)
@@ -284,23 +285,6 @@ def merge(paths: list[Path]) -> dict:
             "rows": rows}
 
 
-def machine() -> dict:
-    """CPU model (lscpu), torch version and thread count, for the results file."""
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
-            ["lscpu"], capture_output=True, text=True, check=False).stdout.splitlines()
-            if line.startswith("Model name")), platform.processor())
-    except OSError:
-        cpu = platform.processor()
-    return {"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "python": platform.python_version()}
-
-
-def _stats(values: list[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.fmean(values):.4f} ± {sd:.4f}"
-
-
 def summarise(result: dict) -> str:
     data = result["data"]
     rows = result["rows"]
@@ -311,7 +295,7 @@ def summarise(result: dict) -> str:
              "seeds (n); compression of the linear layers in brackets.", ""]
     dense = [r["test"]["accuracy"] for r in rows if r["model"] == "dense"]
     if dense:
-        lines += [f"Dense: {_stats(dense)} (n={len(dense)}).", ""]
+        lines += [f"Dense: {mean_sd(dense)} (n={len(dense)}).", ""]
     shown = [m for m in methods if m != "dense"]
     lines += ["| target | " + " | ".join(LABELS[m] for m in shown) + " |",
               "|---" * (len(shown) + 1) + "|"]
@@ -325,7 +309,7 @@ def summarise(result: dict) -> str:
             acc = [r["test"]["accuracy"] for r in sel]
             comp = statistics.fmean(r["linear_compression"] for r in sel)
             extra = f", rank {sel[0]['rank']}" if m in ("fixed", "lowrank") else ""
-            cells.append(f"{_stats(acc)} (n={len(acc)}; {comp:.1f}x{extra})")
+            cells.append(f"{mean_sd(acc)} (n={len(acc)}; {comp:.1f}x{extra})")
         lines.append(f"| {t:g}x | " + " | ".join(cells) + " |")
     paired = []
     for t in targets:
@@ -334,7 +318,7 @@ def summarise(result: dict) -> str:
         diffs = [r["test"]["accuracy"] - fixed[r["seed"]] for r in rows
                  if r["model"] == "comera" and r["target"] == t and r["seed"] in fixed]
         if diffs:
-            paired.append(f"- {t:g}x: {_stats(diffs)} (n={len(diffs)}; seeds "
+            paired.append(f"- {t:g}x: {mean_sd(diffs)} (n={len(diffs)}; seeds "
                           f"{', '.join(f'{d:+.4f}' for d in diffs)})")
     if paired:
         lines += ["", "CoMERA minus the fixed uniform rank, per seed (same batches and seed):", "",
