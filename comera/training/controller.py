@@ -159,6 +159,8 @@ class RankController:
         self.model = model
         self.early = early
         self._size: int | None = None  # the model's size after the last step
+        self.early_start: float | None = None  # early target: the size at its first step
+        self.early_scale = 1.0  # early target: lam's current multiplier
         self.optimizer = None if optimizer is None else torch_optimizer(optimizer)
         self.lam = lam
         self.regularizer = regularizer
@@ -179,8 +181,10 @@ class RankController:
         if self.stage == "early":
             lam = self.lam
             if self.early is not None:
-                lam = self.early.lam(lam, model_size(self.model) if self._size is None
-                                     else self._size)
+                size = model_size(self.model) if self._size is None else self._size
+                if self.early_start is None:
+                    self.early_start = float(size)
+                lam = self.early.lam(lam * self.early_scale, size)
             if lam == 0:
                 return loss, "loss"
             return loss + lam * rank_regularizer(self.model, self.regularizer), "loss+rank"
@@ -242,8 +246,11 @@ class RankController:
             scheduled = self.follow_schedule_(opt)
         elif self.early is not None:
             self._hold_size_target_(layers, snap.before, opt, self.early.target_size)
-        self.steps += 1
         size = model_size(self.model)
+        if not snap.late and self.early is not None and self.early_start is not None:
+            scheduled = self.early.scheduled_size(self.early_start, self.steps)
+            self.early_scale = self.early.scale(self.early_scale, size, scheduled)
+        self.steps += 1
         self._size = size
         if snap.late and (size > self.late.target_size or self.late_note.startswith("below")):
             note = self.late_note
@@ -409,7 +416,10 @@ class RankController:
             "landing": self.late.landing, "rounding": self.late.rounding,
             "allocation": self.late.allocation, "floor": self.late.floor}
         return {"stage": self.stage, "steps": self.steps, "late": late,
-                "early": None if self.early is None else self.early.target_size,
+                "early": None if self.early is None else {
+                    "target_size": self.early.target_size, "steps": self.early.steps,
+                    "landing": self.early.landing, "gain": self.early.gain},
+                "early_start": self.early_start, "early_scale": self.early_scale,
                 "size_reference": self.size_reference, "lam": self.lam,
                 "late_start": None if self.late_start is None else list(self.late_start),
                 "late_note": self.late_note, "min_rank": self.min_rank}
@@ -427,7 +437,9 @@ class RankController:
         self.size_reference = state["size_reference"]
         self.lam = float(state.get("lam", self.lam))
         if state.get("early") is not None:
-            self.early = EarlyStage(float(state["early"]))
+            self.early = EarlyStage(**state["early"])
+        self.early_start = state.get("early_start")
+        self.early_scale = float(state.get("early_scale", 1.0))
         self._size = None
         start = state.get("late_start")
         if start is None and self.late is not None:  # saved before step budgets existed

@@ -78,3 +78,21 @@ def test_for_compression_refuses_ratios_and_models_it_cannot_mean():
         EarlyStage.for_compression(nn.Linear(3, 3), 4)
     with pytest.raises(comera.ConfigError, match="early=5"):
         CoMERATrainer(_model(), lam=1.0, early=5)
+
+
+def test_with_a_step_budget_a_lam_too_small_to_prune_grows_until_the_size_follows():
+    plain = _model()
+    stuck = _train(plain, CoMERATrainer(plain, make_optimizer(plain, CONFIG), lam=1e-4))
+    assert stuck[-1].size == stuck[0].size  # lam 1e-4 prunes nothing in 80 steps
+    model = _model()
+    early = EarlyStage.for_compression(model, 4, steps=80, landing=0.5)
+    trainer = CoMERATrainer(model, make_optimizer(model, CONFIG), lam=1e-4, early=early)
+    stats = _train(model, trainer)
+    assert stats[-1].size <= early.target_size and min(s.size for s in stats) >= \
+        0.9 * early.target_size
+    assert trainer.controller.early_scale < 1e4  # it came back down once on schedule
+    state = trainer.state_dict()
+    other = CoMERATrainer(_model(), lam=1e-4)
+    other.load_state_dict(state)
+    assert (other.controller.early, other.controller.early_scale) == (
+        early, trainer.controller.early_scale)
