@@ -17,6 +17,10 @@ same schedule (linear warm-up over ``--warmup`` steps, then constant):
   spectrum allocation (``LateStage(allocation="spectrum")``: the budget spent on the slices of
   most energy per parameter, from the uniform allocation up; :mod:`comera.ranks.allocate`),
   which fixes the shape at once; the final shape trains for the remaining steps.
+- ``early`` (optional): the early stage alone, with a size target
+  (:class:`comera.training.early.EarlyStage` at the target, step budget ``--steps``, landing
+  ``--early-landing``): rank 16, lam ``--lam`` adapted toward the size schedule, off at the
+  target; all ``--steps`` steps.
 - ``prune`` (optional): the earlier CoMERA schedule, an early stage of ``--early`` steps (lam
   ``--lam``) then the late stage pruning to each target over the remaining steps
   (``LateStage(allocation="prune")``).
@@ -51,13 +55,15 @@ from comera.layers.lowrank import LowRankLinear
 from comera.models import PairClassifier, TransformerConfig
 from comera.ranks.allocate import rebuild_at_, uniform_ranks
 from comera.ranks.truncate import round_
+from comera.training.early import EarlyStage
 
 OUT = RESULTS / "reviews_frontier"
-METHODS = ("dense", "fixed", "lowrank", "comera", "prune")
-ROWS = ("dense", "fixed", "lowrank", "comera", "comera-warm", "prune")  # the names rows carry
+METHODS = ("dense", "fixed", "lowrank", "comera", "early", "prune")
+ROWS = ("dense", "fixed", "lowrank", "comera", "comera-warm", "early",
+        "prune")  # the names rows carry
 LABELS = {"dense": "dense", "fixed": "fixed uniform TT rank", "lowrank": "low-rank x @ A @ B",
           "comera": "CoMERA", "comera-warm": "CoMERA, warm (no restart)",
-          "prune": "CoMERA (prune)"}
+          "early": "CoMERA early stage to the target", "prune": "CoMERA (prune)"}
 
 
 class SmallReviews(ReviewsTask):
@@ -240,6 +246,16 @@ def run(args) -> dict:
             _train(task, low, comera.DenseTrainer(low, opt, 1.0), stream, 0, args.steps,
                    args.warmup, lr)
             add(seed, "lowrank", target, start, low, rank=rank)
+        for target in args.targets if "early" in args.methods else []:
+            torch.manual_seed(seed)
+            model = task.build_model(tt=True)
+            stage = EarlyStage(budgets[target] + other, steps=args.steps,
+                               landing=args.early_landing)
+            trainer = comera.CoMERATrainer(model, _tt_optimizer(model, args), args.lam,
+                                           max_grad_norm=1.0, early=stage)
+            start = time.time()
+            _train(task, model, trainer, stream, 0, args.steps, args.warmup, lr)
+            add(seed, "early", target, start, model, lam_scale=trainer.controller.early_scale)
         if "prune" in args.methods:
             torch.manual_seed(seed)
             model = task.build_model(tt=True)
@@ -351,7 +367,7 @@ def plot(result: dict, path: Path) -> None:
         ax.axhspan(mean - sd, mean + sd, color="k", alpha=0.1)
     ax.axhline(result["data"]["majority_test"], color="grey", ls=":", label="majority class")
     for method, marker in (("fixed", "^"), ("lowrank", "v"), ("comera", "o"),
-                           ("comera-warm", "s"), ("prune", "x")):
+                           ("comera-warm", "s"), ("early", "D"), ("prune", "x")):
         groups: dict = {}
         for r in rows:
             if r["model"] == method and r["target"] is not None:
@@ -394,7 +410,9 @@ def main(argv=None) -> int:
                    help="comera: go on from the decided model for the remaining steps instead "
                         "(rows named comera-warm)")
     p.add_argument("--early", type=int, default=300, help="prune: early-stage steps")
-    p.add_argument("--lam", type=float, default=0.05, help="prune: early-stage lam")
+    p.add_argument("--lam", type=float, default=0.05, help="prune, early: early-stage lam")
+    p.add_argument("--early-landing", type=float, default=0.5,
+                   help="early: the fraction of --steps the size schedule spans")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)

@@ -31,7 +31,14 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteLossError
 from comera.layers.linear import GatedTrain
-from comera.ranks.objective import REGULARIZERS, LateStage, floor_size, prune_to_, rank_regularizer
+from comera.ranks.objective import (
+    REGULARIZERS,
+    LateStage,
+    floor_size,
+    prune_to_,
+    rank_regularizer,
+    soft_size,
+)
 from comera.ranks.size import dense_size, model_size, tt_modules
 from comera.ranks.truncate import TruncationReport, truncate_
 from comera.training.early import EarlyStage
@@ -249,7 +256,11 @@ class RankController:
         size = model_size(self.model)
         if not snap.late and self.early is not None and self.early_start is not None:
             scheduled = self.early.scheduled_size(self.early_start, self.steps)
-            self.early_scale = self.early.scale(self.early_scale, size, scheduled)
+            with torch.no_grad():  # the soft size: ranks as the gates' l1 norms
+                soft = float(soft_size(self.model)) + size - model_size(self.model,
+                                                                        only=GatedTrain)
+            self.early_scale = self.early.scale(self.early_scale, self.steps, self.early_start,
+                                                size, soft)
         self.steps += 1
         self._size = size
         if snap.late and (size > self.late.target_size or self.late_note.startswith("below")):

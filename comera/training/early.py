@@ -1,8 +1,8 @@
 """A size-aware early stage: the rank regulariser stops at a target size instead of collapsing.
 
     from comera.training.early import EarlyStage
-    early = EarlyStage.for_compression(model, 40)             # TT layers 40x below dense
-    trainer = comera.CoMERATrainer(model, opt, lam=0.5, early=early)
+    early = EarlyStage.for_compression(model, 40, steps=450)  # TT layers 40x below dense
+    trainer = comera.CoMERATrainer(model, opt, lam=0.05, early=early)
 
 The plain early stage minimises ``L + lam * R`` at a fixed ``lam``: under Adam every gate moves
 at about the gates' learning rate whatever ``lam`` is, so the size falls until the loss pushes
@@ -10,11 +10,15 @@ back, and where that is depends on ``lam``, the step count and the seed. With an
 :class:`EarlyStage` the controller adapts ``lam`` toward the target: with a step budget
 (``steps``) the size should follow a geometric schedule from where it starts to
 ``target_size`` over ``landing * steps`` steps, and after each step ``lam`` is multiplied by
-``1 + gain`` while the size is above the schedule and divided by it while below, so a ``lam``
-too small to prune (or too large) corrects itself. At the target ``lam`` is 0 (the loss alone
-trains the gates that are left), and no step prunes the model below the target (entries that
-cross tau in that step are put back, largest first, as the late stage does), so the stage
-ends at the size asked for, within one rank slice.
+``1 + gain`` while the size is above the schedule and divided by it while below (never below
+the ``lam`` given), so a ``lam`` too small to prune corrects itself. Along the schedule the
+size compared is the soft size (:func:`~comera.ranks.objective.soft_size`: each rank replaced
+by its gate's l1 norm), which moves as soon as the gates do (the pruned size follows only when
+they cross tau, ~1/lr_gates steps later); after it, the pruned size, so lam pushes on until
+the gates that the soft size already counts small are pruned. At the
+target ``lam`` is 0 (the loss alone trains the gates that are left), and no step prunes the
+model below the target (entries that cross tau in that step are put back, largest first, as
+the late stage does), so the stage ends at the size asked for, within one rank slice.
 """
 
 from __future__ import annotations
@@ -83,14 +87,18 @@ class EarlyStage:
         t = min(1.0, (step + 1) / span)
         return start_size * (self.target_size / start_size) ** t
 
-    def scale(self, scale: float, size: float, scheduled: float) -> float:
-        """The next multiplier of lam after a step that ended at ``size`` (the schedule asked
-        for ``scheduled``): up by ``1 + gain`` above the schedule, down below it (kept in
-        [1e-3, 1e4]; unchanged without a budget)."""
+    def scale(self, scale: float, step: int, start_size: float, size: float,
+              soft: float) -> float:
+        """The next multiplier of lam after step ``step`` (0-based) ended at ``size`` (soft
+        size ``soft``): up by ``1 + gain`` above the schedule, down below it (kept in
+        [1, 1e4]: never under the lam given; unchanged without a budget)."""
         if self.steps is None:
             return scale
-        step = 1 + self.gain
-        return min(1e4, max(1e-3, scale * step if size > scheduled else scale / step))
+        scheduled = self.scheduled_size(start_size, step)
+        along = step + 1 < max(1, math.floor(self.landing * self.steps))
+        factor = 1 + self.gain
+        above = (soft if along else size) > scheduled
+        return min(1e4, max(1.0, scale * factor if above else scale / factor))
 
     def lam(self, lam: float, size: float) -> float:
         """The regulariser weight for a step that starts at ``size``: ``lam`` above the

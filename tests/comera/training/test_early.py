@@ -87,10 +87,11 @@ def test_with_a_step_budget_a_lam_too_small_to_prune_grows_until_the_size_follow
     model = _model()
     early = EarlyStage.for_compression(model, 4, steps=80, landing=0.5)
     trainer = CoMERATrainer(model, make_optimizer(model, CONFIG), lam=1e-4, early=early)
-    stats = _train(model, trainer)
+    stats = _train(model, trainer, 160)
     assert stats[-1].size <= early.target_size and min(s.size for s in stats) >= \
         0.9 * early.target_size
-    assert trainer.controller.early_scale < 1e4  # it came back down once on schedule
+    assert stats[-1].weighted == "loss"
+    assert trainer.controller.early_scale > 10  # lam grew to get there
     state = trainer.state_dict()
     other = CoMERATrainer(_model(), lam=1e-4)
     other.load_state_dict(state)
