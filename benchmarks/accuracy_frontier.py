@@ -301,6 +301,13 @@ def merge(paths: list[Path]) -> dict:
             "rows": rows}
 
 
+def _no_lowrank(result: dict, target: float) -> bool:
+    """Whether a results file's plan says no uniform low-rank model fits ``target``."""
+    plans = [result.get("plan")] + [p.get("plan") for p in result.get("parts", {}).values()]
+    return any((plan or {}).get("lowrank", {}).get(str(target), (plan or {}).get(
+        "lowrank", {}).get(target, -1)) == 0 for plan in plans)
+
+
 def summarise(result: dict) -> str:
     data = result["data"]
     rows = result["rows"]
@@ -320,7 +327,8 @@ def summarise(result: dict) -> str:
         for m in shown:
             sel = [r for r in rows if r["model"] == m and r["target"] == t]
             if not sel:
-                cells.append("-")
+                cells.append("none fits: rank 1 is over the budget"
+                             if m == "lowrank" and _no_lowrank(result, t) else "-")
                 continue
             acc = [r["test"]["accuracy"] for r in sel]
             comp = statistics.fmean(r["linear_compression"] for r in sel)
