@@ -359,7 +359,7 @@ def plot_points(series: dict[str, list[tuple[float, float]]], path: Path, *, tit
     ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -377,7 +377,7 @@ def plot(spec: Spec, result: dict, path: Path) -> bool:
         target = ((f"dense + {pct}%", statistics.fmean(dense) * (1 + pct / 100)),)
     series = {LABELS[m]: [(r["compression"], r[split]["loss"]) for r in rows if r["method"] == m]
               for m in _ORDER[1:]}
-    return plot_points(series, path, title=f"{spec.title}: {split} loss vs compression "
+    return plot_points(series, path, title=f"{spec.title}\n{split} loss vs compression "
                        "(one point per seed)",
                        xlabel="compression of the block linear layers (dense / parameters)",
                        ylabel=f"{split} loss (cross-entropy)", reference=("dense", dense),
