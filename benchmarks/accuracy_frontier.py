@@ -17,6 +17,10 @@ same schedule (linear warm-up over ``--warmup`` steps, then constant):
   spectrum allocation (``LateStage(allocation="spectrum")``: the budget spent on the slices of
   most energy per parameter, from the uniform allocation up; :mod:`comera.ranks.allocate`),
   which fixes the shape at once; the final shape trains for the remaining steps.
+- ``early`` (optional): the early stage alone, with a size target
+  (:class:`comera.training.early.EarlyStage` at the target, step budget ``--steps``, landing
+  ``--early-landing``): rank 16, lam ``--lam`` adapted toward the size schedule, off at the
+  target; all ``--steps`` steps.
 - ``prune`` (optional): the earlier CoMERA schedule, an early stage of ``--early`` steps (lam
   ``--lam``) then the late stage pruning to each target over the remaining steps
   (``LateStage(allocation="prune")``).
@@ -33,9 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
-import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -44,20 +46,24 @@ import torch
 from torch import nn
 
 import comera
+from benchmarks.frontier import atomic_write, mean_sd
 from benchmarks.lib.harness import RESULTS
+from comera.experiments.results import machine
 from comera.experiments.task import IndexStream
 from comera.experiments.transformer_task import ReviewsTask, ReviewsTaskConfig
 from comera.layers.lowrank import LowRankLinear
 from comera.models import PairClassifier, TransformerConfig
 from comera.ranks.allocate import rebuild_at_, uniform_ranks
 from comera.ranks.truncate import round_
+from comera.training.early import EarlyStage
 
 OUT = RESULTS / "reviews_frontier"
-METHODS = ("dense", "fixed", "lowrank", "comera", "prune")
-ROWS = ("dense", "fixed", "lowrank", "comera", "comera-warm", "prune")  # the names rows carry
+METHODS = ("dense", "fixed", "lowrank", "comera", "early", "prune")
+ROWS = ("dense", "fixed", "lowrank", "comera", "comera-warm", "early",
+        "prune")  # the names rows carry
 LABELS = {"dense": "dense", "fixed": "fixed uniform TT rank", "lowrank": "low-rank x @ A @ B",
           "comera": "CoMERA", "comera-warm": "CoMERA, warm (no restart)",
-          "prune": "CoMERA (prune)"}
+          "early": "CoMERA early stage to the target", "prune": "CoMERA (prune)"}
 
 
 class SmallReviews(ReviewsTask):
@@ -161,7 +167,7 @@ def run(args) -> dict:
 
     def save():
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "frontier.json").write_text(json.dumps(result, indent=1, default=str))
+        atomic_write(args.out / "frontier.json", json.dumps(result, indent=1, default=str))
 
     def add(seed, method, target, start, model, **extra):
         result["rows"].append({"seed": seed, "model": method, "target": target,
@@ -193,7 +199,8 @@ def run(args) -> dict:
                 late_model, late_opt = copy.deepcopy((model, trainer.optimizer))
                 late = comera.CoMERATrainer(late_model, late_opt, 0.0, max_grad_norm=1.0)
                 stage = comera.LateStage(budgets[target] + other,
-                                         steps=args.steps - args.decide, floor=args.floor)
+                                         steps=args.steps - args.decide, floor=args.floor,
+                                         allocation="spectrum")
                 allocation = stage.allocate_(late_model, late_opt)  # start_late_stage's call
                 if args.restart:  # the chosen shape, from a fresh init, for all the steps
                     late_model = _shaped_model(task, seed, allocation.ranks)
@@ -239,6 +246,16 @@ def run(args) -> dict:
             _train(task, low, comera.DenseTrainer(low, opt, 1.0), stream, 0, args.steps,
                    args.warmup, lr)
             add(seed, "lowrank", target, start, low, rank=rank)
+        for target in args.targets if "early" in args.methods else []:
+            torch.manual_seed(seed)
+            model = task.build_model(tt=True)
+            stage = EarlyStage(budgets[target] + other, steps=args.steps,
+                               landing=args.early_landing)
+            trainer = comera.CoMERATrainer(model, _tt_optimizer(model, args), args.lam,
+                                           max_grad_norm=1.0, early=stage)
+            start = time.time()
+            _train(task, model, trainer, stream, 0, args.steps, args.warmup, lr)
+            add(seed, "early", target, start, model, lam_scale=trainer.controller.early_scale)
         if "prune" in args.methods:
             torch.manual_seed(seed)
             model = task.build_model(tt=True)
@@ -284,21 +301,11 @@ def merge(paths: list[Path]) -> dict:
             "rows": rows}
 
 
-def machine() -> dict:
-    """CPU model (lscpu), torch version and thread count, for the results file."""
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
-            ["lscpu"], capture_output=True, text=True, check=False).stdout.splitlines()
-            if line.startswith("Model name")), platform.processor())
-    except OSError:
-        cpu = platform.processor()
-    return {"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "python": platform.python_version()}
-
-
-def _stats(values: list[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.fmean(values):.4f} ± {sd:.4f}"
+def _no_lowrank(result: dict, target: float) -> bool:
+    """Whether a results file's plan says no uniform low-rank model fits ``target``."""
+    plans = [result.get("plan")] + [p.get("plan") for p in result.get("parts", {}).values()]
+    return any((plan or {}).get("lowrank", {}).get(str(target), (plan or {}).get(
+        "lowrank", {}).get(target, -1)) == 0 for plan in plans)
 
 
 def summarise(result: dict) -> str:
@@ -311,7 +318,7 @@ def summarise(result: dict) -> str:
              "seeds (n); compression of the linear layers in brackets.", ""]
     dense = [r["test"]["accuracy"] for r in rows if r["model"] == "dense"]
     if dense:
-        lines += [f"Dense: {_stats(dense)} (n={len(dense)}).", ""]
+        lines += [f"Dense: {mean_sd(dense)} (n={len(dense)}).", ""]
     shown = [m for m in methods if m != "dense"]
     lines += ["| target | " + " | ".join(LABELS[m] for m in shown) + " |",
               "|---" * (len(shown) + 1) + "|"]
@@ -320,12 +327,13 @@ def summarise(result: dict) -> str:
         for m in shown:
             sel = [r for r in rows if r["model"] == m and r["target"] == t]
             if not sel:
-                cells.append("-")
+                cells.append("none fits: rank 1 is over the budget"
+                             if m == "lowrank" and _no_lowrank(result, t) else "-")
                 continue
             acc = [r["test"]["accuracy"] for r in sel]
             comp = statistics.fmean(r["linear_compression"] for r in sel)
             extra = f", rank {sel[0]['rank']}" if m in ("fixed", "lowrank") else ""
-            cells.append(f"{_stats(acc)} (n={len(acc)}; {comp:.1f}x{extra})")
+            cells.append(f"{mean_sd(acc)} (n={len(acc)}; {comp:.1f}x{extra})")
         lines.append(f"| {t:g}x | " + " | ".join(cells) + " |")
     paired = []
     for t in targets:
@@ -334,7 +342,7 @@ def summarise(result: dict) -> str:
         diffs = [r["test"]["accuracy"] - fixed[r["seed"]] for r in rows
                  if r["model"] == "comera" and r["target"] == t and r["seed"] in fixed]
         if diffs:
-            paired.append(f"- {t:g}x: {_stats(diffs)} (n={len(diffs)}; seeds "
+            paired.append(f"- {t:g}x: {mean_sd(diffs)} (n={len(diffs)}; seeds "
                           f"{', '.join(f'{d:+.4f}' for d in diffs)})")
     if paired:
         lines += ["", "CoMERA minus the fixed uniform rank, per seed (same batches and seed):", "",
@@ -367,7 +375,7 @@ def plot(result: dict, path: Path) -> None:
         ax.axhspan(mean - sd, mean + sd, color="k", alpha=0.1)
     ax.axhline(result["data"]["majority_test"], color="grey", ls=":", label="majority class")
     for method, marker in (("fixed", "^"), ("lowrank", "v"), ("comera", "o"),
-                           ("comera-warm", "s"), ("prune", "x")):
+                           ("comera-warm", "s"), ("early", "D"), ("prune", "x")):
         groups: dict = {}
         for r in rows:
             if r["model"] == method and r["target"] is not None:
@@ -410,7 +418,9 @@ def main(argv=None) -> int:
                    help="comera: go on from the decided model for the remaining steps instead "
                         "(rows named comera-warm)")
     p.add_argument("--early", type=int, default=300, help="prune: early-stage steps")
-    p.add_argument("--lam", type=float, default=0.05, help="prune: early-stage lam")
+    p.add_argument("--lam", type=float, default=0.05, help="prune, early: early-stage lam")
+    p.add_argument("--early-landing", type=float, default=0.5,
+                   help="early: the fraction of --steps the size schedule spans")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)

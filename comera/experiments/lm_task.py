@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from comera import ConfigError
 from comera.data.stdlib_corpus import FIRST_WORD, IGNORE_INDEX, MLMCorpus, load_stdlib_corpus
 from comera.data.tokenizer import UNK
-from comera.experiments.task import Task
+from comera.experiments.task import IndexStream, Task
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 
 EVAL_SPLITS = ("val", "test")
@@ -127,6 +127,11 @@ class LMTask(Task):
     def build_model(self, tt: bool) -> nn.Module:
         return self.build("tt" if tt else "dense")
 
+    @staticmethod
+    def block_linears(model: CausalLM) -> list[tuple[str, nn.Module]]:
+        """(name, layer) of every block linear layer: the layers a frontier compresses."""
+        return model.block_linears()
+
     # -- Task protocol ------------------------------------------------------------------------
     def train_size(self) -> int:
         return len(self.train)
@@ -139,6 +144,10 @@ class LMTask(Task):
                               f"{int(indices.max())}]; the training split has "
                               f"{len(self.train)} examples.")
         return self.train.ids[indices]
+
+    def step_batch(self, stream: IndexStream, step: int) -> Tensor:
+        """The training rows of ``step`` of ``stream``."""
+        return self.batch(stream.indices(step))
 
     def loss(self, model: nn.Module, batch: Tensor) -> Tensor:
         inputs, targets = next_token_targets(batch)  # (b, s-1) each

@@ -28,10 +28,14 @@ from torch import Tensor, nn
 from comera import ConfigError
 from comera.data import BertMasking, MLMCorpus, load_stdlib_corpus
 from comera.experiments.task import IndexStream, Task
+from comera.layers.linear import TTLinear
+from comera.layers.lowrank import LowRankLinear
 from comera.models import MaskedLM, TransformerConfig
 from comera.models.mlm import masked_logits
 
 EVAL_SPLITS = ("val", "test")
+LINEAR_KINDS = ("dense", "tt", "lowrank")
+_BLOCK_LINEARS = ("attn.q", "attn.k", "attn.v", "attn.o", "ffn_in", "ffn_out")
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,34 @@ class MLMTask(Task):
     # -- Task protocol ------------------------------------------------------------------------
     def build_model(self, tt: bool) -> nn.Module:
         return MaskedLM(self.config.model_config(self.vocab, tt))
+
+    def build(self, linear: str = "dense", rank: int | None = None) -> MaskedLM:
+        """The MLM with dense token table and head, and encoder block linear layers of kind
+        ``linear`` ("dense", "tt", "lowrank", biases kept) at ``rank`` (default: the config's
+        TT rank), initialised from the current RNG: the model a compression frontier compares
+        at matched size of :meth:`block_linears`."""
+        if linear not in LINEAR_KINDS:
+            raise ConfigError(f"linear={linear!r}; choose one of {', '.join(LINEAR_KINDS)}.")
+        rank = self.config.rank if rank is None else rank
+        if rank < 1:
+            raise ConfigError(f"rank={rank}; give a rank >= 1.")
+        model = MaskedLM(self.config.model_config(self.vocab, tt=False))
+        if linear == "dense":
+            return model
+        for name, layer in self.block_linears(model):
+            i, o = layer.in_features, layer.out_features
+            new = (TTLinear(i, o, ranks=rank, tau=model.cfg.tau) if linear == "tt"
+                   else LowRankLinear(i, o, min(rank, i, o)))
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, new)
+        return model
+
+    @staticmethod
+    def block_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """(name, layer) of every encoder block linear layer: the layers a frontier
+        compresses."""
+        return [(f"blocks.{i}.{n}", block.get_submodule(n))
+                for i, block in enumerate(model.blocks) for n in _BLOCK_LINEARS]
 
     def train_size(self) -> int:
         return len(self.train)

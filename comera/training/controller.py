@@ -31,9 +31,17 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteLossError
 from comera.layers.linear import GatedTrain
-from comera.ranks.objective import REGULARIZERS, LateStage, floor_size, prune_to_, rank_regularizer
+from comera.ranks.objective import (
+    REGULARIZERS,
+    LateStage,
+    floor_size,
+    prune_to_,
+    rank_regularizer,
+    soft_size,
+)
 from comera.ranks.size import dense_size, model_size, tt_modules
 from comera.ranks.truncate import TruncationReport, truncate_
+from comera.training.early import EarlyStage
 
 log = logging.getLogger("comera.training.controller")
 
@@ -131,12 +139,16 @@ class RankController:
     exactly zero). A late-stage target below the floor's size is reported when the stage starts
     and in every step's ``note``.
 
+    ``early`` (optional): an :class:`~comera.training.early.EarlyStage` size target; the early
+    stage then weights R only while the model is above it and no step prunes below it, so the
+    stage stops at that size instead of wherever lam and the step count leave it.
+
     ``optimizer`` (optional here, or given to each :meth:`after_step`) is the one whose state is
     cleared where gates are pruned and sliced at truncation.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any = None, lam: float = 0.01,
-                 regularizer: str = "l1", min_rank: int = 1):
+                 regularizer: str = "l1", min_rank: int = 1, early: EarlyStage | None = None):
         if not any(True for _ in tt_modules(model)):
             raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
         if isinstance(lam, bool) or not isinstance(lam, int | float) or not (
@@ -148,7 +160,14 @@ class RankController:
         if isinstance(min_rank, bool) or not isinstance(min_rank, int) or min_rank < 0:
             raise ConfigError(f"min_rank={min_rank!r}; the rank floor is an int >= 0 (default 1; "
                               "0 lets a layer be pruned away).")
+        if early is not None and not isinstance(early, EarlyStage):
+            raise ConfigError(f"early={early!r}; give a comera.training.early.EarlyStage (e.g. "
+                              "EarlyStage.for_compression(model, 40)) or None.")
         self.model = model
+        self.early = early
+        self._size: int | None = None  # the model's size after the last step
+        self.early_start: float | None = None  # early target: the size at its first step
+        self.early_scale = 1.0  # early target: lam's current multiplier
         self.optimizer = None if optimizer is None else torch_optimizer(optimizer)
         self.lam = lam
         self.regularizer = regularizer
@@ -167,9 +186,15 @@ class RankController:
     def objective(self, loss: Tensor, decision_loss: float | None = None) -> tuple[Tensor, str]:
         """The scalar to minimise for this step, and which term was weighted (no bookkeeping)."""
         if self.stage == "early":
-            if self.lam == 0:
+            lam = self.lam
+            if self.early is not None:
+                size = model_size(self.model) if self._size is None else self._size
+                if self.early_start is None:
+                    self.early_start = float(size)
+                lam = self.early.lam(lam * self.early_scale, size)
+            if lam == 0:
                 return loss, "loss"
-            return loss + self.lam * rank_regularizer(self.model, self.regularizer), "loss+rank"
+            return loss + lam * rank_regularizer(self.model, self.regularizer), "loss+rank"
         return self.late.objective(self.model, loss, self.size_reference, decision_loss)
 
     def loss(self, loss: Tensor, decision_loss: float | None = None) -> Tensor:
@@ -224,10 +249,20 @@ class RankController:
         self.hold_floor_(snap.before, opt)
         scheduled, note = None, ""
         if snap.late:
-            self._hold_size_target_(layers, snap.before, opt)
+            self._hold_size_target_(layers, snap.before, opt, self.late.target_size)
             scheduled = self.follow_schedule_(opt)
-        self.steps += 1
+        elif self.early is not None:
+            self._hold_size_target_(layers, snap.before, opt, self.early.target_size)
         size = model_size(self.model)
+        if not snap.late and self.early is not None and self.early_start is not None:
+            scheduled = self.early.scheduled_size(self.early_start, self.steps)
+            with torch.no_grad():  # the soft size: ranks as the gates' l1 norms
+                soft = float(soft_size(self.model)) + size - model_size(self.model,
+                                                                        only=GatedTrain)
+            self.early_scale = self.early.scale(self.early_scale, self.steps, self.early_start,
+                                                size, soft)
+        self.steps += 1
+        self._size = size
         if snap.late and (size > self.late.target_size or self.late_note.startswith("below")):
             note = self.late_note
         loss, total, which = self._seen if self._seen is not None else (
@@ -292,12 +327,13 @@ class RankController:
                                           self.late.rounding, opt))
         return scheduled
 
-    def _hold_size_target_(self, layers, before: list[Tensor], optimizer) -> None:
-        """Late stage: a step must not prune far below the size target. Adam moves every gate
-        entry at about the same rate, so many cross tau in the same step; when that takes the
-        model under S*, the entries pruned this step are restored to their previous values,
-        largest first, as long as the size stays at or below S*."""
-        target = self.late.target_size
+    def _hold_size_target_(self, layers, before: list[Tensor], optimizer,
+                           target: float) -> None:
+        """A step must not prune far below the size target (the late stage's, or the early
+        stage's with an :class:`EarlyStage`). Adam moves every gate entry at about the same
+        rate, so many cross tau in the same step; when that takes the model under ``target``,
+        the entries pruned this step are restored to their previous values, largest first, as
+        long as the size stays at or below it."""
         if model_size(self.model) >= target:
             return
         gates = [(layer, g) for layer in layers for g in layer.gates]
@@ -391,6 +427,10 @@ class RankController:
             "landing": self.late.landing, "rounding": self.late.rounding,
             "allocation": self.late.allocation, "floor": self.late.floor}
         return {"stage": self.stage, "steps": self.steps, "late": late,
+                "early": None if self.early is None else {
+                    "target_size": self.early.target_size, "steps": self.early.steps,
+                    "landing": self.early.landing, "gain": self.early.gain},
+                "early_start": self.early_start, "early_scale": self.early_scale,
                 "size_reference": self.size_reference, "lam": self.lam,
                 "late_start": None if self.late_start is None else list(self.late_start),
                 "late_note": self.late_note, "min_rank": self.min_rank}
@@ -407,6 +447,11 @@ class RankController:
         self.late = None if state["late"] is None else LateStage(**state["late"])
         self.size_reference = state["size_reference"]
         self.lam = float(state.get("lam", self.lam))
+        if state.get("early") is not None:
+            self.early = EarlyStage(**state["early"])
+        self.early_start = state.get("early_start")
+        self.early_scale = float(state.get("early_scale", 1.0))
+        self._size = None
         start = state.get("late_start")
         if start is None and self.late is not None:  # saved before step budgets existed
             start = (self.steps, self.size_reference or 0.0)

@@ -30,6 +30,7 @@ from comera.ranks.objective import LateStage
 from comera.ranks.size import tt_modules
 from comera.ranks.truncate import TruncationReport
 from comera.training.controller import RankController, StepStats, check_loss
+from comera.training.early import EarlyStage
 
 log = logging.getLogger("comera.training.trainers")
 
@@ -217,18 +218,21 @@ class CoMERATrainer(_Stepper):
     :class:`NonFiniteGradientError` without touching parameters or optimizer state, so a caller
     may skip the batch or stop.
 
-    ``min_rank`` (default 1) is a floor on every bond of every TT layer, in both stages (see
-    :class:`~comera.training.controller.RankController`).
+    ``min_rank`` (default 1) is a floor on every bond of every TT layer, in both stages;
+    ``early``: an early-stage size target (:class:`~comera.training.early.EarlyStage`) the
+    early stage stops at (see :class:`~comera.training.controller.RankController`).
     """
 
     def __init__(self, model: nn.Module, optimizer=None, lam: float = 0.01,
                  regularizer: str = "l1", max_grad_norm: float | None = None,
-                 grad_hook: GradHook | None = None, min_rank: int = 1):
+                 grad_hook: GradHook | None = None, min_rank: int = 1,
+                 early: EarlyStage | None = None):
         if not any(True for _ in tt_modules(model)):
             raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else make_optimizer(model)
-        self.controller = RankController(model, self.optimizer, lam, regularizer, min_rank)
+        self.controller = RankController(model, self.optimizer, lam, regularizer, min_rank,
+                                         early)
         self.max_grad_norm = max_grad_norm
         self.grad_hook = grad_hook
 

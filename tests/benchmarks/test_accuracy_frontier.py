@@ -54,7 +54,11 @@ def test_summary_gives_mean_and_spread_per_method_and_the_ranks_chosen():
     lines = {line.split(" |")[0]: line for line in text.splitlines() if line.startswith("| 1")}
     assert lines["| 10x"] == (f"| 10x | 0.8500 ± {sd:.4f} (n=3; 11.0x, rank 4) | 0.8400 ± "
                               f"{sd:.4f} (n=3; 10.5x, rank 8) | 0.8700 ± {sd:.4f} (n=3; 10.0x) |")
-    assert lines["| 100x"].split(" | ")[2] == "-"  # no low-rank model fits 100x
+    assert lines["| 100x"].split(" | ")[2] == "-"  # no low-rank row, no plan saying why
+    planned = _result() | {"plan": {"lowrank": {"10.0": 8, "100.0": 0}}}
+    lines = {line.split(" |")[0]: line for line in summarise(planned).splitlines()
+             if line.startswith("| 1")}
+    assert lines["| 100x"].split(" | ")[2] == "none fits: rank 1 is over the budget"
     assert "- 100x (uniform rank 4): b0.q [4, 6]" in text
     assert "- 10x: 0.0200 ± 0.0000 (n=3; seeds +0.0200, +0.0200, +0.0200)" in text  # paired
 

@@ -1,4 +1,5 @@
-"""benchmarks/lm_frontier.py: budgets of the baselines, and a --smoke run on a tiny corpus."""
+"""benchmarks/lm_frontier.py (on benchmarks/frontier.py): budgets of the baselines, and a
+--smoke run on a tiny corpus."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import lm_frontier
+from benchmarks import frontier, lm_frontier
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 from comera.layers.linear import TTLinear
 from tests.helpers.tiny_corpus import write_tiny_corpus
@@ -23,18 +24,19 @@ def root(tmp_path_factory):
 def test_uniform_ranks_are_the_largest_within_the_budget(root, target):
     task = LMTask(LMTaskConfig(seq_len=16, vocab_size=64, d_model=32, n_heads=2, d_ff=64,
                                n_layers=1), root=root, use_cache=False)
-    shapes = lm_frontier._shapes(task)
+    shapes = [(m.in_features, m.out_features) for _, m in task.block_linears(task.build())]
+    assert len(shapes) == 6
     budget = sum(i * o for i, o in shapes) / target
-    r = lm_frontier.uniform_rank(task, "lowrank", target)
+    r = frontier.uniform_rank(task, "lowrank", target)
     assert r * sum(i + o for i, o in shapes) <= budget < (r + 1) * sum(i + o for i, o in shapes)
-    assert lm_frontier.linear_sizes(task.build("lowrank", r))[0] <= budget
+    assert frontier.linear_sizes(task, task.build("lowrank", r))[0] <= budget
 
     def tt_size(rank):
         return sum(TTLinear(i, o, ranks=rank, bias=False).num_parameters() for i, o in shapes)
 
-    r = lm_frontier.uniform_rank(task, "tt", target)
+    r = frontier.uniform_rank(task, "tt", target)
     assert tt_size(r) <= budget < tt_size(r + 1)
-    assert lm_frontier.linear_sizes(task.build("tt", r))[0] == tt_size(r)
+    assert frontier.linear_sizes(task, task.build("tt", r))[0] == tt_size(r)
 
 
 @pytest.mark.slow
