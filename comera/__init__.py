@@ -37,6 +37,7 @@ from comera.surgery.config import ConvertConfig
 from comera.surgery.convert import ConversionReport, convert_
 from comera.surgery.pretrained import from_pretrained, save_pretrained
 from comera.training.controller import RankController, clear_moments_, late_stage_for
+from comera.training.early import EarlyStage
 from comera.training.trainers import (
     CoMERATrainer,
     DenseTrainer,
@@ -58,6 +59,7 @@ __all__ = [
     "ConvertConfig",
     "DataFormatError",
     "DenseTrainer",
+    "EarlyStage",
     "FactorizationError",
     "GatedLinear",
     "GatedTrain",

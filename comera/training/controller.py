@@ -413,7 +413,7 @@ class RankController:
             "objective": last.objective if last else float("nan"),
             "weighted": last.weighted if last else "",
             "size": size, "compression": dense_size(self.model) / max(size, 1),
-            "ranks": {name: list(m.ranks[1:-1]) for name, m in tt_modules(self.model)},
+            "ranks": {name: list(m.bond_ranks) for name, m in tt_modules(self.model)},
         }
         if last is not None and last.scheduled_size is not None:
             out["scheduled_size"] = last.scheduled_size
