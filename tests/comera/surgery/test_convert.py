@@ -133,9 +133,10 @@ def test_format_dict_without_match_raises_before_any_swap():
 
 
 def test_an_unknown_format_names_the_registered_ones():
-    from comera.formats.registry import format_names
+    from comera.formats.registry import format_names, get_format
 
-    with pytest.raises(comera.ConfigError, match=re.escape(", ".join(format_names()))):
+    convertible = [n for n in format_names() if get_format(n).from_modes]
+    with pytest.raises(comera.ConfigError, match=re.escape(", ".join(convertible))):
         ConvertConfig(format="tucker2")
 
 
