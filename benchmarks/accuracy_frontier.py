@@ -399,6 +399,17 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def training_args(p) -> None:
+    """The training settings every reviews model of a comparison shares (and so takes the same
+    flags for): batch, sequence length, learning rates, warm-up and threads."""
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-gates", type=float, default=1e-2)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--threads", type=int, default=1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -421,12 +432,7 @@ def main(argv=None) -> int:
     p.add_argument("--lam", type=float, default=0.05, help="prune, early: early-stage lam")
     p.add_argument("--early-landing", type=float, default=0.5,
                    help="early: the fraction of --steps the size schedule spans")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--max-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--lr-gates", type=float, default=1e-2)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--threads", type=int, default=1)
+    training_args(p)
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--append", action="store_true",
                    help="keep the rows already in the results file (more seeds or methods)")

@@ -44,6 +44,7 @@ from benchmarks.accuracy_frontier import (
     _train,
     _tt_optimizer,
     machine,
+    training_args,
 )
 from benchmarks.lib.harness import RESULTS, markdown_table
 from comera.data.stdlib_pairs import PairDataset
@@ -240,12 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--formats", nargs="+", default=None,
                    help=f"formats to run (default: all registered but {', '.join(SKIP)})")
     p.add_argument("--steps", type=int, default=450)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--max-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--lr-gates", type=float, default=1e-2)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--threads", type=int, default=1)
+    training_args(p)
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--append", action="store_true",
                    help="keep the rows already in --out/formats.json; skip (seed, model) done")

@@ -173,21 +173,6 @@ def test_gated_linear_ring_equals_its_dense_reconstruction():
     check_layer(layer, _gen(10))
 
 
-def test_gated_linear_ring_from_linear_at_full_rank_is_the_linear():
-    from torch import nn
-
-    from comera.layers.linear import GatedLinear
-
-    torch.manual_seed(0)
-    linear = nn.Linear(12, 10, dtype=torch.float64)
-    layer = GatedLinear.from_linear(linear, "tr", ranks=10_000, in_modes=(3, 4),
-                                    out_modes=(5, 2))
-    torch.testing.assert_close(layer.to_dense(), linear.weight, rtol=0, atol=1e-12)
-    x = torch.randn(3, 12, dtype=torch.float64)
-    torch.testing.assert_close(layer(x), linear(x), rtol=1e-12, atol=1e-12)
-    assert layer.layout.core_shapes == tuple(tuple(c.shape) for c in layer.cores)
-
-
 def _ring_layer():
     from comera.layers.linear import GatedLinear
 
