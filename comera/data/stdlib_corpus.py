@@ -391,3 +391,18 @@ class BertMasking:
         inputs = torch.where(to_random, words, inputs)
         labels = torch.where(chosen, cpu, IGNORE_INDEX)
         return inputs.to(ids.device), labels.to(ids.device)
+
+
+def load_corpus_splits(seq_len: int, vocab_size: int, root: Path | str | None = None,
+                       use_cache: bool = True
+                       ) -> tuple[MLMCorpus, dict[str, MLMCorpus], Tokenizer]:
+    """(train, {"val", "test"}, tokenizer) of :func:`load_stdlib_corpus`, refusing an empty
+    split with a :class:`ConfigError` naming it (what the language-model tasks train on)."""
+    train, val, test, tokenizer = load_stdlib_corpus(seq_len, vocab_size, root=root,
+                                                     use_cache=use_cache)
+    splits = {"val": val, "test": test}
+    for split, data in (("train", train), *splits.items()):
+        if len(data) == 0:
+            raise ConfigError(f"the {split} split of the corpus is empty; use a larger "
+                              "source tree or a shorter seq_len.")
+    return train, splits, tokenizer

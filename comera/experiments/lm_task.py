@@ -28,9 +28,13 @@ import torch
 from torch import Tensor, nn
 
 from comera import ConfigError
-from comera.data.stdlib_corpus import FIRST_WORD, IGNORE_INDEX, MLMCorpus, load_stdlib_corpus
+from comera.data.stdlib_corpus import (
+    FIRST_WORD,
+    IGNORE_INDEX,
+    load_corpus_splits,
+)
 from comera.data.tokenizer import UNK
-from comera.experiments.task import IndexStream, Task
+from comera.experiments.task import IndexStream, Task, spread_subset
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 
 EVAL_SPLITS = ("val", "test")
@@ -90,14 +94,6 @@ def next_token_targets(ids: Tensor) -> tuple[Tensor, Tensor]:
     return ids[:, :-1], torch.where(predicted, nxt, IGNORE_INDEX)
 
 
-def _spread_subset(n: int, limit: int | None, seed: int) -> Tensor:
-    """A fixed subset of ``limit`` of ``n`` indices, ascending (all of them when limit is None)."""
-    if limit is None or limit >= n:
-        return torch.arange(n)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    return order[:limit].sort().values
-
-
 class LMTask(Task):
     """GPT-style causal LM on the stdlib corpus; metric: validation perplexity."""
 
@@ -109,13 +105,8 @@ class LMTask(Task):
                  use_cache: bool = True):
         self.config = config if config is not None else LMTaskConfig()
         c = self.config
-        self.train, val, test, self.tokenizer = load_stdlib_corpus(
+        self.train, self.splits, self.tokenizer = load_corpus_splits(
             c.seq_len, c.vocab_size, root=root, use_cache=use_cache)
-        self.splits: dict[str, MLMCorpus] = {"val": val, "test": test}
-        for split, data in (("train", self.train), *self.splits.items()):
-            if len(data) == 0:
-                raise ConfigError(f"the {split} split of the corpus is empty; use a larger "
-                                  "source tree or a shorter seq_len.")
         self.vocab = len(self.tokenizer.vocab)
 
     # -- models -------------------------------------------------------------------------------
@@ -160,7 +151,7 @@ class LMTask(Task):
         if split not in self.splits:
             raise ConfigError(f"split {split!r}; choose one of {', '.join(EVAL_SPLITS)}.")
         data = self.splits[split]
-        return data.ids[_spread_subset(len(data), self.config.eval_limit, self.config.seed)]
+        return data.ids[spread_subset(len(data), self.config.eval_limit, self.config.seed)]
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:

@@ -26,8 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from comera import ConfigError
-from comera.data import BertMasking, MLMCorpus, load_stdlib_corpus
-from comera.experiments.task import IndexStream, Task
+from comera.data import BertMasking
+from comera.data.stdlib_corpus import load_corpus_splits
+from comera.experiments.task import IndexStream, Task, spread_subset
 from comera.layers.linear import TTLinear
 from comera.layers.lowrank import LowRankLinear
 from comera.models import MaskedLM, TransformerConfig
@@ -88,14 +89,6 @@ def step_epochs(stream: IndexStream, step: int, rank: int = 0, world: int = 1) -
     return stream.epochs(step, rank, world)
 
 
-def _spread_subset(n: int, limit: int | None, seed: int) -> Tensor:
-    """A fixed subset of ``limit`` of ``n`` indices, ascending (all of them when limit is None)."""
-    if limit is None or limit >= n:
-        return torch.arange(n)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    return order[:limit].sort().values
-
-
 class MLMTask(Task):
     """BERT masked-LM on the stdlib corpus; metric: masked-token loss on fixed val masks."""
 
@@ -107,13 +100,8 @@ class MLMTask(Task):
                  use_cache: bool = True):
         self.config = config if config is not None else MLMTaskConfig()
         c = self.config
-        self.train, val, test, self.tokenizer = load_stdlib_corpus(
+        self.train, self.splits, self.tokenizer = load_corpus_splits(
             c.seq_len, c.vocab_size, root=root, use_cache=use_cache)
-        self.splits: dict[str, MLMCorpus] = {"val": val, "test": test}
-        for split, data in (("train", self.train), *self.splits.items()):
-            if len(data) == 0:
-                raise ConfigError(f"the {split} split of the corpus is empty; use a larger "
-                                  "source tree or a shorter seq_len.")
         self.vocab = len(self.tokenizer.vocab)
         self.masking = BertMasking(self.vocab, prob=c.mask_prob)
         self._served = [0] * len(self.train)  # times each example was served (see module doc)
@@ -188,7 +176,7 @@ class MLMTask(Task):
             raise ConfigError(f"split {split!r}; choose one of {', '.join(EVAL_SPLITS)}.")
         if split not in self._eval:
             data = self.splits[split]
-            subset = _spread_subset(len(data), self.config.eval_limit, self.config.seed)
+            subset = spread_subset(len(data), self.config.eval_limit, self.config.seed)
             self._eval[split] = self.masking(data.ids[subset], subset, 0, self.config.seed)
         return self._eval[split]
 

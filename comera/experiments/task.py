@@ -121,3 +121,12 @@ class IndexStream:
         epochs = torch.arange(start, start + self.batch_size) // self.size  # (batch_size,)
         per = self.batch_size // world
         return epochs[rank * per:(rank + 1) * per]
+
+
+def spread_subset(n: int, limit: int | None, seed: int) -> Tensor:
+    """A fixed subset of ``limit`` of ``n`` indices, ascending (all of them when limit is None):
+    the examples a task evaluates on when its evaluation is capped."""
+    if limit is None or limit >= n:
+        return torch.arange(n)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return order[:limit].sort().values
