@@ -196,3 +196,53 @@ def test_from_eq_declares_a_layer_without_a_class():
     comera.truncate_(model)
     assert layer.layout.bond_sizes == (1,)
     torch.testing.assert_close(layer(x), ref)
+
+
+# -- the ways users call a layer: autocast, torch.compile, threads (float32, as users train) ---
+def _f32_layer(fmt: str) -> GatedLinear:
+    torch.manual_seed(8)
+    layer = GatedLinear(IN, OUT, format=fmt, ranks=3, d=3)
+    with torch.no_grad():
+        for g in layer.gates:
+            g.uniform_(0.5, 1.5)
+    return layer
+
+
+def test_autocast_computes_in_bfloat16_like_nn_linear(fmt):
+    layer = _f32_layer(fmt)
+    x = torch.randn(5, IN)
+    want = layer(x)
+    with torch.autocast("cpu", torch.bfloat16):
+        got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert all(c.dtype == torch.float32 for c in layer.cores)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2 * scale)
+
+
+def test_torch_compile_fullgraph_matches_eager_and_the_dense_weight(fmt):
+    layer = _f32_layer(fmt)
+    x = torch.randn(5, IN)
+    want = layer(x)
+    want.square().sum().backward()
+    want_grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    got = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, _dense_out(layer, x), rtol=1e-4, atol=1e-5)
+    for p, grad in zip(layer.parameters(), want_grads, strict=True):
+        torch.testing.assert_close(p.grad, grad)
+
+
+def test_threads_calling_one_layer_get_the_serial_result(fmt):
+    from concurrent.futures import ThreadPoolExecutor
+
+    layer = _f32_layer(fmt)
+    xs = [torch.randn(4 + k, IN) for k in range(8)]
+    with torch.no_grad():
+        want = [layer(x) for x in xs]
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(layer, xs))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
