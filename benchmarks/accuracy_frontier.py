@@ -443,6 +443,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.decide < args.steps:
         p.error(f"--decide {args.decide}: give a step count in (0, --steps={args.steps})")
+    if not 0 < args.early_landing <= 1:
+        p.error(f"--early-landing {args.early_landing}: give a fraction in (0, 1]")
+    if args.threads < 1:
+        p.error(f"--threads {args.threads}: give at least 1")
     torch.set_num_threads(args.threads)
     if args.merge:
         result = merge(args.merge)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 
+import pytest
 from torch import nn
 
 from benchmarks.accuracy_frontier import linear_sizes, main, plot, summarise
@@ -71,3 +72,12 @@ def test_summarise_only_writes_table_and_plot(tmp_path):
     assert (tmp_path / "frontier.md").read_text().startswith("Reviews task")
     assert (tmp_path / "frontier.png").stat().st_size > 1000
     plot(_result(), tmp_path / "again.png")
+
+
+@pytest.mark.parametrize("flags", [["--early-landing", "0"], ["--early-landing", "1.5"],
+                                   ["--threads", "0"]])
+def test_bad_flags_exit_2_before_any_training(flags, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*flags, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert not (tmp_path / "out").exists()
