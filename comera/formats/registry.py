@@ -74,13 +74,19 @@ BUILTIN: tuple[str, ...] = (
 )
 
 FORMATS: dict[str, Format] = {}
+_builtin_loaded = False
 
 
-def _load_builtin() -> None:
-    for entry in BUILTIN:
-        module, cls = entry.split(":")
-        fmt = getattr(importlib.import_module(module), cls)()
-        FORMATS.setdefault(fmt.name, fmt)
+def _registry() -> dict[str, Format]:
+    """:data:`FORMATS`, with the built-in formats imported on the first call."""
+    global _builtin_loaded
+    if not _builtin_loaded:
+        for entry in BUILTIN:
+            module, cls = entry.split(":")
+            fmt = getattr(importlib.import_module(module), cls)()
+            FORMATS.setdefault(fmt.name, fmt)
+        _builtin_loaded = True
+    return FORMATS
 
 
 def get_format(name: str | Format) -> Format:
@@ -88,9 +94,8 @@ def get_format(name: str | Format) -> Format:
     :class:`ConfigError` naming the choices."""
     if isinstance(name, Format):
         return name
-    if len(FORMATS) < len(BUILTIN):
-        _load_builtin()
-    if not isinstance(name, str) or name not in FORMATS:
+    formats = _registry()
+    if not isinstance(name, str) or name not in formats:
         raise ConfigError(f"format={name!r}; choose one of {', '.join(sorted(FORMATS))} (or "
                           "declare a network with GatedLinear.from_eq).")
     return FORMATS[name]
@@ -98,16 +103,12 @@ def get_format(name: str | Format) -> Format:
 
 def format_names() -> tuple[str, ...]:
     """The registered formats' names."""
-    if len(FORMATS) < len(BUILTIN):
-        _load_builtin()
-    return tuple(FORMATS)
+    return tuple(_registry())
 
 
 def register_format(fmt: Format) -> Format:
     """Add ``fmt`` (a user's own format, say) to the registry under ``fmt.name``."""
     if not isinstance(fmt, Format) or not fmt.name:
         raise ConfigError(f"register_format takes a Format instance with a name, got {fmt!r}.")
-    if len(FORMATS) < len(BUILTIN):
-        _load_builtin()
-    FORMATS[fmt.name] = fmt
+    _registry()[fmt.name] = fmt
     return fmt
