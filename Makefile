@@ -37,12 +37,12 @@ test-all: $(TEST_STAMP)
 # benchmarks/results/ (the smoke test in tests/benchmarks runs each script with --smoke)
 bench: $(STAMP)
 	$(VENV)/bin/python -m pip install -q -c constraints-cpu.txt -e '.[bench]'
-	$(VENV)/bin/python -m benchmarks.bench_tt_linear
-	$(VENV)/bin/python -m benchmarks.bench_planning
-	$(VENV)/bin/python -m benchmarks.bench_transformer
-	$(VENV)/bin/python -m benchmarks.bench_stack
-	$(VENV)/bin/python -m benchmarks.bench_growth
-	$(VENV)/bin/python -m benchmarks.bench_embedding
+	$(VENV)/bin/python -m benchmarks.speed.bench_tt_linear
+	$(VENV)/bin/python -m benchmarks.speed.bench_planning
+	$(VENV)/bin/python -m benchmarks.speed.bench_transformer
+	$(VENV)/bin/python -m benchmarks.speed.bench_stack
+	$(VENV)/bin/python -m benchmarks.speed.bench_growth
+	$(VENV)/bin/python -m benchmarks.speed.bench_embedding
 
 # the paper's experiments in quick mode, dense vs CoMERA side by side (comera train per task)
 experiments: $(STAMP)

@@ -329,7 +329,7 @@ def _peek(path: Path) -> tuple[str, Any]:
     import pickle
     import warnings
 
-    from comera.surgery.torchfile import read_torch_file
+    from comera.torchfile import read_torch_file
 
     if path.stat().st_size == 0:
         return "unreadable", "empty: 0 bytes"

@@ -1,6 +1,6 @@
 """Part 4 of ``make gpu``: one training step of the reference Criteo-Kaggle DLRM at its full
 table sizes (33.8 M rows, dimension 16): dense tables vs TT tables vs TT tables with TT-Rec's
-hot-row cache, built exactly as benchmarks/bench_dlrm.py builds them (same configs, trainers,
+hot-row cache, built exactly as benchmarks/speed/bench_dlrm.py builds them (same configs, trainers,
 batch of synthetic Zipf ids), then moved to the GPU.
 
 Time: CUDA events, median of the repeats after warm-up; memory:
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks.bench_dlrm import VARIANTS, Batch, BenchConfig, build_variant, make_batch
+from benchmarks.speed.bench_dlrm import VARIANTS, Batch, BenchConfig, build_variant, make_batch
 from benchmarks.gpu.common import (
     Deadline,
     PartWriter,

@@ -4,7 +4,7 @@ configuration, sequence 128) at batch 1 and 32.
 Variants: ``dense`` (AdamW), ``galore`` (GaLoreAdamW, the GaLore recipe; skipped with a note when
 galore-torch is absent), ``comera_early`` (TT layers at the initial ranks, the rank regulariser in
 the objective) and ``comera_late`` (gates pruned to the paper's late-stage compression, truncated,
-late-stage steps): built as benchmarks/bench_transformer.py builds them. Execution modes:
+late-stage steps): built as benchmarks/speed/bench_transformer.py builds them. Execution modes:
 
 - ``eager``: the trainer's step (``CoMERATrainer.step`` / forward, backward, AdamW);
 - ``graphs``: CoMERA through :class:`comera.training.capture.CapturedStep` (``mode="graphs"``:
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import comera
-from benchmarks.bench_transformer import (
+from benchmarks.speed.bench_transformer import (
     BenchConfig,
     late_stage_cap,
     make_batch,

@@ -6,8 +6,8 @@ batch of calls of each, in turn), after warm-up, so the plan is cached and drift
 alike; the table gives the median microseconds per call and the ratio with its spread over
 the rounds. Writes benchmarks/results/contract_overhead_cpu.{json,md}.
 
-    python -m benchmarks.bench_contract                    # the full run
-    python -m benchmarks.bench_contract --smoke --out /tmp/contract   # quick
+    python -m benchmarks.speed.bench_contract                    # the full run
+    python -m benchmarks.speed.bench_contract --smoke --out /tmp/contract   # quick
 """
 
 from __future__ import annotations

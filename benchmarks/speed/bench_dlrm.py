@@ -22,9 +22,9 @@ the cost of a step). Time: median of interleaved repeats after warm-up
 during one step (see ``MEMORY_COUNTED``). Writes benchmarks/results/dlrm_step_cpu.{json,md}
 (with ``--max-rows N``: dlrm_step_rows{N}_cpu).
 
-    python -m benchmarks.bench_dlrm --max-rows 20000 --batch 256 --threads 1   # seconds
-    python -m benchmarks.bench_dlrm --smoke --out /tmp/dlrm   # the quickest run
-    python -m benchmarks.bench_dlrm --threads 2     # full tables: ~10 GB RAM, minutes
+    python -m benchmarks.speed.bench_dlrm --max-rows 20000 --batch 256 --threads 1   # seconds
+    python -m benchmarks.speed.bench_dlrm --smoke --out /tmp/dlrm   # the quickest run
+    python -m benchmarks.speed.bench_dlrm --threads 2     # full tables: ~10 GB RAM, minutes
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ against dense), at B=4096 and B=128. Reports parameters,
 ranks, the plan's FLOPs, time, and measured peak memory. Writes
 benchmarks/results/formats_cpu.{json,md}.
 
-    python -m benchmarks.bench_formats            # full
-    python -m benchmarks.bench_formats --quick    # fewer repeats
-    python -m benchmarks.bench_formats --smoke --out /tmp/formats   # B=128, one repeat
+    python -m benchmarks.speed.bench_formats            # full
+    python -m benchmarks.speed.bench_formats --quick    # fewer repeats
+    python -m benchmarks.speed.bench_formats --smoke --out /tmp/formats   # B=128, one repeat
 """
 
 from __future__ import annotations

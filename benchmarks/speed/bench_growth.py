@@ -31,9 +31,9 @@ after one warm-up plan of a different layer, so imports are not counted.
 Writes benchmarks/results/growth_cpu.{json,md,png}. Timings are made with one torch thread by
 default (``--threads``); other work on the machine widens the spreads.
 
-    python -m benchmarks.bench_growth                 # full: ~5-8 min on 2 quiet cores
-    python -m benchmarks.bench_growth --quick         # two points per sweep: ~1 min
-    python -m benchmarks.bench_growth --smoke --out /tmp/growth   # one repeat, tiny: seconds
+    python -m benchmarks.speed.bench_growth                 # full: ~5-8 min on 2 quiet cores
+    python -m benchmarks.speed.bench_growth --quick         # two points per sweep: ~1 min
+    python -m benchmarks.speed.bench_growth --smoke --out /tmp/growth   # one repeat, tiny: seconds
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ time (``CompiledNetwork.regimes``: wall and process CPU seconds, the latter less
 other work on the machine) and the first call after it. Modes 4 per core (4^d x 4^d), rank 16.
 Writes benchmarks/results/planning_cpu.{json,md}.
 
-    python -m benchmarks.bench_planning               # d = 2..8, tt_linear and ttm_linear
-    python -m benchmarks.bench_planning --smoke --out /tmp/planning   # tt_linear, d=2
+    python -m benchmarks.speed.bench_planning               # d = 2..8, tt_linear and ttm_linear
+    python -m benchmarks.speed.bench_planning --smoke --out /tmp/planning   # tt_linear, d=2
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def measure_one(kind: str, d: int) -> dict:
 
 def measure_fresh(kind: str, d: int) -> dict:
     """:func:`measure_one` in a fresh interpreter (nothing planned or imported before)."""
-    return run_fresh("benchmarks.bench_planning", ["--one", kind, str(d)])
+    return run_fresh("benchmarks.speed.bench_planning", ["--one", kind, str(d)])
 
 
 def render_markdown(payload: dict) -> str:

@@ -8,9 +8,9 @@ and the report gives the median with the spread (min, max) of the repeats, the f
 torch.compile: the compile time, with fresh inductor and tncomp caches unless --warm-caches)
 and the machine (torch, CPU, threads, commit).
 
-    python -m benchmarks.bench_stack                 # the 768/3072 MLP, inductor
-    python -m benchmarks.bench_stack --transformer   # plus the paper-size transformer step
-    python -m benchmarks.bench_stack --smoke --out /tmp/s   # 1 repeat, small MLP, aot_eager
+    python -m benchmarks.speed.bench_stack                 # the 768/3072 MLP, inductor
+    python -m benchmarks.speed.bench_stack --transformer   # plus the paper-size transformer step
+    python -m benchmarks.speed.bench_stack --smoke --out /tmp/s   # 1 repeat, small MLP, aot_eager
 
 Writes benchmarks/results/stack_cpu.{json,md} (``--out`` elsewhere).
 """

@@ -24,9 +24,9 @@ dense, GaLore and CoMERA each measured in a process of its own (see ``PROCESS_CO
 tncomp memory mode (an error where the installed tncomp has none). Writes
 benchmarks/results/transformer_cpu.{json,md} (``--small``: transformer_small_cpu).
 
-    python -m benchmarks.bench_transformer --smoke --out /tmp/t   # the quickest run (~1 min)
-    python -m benchmarks.bench_transformer --small --repeats 3 --threads 1
-    python -m benchmarks.bench_transformer --threads 2   # the paper's model: ~10-15 min
+    python -m benchmarks.speed.bench_transformer --smoke --out /tmp/t   # the quickest run (~1 min)
+    python -m benchmarks.speed.bench_transformer --small --repeats 3 --threads 1
+    python -m benchmarks.speed.bench_transformer --threads 2   # the paper's model: ~10-15 min
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ MEMORY_COUNTED = (
 )
 PROCESS_COUNTED = (
     "process_peak: what the operating system sees. Each variant runs in a fresh interpreter "
-    "(python -m benchmarks.bench_transformer --process-peak VARIANT B, the same model flags) "
+    "(python -m benchmarks.speed.bench_transformer --process-peak VARIANT B, the same model flags) "
     "after the same imports (galore_torch included) and one AdamW step of a 2x2 linear layer "
     "(torch's first-use set-up, the same for every variant); then the resident set is read "
     "(rss_before), the peak reset (Linux /proc/self/clear_refs), the variant built and "
@@ -347,7 +347,7 @@ def peak_in_this_process(name: str, cfg: TransformerConfig, bench: BenchConfig,
 
 def process_peak(name: str, batch_size: int, model_args: list[str]) -> dict:
     """:func:`peak_in_this_process` in a fresh interpreter, with the parent's model flags."""
-    return run_fresh("benchmarks.bench_transformer",
+    return run_fresh("benchmarks.speed.bench_transformer",
                      ["--process-peak", name, str(batch_size), *model_args])
 
 

@@ -6,10 +6,10 @@ memory, time over the plan's floor (FLOPs at the measured GEMM rate / bytes at t
 bandwidth), and the per-call cost of a cached plan. Writes
 benchmarks/results/tt_linear_cpu.{json,md}.
 
-    python -m benchmarks.bench_tt_linear            # full
-    python -m benchmarks.bench_tt_linear --quick    # fewer repeats and cases
-    python -m benchmarks.bench_tt_linear --smoke --out /tmp/tt   # one repeat, smallest case
-    python -m benchmarks.bench_tt_linear --device cuda   # on a GPU: tt_linear_cuda.{json,md}
+    python -m benchmarks.speed.bench_tt_linear            # full
+    python -m benchmarks.speed.bench_tt_linear --quick    # fewer repeats and cases
+    python -m benchmarks.speed.bench_tt_linear --smoke --out /tmp/tt   # one repeat, smallest case
+    python -m benchmarks.speed.bench_tt_linear --device cuda   # on a GPU: tt_linear_cuda.{json,md}
 
 On CUDA every timed call ends with ``torch.cuda.synchronize()``, peak memory is the caching
 allocator's ``max_memory_allocated`` above what was allocated before the call, and a

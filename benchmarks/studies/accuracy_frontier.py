@@ -1,7 +1,7 @@
 r"""The four-way compression/accuracy frontier on the reviews task: dense, a fixed uniform TT
 rank, plain low-rank factors and CoMERA, at matched sizes, on the same data, steps and seeds.
 
-    python -m benchmarks.accuracy_frontier --seeds 0 1 2 --targets 10 30 50 100 130
+    python -m benchmarks.studies.accuracy_frontier --seeds 0 1 2 --targets 10 30 50 100 130
 
 Per seed, every model trains ``--steps`` steps on the same batches (:class:`IndexStream`), with
 the same AdamW learning rates (``--lr`` for weights, ``--lr-gates`` for the TT gates) and the
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 import comera
-from benchmarks.frontier import atomic_write, mean_sd
+from benchmarks.studies.frontier import atomic_write, mean_sd
 from benchmarks.lib.harness import RESULTS
 from comera.experiments.results import machine
 from comera.experiments.task import IndexStream

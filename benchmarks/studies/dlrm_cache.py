@@ -1,7 +1,7 @@
 """DLRM on the quick synthetic Criteo data: dense tables vs plain TT vs TT + hot-row cache, at the
 same total table size (the late stage's target counts the cache), over seeds.
 
-    python -m benchmarks.dlrm_cache --seeds 0 1 2 --cache-rows 64
+    python -m benchmarks.studies.dlrm_cache --seeds 0 1 2 --cache-rows 64
 
 Every variant trains with the registry's quick ``dlrm`` engine settings (same steps, same data,
 same split); the TT variants' late stage lands on ``target_compression`` of their embedding

@@ -1,7 +1,7 @@
 """How compressible is the planted DLRM table? TT-SVD errors of the synthetic data's hidden
 per-id vectors, with and without a hot-row cache.
 
-    python -m benchmarks.dlrm_compressibility
+    python -m benchmarks.studies.dlrm_compressibility
 
 The quick DLRM run's label is a logistic function of a hidden vector per (table, id): a hash of
 the id, independent from id to id (:meth:`comera.data.SyntheticCriteo.hidden_vectors`). The best

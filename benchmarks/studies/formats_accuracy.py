@@ -1,10 +1,10 @@
 r"""Test accuracy on the reviews task per weight format, every format at about the same size.
 
-    python -m benchmarks.formats_accuracy --seeds 0 1 2 --target 50 --threads 1
+    python -m benchmarks.studies.formats_accuracy --seeds 0 1 2 --target 50 --threads 1
 
 For each registered format (:func:`comera.formats.registry.format_names`; ``einsum`` is only
 declared by an equation, so it has no layer of its own here) the SmallReviews classifier of
-:mod:`benchmarks.accuracy_frontier` (d_model 128, 2 layers) is built with every encoder linear
+:mod:`benchmarks.studies.accuracy_frontier` (d_model 128, 2 layers) is built with every encoder linear
 layer (the layers that frontier's "fixed" method makes TT) as a ``GatedLinear(format=f,
 ranks=r)``, at the largest uniform int rank r whose linear layers (biases included) have at
 most ``dense / --target`` parameters, counted from the layouts, before any training. A format
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 import comera
-from benchmarks.accuracy_frontier import (
+from benchmarks.studies.accuracy_frontier import (
     SmallReviews,
     _score,
     _train,

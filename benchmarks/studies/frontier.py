@@ -2,7 +2,7 @@ r"""The four-way compression frontier shared by the language-model tasks (issue 
 fixed uniform TT rank, plain low-rank factors and CoMERA, at matched size of the block linear
 layers, on the same rows, steps, batches, seeds, learning rates and warm-up.
 
-A task script (``benchmarks/lm_frontier.py``, ``benchmarks/mlm_frontier.py``) gives a
+A task script (``benchmarks/studies/lm_frontier.py``, ``benchmarks/studies/mlm_frontier.py``) gives a
 :class:`Spec`; this module trains, scores, merges and reports. The task object must offer
 ``build(kind, rank)`` (kind "dense", "tt" or "lowrank"), ``block_linears(model)``,
 ``step_batch(stream, step)``, ``loss``, ``evaluate(model, split)`` (a dict with "loss" and

@@ -11,12 +11,12 @@ A file name is ``<kind>-v<version>-<digest>.pt``, the digest a sha256 of every n
 (logged at debug level), so a changed parameter or format version misses. Files are read with
 ``torch.load(weights_only=True)``: a blob holds only tensors and plain containers (dicts, lists,
 strings, numbers), and a pickle planted in the cache folder is refused before any of it runs.
-Each file carries a sha256 of its contents (``comera.surgery.torchfile.content_digest``): a file
+Each file carries a sha256 of its contents (``comera.torchfile.content_digest``): a file
 whose contents changed after it was written (flipped labels, a truncated copy), that cannot be
 read, that is a link or not a regular file, or that ``decode`` rejects, is logged as corrupt and
 rebuilt, never trusted. The checksum detects damage and careless edits, not a writer who
 recomputes it: keep the cache folder your own (it is created owner-only, 0700). Files are
-read and written by :mod:`comera.surgery.torchfile` (atomic writes); temp files
+read and written by :mod:`comera.torchfile` (atomic writes); temp files
 that a killed writer left are swept on a later write. The cache never breaks the loader it serves:
 a failed write is logged and the data returned anyway.
 """
@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from comera.surgery.torchfile import (
+from comera.torchfile import (
     content_digest,
     load_error_reason,
     read_torch_file,

@@ -23,7 +23,7 @@ from comera.data.stdlib_pairs import Tokenizer
 from comera.errors import CheckpointError
 from comera.models import MaskedLM, TransformerConfig
 from comera.surgery.checkpoint import load_checkpoint
-from comera.surgery.torchfile import read_torch_file
+from comera.torchfile import read_torch_file
 
 ENCODER = ("tokens", "positions", "ln", "blocks")
 

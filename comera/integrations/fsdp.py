@@ -46,7 +46,7 @@ from comera.ranks.size import tt_modules
 from comera.surgery.checkpoint import checkpoint_payload, read_checkpoint
 from comera.surgery.records import layer_spec
 from comera.surgery.swap import check_other_keys, match_layers, restore_layers_
-from comera.surgery.torchfile import write_torch_file
+from comera.torchfile import write_torch_file
 
 __all__ = ["FSDPPolicy", "average_replicated_gradients", "clip_grad_norm_", "gradient_hook",
            "load_checkpoint", "save_checkpoint", "shard_"]

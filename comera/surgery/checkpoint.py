@@ -49,7 +49,7 @@ from comera.errors import CheckpointError
 from comera.ranks.size import tt_modules
 from comera.surgery.records import layer_spec, read_records
 from comera.surgery.swap import check_other_keys, match_layers, restore_layers_
-from comera.surgery.torchfile import (
+from comera.torchfile import (
     load_error_reason,
     read_torch_file,
     refused_global,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import comera
-from benchmarks.bench_dlrm import (
+from benchmarks.speed.bench_dlrm import (
     BenchConfig,
     build_variant,
     main,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import comera
-from benchmarks.bench_embedding import digits, naive_gather_rows
+from benchmarks.speed.bench_embedding import digits, naive_gather_rows
 
 
 def test_digits_are_row_major_by_hand():

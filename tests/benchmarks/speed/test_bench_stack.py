@@ -10,7 +10,7 @@ import pytest
 
 @pytest.mark.slow
 def test_quick_run_writes_every_variant(tmp_path):
-    from benchmarks.bench_stack import main
+    from benchmarks.speed.bench_stack import main
 
     out = tmp_path / "stack"
     payload = main(["--quick", "--out", str(out), "--threads", "1"])

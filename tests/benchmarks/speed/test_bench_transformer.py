@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import comera
-from benchmarks.bench_transformer import (
+from benchmarks.speed.bench_transformer import (
     BenchConfig,
     build_variant,
     late_stage_cap,

@@ -9,7 +9,7 @@ import statistics
 import pytest
 from torch import nn
 
-from benchmarks.accuracy_frontier import linear_sizes, main, plot, summarise
+from benchmarks.studies.accuracy_frontier import linear_sizes, main, plot, summarise
 from comera import TTLinear
 from comera.layers.lowrank import LowRankLinear
 

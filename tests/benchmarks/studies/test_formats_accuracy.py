@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmarks.accuracy_frontier import SmallReviews, linear_sizes
-from benchmarks.formats_accuracy import (
+from benchmarks.studies.accuracy_frontier import SmallReviews, linear_sizes
+from benchmarks.studies.formats_accuracy import (
     build_model,
     encoder_shapes,
     main,

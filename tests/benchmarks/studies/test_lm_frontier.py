@@ -1,4 +1,4 @@
-"""benchmarks/lm_frontier.py (on benchmarks/frontier.py): budgets of the baselines, and a
+"""benchmarks/studies/lm_frontier.py (on benchmarks/studies/frontier.py): budgets of the baselines, and a
 --smoke run on a tiny corpus."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import frontier, lm_frontier
+from benchmarks.studies import frontier, lm_frontier
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 from comera.layers.linear import TTLinear
 from tests.helpers.tiny_corpus import write_tiny_corpus
@@ -52,7 +52,7 @@ def test_smoke_run_writes_all_four_methods(root, tmp_path):
         assert row["val"]["perplexity"] > 1 and row["test"]["loss"] > 0
         if row["method"] in ("fixed", "lowrank"):
             assert row["compression"] >= 4.0
-    assert result["runs"][0]["command"].startswith("python -m benchmarks.lm_frontier --smoke")
+    assert result["runs"][0]["command"].startswith("python -m benchmarks.studies.lm_frontier --smoke")
     assert result["runs"][0]["machine"]["cpu"]
     text = (out / "frontier.md").read_text()
     assert "fixed uniform TT rank" in text and "low-rank" in text and "CoMERA" in text

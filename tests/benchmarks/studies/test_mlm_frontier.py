@@ -1,4 +1,4 @@
-"""benchmarks/mlm_frontier.py and the MLM task's frontier models: the encoder's block linear
+"""benchmarks/studies/mlm_frontier.py and the MLM task's frontier models: the encoder's block linear
 layers of each kind, the baselines' budgets with biases, and a --smoke run of all five methods
 on a tiny corpus the test writes."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 from torch import nn
 
-from benchmarks import frontier, mlm_frontier
+from benchmarks.studies import frontier, mlm_frontier
 from comera import ConfigError
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 from comera.layers.linear import TTLinear

@@ -16,7 +16,7 @@ import torch
 
 from tests.helpers import ROOT
 
-SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py"))
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks" / "speed").glob("bench_*.py"))
 HEAVY = {"bench_transformer"}  # builds three model variants: slow on a shared 2-core CPU
 
 
@@ -24,7 +24,7 @@ def run_smoke(script: str, tmp_path) -> dict:
     """Run ``script --smoke`` in a subprocess; its results payload."""
     out = tmp_path / script
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--smoke", "--out",
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.speed.{script}", "--smoke", "--out",
                            str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -119,7 +119,7 @@ def test_tt_linear_names_its_device_and_refuses_cuda_without_one(payloads, tmp_p
         pytest.skip("this machine has CUDA: --device cuda is a real run here")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "cuda"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_tt_linear", "--smoke",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.speed.bench_tt_linear", "--smoke",
                            "--device", "cuda", "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2
