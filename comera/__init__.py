@@ -25,12 +25,12 @@ from comera.formats.factorize import factorize, factorize_pair, suggest_padded_s
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import GatedLinear, GatedTrain, TTLinear, TTMLinear
+from comera.layers.linear import GatedLayer, GatedLinear, GatedTrain, TTLinear, TTMLinear
 from comera.layers.siblings import Siblings
 from comera.lean.dropout import BoolMaskDropout
 from comera.lean.sdpa import scaled_dot_product_attention
 from comera.ranks.objective import LateStage, rank_regularizer, soft_size
-from comera.ranks.size import compression_ratio, dense_size, model_size, tt_modules
+from comera.ranks.size import compression_ratio, dense_size, gated_layers, model_size, tt_modules
 from comera.ranks.truncate import TruncationReport, truncate_
 from comera.surgery.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from comera.surgery.config import ConvertConfig
@@ -61,6 +61,7 @@ __all__ = [
     "DenseTrainer",
     "EarlyStage",
     "FactorizationError",
+    "GatedLayer",
     "GatedLinear",
     "GatedTrain",
     "LateStage",
@@ -85,6 +86,7 @@ __all__ = [
     "factorize",
     "factorize_pair",
     "from_pretrained",
+    "gated_layers",
     "late_stage_for",
     "load_checkpoint",
     "make_optimizer",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks.speed.bench_dlrm import VARIANTS, Batch, BenchConfig, build_variant, make_batch
 from benchmarks.gpu.common import (
     Deadline,
     PartWriter,
@@ -21,6 +20,7 @@ from benchmarks.gpu.common import (
     summary,
     time_ms,
 )
+from benchmarks.speed.bench_dlrm import VARIANTS, Batch, BenchConfig, build_variant, make_batch
 
 BATCHES = (2048, 16384)
 

@@ -31,13 +31,6 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import comera
-from benchmarks.speed.bench_transformer import (
-    BenchConfig,
-    late_stage_cap,
-    make_batch,
-    prune_gates_to_cap_,
-    smoke_config,
-)
 from benchmarks.gpu.common import (
     Deadline,
     PartWriter,
@@ -49,6 +42,13 @@ from benchmarks.gpu.common import (
 )
 from benchmarks.gpu.galore import ensure_galore
 from benchmarks.lib.model_baselines import GaLoreConfig, default_galore_rank, make_galore_optimizer
+from benchmarks.speed.bench_transformer import (
+    BenchConfig,
+    late_stage_cap,
+    make_batch,
+    prune_gates_to_cap_,
+    smoke_config,
+)
 from comera.models.transformer import PairClassifier, TransformerConfig
 from comera.training.capture import CapturedStep
 

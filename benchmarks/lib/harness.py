@@ -141,7 +141,7 @@ def unpooled(model: nn.Module) -> Iterator[None]:
     """tncomp's buffer pools keep buffers between calls, where the profiler cannot see them:
     turn pooling off for the TT layers while measuring (plans are cached per option set).
     The layers' options are restored on exit; a model without TT layers is left alone."""
-    saved = [(m, dict(m.compile_options)) for _, m in comera.tt_modules(model)]
+    saved = [(m, dict(m.compile_options)) for _, m in comera.gated_layers(model)]
     for m, opts in saved:
         m.compile_options = {**opts, "pool_buffers": False}
     try:

@@ -132,5 +132,5 @@ def set_memory_mode_(model: nn.Module, memory: str | None) -> None:
     if memory is None:
         return
     check_memory_mode(memory)
-    for _, layer in comera.tt_modules(model):
+    for _, layer in comera.gated_layers(model):
         layer.memory = memory  # re-plans the layer

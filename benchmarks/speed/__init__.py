@@ -1,2 +1,3 @@
-"""Speed and memory benchmarks: one script per measurement, run as ``python -m benchmarks.speed.bench_*``
-from the repository root; results under ``benchmarks/results/``."""
+"""Speed and memory benchmarks: one script per measurement, run as
+``python -m benchmarks.speed.bench_*`` from the repository root; results under
+``benchmarks/results/``."""

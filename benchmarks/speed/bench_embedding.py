@@ -24,8 +24,8 @@ Time: median of interleaved repeats after warm-up, each ratio with the spread of
 ratios. Peak: the profiler's peak allocated bytes during one call (tncomp pooling off).
 Writes benchmarks/results/embedding_cpu.{json,md}.
 
-    python -m benchmarks.speed.bench_embedding               # full: ~1 min on 2 quiet cores, 1 thread
-    python -m benchmarks.speed.bench_embedding --smoke --out /tmp/emb   # 100k rows, 512 ids: seconds
+    python -m benchmarks.speed.bench_embedding      # full: ~1 min on 2 quiet cores, 1 thread
+    python -m benchmarks.speed.bench_embedding --smoke --out /tmp/emb   # 100k rows, 512 ids
 """
 
 from __future__ import annotations

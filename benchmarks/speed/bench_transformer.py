@@ -207,7 +207,7 @@ def _qualname(obj) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _size_at_cap(layer: comera.GatedTrain, cap: int) -> int:
+def _size_at_cap(layer: comera.GatedLayer, cap: int) -> int:
     """Parameters of ``layer`` with every effective rank capped at ``cap``."""
     ranks = [min(r, cap) for r in layer.ranks]
     bias = layer.bias.numel() if layer.bias is not None else 0
@@ -218,7 +218,7 @@ def _size_at_cap(layer: comera.GatedTrain, cap: int) -> int:
 def tt_layer_compression(model: nn.Module, cap: int | None = None) -> float:
     """Dense size / effective size of the TT layers alone (linears and embedding), optionally
     with every rank capped at ``cap``: the paper's compression of the tensorized layers."""
-    layers = [m for _, m in comera.tt_modules(model)]
+    layers = [m for _, m in comera.gated_layers(model)]
     if not layers:
         raise ConfigError("the model has no TT layers; build it with TransformerConfig(tt=True).")
     dense = sum(m.dense_num_parameters() for m in layers)
@@ -228,7 +228,7 @@ def tt_layer_compression(model: nn.Module, cap: int | None = None) -> float:
 
 def late_stage_cap(model: nn.Module, target: float) -> int:
     """The max rank whose TT-layer compression is closest (in log ratio) to ``target``."""
-    top = max(max(m.ranks) for _, m in comera.tt_modules(model))
+    top = max(max(m.ranks) for _, m in comera.gated_layers(model))
     return min(range(1, top + 1),
                key=lambda c: abs(math.log(tt_layer_compression(model, c) / target)))
 
@@ -236,7 +236,7 @@ def late_stage_cap(model: nn.Module, target: float) -> int:
 def prune_gates_to_cap_(model: nn.Module, cap: int) -> None:
     """Zero every gate entry past the first ``cap`` surviving ones (pruned: |g| <= tau)."""
     with torch.no_grad():
-        for _, layer in comera.tt_modules(model):
+        for _, layer in comera.gated_layers(model):
             for gate, mask in zip(layer.gates, layer.gate_masks(), strict=True):
                 alive = torch.nonzero(mask).flatten()
                 gate[alive[cap:]] = 0.0
@@ -296,7 +296,7 @@ def _build_variant(name: str, cfg: TransformerConfig, bench: BenchConfig) -> Var
         info.update({"params": _trainable(model), "effective_size": comera.model_size(model),
                      "tt_layer_compression": tt_layer_compression(model),
                      "model_compression": comera.compression_ratio(model),
-                     "bonds": {n: list(m.bonds) for n, m in comera.tt_modules(model)
+                     "bonds": {n: list(m.bonds) for n, m in comera.gated_layers(model)
                                if n in SHOWN_LAYERS}})
 
         def step(batch: Batch) -> None:

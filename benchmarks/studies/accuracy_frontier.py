@@ -46,8 +46,8 @@ import torch
 from torch import nn
 
 import comera
-from benchmarks.studies.frontier import atomic_write, mean_sd
 from benchmarks.lib.harness import RESULTS
+from benchmarks.studies.frontier import atomic_write, mean_sd
 from comera.experiments.results import machine
 from comera.experiments.task import IndexStream
 from comera.experiments.transformer_task import ReviewsTask, ReviewsTaskConfig
@@ -92,7 +92,7 @@ def _train(task, model, trainer, stream, first: int, steps: int, warmup: int, ba
 def linear_sizes(model: nn.Module) -> tuple[int, int]:
     """(parameters, dense parameters) of the compressible linear layers: TT linear layers at
     their effective ranks, low-rank layers, or (dense model) the encoder's nn.Linear layers."""
-    tt = [m for _, m in comera.tt_modules(model)]
+    tt = [m for _, m in comera.gated_layers(model)]
     low = [m for m in model.modules() if isinstance(m, LowRankLinear)]
     if tt or low:
         return (sum(m.num_parameters() for m in tt + low),
@@ -109,7 +109,7 @@ def _score(task, model) -> dict:
         val = task.evaluate(model, "val")
     model.train()
     params, dense = linear_sizes(model)
-    ranks = {n: list(m.ranks) for n, m in comera.tt_modules(model)}
+    ranks = {n: list(m.ranks) for n, m in comera.gated_layers(model)}
     ranks |= {n: [m.rank] for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
     return {"test": test, "val": val, "linear_params": params, "linear_dense": dense,
             "linear_compression": dense / max(params, 1), "ranks": ranks}
@@ -160,7 +160,7 @@ def run(args) -> dict:
     probe = task.build_model(tt=True)
     dense_linear = linear_sizes(probe)[1]
     budgets = {t: dense_linear / t for t in args.targets}  # linear-layer parameters per target
-    other = comera.model_size(probe) - comera.model_size(probe, only=comera.GatedTrain)
+    other = comera.model_size(probe) - comera.model_size(probe, only=comera.GatedLayer)
     uniform = {t: uniform_ranks(probe, budgets[t] + other)[0] for t in args.targets}
     lowrank = {t: _lowrank_rank(task, budgets[t]) for t in args.targets}
     result["plan"] = {"dense_linear": dense_linear, "uniform_rank": uniform, "lowrank": lowrank}

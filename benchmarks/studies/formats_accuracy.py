@@ -4,8 +4,8 @@ r"""Test accuracy on the reviews task per weight format, every format at about t
 
 For each registered format (:func:`comera.formats.registry.format_names`; ``einsum`` is only
 declared by an equation, so it has no layer of its own here) the SmallReviews classifier of
-:mod:`benchmarks.studies.accuracy_frontier` (d_model 128, 2 layers) is built with every encoder linear
-layer (the layers that frontier's "fixed" method makes TT) as a ``GatedLinear(format=f,
+:mod:`benchmarks.studies.accuracy_frontier` (d_model 128, 2 layers) is built with every encoder
+linear layer (the layers that frontier's "fixed" method makes TT) as a ``GatedLinear(format=f,
 ranks=r)``, at the largest uniform int rank r whose linear layers (biases included) have at
 most ``dense / --target`` parameters, counted from the layouts, before any training. A format
 whose rank 1 is already larger gets a row saying so (its rank-1 compression) and is not
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 import comera
+from benchmarks.lib.harness import RESULTS, markdown_table
 from benchmarks.studies.accuracy_frontier import (
     SmallReviews,
     _score,
@@ -46,7 +47,6 @@ from benchmarks.studies.accuracy_frontier import (
     machine,
     training_args,
 )
-from benchmarks.lib.harness import RESULTS, markdown_table
 from comera.data.stdlib_pairs import PairDataset
 from comera.errors import ConfigError
 from comera.experiments.task import IndexStream

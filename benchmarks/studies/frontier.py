@@ -2,8 +2,8 @@ r"""The four-way compression frontier shared by the language-model tasks (issue 
 fixed uniform TT rank, plain low-rank factors and CoMERA, at matched size of the block linear
 layers, on the same rows, steps, batches, seeds, learning rates and warm-up.
 
-A task script (``benchmarks/studies/lm_frontier.py``, ``benchmarks/studies/mlm_frontier.py``) gives a
-:class:`Spec`; this module trains, scores, merges and reports. The task object must offer
+A task script (``benchmarks/studies/lm_frontier.py``, ``benchmarks/studies/mlm_frontier.py``)
+gives a :class:`Spec`; this module trains, scores, merges and reports. The task object must offer
 ``build(kind, rank)`` (kind "dense", "tt" or "lowrank"), ``block_linears(model)``,
 ``step_batch(stream, step)``, ``loss``, ``evaluate(model, split)`` (a dict with "loss" and
 "perplexity"), ``describe()`` and ``train_size()``.
@@ -82,7 +82,7 @@ def linear_sizes(task, model: nn.Module) -> tuple[int, int]:
     biases included."""
     params = dense = 0
     for _, layer in task.block_linears(model):
-        if isinstance(layer, comera.GatedTrain | LowRankLinear):
+        if isinstance(layer, comera.GatedLayer | LowRankLinear):
             params += layer.num_parameters()
             dense += layer.dense_num_parameters()
         else:
@@ -97,7 +97,7 @@ def layer_ranks(task, model: nn.Module) -> dict[str, list[int]]:
     [r])."""
     out = {}
     for name, layer in task.block_linears(model):
-        if isinstance(layer, comera.GatedTrain):
+        if isinstance(layer, comera.GatedLayer):
             out[name] = list(layer.ranks)
         elif isinstance(layer, LowRankLinear):
             out[name] = [layer.rank]

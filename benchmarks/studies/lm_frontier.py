@@ -1,22 +1,22 @@
 r"""Four-way compression frontier of the causal language model (issue 23).
 
     python -m benchmarks.studies.lm_frontier --seeds 0 1 2 --targets 8 --tag t8
-    python -m benchmarks.studies.lm_frontier --seeds 0 --targets 4 16 32 --methods fixed lowrank comera \
-        --tag rest-s0
+    python -m benchmarks.studies.lm_frontier --seeds 0 --targets 4 16 32 \
+        --methods fixed lowrank comera --tag rest-s0
 
 The quick causal LM of ``comera train lm --quick`` (d_model 128, 2 blocks, 64 tokens, batch 16,
 lr 2e-3, warm-up 50, 300 + 150 steps); its block linear layers have no biases, so compression
-is of weight parameters. Methods, protocol and outputs: :mod:`benchmarks.studies.frontier`. The metric
-is the validation loss (perplexity); the test loss is reported beside.
+is of weight parameters. Methods, protocol and outputs: :mod:`benchmarks.studies.frontier`.
+The metric is the validation loss (perplexity); the test loss is reported beside.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from benchmarks.lib.harness import RESULTS
 from benchmarks.studies.frontier import Spec
 from benchmarks.studies.frontier import main as frontier_main
-from benchmarks.lib.harness import RESULTS
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 
 

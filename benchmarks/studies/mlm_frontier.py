@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from benchmarks.lib.harness import RESULTS
 from benchmarks.studies.frontier import Spec
 from benchmarks.studies.frontier import main as frontier_main
-from benchmarks.lib.harness import RESULTS
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 
 

@@ -226,8 +226,8 @@ def check_task(task: Task, config: EngineConfig, tt: bool = True) -> None:
         return
     with torch.random.fork_rng(devices=[]):
         model = task.build_model(True)
-    dense = comera.dense_size(model, only=comera.GatedTrain)
-    non_tt = comera.model_size(model) - comera.model_size(model, only=comera.GatedTrain)
+    dense = comera.dense_size(model, only=comera.GatedLayer)
+    non_tt = comera.model_size(model) - comera.model_size(model, only=comera.GatedLayer)
     floor = max(1, floor_size(model, 1) - non_tt)  # the TT layers with every rank at 1
     if config.target_compression > dense / floor:
         most = math.floor(dense / floor * 10) / 10
@@ -269,12 +269,12 @@ def sizes_of(model: nn.Module) -> dict[str, float]:
     each effective (at the gated ranks) and dense, with the compression ratios."""
     total = sum(p.numel() for p in model.parameters())
     out: dict[str, float] = {"parameters": total}
-    if not any(True for _ in comera.tt_modules(model)):
+    if not any(True for _ in comera.gated_layers(model)):
         out.update(model_params=total, dense_model_params=total, tt_compression=1.0)
         return out
     out["model_params"] = comera.model_size(model)
     out["dense_model_params"] = comera.dense_size(model)
-    for key, only in (("tt", comera.GatedTrain), ("linear", (TTLinear, TTMLinear)),
+    for key, only in (("tt", comera.GatedLayer), ("linear", (TTLinear, TTMLinear)),
                       ("embedding", comera.TTEmbedding)):
         dense = comera.dense_size(model, only=only)
         if dense:
@@ -312,7 +312,7 @@ class _Run:
         random.seed(config.seed)
         self.model = task.build_model(tt).to(self.device)
         broadcast_parameters_(self.model)
-        for _, layer in comera.tt_modules(self.model):  # time for memory: no change in results
+        for _, layer in comera.gated_layers(self.model):  # time for memory: no change in results
             if layer.memory != config.memory:
                 layer.memory = config.memory
         if config.checkpoint_blocks:
@@ -323,7 +323,7 @@ class _Run:
                     "(the transformer models have: PairClassifier, MaskedLM); train it "
                     "without checkpoint_blocks.")
             self.model.checkpoint_blocks = True
-        if tt and not any(True for _ in comera.tt_modules(self.model)):
+        if tt and not any(True for _ in comera.gated_layers(self.model)):
             raise ConfigError(f"task {task.name!r} built a model without TT layers for tt=True; "
                               "build_model(tt=True) must use comera's TT layers.")
         hook, clip = prepare_model_(self.model, config.fsdp, config.max_grad_norm)
@@ -366,7 +366,7 @@ class _Run:
     def _start_late(self) -> None:
         target = comera.LateStage.from_ratio(
             self.model, self.config.target_compression,
-            dense_reference=comera.dense_size(self.model, only=comera.GatedTrain),
+            dense_reference=comera.dense_size(self.model, only=comera.GatedLayer),
         )
         # the target counts TT layers only; the model size the controller sees includes the rest
         # the step budget makes the stage land on the target by its end, whatever lr_gates is
@@ -384,7 +384,7 @@ class _Run:
         return statistics.fmean(recent) * (1.0 + self.config.late_loss_slack)
 
     def _non_tt_params(self) -> int:
-        return comera.model_size(self.model) - comera.model_size(self.model, only=comera.GatedTrain)
+        return comera.model_size(self.model) - comera.model_size(self.model, only=comera.GatedLayer)
 
     # -- one step -----------------------------------------------------------------------------
     def _autocast(self):
@@ -466,7 +466,7 @@ class _Run:
     def observe(self, stage: str) -> None:
         scores = self.evaluate("val")
         self.record.val_curve.append((self.step, scores))
-        ranks = {n: list(m.ranks) for n, m in comera.tt_modules(self.model)}
+        ranks = {n: list(m.ranks) for n, m in comera.gated_layers(self.model)}
         if ranks:
             self.record.ranks.append((self.step, ranks))
         # the last training loss; None before the first step (there is none yet)

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from comera.ranks.size import tt_modules
+from comera.ranks.size import gated_layers
 
 # a zero-size tensor under a converted layer's dense weight name: HuggingFace's own
 # from_pretrained meets it as a size mismatch and refuses the checkpoint, instead of
@@ -39,4 +39,4 @@ def follow_saved_bonds_(model: nn.Module) -> list[RemovableHandle]:
     """Make every TT layer of ``model`` take the bonds of the weights it loads (see the module
     docstring); returns the hooks' handles (``handle.remove()`` undoes it)."""
     return [layer.register_load_state_dict_pre_hook(_take_saved_bonds)
-            for _, layer in tt_modules(model)]
+            for _, layer in gated_layers(model)]

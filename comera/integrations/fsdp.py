@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from comera.errors import CheckpointError, ConfigError
-from comera.ranks.size import tt_modules
+from comera.ranks.size import gated_layers
 from comera.surgery.checkpoint import checkpoint_payload, read_checkpoint
 from comera.surgery.records import layer_spec
 from comera.surgery.swap import check_other_keys, match_layers, restore_layers_
@@ -71,7 +71,7 @@ def _is_dtensor(t: Tensor) -> bool:
 def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters the policy keeps whole on every worker: every TT layer's."""
     seen: dict[int, nn.Parameter] = {}
-    for _, layer in tt_modules(model):
+    for _, layer in gated_layers(model):
         for p in layer.parameters():
             seen.setdefault(id(p), p)
     return list(seen.values())
@@ -194,7 +194,7 @@ def save_checkpoint(path: str | Path, model: nn.Module,
             if optimizer is not None else None)  # whole on worker 0, empty on the others
     if dist.get_rank() == 0:
         record = None if full is None else _indexed_record(full, type(optimizer).__name__)
-        layers = {name: layer_spec(layer) for name, layer in tt_modules(model)}
+        layers = {name: layer_spec(layer) for name, layer in gated_layers(model)}
         path = Path(path)
         if not path.parent.is_dir():
             raise CheckpointError(f"cannot save {path}: the directory {path.parent} does not "

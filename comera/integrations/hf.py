@@ -33,7 +33,7 @@ from typing import Any
 from comera.errors import ConfigError
 from comera.integrations.bonds import SENTINEL, follow_saved_bonds_
 from comera.integrations.schedule import StageDriver, StageSchedule, has_tt_layers
-from comera.ranks.size import tt_modules
+from comera.ranks.size import gated_layers
 
 try:
     from transformers import TrainerCallback
@@ -108,7 +108,7 @@ class CoMERACallback(TrainerCallback, ExportableState):
     def on_save(self, args, state, control, model=None, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir() and model is not None:
-            mark_checkpoint(folder, [name for name, _ in tt_modules(model)])
+            mark_checkpoint(folder, [name for name, _ in gated_layers(model)])
 
     def state(self) -> dict[str, Any]:
         """What ``trainer_state.json`` keeps: the schedule and the controller's state."""

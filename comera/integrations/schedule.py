@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.ranks.objective import REGULARIZERS
-from comera.ranks.size import tt_modules
+from comera.ranks.size import gated_layers
 from comera.training.controller import RankController, late_stage_for
 
 __all__ = ["StageDriver", "StageSchedule"]
@@ -161,4 +161,4 @@ class StageDriver:
 
 def has_tt_layers(model: nn.Module) -> bool:
     """Whether ``model`` holds a TT layer (the callbacks refuse a model without one)."""
-    return any(True for _ in tt_modules(model))
+    return any(True for _ in gated_layers(model))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
-from comera.layers.linear import GatedTrain
+from comera.layers.linear import GatedLayer
 from comera.layers.siblings import Siblings
 from comera.lean.sdpa import scaled_dot_product_attention
 
@@ -48,9 +48,9 @@ class TTMultiheadAttention(nn.Module):
     bias_k = bias_v = None
     add_zero_attn = False
 
-    def __init__(self, embed_dim: int, num_heads: int, out_proj: GatedTrain,
-                 in_proj: GatedTrain | None = None, q_proj: GatedTrain | None = None,
-                 k_proj: GatedTrain | None = None, v_proj: GatedTrain | None = None,
+    def __init__(self, embed_dim: int, num_heads: int, out_proj: GatedLayer,
+                 in_proj: GatedLayer | None = None, q_proj: GatedLayer | None = None,
+                 k_proj: GatedLayer | None = None, v_proj: GatedLayer | None = None,
                  dropout: float = 0.0, batch_first: bool = False,
                  kdim: int | None = None, vdim: int | None = None):
         super().__init__()

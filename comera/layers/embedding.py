@@ -36,7 +36,7 @@ from comera.formats.registry import get_format
 from comera.formats.ttsvd import matrix_to_ttm, ttm_to_matrix
 from comera.layers.linear import (
     DEFAULT_TAU,
-    GatedTrain,
+    GatedLayer,
     Ranks,
     check_features,
     check_finite_weight,
@@ -120,7 +120,7 @@ def check_ids(ids: Any, who: str) -> None:
                           f"nn.Embedding does; got {got}: pass ids.long().")
 
 
-class TTEmbedding(GatedTrain):
+class TTEmbedding(GatedLayer):
     """``nn.Embedding`` with its table stored as a gated TT-matrix (see the module docstring)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
@@ -156,7 +156,7 @@ class TTEmbedding(GatedTrain):
                 raise ConfigError(f"padding_idx={padding_idx} is outside [0, {num_embeddings}).")
         self.padding_idx = padding_idx
         self.merge_pairs = bool(merge_pairs)
-        # GatedTrain reads these names for sizes and reprs (the layout's in_features is the
+        # GatedLayer reads these names for sizes and reprs (the layout's in_features is the
         # padded row count).
         self.in_features, self.out_features = num_embeddings, embedding_dim
         ttm = get_format("ttm")  # the table is a TT-matrix: rows x dim, cores (r, m, n, r)
@@ -215,7 +215,7 @@ class TTEmbedding(GatedTrain):
 
     def build_compiled(self) -> None:
         """Build the lookup's compiled network and the pairwise merges now (see
-        :meth:`GatedTrain.build_compiled`)."""
+        :meth:`GatedLayer.build_compiled`)."""
         super().build_compiled()
         self._merges()
 

@@ -30,7 +30,8 @@ from comera.formats.ttsvd import tt_to_matrix, ttm_to_matrix
 from tncomp import autocast_cast, autocast_dtype, check_modes
 from tncomp import check_memory as _check_tncomp_memory
 
-__all__ = ["DEFAULT_TAU", "GatedLinear", "GatedTrain", "TTLinear", "TTMLinear", "load_cores_"]
+__all__ = ["DEFAULT_TAU", "GatedLayer", "GatedLinear", "GatedTrain", "TTLinear", "TTMLinear",
+           "load_cores_"]
 
 DEFAULT_TAU = 1e-2
 Ranks = int | Sequence[int]
@@ -110,7 +111,7 @@ def broadcast_along(vector: Tensor, axis: int, ndim: int) -> Tensor:
     return vector.reshape(vector.shape[0], *(1,) * (ndim - 1 - axis))
 
 
-class GatedTrain(nn.Module):
+class GatedLayer(nn.Module):
     """What every gated layer shares: a format and its layout, cores, one rank gate per bond,
     tau, bias and the compiled plan. Subclasses set ``in_features`` and ``out_features``."""
 
@@ -394,6 +395,10 @@ class GatedTrain(nn.Module):
                 f"bias={self.bias is not None}, tau={self.tau}")
 
 
+#: The name of :class:`GatedLayer` before every format shared it; kept for one release.
+GatedTrain = GatedLayer
+
+
 def check_finite_weight(module: nn.Module, weight: Tensor, bias: Tensor | None = None) -> None:
     """Refuse to factorise a dense ``module`` whose weight (or bias) holds NaN or infinite
     entries: :class:`ConversionError` naming the module and the count (an SVD of it fails
@@ -415,7 +420,7 @@ def _check_linear(linear: nn.Module) -> None:
     check_finite_weight(linear, linear.weight, linear.bias)
 
 
-class GatedLinear(GatedTrain):
+class GatedLinear(GatedLayer):
     """``y = x @ W + b`` with W in a registered format (``"tt"``, ``"ttm"``, ... or a
     :class:`~comera.formats.registry.Format`), rank gates on its bonds.
 
@@ -458,7 +463,7 @@ class GatedLinear(GatedTrain):
                               f"format {fmt.name!r}; use GatedLinear for other formats.")
         self.in_features = layout.in_features
         self.out_features = layout.out_features
-        GatedTrain.__init__(self, layout, fmt, bias, tau, dtype, device, memory)
+        GatedLayer.__init__(self, layout, fmt, bias, tau, dtype, device, memory)
         self._gaussian_init_()
         self.build_compiled()
 
@@ -582,7 +587,7 @@ class TTMLinear(_ChainLinear):
         return ttm_to_matrix(self.gated_cores()).T
 
 
-def load_cores_(layer: GatedTrain, cores: Sequence[Tensor], bias: Tensor | None) -> None:
+def load_cores_(layer: GatedLayer, cores: Sequence[Tensor], bias: Tensor | None) -> None:
     """Copy decomposed cores (whose bonds may be smaller than the layer's: the decomposition
     found a lower exact rank) into ``layer``; each gate takes its bond's new size (ones)."""
     if len(cores) != len(layer.cores):

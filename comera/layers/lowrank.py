@@ -8,7 +8,7 @@ How it is counted: :func:`comera.ranks.size.model_size` counts its parameters as
 (non-TT) parameters, which is its true size. :func:`~comera.ranks.size.dense_size` does not know
 it stands for a dense matrix, so ``compression_ratio(model)`` does not credit it. Use the layer's
 own :meth:`LowRankLinear.num_parameters` and :meth:`LowRankLinear.dense_num_parameters` (the same
-names ``GatedTrain`` layers have), e.g. through :func:`lowrank_sizes`, for ratios against dense.
+names ``GatedLayer`` layers have), e.g. through :func:`lowrank_sizes`, for ratios against dense.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class LowRankLinear(nn.Module):
 
     def num_parameters(self, effective: bool = True) -> int:
         """Parameters of the layer: both factors and the bias (``effective`` is accepted for the
-        same call as ``GatedTrain``; a low-rank layer has no gates, so both counts agree)."""
+        same call as ``GatedLayer``; a low-rank layer has no gates, so both counts agree)."""
         return sum(p.numel() for p in self.parameters())
 
     def dense_num_parameters(self) -> int:

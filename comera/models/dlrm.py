@@ -30,7 +30,7 @@ from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, CRITEO_NUM_DENSE
 from comera.errors import ConfigError, LookupIndexError
 from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import DEFAULT_TAU, GatedTrain
+from comera.layers.linear import DEFAULT_TAU, GatedLayer
 
 log = logging.getLogger("comera.models")
 
@@ -217,7 +217,7 @@ class DLRM(nn.Module):
     def table_parameters(self, effective: bool = True) -> int:
         """Parameters of all embedding tables; TT tables at their effective ranks (with their
         hot-row caches)."""
-        return sum(t.num_parameters(effective) if isinstance(t, GatedTrain | CachedTTEmbedding)
+        return sum(t.num_parameters(effective) if isinstance(t, GatedLayer | CachedTTEmbedding)
                    else t.weight.numel() for t in self.embeddings)
 
     def choose_hot_rows_(self, sparse: Tensor) -> list[int]:
@@ -246,7 +246,7 @@ class DLRM(nn.Module):
         """
         if not isinstance(model, DLRM):
             raise ConfigError(f"from_dense takes a DLRM, got {type(model).__name__}.")
-        if any(isinstance(t, GatedTrain) for t in model.embeddings):
+        if any(isinstance(t, GatedLayer) for t in model.embeddings):
             raise ConfigError("from_dense takes a dense DLRM (tt=False); this one already has "
                               "TT tables.")
         cfg = replace(model.cfg, tt=True, tt_ranks=tt_ranks or model.cfg.tt_ranks)

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
-from comera.layers.linear import GatedLinear, GatedTrain
-from comera.ranks.size import model_size, tt_modules
+from comera.layers.linear import GatedLayer, GatedLinear
+from comera.ranks.size import gated_layers, model_size
 from comera.ranks.truncate import live_cores, rebuild_stacks, round_layer_, rounds_exactly
 
 log = logging.getLogger("comera.ranks.allocate")
@@ -62,7 +62,7 @@ class RankOneWarning(UserWarning):
     maps onto one direction)."""
 
 
-def _inner(layer: GatedTrain) -> list[int]:
+def _inner(layer: GatedLayer) -> list[int]:
     return [math.prod(c.shape[1:-1]) for c in layer.cores]
 
 
@@ -79,14 +79,14 @@ def check_chains(layers) -> None:
                 "works for every format.")
 
 
-def layer_size(layer: GatedTrain, ranks) -> int:
+def layer_size(layer: GatedLayer, ranks) -> int:
     """Parameters of a chain ``layer`` at bond sizes ``ranks`` (ends included), bias
     included."""
     bias = layer.bias.numel() if layer.bias is not None else 0
     return bias + layer.layout.parameters_at(tuple(ranks[1:-1]))
 
 
-def bond_spectra(layer: GatedTrain, rtol: float = 1e-10) -> tuple[Tensor, ...]:
+def bond_spectra(layer: GatedLayer, rtol: float = 1e-10) -> tuple[Tensor, ...]:
     """Per bond (gate order), the singular values of ``layer``'s weight unfolded at that bond
     (live slices, gates folded in; float64, descending; values below ``rtol`` times the
     largest dropped). Read only: the layer is not changed."""
@@ -147,7 +147,7 @@ def uniform_ranks(model: nn.Module, target_size: float,
     """The largest uniform rank r whose model fits ``target_size`` (every bond at ``min(r, what
     it carries now and its neighbours allow)``), and those ranks per layer; (0, rank 1 ranks)
     when not even rank 1 fits. ``limit``: the highest rank tried (default: the largest bond)."""
-    layers = [(name, m) for name, m in tt_modules(model) if not m.is_removed()]
+    layers = [(name, m) for name, m in gated_layers(model) if not m.is_removed()]
     check_chains(layers)
     other = model_size(model) - sum(m.num_parameters() for _, m in layers)
     top = limit or max((max(m.ranks) for _, m in layers), default=1)
@@ -179,7 +179,7 @@ def allocate(model: nn.Module, target_size: float, floor: str = "uniform",
         raise ConfigError(f"floor={floor!r}; choose one of {', '.join(FLOORS)}.")
     if not target_size > 0:
         raise ConfigError(f"target_size={target_size}; it must be > 0 parameters.")
-    layers = [(name, m) for name, m in tt_modules(model) if not m.is_removed()]
+    layers = [(name, m) for name, m in gated_layers(model) if not m.is_removed()]
     if not layers:
         raise ConfigError("the model has no live TT layers: convert it with comera.convert_ "
                           "first.")
@@ -223,7 +223,7 @@ def allocate(model: nn.Module, target_size: float, floor: str = "uniform",
 
 def rank_one_layers(model: nn.Module) -> list[str]:
     """Names of the live TT layers whose every bond is at rank 1."""
-    return [name for name, m in tt_modules(model)
+    return [name for name, m in gated_layers(model)
             if not m.is_removed() and all(r == 1 for r in m.ranks)]
 
 
@@ -248,7 +248,7 @@ def allocate_(model: nn.Module, target_size: float, optimizer=None,
     ends at rank 1 on every bond."""
     allocation = allocate(model, target_size, floor, min_rank)
     with torch.no_grad():
-        for name, layer in tt_modules(model):
+        for name, layer in gated_layers(model):
             if name not in allocation.ranks:
                 continue
             round_layer_(layer, optimizer)
@@ -268,7 +268,7 @@ def rebuild_at_(model: nn.Module, ranks: dict[str, tuple[int, ...]]) -> nn.Modul
     modes, bias and tau at those bond sizes (ends included), drawn from the current RNG: decide
     the shape on a briefly trained model (:func:`allocate`), then train that shape from the
     start, as a fixed-rank model is trained. Returns ``model``."""
-    layers = dict(tt_modules(model))
+    layers = dict(gated_layers(model))
     missing = sorted(set(ranks) - set(layers))
     if missing:
         raise ConfigError(f"ranks name {missing[:4]}, not TT layers of the model (it has "

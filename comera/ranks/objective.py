@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.ranks.allocate import FLOORS, Allocation, allocate_
-from comera.ranks.size import model_size, tt_modules
+from comera.ranks.size import gated_layers, model_size
 from comera.ranks.truncate import round_, rounded_bond_ranks
 
 REGULARIZERS = ("l1", "size_weighted")
@@ -67,7 +67,7 @@ def rank_regularizer(model: nn.Module, kind: str = "l1") -> Tensor:
         raise ConfigError(f"regularizer {kind!r}; choose one of {', '.join(REGULARIZERS)}.")
     total: Tensor | None = None
     norm = 0.0
-    for _, module in tt_modules(model):
+    for _, module in gated_layers(model):
         gates = module.effective_gates()
         weights = _slice_costs(module) if kind == "size_weighted" else [None] * len(gates)
         for gate, w in zip(gates, weights, strict=True):
@@ -86,7 +86,7 @@ def soft_size(model: nn.Module) -> Tensor:
     """The size formula with each bond's rank replaced by the l1 norm of its gate (each core's
     size with every bond axis counted as its gate's l1, :meth:`Layout.core_sizes_with`)."""
     total: Tensor | float | None = None
-    for _, module in tt_modules(model):
+    for _, module in gated_layers(model):
         soft = [g.abs().sum() for g in module.effective_gates()]
         for term in module.layout.core_sizes_with(soft):  # the layout's one size formula
             term = term if isinstance(term, Tensor) else float(term)
@@ -223,7 +223,7 @@ class LateStage:
 def _select(model: nn.Module, of) -> list[tuple[str, object]]:
     """The TT layers ``of`` names (see :meth:`LateStage.for_compression`), else a ConfigError
     listing what there is."""
-    layers = list(tt_modules(model))
+    layers = list(gated_layers(model))
     if of is None:
         chosen = layers
     elif isinstance(of, type) or (isinstance(of, tuple) and of and
@@ -247,14 +247,14 @@ def _select(model: nn.Module, of) -> list[tuple[str, object]]:
 def floor_size(model: nn.Module, min_rank: int) -> int:
     """The smallest size pruning may reach: every bond at ``min(min_rank, its rank now)``."""
     total = 0
-    for _, layer in tt_modules(model):
+    for _, layer in gated_layers(model):
         if layer.is_removed():
             total += layer.num_parameters()
             continue
         ranks = [min(min_rank, r) for r in layer.bond_ranks]
         total += layer.layout.parameters_at(ranks)
         total += layer.bias.numel() if layer.bias is not None else 0
-    return total + model_size(model) - sum(m.num_parameters() for _, m in tt_modules(model))
+    return total + model_size(model) - sum(m.num_parameters() for _, m in gated_layers(model))
 
 
 def _slice_norms(core: Tensor, axis: int) -> Tensor:
@@ -324,7 +324,7 @@ def prune_to_(model: nn.Module, size_limit: float, min_rank: int = 1,
 def _model_size(model: nn.Module, rounding: bool) -> float:
     if not rounding:
         return model_size(model)
-    layers = [m for _, m in tt_modules(model)]
+    layers = [m for _, m in gated_layers(model)]
     return model_size(model) - sum(m.num_parameters() for m in layers) + sum(
         _layer_size(m, True) for m in layers)
 
@@ -334,7 +334,7 @@ def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int,
     size = _model_size(model, rounding)
     if size <= size_limit:
         return []
-    layers = [m for _, m in tt_modules(model) if not m.is_removed()]
+    layers = [m for _, m in gated_layers(model) if not m.is_removed()]
     candidates = []
     for layer in layers:
         costs = layer.layout.slice_costs(layer.bond_ranks)

@@ -22,15 +22,19 @@ from collections.abc import Iterator
 from torch import nn
 
 from comera.layers.cached_embedding import CachedTTEmbedding
-from comera.layers.linear import GatedTrain
+from comera.layers.linear import GatedLayer
 
 
-def tt_modules(model: nn.Module) -> Iterator[tuple[str, GatedTrain]]:
-    """Every gated layer (:class:`~comera.layers.linear.GatedTrain`: TT, TT-matrix or any
+def gated_layers(model: nn.Module) -> Iterator[tuple[str, GatedLayer]]:
+    """Every gated layer (:class:`~comera.layers.linear.GatedLayer`: TT, TT-matrix or any
     format) of ``model`` with its qualified name."""
     for name, module in model.named_modules():
-        if isinstance(module, GatedTrain):
+        if isinstance(module, GatedLayer):
             yield name, module
+
+
+#: The name of :func:`gated_layers` before every format shared it; kept for one release.
+tt_modules = gated_layers
 
 
 def _caches(model: nn.Module) -> dict[int, int]:
@@ -40,7 +44,7 @@ def _caches(model: nn.Module) -> dict[int, int]:
 
 
 def _non_tt_parameters(model: nn.Module) -> int:
-    inside = {id(p) for _, m in tt_modules(model) for p in m.parameters()}
+    inside = {id(p) for _, m in gated_layers(model) for p in m.parameters()}
     inside |= {id(m.cache) for m in model.modules() if isinstance(m, CachedTTEmbedding)}
     return sum(p.numel() for p in model.parameters() if id(p) not in inside)
 
@@ -52,14 +56,14 @@ def model_size(model: nn.Module, effective: bool = True, only: type | None = Non
     ``only``: count just the TT layers of this type (e.g. ``TTLinear``) and nothing else.
     """
     caches = _caches(model)
-    tt = sum(m.num_parameters(effective) + caches.get(id(m), 0) for _, m in tt_modules(model)
+    tt = sum(m.num_parameters(effective) + caches.get(id(m), 0) for _, m in gated_layers(model)
              if only is None or isinstance(m, only))
     return tt if only is not None else tt + _non_tt_parameters(model)
 
 
 def dense_size(model: nn.Module, only: type | None = None) -> int:
     """The size of the same model with every TT layer dense."""
-    tt = sum(m.dense_num_parameters() for _, m in tt_modules(model)
+    tt = sum(m.dense_num_parameters() for _, m in gated_layers(model)
              if only is None or isinstance(m, only))
     return tt if only is not None else tt + _non_tt_parameters(model)
 

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from comera.formats.registry import Format
-from comera.layers.linear import GatedTrain, broadcast_along
-from comera.ranks.size import tt_modules
+from comera.layers.linear import GatedLayer, broadcast_along
+from comera.ranks.size import gated_layers
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def _keep_indices(mask: Tensor) -> Tensor:
     return keep
 
 
-def truncate_layer_(layer: GatedTrain, optimizer=None, fold_gates: bool = True) -> None:
+def truncate_layer_(layer: GatedLayer, optimizer=None, fold_gates: bool = True) -> None:
     """Truncate one layer in place (see the module docstring)."""
     layer.check_finite_gates()
     removed = layer.is_removed()
@@ -112,7 +112,7 @@ def truncate_(model: nn.Module, optimizer=None, fold_gates: bool = True) -> Trun
     naming the layer before any layer is changed: cutting it would change the function."""
     check_finite_gates(model)
     rows = []
-    for name, layer in tt_modules(model):
+    for name, layer in gated_layers(model):
         before = layer.bonds
         truncate_layer_(layer, optimizer, fold_gates)
         rows.append((name, before, layer.bonds))
@@ -122,8 +122,8 @@ def truncate_(model: nn.Module, optimizer=None, fold_gates: bool = True) -> Trun
 
 def check_finite_gates(model: nn.Module) -> None:
     """Every TT layer's gates are finite, else a :class:`~comera.errors.NonFiniteError` naming
-    the first layer that is not (see :meth:`GatedTrain.check_finite_gates`)."""
-    for name, layer in tt_modules(model):
+    the first layer that is not (see :meth:`GatedLayer.check_finite_gates`)."""
+    for name, layer in gated_layers(model):
         layer.check_finite_gates(name)
 
 
@@ -132,17 +132,17 @@ def rebuild_stacks(model: nn.Module) -> None:
     :mod:`comera.layers.siblings`) after their shapes changed, so a ``torch.compile`` trace taken
     before the next eager call finds them built (inside a trace they run one by one)."""
     for module in model.modules():
-        if not isinstance(module, GatedTrain) and callable(getattr(module, "build_compiled",
+        if not isinstance(module, GatedLayer) and callable(getattr(module, "build_compiled",
                                                                    None)):
             module.build_compiled()
 
 
-def rounds_exactly(layer: GatedTrain) -> bool:
+def rounds_exactly(layer: GatedLayer) -> bool:
     """True when ``layer``'s format has an exact rounding (:meth:`Format.round`)."""
     return type(layer.format).round is not Format.round
 
 
-def rounded_bond_ranks(layer: GatedTrain) -> tuple[int, ...]:
+def rounded_bond_ranks(layer: GatedLayer) -> tuple[int, ...]:
     """Per bond, the effective rank exact rounding leaves: each bond between two cores capped
     by the smaller of their other indices' products, repeated until no cap moves (a chain's:
     ``r_k <= r_{k-1} n_{k-1}`` and ``r_k <= n_k r_{k+1}``, as the QR and SVD sweeps leave
@@ -159,7 +159,7 @@ def rounded_bond_ranks(layer: GatedTrain) -> tuple[int, ...]:
         ranks = capped
 
 
-def excess_bonds(layer: GatedTrain) -> list[int]:
+def excess_bonds(layer: GatedLayer) -> list[int]:
     """Bonds (0-based gate indices) carried by two cores whose effective rank exceeds what those
     cores allow (:meth:`Layout.bond_caps`; a chain's: ``r_k > min(r_{k-1} * n_k, n_{k+1} *
     r_{k+1})``, ``n_k`` the inner size of core k). The extra slices cost parameters but add
@@ -170,7 +170,7 @@ def excess_bonds(layer: GatedTrain) -> list[int]:
             if cap is not None and r > cap]
 
 
-def live_cores(layer: GatedTrain) -> list[Tensor]:
+def live_cores(layer: GatedLayer) -> list[Tensor]:
     """``layer``'s cores in float64 restricted to the live slices of each bond, each gate folded
     into the first core carrying its bond (a chain's: the core on its left): the same weight,
     as plain cores of the layout at the effective ranks (detached)."""
@@ -192,7 +192,7 @@ def live_cores(layer: GatedTrain) -> list[Tensor]:
     return cores
 
 
-def round_layer_(layer: GatedTrain, optimizer=None) -> bool:
+def round_layer_(layer: GatedLayer, optimizer=None) -> bool:
     """The format's exact rounding in place, keeping the stored shapes (TT and TT-matrix: the
     live slices, gates folded in, orthogonalised left to right by QR, then cut right to left by
     SVD, dropping numerically zero singular values), so every bond ends at most at what its
@@ -250,7 +250,7 @@ def round_(model: nn.Module, optimizer=None, only_excess: bool = True) -> Trunca
     first, as in :func:`truncate_`."""
     check_finite_gates(model)
     rows = []
-    for name, layer in tt_modules(model):
+    for name, layer in gated_layers(model):
         before = layer.ranks
         if (not layer.is_removed() and rounds_exactly(layer)
                 and (not only_excess or excess_bonds(layer))):

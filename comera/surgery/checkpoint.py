@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import CheckpointError
-from comera.ranks.size import tt_modules
+from comera.ranks.size import gated_layers
 from comera.surgery.records import layer_spec, read_records
 from comera.surgery.swap import check_other_keys, match_layers, restore_layers_
 from comera.torchfile import (
@@ -150,7 +150,7 @@ def save_checkpoint(path: PathLike, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
     """Write model, layer records, optimizer state and ``extra`` to ``path``, atomically."""
     _check_plain(extra, "extra")
-    layers = {name: layer_spec(layer) for name, layer in tt_modules(model)}
+    layers = {name: layer_spec(layer) for name, layer in gated_layers(model)}
     payload = checkpoint_payload(
         model.state_dict(), layers,
         optimizer_record(model, optimizer) if optimizer is not None else None, extra)

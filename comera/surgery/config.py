@@ -40,7 +40,7 @@ class ConvertConfig:
     # nn.MultiheadAttention's packed q/k/v projection: three TT layers ("split": <name>.q_proj,
     # .k_proj, .v_proj) or one with 3 x embed_dim outputs ("packed": <name>.in_proj)
     attention_in_proj: str = "split"
-    # what the TT layers keep for the backward (tncomp's memory option, GatedTrain.memory):
+    # what the TT layers keep for the backward (tncomp's memory option, GatedLayer.memory):
     # "fast", "balanced", "min" or a byte budget per layer call
     memory: str | int = "fast"
 

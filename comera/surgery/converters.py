@@ -22,7 +22,7 @@ from comera.formats.layout import Layout
 from comera.formats.registry import Format, get_format
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import GatedLinear, GatedTrain
+from comera.layers.linear import GatedLayer, GatedLinear
 from comera.surgery.config import ConvertConfig
 from comera.surgery.records import linear_class
 
@@ -39,7 +39,7 @@ class Part(NamedTuple):
     name: str
     shape: tuple[int, int]
     before: int
-    layer: GatedTrain
+    layer: GatedLayer
     format: str
     layout: Layout
 
@@ -117,7 +117,7 @@ def full_rank(fmt: Format, layout: Layout, rank: int) -> int | None:
 
 
 def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
-                 config: ConvertConfig) -> GatedTrain:
+                 config: ConvertConfig) -> GatedLayer:
     """``weight`` (in x out) and ``bias`` as a gated layer of the format, modes and rank the
     config gives the layer ``name`` (initialised by the format's decomposition)."""
     fmt = config.format_for(name)

@@ -35,8 +35,8 @@ from torch import nn
 
 from comera.errors import CheckpointError
 from comera.formats.registry import get_format
-from comera.layers.linear import GatedTrain
-from comera.ranks.size import tt_modules
+from comera.layers.linear import GatedLayer
+from comera.ranks.size import gated_layers
 from comera.surgery import checkpoint as _ckpt
 from comera.surgery.config import ConvertConfig
 from comera.surgery.convert import HF_SAVE_WARNING, convert_
@@ -84,7 +84,7 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors, aliases = _deduplicated(model.state_dict())
-    layers = {name: layer_spec(layer) for name, layer in tt_modules(model)}
+    layers = {name: layer_spec(layer) for name, layer in gated_layers(model)}
     every = {**tensors, **{a: tensors[t] for a, t in aliases.items()}}
     config = getattr(model, "config", None)
     config_bytes = None
@@ -214,7 +214,7 @@ def _convert_like_(model: nn.Module, layers: Mapping[str, Mapping]) -> None:
         if isinstance(_get(model, owner), nn.MultiheadAttention):
             target = owner  # a projection of a dense attention: converted with it
         elif isinstance(_get(model, name), nn.Module) and not isinstance(
-                _get(model, name), GatedTrain | KINDS[spec["kind"]].dense):
+                _get(model, name), GatedLayer | KINDS[spec["kind"]].dense):
             target = name
         else:
             continue  # converted already, or missing: load_checkpoint names what is missing

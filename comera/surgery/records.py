@@ -28,7 +28,7 @@ from comera.errors import CheckpointError, ConfigError
 from comera.formats.layout import Layout
 from comera.formats.registry import format_names, get_format
 from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import GatedLinear, GatedTrain
+from comera.layers.linear import GatedLayer, GatedLinear
 
 MAX_FEATURES = 2**31 - 1  # a record's sizes and bonds: int32, checked before anything is built
 MAX_MODES = 64
@@ -77,16 +77,16 @@ class RecordKind:
     ``switch``: the ConvertConfig flag that converts such modules)."""
 
     name: str
-    owns: Callable[[GatedTrain], bool]
-    write: Callable[[GatedTrain], dict[str, Any]]
+    owns: Callable[[GatedLayer], bool]
+    write: Callable[[GatedLayer], dict[str, Any]]
     problem: Callable[[Mapping[str, Any]], str | None]
-    build: Callable[[Mapping[str, Any], dict], GatedTrain]
+    build: Callable[[Mapping[str, Any], dict], GatedLayer]
     dense: type[nn.Module]
     fits: Callable[[nn.Module, Mapping[str, Any]], str | None]
     switch: str
 
 
-def _linear_write(layer: GatedTrain) -> dict[str, Any]:
+def _linear_write(layer: GatedLayer) -> dict[str, Any]:
     return {"kind": "GatedLinear", "format": layer.format.name,
             "layout": layer.layout.to_dict(), "bias": layer.bias is not None,
             "tau": float(layer.tau)}
@@ -133,7 +133,7 @@ def _linear_problem(spec: Mapping[str, Any]) -> str | None:
     return layout_problem(spec["format"], layout) or _tau_bias_problem(spec)
 
 
-def _linear_build(spec: Mapping[str, Any], factory: dict) -> GatedTrain:
+def _linear_build(spec: Mapping[str, Any], factory: dict) -> GatedLayer:
     return linear_class(spec["format"]).from_layout(
         Layout.from_dict(spec["layout"]), spec["format"], spec["bias"], float(spec["tau"]),
         **factory)
@@ -177,7 +177,7 @@ def _legacy_problem(spec: Mapping[str, Any]) -> str | None:
     return _tau_bias_problem(spec)
 
 
-def _embedding_build(spec: Mapping[str, Any], factory: dict) -> GatedTrain:
+def _embedding_build(spec: Mapping[str, Any], factory: dict) -> GatedLayer:
     return TTEmbedding(spec["in_features"], spec["out_features"], spec["in_modes"],
                        spec["out_modes"], list(spec["bonds"]), spec["padding_idx"],
                        float(spec["tau"]), merge_pairs=bool(spec["merge_pairs"]), **factory)
@@ -204,17 +204,17 @@ KINDS: dict[str, RecordKind] = {
 }
 
 
-def kind_of(layer: GatedTrain) -> RecordKind:
+def kind_of(layer: GatedLayer) -> RecordKind:
     """The record kind that describes ``layer``."""
     for kind in KINDS.values():
         if kind.owns(layer):
             return kind
-    raise CheckpointError(f"layer type {type(layer).__name__} is a GatedTrain that records "
+    raise CheckpointError(f"layer type {type(layer).__name__} is a GatedLayer that records "
                           f"do not know; expected one of {', '.join(KINDS)}.")
 
 
 # -- writing, upgrading, checking, building -------------------------------------------------------
-def layer_spec(layer: GatedTrain) -> dict[str, Any]:
+def layer_spec(layer: GatedLayer) -> dict[str, Any]:
     """The record of ``layer`` at its current (stored) sizes: what it takes to rebuild it."""
     return kind_of(layer).write(layer)
 
@@ -254,7 +254,7 @@ def record_problem(spec: Any) -> str | None:
     return KINDS[spec["kind"]].problem(spec)
 
 
-def build_layer(spec: Mapping[str, Any], like: Tensor) -> GatedTrain:
+def build_layer(spec: Mapping[str, Any], like: Tensor) -> GatedLayer:
     """The gated layer a record describes (old records included), with the recorded sizes and
     tau, on ``like``'s dtype and device (weights uninitialised: load them next)."""
     spec = upgrade(spec)

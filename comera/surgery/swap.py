@@ -3,7 +3,7 @@
 A truncated gated layer's cores are smaller than a freshly built one's, so restoring saved
 weights first reshapes the target model: every recorded layer (:mod:`comera.surgery.records`)
 is matched by its dotted name, a gated layer of other bond sizes is resized in place
-(``GatedTrain.resize_bonds_``: every bond, in every core that carries it; :func:`match_layers`
+(``GatedLayer.resize_bonds_``: every bond, in every core that carries it; :func:`match_layers`
 has checked the layouts agree up to bond sizes), and an unconverted ``nn.Linear`` /
 ``nn.Embedding`` is replaced by the recorded layer. :func:`match_layers` checks the whole model
 before :func:`restore_layers_` changes anything. :func:`swap_submodule` is the one place a
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from comera.errors import CheckpointError, ConfigError
 from comera.formats.layout import Layout
 from comera.layers.attention import TTMultiheadAttention
-from comera.layers.linear import GatedTrain
+from comera.layers.linear import GatedLayer
 from comera.surgery.records import KINDS, build_layer, kind_of
 
 LayerPlan = list[tuple[str, nn.Module, Mapping[str, Any]]]  # (name, module now, record)
@@ -44,7 +44,7 @@ def fast_paths_off_(model: nn.Module) -> None:
     """Switch off torch's transformer fast paths where they would read a dense weight that a
     gated layer replaced (``convert_`` and loading a checkpoint into a dense model both swap)."""
     def converted(module: nn.Module) -> bool:
-        return any(isinstance(m, GatedTrain | TTMultiheadAttention) for m in module.modules())
+        return any(isinstance(m, GatedLayer | TTMultiheadAttention) for m in module.modules())
 
     for module in model.modules():
         if isinstance(module, nn.TransformerEncoderLayer) and converted(module):
@@ -59,7 +59,7 @@ def _describe(layout: Layout) -> str:
             f"{[list(c) for c in layout.cores]}")
 
 
-def _check_gated(module: GatedTrain, spec: Mapping[str, Any]) -> str | None:
+def _check_gated(module: GatedLayer, spec: Mapping[str, Any]) -> str | None:
     """Why the gated ``module`` cannot take the recorded layer ``spec`` (None when it can):
     the same kind, format, layout up to its bond sizes, bias and padding."""
     if kind_of(module).name != spec["kind"]:
@@ -104,7 +104,7 @@ def match_layers(model: nn.Module, layers: Mapping[str, Mapping[str, Any]],
         except AttributeError:
             missing.append(name)
             continue
-        if isinstance(module, GatedTrain):
+        if isinstance(module, GatedLayer):
             why = _check_gated(module, spec)
         else:
             why = _check_plain_module(module, spec)
@@ -151,7 +151,7 @@ def restore_layers_(model: nn.Module, plan: LayerPlan) -> None:
     to the recorded bond sizes (and restore its tau), replace each unconverted layer by the
     recorded one."""
     for name, module, spec in plan:
-        if isinstance(module, GatedTrain):
+        if isinstance(module, GatedLayer):
             module.resize_bonds_(build_layer(spec, torch.empty(0, device="meta")).bond_sizes)
             module.tau = float(spec["tau"])
         else:

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteLossError
 from comera.ranks.objective import rank_regularizer, soft_size
-from comera.ranks.size import model_size, tt_modules
+from comera.ranks.size import gated_layers, model_size
 from comera.training.trainers import CoMERATrainer
 
 __all__ = ["CAPTURE_MODES", "CapturedStep", "StepSignature"]
@@ -96,7 +96,7 @@ def _tensor_size(model: nn.Module, constant: int) -> Tensor:
     the layout's size formula (:meth:`Layout.core_sizes_with`) with each bond counted as its
     gate entries above tau, plus the parameters outside the cores (``constant``)."""
     total: Tensor | None = None
-    for _, layer in tt_modules(model):
+    for _, layer in gated_layers(model):
         counts = [(g.detach().abs() > layer.tau).sum().to(g.dtype) for g in layer.gates]
         for term in layer.layout.core_sizes_with(counts):
             total = term if total is None else total + term
@@ -144,7 +144,7 @@ class CapturedStep:
 
     # -- the body ---------------------------------------------------------------------------
     def _pairs(self) -> list[tuple[float, Tensor]]:
-        return [(layer.tau, g) for _, layer in tt_modules(self.trainer.model)
+        return [(layer.tau, g) for _, layer in gated_layers(self.trainer.model)
                 for g in layer.gates]
 
     def _objective(self, *batch: Tensor) -> tuple[Tensor, Tensor]:
@@ -201,7 +201,7 @@ class CapturedStep:
         model = self.trainer.model
         self._before = [g.detach().clone() for _, g in self._pairs()]
         self._constant = model_size(model) - sum(m.num_parameters() - (
-            m.bias.numel() if m.bias is not None else 0) for _, m in tt_modules(model))
+            m.bias.numel() if m.bias is not None else 0) for _, m in gated_layers(model))
         if self.mode == "eager":
             self._run = self._body
         elif self.mode == "compile":

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteLossError
-from comera.layers.linear import GatedTrain
+from comera.layers.linear import GatedLayer
 from comera.ranks.objective import (
     REGULARIZERS,
     LateStage,
@@ -39,7 +39,7 @@ from comera.ranks.objective import (
     rank_regularizer,
     soft_size,
 )
-from comera.ranks.size import dense_size, model_size, tt_modules
+from comera.ranks.size import dense_size, gated_layers, model_size
 from comera.ranks.truncate import TruncationReport, truncate_
 from comera.training.early import EarlyStage
 
@@ -104,10 +104,10 @@ def late_stage_for(model: nn.Module, compression: float, steps: int | None = Non
             and math.isfinite(compression) and compression > 1):
         raise ConfigError(f"compression={compression!r}; the target is a finite number > 1 "
                           "(TT layers' dense size / their size).")
-    layers = [m for _, m in tt_modules(model)]
+    layers = [m for _, m in gated_layers(model)]
     if not layers:
         raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
-    outside = model_size(model) - model_size(model, only=GatedTrain)  # hot rows count inside
+    outside = model_size(model) - model_size(model, only=GatedLayer)  # hot rows count inside
     tt_dense = sum(m.dense_num_parameters() for m in layers)
     return LateStage(tt_dense / compression + outside, target_loss, steps=steps,
                      rounding=rounding)
@@ -149,7 +149,7 @@ class RankController:
 
     def __init__(self, model: nn.Module, optimizer: Any = None, lam: float = 0.01,
                  regularizer: str = "l1", min_rank: int = 1, early: EarlyStage | None = None):
-        if not any(True for _ in tt_modules(model)):
+        if not any(True for _ in gated_layers(model)):
             raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
         if isinstance(lam, bool) or not isinstance(lam, int | float) or not (
                 lam >= 0 and math.isfinite(lam)):
@@ -227,7 +227,7 @@ class RankController:
     def before_step(self) -> None:
         """Remember the gates before the optimizer step (:meth:`loss` and :meth:`penalty` call
         it; a loop calling neither calls it itself)."""
-        layers = [layer for _, layer in tt_modules(self.model)]
+        layers = [layer for _, layer in gated_layers(self.model)]
         self._snapshot = _Snapshot(
             self.stage == "late",
             [(g, ~m) for layer in layers
@@ -244,7 +244,7 @@ class RankController:
             raise ConfigError("after_step without a step: call controller.loss(loss) (or "
                               "penalty() / before_step()) before the optimizer step.")
         opt = self.optimizer if optimizer is None else torch_optimizer(optimizer)
-        layers = [layer for _, layer in tt_modules(self.model)]
+        layers = [layer for _, layer in gated_layers(self.model)]
         self._keep_pruned_(snap.pruned, opt)
         self.hold_floor_(snap.before, opt)
         scheduled, note = None, ""
@@ -258,7 +258,7 @@ class RankController:
             scheduled = self.early.scheduled_size(self.early_start, self.steps)
             with torch.no_grad():  # the soft size: ranks as the gates' l1 norms
                 soft = float(soft_size(self.model)) + size - model_size(self.model,
-                                                                        only=GatedTrain)
+                                                                        only=GatedLayer)
             self.early_scale = self.early.scale(self.early_scale, self.steps, self.early_start,
                                                 size, soft)
         self.steps += 1
@@ -290,11 +290,11 @@ class RankController:
         """The ``min_rank`` floor: a gate left with fewer than ``min_rank`` live entries by this
         step gets its largest just-pruned entries back at their previous values (and their
         moments cleared). ``before``: every gate's values before the step, one tensor per gate
-        in :func:`~comera.ranks.size.tt_modules` order. :meth:`after_step` calls it; a step run
+        in :func:`~comera.ranks.size.gated_layers` order. :meth:`after_step` calls it; a step run
         outside the controller (:class:`~comera.training.capture.CapturedStep`) calls it after
         its optimizer step."""
         opt = self.optimizer if optimizer is None else torch_optimizer(optimizer)
-        gates = [(layer, g) for _, layer in tt_modules(self.model) for g in layer.gates]
+        gates = [(layer, g) for _, layer in gated_layers(self.model) for g in layer.gates]
         if len(before) != len(gates):
             raise ConfigError(f"hold_floor_ got {len(before)} gate snapshots for {len(gates)} "
                               "gates: pass one tensor per gate, taken before the step.")
@@ -389,7 +389,7 @@ class RankController:
             groups = opt.param_groups if opt is not None else []
             lrs = [g["lr"] for g in groups if g.get("name") == "gates"]
             lr = lrs[0] if lrs else float("nan")
-            tau = max((m.tau for _, m in tt_modules(self.model)), default=0.0)
+            tau = max((m.tau for _, m in gated_layers(self.model)), default=0.0)
             need = math.ceil((1.0 - tau) / lr) if lr > 0 else "many"
             return (f"no step budget: the size moves only as fast as the gates' learning rate "
                     f"(lr {lr:g}: ~{need} steps to carry a gate from 1 to tau); give LateStage "
@@ -413,7 +413,7 @@ class RankController:
             "objective": last.objective if last else float("nan"),
             "weighted": last.weighted if last else "",
             "size": size, "compression": dense_size(self.model) / max(size, 1),
-            "ranks": {name: list(m.bond_ranks) for name, m in tt_modules(self.model)},
+            "ranks": {name: list(m.bond_ranks) for name, m in gated_layers(self.model)},
         }
         if last is not None and last.scheduled_size is not None:
             out["scheduled_size"] = last.scheduled_size

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from comera.errors import ConfigError
-from comera.layers.linear import GatedTrain
-from comera.ranks.size import model_size, tt_modules
+from comera.layers.linear import GatedLayer
+from comera.ranks.size import gated_layers, model_size
 
 __all__ = ["EarlyStage"]
 
@@ -70,11 +70,11 @@ class EarlyStage:
                 math.isfinite(ratio) and ratio > 1):
             raise ConfigError(f"ratio={ratio!r}; the target is a finite number > 1 (TT layers' "
                               "dense size / their size).")
-        layers = [m for _, m in tt_modules(model)]
+        layers = [m for _, m in gated_layers(model)]
         if not layers:
             raise ConfigError("the model has no TT layers: convert it with comera.convert_ "
                               "first.")
-        outside = model_size(model) - model_size(model, only=GatedTrain)
+        outside = model_size(model) - model_size(model, only=GatedLayer)
         return cls(sum(m.dense_num_parameters() for m in layers) / ratio + outside, steps,
                    landing, gain)
 

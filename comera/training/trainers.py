@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteGradientError
 from comera.ranks.objective import LateStage
-from comera.ranks.size import tt_modules
+from comera.ranks.size import gated_layers
 from comera.ranks.truncate import TruncationReport
 from comera.training.controller import RankController, StepStats, check_loss
 from comera.training.early import EarlyStage
@@ -93,7 +93,7 @@ class OptimizerConfig:
 def param_groups(model: nn.Module, config: OptimizerConfig = OptimizerConfig()) -> list[dict]:
     """Three groups: TT cores, rank gates, everything else (empty groups are left out)."""
     cores, gates = [], []
-    for _, module in tt_modules(model):
+    for _, module in gated_layers(model):
         cores += list(module.cores)
         gates += list(module.gates)
     taken = {id(p) for p in cores + gates}
@@ -227,7 +227,7 @@ class CoMERATrainer(_Stepper):
                  regularizer: str = "l1", max_grad_norm: float | None = None,
                  grad_hook: GradHook | None = None, min_rank: int = 1,
                  early: EarlyStage | None = None):
-        if not any(True for _ in tt_modules(model)):
+        if not any(True for _ in gated_layers(model)):
             raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else make_optimizer(model)

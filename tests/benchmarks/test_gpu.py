@@ -178,8 +178,8 @@ def test_every_part_imports_without_the_packages_the_gpu_machine_lacks():
 
 
 def test_step_part_setup_on_the_cpu():
-    from benchmarks.speed.bench_transformer import BenchConfig, make_batch, smoke_config
     from benchmarks.gpu.step import build, cases, step_fn
+    from benchmarks.speed.bench_transformer import BenchConfig, make_batch, smoke_config
 
     order = cases(smoke=True, device="cpu")
     assert all(m != "graphs" for _, m, _, _ in order)

@@ -31,7 +31,8 @@ from tests.helpers.imports import first_cycle, imports, package_modules, reach_i
 
 FLOORS = ("base", "lean", "formats", "layers", "ranks", "training", "surgery", "integrations",
           "data", "models", "api", "experiments", "cli")
-SPECIAL = {"comera": "api", "comera.cli": "cli", "comera.errors": "base", "comera.torchfile": "base"}
+SPECIAL = {"comera": "api", "comera.cli": "cli", "comera.errors": "base",
+           "comera.torchfile": "base"}
 MODULES = package_modules("comera")
 IMPORTS = {m: imports(p, MODULES) for m, p in MODULES.items()}
 

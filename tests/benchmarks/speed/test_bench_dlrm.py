@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import comera
+from benchmarks.lib.harness import num_threads
 from benchmarks.speed.bench_dlrm import (
     BenchConfig,
     build_variant,
@@ -26,7 +27,6 @@ from benchmarks.speed.bench_dlrm import (
     render_markdown,
     run_benchmark,
 )
-from benchmarks.lib.harness import num_threads
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES
 from comera.errors import ConfigError
 

@@ -16,6 +16,10 @@ import pytest
 import torch
 
 import comera
+from benchmarks.lib.baselines import tt_to_dense
+from benchmarks.lib.harness import num_threads, resident_bytes, write_results_to
+from benchmarks.lib.memory import rss_available
+from benchmarks.lib.model_baselines import GaLoreConfig, TltorchTTLinear, tltorch_transformer
 from benchmarks.speed.bench_transformer import (
     BenchConfig,
     build_variant,
@@ -30,10 +34,6 @@ from benchmarks.speed.bench_transformer import (
     smoke_config,
     tt_layer_compression,
 )
-from benchmarks.lib.baselines import tt_to_dense
-from benchmarks.lib.harness import num_threads, resident_bytes, write_results_to
-from benchmarks.lib.memory import rss_available
-from benchmarks.lib.model_baselines import GaLoreConfig, TltorchTTLinear, tltorch_transformer
 from comera.errors import ConfigError
 from comera.models.transformer import TransformerConfig
 
@@ -137,7 +137,7 @@ def test_resident_bytes_of_comera_equal_a_hand_sum():
     v = build_variant("comera_early", cfg, BenchConfig())
     batch = make_batch(cfg, 2, SEQ)
     v.step(batch)
-    layers = [m for _, m in comera.tt_modules(v.model)]
+    layers = [m for _, m in comera.gated_layers(v.model)]
     tt = sum(c.numel() for m in layers for c in m.cores) + sum(
         g.numel() for m in layers for g in m.gates) + sum(
         m.bias.numel() for m in layers if m.bias is not None)
@@ -155,11 +155,11 @@ def test_late_stage_is_truncated_to_the_chosen_rank():
     cap = v.info["max_rank"]
     assert v.info["truncated"] and cap < 4
     stored = 0
-    for _, layer in comera.tt_modules(v.model):
+    for _, layer in comera.gated_layers(v.model):
         assert max(layer.bonds) <= cap  # physically smaller cores, not just masked
         stored += sum(c.numel() for c in layer.cores)
         stored += layer.bias.numel() if layer.bias is not None else 0
-    dense = sum(m.dense_num_parameters() for _, m in comera.tt_modules(v.model))
+    dense = sum(m.dense_num_parameters() for _, m in comera.gated_layers(v.model))
     assert tt_layer_compression(v.model) == pytest.approx(dense / stored)
     # the cap is the best one in log ratio: its neighbours on a fresh model are no closer
     fresh = build_variant("comera_early", cfg, BenchConfig()).model
@@ -225,7 +225,7 @@ def test_memory_mode_and_block_checkpointing_reach_the_model():
     with pytest.raises(ConfigError, match="choose one of fast, balanced, min"):
         BenchConfig(memory="low")
     v = build_variant("comera_early", tiny_config(), BenchConfig(memory="min"))
-    assert all(m.memory == "min" for _, m in comera.tt_modules(v.model))
+    assert all(m.memory == "min" for _, m in comera.gated_layers(v.model))
     assert not v.model.checkpoint_blocks
     for name in ("dense", "comera_early"):
         v = build_variant(name, tiny_config(), BenchConfig(checkpoint_blocks=True))

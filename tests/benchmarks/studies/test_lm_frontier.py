@@ -1,5 +1,5 @@
-"""benchmarks/studies/lm_frontier.py (on benchmarks/studies/frontier.py): budgets of the baselines, and a
---smoke run on a tiny corpus."""
+"""benchmarks/studies/lm_frontier.py (on benchmarks/studies/frontier.py): budgets of the
+baselines, and a --smoke run on a tiny corpus."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def test_smoke_run_writes_all_four_methods(root, tmp_path):
         assert row["val"]["perplexity"] > 1 and row["test"]["loss"] > 0
         if row["method"] in ("fixed", "lowrank"):
             assert row["compression"] >= 4.0
-    assert result["runs"][0]["command"].startswith("python -m benchmarks.studies.lm_frontier --smoke")
+    assert result["runs"][0]["command"].startswith(
+        "python -m benchmarks.studies.lm_frontier --smoke")
     assert result["runs"][0]["machine"]["cpu"]
     text = (out / "frontier.md").read_text()
     assert "fixed uniform TT rank" in text and "low-rank" in text and "CoMERA" in text

@@ -65,7 +65,7 @@ def test_tt_run_has_both_stages_and_truncates_at_the_boundary(tmp_path):
     early_sizes = record.stage_ends["early"]["sizes"]
     assert late_sizes["tt_params"] <= early_sizes["tt_params"]
     assert sizes_of(model)["tt_compression"] == pytest.approx(
-        comera.compression_ratio(model, only=comera.GatedTrain))
+        comera.compression_ratio(model, only=comera.GatedLayer))
     assert record.val_curve[0][0] == 0 and record.val_curve[-1][0] == CFG.total_steps
 
 

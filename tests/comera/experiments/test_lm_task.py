@@ -99,12 +99,12 @@ def test_evaluate_scores_every_predicted_token(task):
 
 def test_models_of_each_kind(task):
     tt = task.build("tt", 3)
-    assert [n for n, _ in comera.tt_modules(tt)] == [n for n, _ in tt.block_linears()]
-    assert all(max(m.ranks) <= 3 for _, m in comera.tt_modules(tt))
+    assert [n for n, _ in comera.gated_layers(tt)] == [n for n, _ in tt.block_linears()]
+    assert all(max(m.ranks) <= 3 for _, m in comera.gated_layers(tt))
     low = task.build("lowrank", 2)
     assert all(isinstance(m, LowRankLinear) and m.rank == 2 for _, m in low.block_linears())
     dense = task.build_model(tt=False)
-    assert not any(True for _ in comera.tt_modules(dense))
+    assert not any(True for _ in comera.gated_layers(dense))
     assert all(m.bias is None for _, m in dense.block_linears())
 
 

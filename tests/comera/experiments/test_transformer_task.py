@@ -54,7 +54,7 @@ def test_reviews_task_scores_accuracy_next_to_the_majority_baseline(tmp_path, mo
     assert scores["majority"] == pytest.approx(task.majority("val"))
     assert task.describe()["majority_test"] == pytest.approx(task.majority("test"))
     model = task.build_model(tt=True)
-    assert any(True for _ in comera.tt_modules(model))
+    assert any(True for _ in comera.gated_layers(model))
 
 
 def test_the_registry_names_agree():
@@ -85,9 +85,9 @@ def test_init_from_an_mlm_checkpoint_loads_the_encoder_as_saved(tmp_path, corpus
         for key in mine:
             assert torch.equal(mine[key], saved[key]), (part, key)
     if tt:  # TT layers at the ranks the late stage left them
-        saved = {n: m.bonds for n, m in comera.tt_modules(mlm) if not n.startswith(("transform",
+        saved = {n: m.bonds for n, m in comera.gated_layers(mlm) if not n.startswith(("transform",
                                                                                   "decoder"))}
-        mine = {n: m.bonds for n, m in comera.tt_modules(classifier)}
+        mine = {n: m.bonds for n, m in comera.gated_layers(classifier)}
         assert mine == saved and any(b < 4 for bonds in saved.values() for b in bonds[1:-1])
     assert not classifier.segments.weight.any()
     ids = torch.randint(5, 64, (3, 16))

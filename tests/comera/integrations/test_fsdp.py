@@ -43,7 +43,7 @@ def _llama() -> torch.nn.Module:
     model = LlamaForCausalLM(cfg).double()
     comera.convert_(model, exclude=("lm_head",), ranks=8)
     with torch.no_grad():  # pruned slices, so the stage boundary's truncation changes shapes
-        for _, layer in comera.tt_modules(model):
+        for _, layer in comera.gated_layers(model):
             layer.gates[1][-3:] = 0.0
     return model
 
@@ -81,7 +81,7 @@ def session(rank: int, world: int, out: Path) -> dict:
     losses += _steps(model, trainer, ids, LATE)
     path = out / "ck.pt"
     save_run_checkpoint(path, model, trainer.optimizer, world > 1, trainer=trainer.state_dict())
-    ranks = [layer.ranks for _, layer in comera.tt_modules(model)]
+    ranks = [layer.ranks for _, layer in comera.gated_layers(model)]
     size = comera.model_size(model)
     after = _steps(model, trainer, ids, AFTER)
 
@@ -91,7 +91,7 @@ def session(rank: int, world: int, out: Path) -> dict:
     resumed.load_state_dict(extra["trainer"])
     return {"losses": losses, "ranks": ranks, "size": size, "truncated": report.changed,
             "after": after, "resumed": _steps(fresh, resumed, ids, AFTER),
-            "resumed_ranks": [layer.ranks for _, layer in comera.tt_modules(fresh)]}
+            "resumed_ranks": [layer.ranks for _, layer in comera.gated_layers(fresh)]}
 
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
@@ -138,7 +138,7 @@ def test_the_checkpoint_resumes_to_the_same_next_steps(runs):
     model = _llama()
     opt = comera.make_optimizer(model, CONFIG)
     extra = comera.load_checkpoint(out / "ck.pt", model, opt)
-    assert [layer.ranks for _, layer in comera.tt_modules(model)] == a["ranks"]
+    assert [layer.ranks for _, layer in comera.gated_layers(model)] == a["ranks"]
     assert extra["trainer"]["stage"] == "late"
 
 

@@ -28,7 +28,7 @@ def _model(seed: int = 0) -> GPT2LMHeadModel:
     with pytest.warns(UserWarning, match="save_pretrained"):
         comera.convert_(model, ranks=8)
     with torch.no_grad():  # a rank per layer already pruned, as an early stage would
-        for _, layer in comera.tt_modules(model):
+        for _, layer in comera.gated_layers(model):
             layer.gates[1][:1] = 0.0
     return model
 
@@ -54,7 +54,7 @@ def _trainer(model, out, steps: int = STEPS, **callback) -> Trainer:
 
 
 def _tt_compression(model) -> float:
-    return comera.compression_ratio(model, only=comera.GatedTrain)
+    return comera.compression_ratio(model, only=comera.GatedLayer)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +73,8 @@ def test_both_stages_reach_the_compression_target(run):
     assert callback.driver.controller.stage == "late"
     assert callback.driver.controller.steps == STEPS
     assert 0.95 * TARGET <= _tt_compression(model) <= 1.6 * TARGET
-    bonds = [sum(m.bonds) for _, m in comera.tt_modules(model)]
-    fresh = [sum(m.bonds) for _, m in comera.tt_modules(_model())]
+    bonds = [sum(m.bonds) for _, m in comera.gated_layers(model)]
+    fresh = [sum(m.bonds) for _, m in comera.gated_layers(_model())]
     assert sum(bonds) < sum(fresh)  # truncated physically
 
 

@@ -69,7 +69,7 @@ def test_both_stages_reach_the_compression_target(run):
     callback = next(c for c in run["trainer"].callbacks if isinstance(c, CoMERACallback))
     assert callback.driver.controller.stage == "late"
     assert callback.driver.controller.steps == STEPS
-    assert comera.compression_ratio(module, only=comera.GatedTrain) >= 0.95 * TARGET
+    assert comera.compression_ratio(module, only=comera.GatedLayer) >= 0.95 * TARGET
     assert module.net[0].bonds != Regression().net[0].bonds  # truncated physically
 
 

@@ -45,11 +45,11 @@ def test_a_non_finite_gate_is_an_error_in_truncation_never_silently_pruned(bad):
     with torch.no_grad():
         model[2].gates[0][1] = bad
     assert model[2].ranks[1] == 3  # counted alive: it reaches the output (was pruned)
-    bonds = [m.bonds for _, m in comera.tt_modules(model)]
+    bonds = [m.bonds for _, m in comera.gated_layers(model)]
     for cut in (truncate_, round_):
         with pytest.raises(comera.NonFiniteError, match=r"layer 2: gate 0 .* at \[1\]"):
             cut(model)
-    assert [m.bonds for _, m in comera.tt_modules(model)] == bonds  # nothing changed
+    assert [m.bonds for _, m in comera.gated_layers(model)] == bonds  # nothing changed
 
 
 # -- empty batches, 0-dim and meta inputs -----------------------------------------------------

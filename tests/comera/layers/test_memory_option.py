@@ -55,7 +55,7 @@ def test_a_bad_memory_is_a_config_error_naming_it(bad):
 def test_convert_sets_memory_on_every_tt_layer():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     comera.convert_(model, ranks=4, memory="min")
-    layers = [m for _, m in comera.tt_modules(model)]
+    layers = [m for _, m in comera.gated_layers(model)]
     assert len(layers) == 2 and all(m.memory == "min" for m in layers)
 
 
@@ -74,11 +74,11 @@ def test_training_in_min_matches_fast_and_resumes_across_modes(tmp_path):
                        stage="early")
     fast, _ = train_model(ToyTask(), "comera", True, cfg, tmp_path / "fast")
     low, _ = train_model(ToyTask(), "comera", True, replace(cfg, memory="min"), tmp_path / "min")
-    assert all(m.memory == "min" for _, m in comera.tt_modules(low))
+    assert all(m.memory == "min" for _, m in comera.gated_layers(low))
     for a, b in zip(fast.state_dict().values(), low.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     # the mode leaves results unchanged, so a run may resume under another one
     train_model(ToyTask(), "comera", True, cfg, tmp_path / "mixed", stop_after=2)
     mixed, _ = train_model(ToyTask(), "comera", True, replace(cfg, memory="balanced"),
                            tmp_path / "mixed", resume=True)
-    assert all(m.memory == "balanced" for _, m in comera.tt_modules(mixed))
+    assert all(m.memory == "balanced" for _, m in comera.gated_layers(mixed))

@@ -45,7 +45,7 @@ def _step(model: nn.Module, ids: torch.Tensor, checkpoint: bool):
 def test_checkpointed_blocks_give_the_same_loss_gradients_and_rng(tt, memory):
     torch.manual_seed(1)
     model = PairClassifier(replace(CFG, tt=tt)).double()
-    for _, layer in comera.tt_modules(model):
+    for _, layer in comera.gated_layers(model):
         layer.memory = memory
     ids = torch.randint(1, 64, (3, 16))
     ids[0, 10:] = 0  # padding: the attention mask goes through the checkpoint too

@@ -341,7 +341,7 @@ def test_a_few_steps_reduce_the_mlm_loss(tmp_path, tt):
     task = _task(tmp_path)
     torch.manual_seed(0)
     model = task.build_model(tt)
-    assert any(True for _ in comera.tt_modules(model)) == tt
+    assert any(True for _ in comera.gated_layers(model)) == tt
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     batch = task.batch(torch.arange(min(16, task.train_size())), epochs=0)
     before = float(task.loss(model, batch).detach())

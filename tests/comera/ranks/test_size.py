@@ -113,7 +113,7 @@ def test_mnli_with_pooler_and_embedding():
     assert comera.compression_ratio(model, only=TTLinear) == pytest.approx(50.14, abs=0.01)
     assert comera.compression_ratio(model) == pytest.approx(
         (WITH_POOLER_DENSE + 30522 * 768 + other) / (WITH_POOLER_TT + EMB_PARAMS + other))
-    assert len(list(comera.tt_modules(model))) == 6 * 6 + 2
+    assert len(list(comera.gated_layers(model))) == 6 * 6 + 2
 
 
 def test_effective_size_follows_gates():
@@ -199,7 +199,7 @@ def test_checkpoint_report_and_run_summary_count_the_same_size(tmp_path):
     comera.save_checkpoint(path, model)
     report = checkpoint_report(path)
     summary = sizes_of(model)
-    tt_size = comera.model_size(model, only=comera.GatedTrain)
+    tt_size = comera.model_size(model, only=comera.GatedLayer)
     assert report.tt_params == summary["tt_params"] == tt_size
     assert report.tt_dense_params == summary["tt_dense_params"]
     assert report.compression == pytest.approx(summary["tt_compression"])

@@ -26,7 +26,7 @@ class Net(nn.Module):
 def _prune_(model):
     """Prune a few slices (gates below tau) in every TT layer of ``model``."""
     with torch.no_grad():
-        for _, layer in comera.tt_modules(model):
+        for _, layer in comera.gated_layers(model):
             for k, gate in enumerate(layer.gates):
                 gate.uniform_(0.5, 1.5)
                 if gate.numel() > 2:
@@ -64,7 +64,7 @@ def test_truncate_with_adamw_state():
     opt = comera.make_optimizer(model)
     x = torch.randn(7, 12, dtype=F64)
     _adamw_steps(model, opt, x)
-    layers = dict(comera.tt_modules(model))
+    layers = dict(comera.gated_layers(model))
     effective = {n: layer.ranks for n, layer in layers.items()}
     keeps = {n: _keeps(layer) for n, layer in layers.items()}
     assert all(layer.bonds != effective[n] for n, layer in layers.items())
@@ -84,7 +84,7 @@ def test_truncate_with_adamw_state():
     with torch.no_grad():
         torch.testing.assert_close(model(x), y, rtol=1e-10, atol=1e-12)
     for n, layer in layers.items():
-        assert layer is dict(comera.tt_modules(model))[n]
+        assert layer is dict(comera.gated_layers(model))[n]
         assert layer.bonds == effective[n]
         assert layer.ranks == effective[n]
         assert all(bool((g == 1).all()) for g in layer.gates)  # folded into the cores

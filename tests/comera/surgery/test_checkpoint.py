@@ -68,7 +68,7 @@ def trained(tmp_path):
     ids = torch.randint(0, 30, (5, 4))
     _train(model, opt, ids)
     with torch.no_grad():  # prune the last slice of every bond that has more than one
-        for _, layer in comera.tt_modules(model):
+        for _, layer in comera.gated_layers(model):
             for gate in layer.gates:
                 if gate.numel() > 1:
                     gate[-1] = 0.5 * layer.tau
@@ -79,14 +79,14 @@ def trained(tmp_path):
     with torch.no_grad():
         y = model(ids)
     return {"model": model, "opt": opt, "ids": ids, "y": y, "path": path,
-            "bonds": {n: m.bonds for n, m in comera.tt_modules(model)},
+            "bonds": {n: m.bonds for n, m in comera.gated_layers(model)},
             "state": _state_by_name(model, opt)}
 
 
 def _assert_loaded(t, model, opt):
     with torch.no_grad():
         torch.testing.assert_close(model(t["ids"]), t["y"], rtol=1e-12, atol=1e-12)
-    assert {n: m.bonds for n, m in comera.tt_modules(model)} == t["bonds"]
+    assert {n: m.bonds for n, m in comera.gated_layers(model)} == t["bonds"]
     if opt is None:
         return
     state = _state_by_name(model, opt)
@@ -120,7 +120,7 @@ def test_load_into_the_same_object(trained):
 def test_load_into_a_fresh_untruncated_model(trained):
     torch.manual_seed(1)
     model = _convert_(Net())
-    assert {n: m.bonds for n, m in comera.tt_modules(model)} != trained["bonds"]
+    assert {n: m.bonds for n, m in comera.gated_layers(model)} != trained["bonds"]
     opt = comera.make_optimizer(model)  # built before the load, over the untruncated cores
     load_checkpoint(trained["path"], model, opt)
     _assert_loaded(trained, model, opt)

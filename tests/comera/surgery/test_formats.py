@@ -228,7 +228,7 @@ def test_a_bert_converts_and_round_trips_in_every_format(fmt, tmp_path):
             torch.testing.assert_close(logits, dense(ids).logits, rtol=1e-4, atol=1e-5)
     comera.save_pretrained(model, tmp_path)
     loaded = comera.from_pretrained(tmp_path, type(model))
-    assert {n: m.format.name for n, m in comera.tt_modules(loaded)} == \
-        {n: m.format.name for n, m in comera.tt_modules(model)}
+    assert {n: m.format.name for n, m in comera.gated_layers(loaded)} == \
+        {n: m.format.name for n, m in comera.gated_layers(model)}
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, logits)

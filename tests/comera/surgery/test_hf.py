@@ -67,14 +67,14 @@ def test_convert_train_and_round_trip(name, tmp_path):
     opt = comera.make_optimizer(model, comera.OptimizerConfig(1e-2, 1e-2, 1e-2))
     loss = _loss(model, ids)
     loss.backward()
-    cores = [c for _, m in comera.tt_modules(model) for c in m.cores]
+    cores = [c for _, m in comera.gated_layers(model) for c in m.cores]
     assert all(c.grad is not None and c.grad.abs().sum() > 0 for c in cores)
     opt.step()
     with torch.no_grad():
         assert _loss(model, ids) < loss
 
     # prune a rank slice of every layer, truncate, save, load: exactly the same model
-    for _, layer in comera.tt_modules(model):
+    for _, layer in comera.gated_layers(model):
         with torch.no_grad():
             layer.gates[0][0] = 0.0
     comera.truncate_(model)
@@ -84,8 +84,8 @@ def test_convert_train_and_round_trip(name, tmp_path):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="converted a HuggingFace")  # not on load
         loaded = comera.from_pretrained(tmp_path, type(model))
-    assert {n: m.bonds for n, m in comera.tt_modules(loaded)} == \
-        {n: m.bonds for n, m in comera.tt_modules(model)}
+    assert {n: m.bonds for n, m in comera.gated_layers(loaded)} == \
+        {n: m.bonds for n, m in comera.gated_layers(model)}
     assert torch.equal(loaded(ids).logits, want)
     # HuggingFace's loader refuses the folder instead of returning random dense layers
     with pytest.raises(OSError, match=r"model\.safetensors"):
@@ -115,4 +115,4 @@ def test_from_pretrained_into_a_built_model_and_refusals(tmp_path):
     target = _gpt2()
     with pytest.raises(comera.CheckpointError, match="checksum"):
         comera.from_pretrained(tmp_path / "tt", target)
-    assert not any(True for _ in comera.tt_modules(target))
+    assert not any(True for _ in comera.gated_layers(target))

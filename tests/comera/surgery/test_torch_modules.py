@@ -23,7 +23,7 @@ def _converted(module, **options):
 
 
 def _cores(module):
-    return [c for _, m in comera.tt_modules(module) for c in m.cores]
+    return [c for _, m in comera.gated_layers(module) for c in m.cores]
 
 
 @pytest.mark.parametrize(("in_proj", "batch_first"), [("split", False), ("packed", True)])

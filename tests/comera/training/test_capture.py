@@ -58,8 +58,8 @@ def test_the_uncaptured_body_trains_exactly_as_the_trainer_through_both_stages()
     assert captured == pytest.approx(eager, rel=1e-12, abs=0)
     for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
-    assert [m.ranks for _, m in comera.tt_modules(m1)] == [
-        m.ranks for _, m in comera.tt_modules(m2)]
+    assert [m.ranks for _, m in comera.gated_layers(m1)] == [
+        m.ranks for _, m in comera.gated_layers(m2)]
     assert t2.steps == t1.steps == 8
     # one capture per signature: the first call, then the stage boundary's truncation
     assert step.captures == 2 and step.reasons[0] == "first call"
@@ -92,8 +92,8 @@ def test_a_non_chain_format_trains_captured_as_the_trainer_through_truncation():
         eager.append(t1.step(_loss(m1, x, y)).loss)
         captured.append(float(step(x, y)))
     assert captured == pytest.approx(eager, rel=1e-12, abs=0)
-    assert [m.ranks for _, m in comera.tt_modules(m1)] == [
-        m.ranks for _, m in comera.tt_modules(m2)]
+    assert [m.ranks for _, m in comera.gated_layers(m1)] == [
+        m.ranks for _, m in comera.gated_layers(m2)]
     assert comera.model_size(m2) <= t2.late.target_size  # landed: pruned, truncated
     assert step.captures == 2
 
@@ -227,8 +227,8 @@ def test_the_min_rank_floor_holds_between_captured_steps_as_in_the_trainer():
     for _ in range(2):
         t1.step(_loss(m1, x, y))
         step(x, y)
-    assert [list(m.ranks) for _, m in comera.tt_modules(m2)] == [
-        list(m.ranks) for _, m in comera.tt_modules(m1)]
+    assert [list(m.ranks) for _, m in comera.gated_layers(m2)] == [
+        list(m.ranks) for _, m in comera.gated_layers(m1)]
     assert min(m2[2].ranks[1:-1]) == 2  # held at the floor, not pruned to nothing
     for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
