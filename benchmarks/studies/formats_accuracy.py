@@ -51,9 +51,9 @@ from comera.data.stdlib_pairs import PairDataset
 from comera.errors import ConfigError
 from comera.experiments.task import IndexStream
 from comera.experiments.transformer_task import ReviewsTaskConfig
-from comera.formats.registry import format_names, get_format
-from comera.layers.linear import resolve_modes
+from comera.formats.registry import format_names
 from comera.models import PairClassifier
+from comera.ranks.budget import linear_size, uniform_rank
 
 OUT = RESULTS / "formats_reviews"
 SKIP = {"einsum": "declared by an equation only (GatedLinear.from_eq): no layer of its own"}
@@ -73,36 +73,13 @@ def encoder_shapes(task) -> list[tuple[str, int, int]]:
             if isinstance(m, nn.Linear) and n.startswith("blocks.")]
 
 
-def layer_parameters(fmt: str, n_in: int, n_out: int, rank: int) -> int:
-    """Parameters of ``GatedLinear(n_in, n_out, format=fmt, ranks=rank, d=3)`` with its bias,
-    from the layout alone (no cores are drawn)."""
-    f = get_format(fmt)
-    if f.uses_modes:
-        in_modes, out_modes = resolve_modes(n_in, n_out, None, None, D)
-    else:
-        in_modes, out_modes = (n_in,), (n_out,)
-    layout = f.layout(tuple(in_modes), tuple(out_modes), rank)
-    return layout.parameters_at(layout.bond_sizes) + n_out
-
-
-def total_parameters(fmt: str, shapes, rank: int) -> int:
-    """Parameters of all the encoder linear layers of ``shapes`` in ``fmt`` at ``rank``."""
-    return sum(layer_parameters(fmt, n_in, n_out, rank) for _, n_in, n_out in shapes)
-
-
 def rank_for(fmt: str, shapes, budget: float) -> tuple[int, int]:
-    """(rank, parameters): the largest uniform rank whose layers fit ``budget`` (the smallest
-    rank of that size where larger ranks are capped to it), or (0, rank-1 parameters) when
-    not even rank 1 fits."""
-    best, size = 0, total_parameters(fmt, shapes, 1)
-    previous = None
-    for rank in range(1, MAX_RANK + 1):
-        params = total_parameters(fmt, shapes, rank)
-        if params > budget:
-            break
-        if params != previous:
-            best, size, previous = rank, params, params
-    return best, size
+    """(rank, parameters): the largest uniform rank whose layers fit ``budget``
+    (:func:`comera.ranks.budget.uniform_rank`), or (0, rank-1 parameters) when not even rank 1
+    fits."""
+    layers = [(n_in, n_out, True) for _, n_in, n_out in shapes]
+    rank = uniform_rank(fmt, layers, budget, D, MAX_RANK)
+    return rank, linear_size(fmt, layers, max(rank, 1), D)
 
 
 def build_model(task, fmt: str, rank: int, seed: int) -> nn.Module:

@@ -51,8 +51,8 @@ from torch import nn
 import comera
 from comera.experiments.results import machine
 from comera.experiments.task import IndexStream
-from comera.layers.linear import TTLinear
 from comera.layers.lowrank import LowRankLinear
+from comera.ranks import budget
 from comera.ranks.allocate import FLOORS, allocate, rebuild_at_
 from comera.ranks.truncate import round_
 
@@ -110,24 +110,7 @@ def uniform_rank(task, kind: str, target: float) -> int:
     torch.manual_seed(0)
     shapes = [(m.in_features, m.out_features, m.bias is not None)
               for _, m in task.block_linears(task.build("dense"))]
-    budget = sum(i * o + (o if b else 0) for i, o, b in shapes) / target
-    sizes: dict[tuple[int, int, bool, int], int] = {}
-
-    def size(r: int) -> int:
-        if kind == "lowrank":
-            return sum(min(r, i, o) * (i + o) + (o if b else 0) for i, o, b in shapes)
-        for i, o, b in set(shapes):
-            if (i, o, b, r) not in sizes:
-                sizes[i, o, b, r] = TTLinear(i, o, ranks=r, bias=b).num_parameters()
-        return sum(sizes[i, o, b, r] for i, o, b in shapes)
-
-    best, previous = 1, -1
-    for r in range(1, max(max(i, o) for i, o, _ in shapes) + 1):
-        now = size(r)
-        if now > budget or now == previous:  # over budget, or every bond at its maximum
-            break
-        best, previous = r, now
-    return best
+    return max(1, budget.uniform_rank(kind, shapes, budget.dense_linear_size(shapes) / target))
 
 
 # -- training ------------------------------------------------------------------------------------

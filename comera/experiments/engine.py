@@ -364,14 +364,11 @@ class _Run:
         return [("early", 0, c.steps_early), ("late", c.steps_early, c.total_steps)]
 
     def _start_late(self) -> None:
-        target = comera.LateStage.from_ratio(
-            self.model, self.config.target_compression,
-            dense_reference=comera.dense_size(self.model, only=comera.GatedLayer),
-        )
-        # the target counts TT layers only; the model size the controller sees includes the rest
+        # the target counts TT layers only (against their dense size), the rest kept as it is;
         # the step budget makes the stage land on the target by its end, whatever lr_gates is
-        late = comera.LateStage(target.target_size + self._non_tt_params(), self._loss_target(),
-                                steps=max(1, self.config.steps_late))
+        late = comera.LateStage.for_compression(self.model, self.config.target_compression,
+                                                target_loss=self._loss_target(),
+                                                steps=max(1, self.config.steps_late))
         report = self.trainer.start_late_stage(late)
         log.info("%s: late stage from step %d, target %.0f parameters; %s", self.name,
                  self.step, late.target_size, report)
@@ -382,9 +379,6 @@ class _Run:
             raise ConfigError("the late stage needs a loss target from the early stage, but no "
                               "early step ran; set steps_early >= 1.")
         return statistics.fmean(recent) * (1.0 + self.config.late_loss_slack)
-
-    def _non_tt_params(self) -> int:
-        return comera.model_size(self.model) - comera.model_size(self.model, only=comera.GatedLayer)
 
     # -- one step -----------------------------------------------------------------------------
     def _autocast(self):

@@ -23,13 +23,13 @@ from comera.formats.registry import Format, get_format
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.embedding import TTEmbedding
 from comera.layers.linear import GatedLayer, GatedLinear
+from comera.ranks.budget import largest_rank, layout_size
 from comera.surgery.config import ConvertConfig
 from comera.surgery.records import linear_class
 
 #: the formats an embedding table can take: the chain formats, both stored as a TT-matrix table
 EMBEDDING_FORMATS = ("tt", "ttm")
 IN_PARTS = ("q_proj", "k_proj", "v_proj")  # an nn.MultiheadAttention's split projections
-MAX_RANK = 1 << 16  # target_compression searches ranks up to this
 
 
 class Part(NamedTuple):
@@ -91,21 +91,9 @@ def _linear(fmt: str, in_features: int, out_features: int, modes, rank: int, bia
 
 def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
     """The largest uniform max rank whose cores (``fmt``'s layout on ``probe``'s modes) hold at
-    most ``budget`` parameters (at least 1). The size grows with the rank until every bond
-    reaches the format's cap, so double, then bisect."""
-    def size(rank: int) -> int:
-        layout = fmt.layout(probe.in_modes, probe.out_modes, rank)
-        return layout.parameters_at(layout.bond_sizes)
-
-    lo, hi = 1, 1
-    while size(hi) <= budget and hi < MAX_RANK:
-        if size(hi * 2) == size(hi):  # every bond is at its cap already
-            return hi
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if size(mid) <= budget else (lo, mid)
-    return lo
+    most ``budget`` parameters (:func:`comera.ranks.budget.largest_rank`; at least 1)."""
+    return max(1, largest_rank(
+        lambda r: layout_size(fmt, probe.in_modes, probe.out_modes, r), budget))
 
 
 def full_rank(fmt: Format, layout: Layout, rank: int) -> int | None:
