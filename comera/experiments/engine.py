@@ -1,7 +1,8 @@
 """The training engine: one loop for every task, dense or CoMERA, alone or data-parallel.
 
     task = PairTask(PairTaskConfig())
-    record = train_model(task, "comera", tt=True, config=EngineConfig(), out=Path("runs/x"))
+    record = train_model(task, "comera", tt=True, config=EngineConfig(format="tt"),
+                         out=Path("runs/x"))
 
 Per run it owns: the batches of each step (:class:`~comera.experiments.task.IndexStream`, a pure
 function of seed and step), the optimizer and its learning-rate schedule (a pure function of the
@@ -39,8 +40,6 @@ from comera import (
     NonFiniteError,
     NonFiniteGradientError,
     TrainingStopped,
-    TTLinear,
-    TTMLinear,
 )
 from comera.experiments.distributed import (
     World,
@@ -53,7 +52,8 @@ from comera.experiments.distributed import (
     save_run_checkpoint,
 )
 from comera.experiments.rundir import hold_run_directory
-from comera.experiments.task import IndexStream, Task
+from comera.experiments.task import IndexStream, Task, build_task_model
+from comera.formats.registry import DENSE, check_layer_format
 from comera.layers.linear import check_memory
 from comera.ranks.objective import REGULARIZERS, floor_size
 from comera.training.trainers import pick_threads
@@ -119,6 +119,9 @@ class EngineConfig:
     # transformers); like memory, it trades time for memory and leaves the results unchanged
     checkpoint_blocks: bool = False
     fsdp: bool = False  # FSDP2 over the workers: dense parts sharded, TT layers replicated
+    # the CoMERA run's layer kind: a registered format ("tt", "tucker", ...; the dense run is
+    # the other variant), from the CLI through Task.build_model to the layers
+    format: str = "tt"
 
     def __post_init__(self) -> None:
         """Check every field (type, range, finiteness) before anything is built."""
@@ -158,6 +161,15 @@ class EngineConfig:
         if not isinstance(self.memory, str):
             raise ConfigError(f"memory={self.memory!r}; choose one of fast, balanced, min.")
         check_memory(self.memory)
+        if self.format == DENSE:
+            raise ConfigError("format='dense': the dense model is the run without CoMERA (tt="
+                              "False, variant dense); give the CoMERA run a registered format, "
+                              "e.g. 'tt'.")
+        check_layer_format(self.format)
+
+    def model_format(self, tt: bool) -> str:
+        """The layer kind a run builds: ``format`` for a CoMERA run, ``"dense"`` otherwise."""
+        return self.format if tt else DENSE
 
     @property
     def total_steps(self) -> int:
@@ -225,7 +237,7 @@ def check_task(task: Task, config: EngineConfig, tt: bool = True) -> None:
     if not (tt and config.stage != "early" and config.steps_late):
         return
     with torch.random.fork_rng(devices=[]):
-        model = task.build_model(True)
+        model = build_task_model(task, config.model_format(True))
     dense = comera.dense_size(model, only=comera.GatedLayer)
     non_tt = comera.model_size(model) - comera.model_size(model, only=comera.GatedLayer)
     floor = max(1, floor_size(model, 1) - non_tt)  # the TT layers with every rank at 1
@@ -274,8 +286,8 @@ def sizes_of(model: nn.Module) -> dict[str, float]:
         return out
     out["model_params"] = comera.model_size(model)
     out["dense_model_params"] = comera.dense_size(model)
-    for key, only in (("tt", comera.GatedLayer), ("linear", (TTLinear, TTMLinear)),
-                      ("embedding", comera.TTEmbedding)):
+    for key, only in (("tt", comera.GatedLayer), ("linear", comera.GatedLinear),
+                      ("embedding", comera.GatedEmbedding)):
         dense = comera.dense_size(model, only=only)
         if dense:
             params = comera.model_size(model, only=only)
@@ -310,7 +322,7 @@ class _Run:
         self.checkpoint_path = out / "checkpoints" / f"{name}.pt"
         torch.manual_seed(config.seed)
         random.seed(config.seed)
-        self.model = task.build_model(tt).to(self.device)
+        self.model = build_task_model(task, config.model_format(tt)).to(self.device)
         broadcast_parameters_(self.model)
         for _, layer in comera.gated_layers(self.model):  # time for memory: no change in results
             if layer.memory != config.memory:
@@ -324,8 +336,9 @@ class _Run:
                     "without checkpoint_blocks.")
             self.model.checkpoint_blocks = True
         if tt and not any(True for _ in comera.gated_layers(self.model)):
-            raise ConfigError(f"task {task.name!r} built a model without TT layers for tt=True; "
-                              "build_model(tt=True) must use comera's TT layers.")
+            raise ConfigError(f"task {task.name!r} built a model without gated layers for "
+                              f"format {config.format!r}; build_model(format) must use comera's "
+                              "layers of that format.")
         hook, clip = prepare_model_(self.model, config.fsdp, config.max_grad_norm)
         self.base_lr = {"cores": config.lr, "gates": config.lr_gates,
                         "other": config.lr if config.lr_other is None else config.lr_other}

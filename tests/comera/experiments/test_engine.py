@@ -56,6 +56,21 @@ def test_index_stream_covers_each_epoch_once_and_shards_partition_the_batch():
 
 
 # -- stages and records -------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["tucker", "lowrank"])
+def test_the_engine_trains_any_format_the_config_names(tmp_path, fmt):
+    """The layer kind goes from EngineConfig.format through Task.build_model to the layers; the
+    late stage lands on the target against the format's dense size; a resume with another
+    format is refused."""
+    cfg = replace(CFG, format=fmt, target_compression=2.0)
+    model, record = train_model(ToyTask(), "comera", True, cfg, tmp_path)
+    (_, layer), = comera.gated_layers(model)
+    assert layer.format.name == fmt and not isinstance(layer, comera.TTLinear)
+    assert record.sizes["linear_compression"] >= 2.0 * 0.95
+    assert record.sizes["linear_compression"] == record.sizes["tt_compression"]
+    with pytest.raises(comera.CheckpointError, match="format"):
+        train_model(ToyTask(), "comera", True, replace(cfg, format="tt"), tmp_path, resume=True)
+
+
 def test_tt_run_has_both_stages_and_truncates_at_the_boundary(tmp_path):
     model, record = train_model(ToyTask(), "comera", True, CFG, tmp_path)
     assert set(record.stage_ends) == {"early", "late"}

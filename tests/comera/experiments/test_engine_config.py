@@ -25,7 +25,7 @@ BY_TYPE = {
 }
 EXTRA = {"batch_size": [0], "eval_every": [0], "lr": [0.0], "lr_gates": [0.0],
          "target_compression": [0.0, 1.0], "max_grad_norm": [0.0], "seed": [2**63],
-         "threads": [10**6], "device": ["tpu:0 x"]}
+         "threads": [10**6], "device": ["tpu:0 x"], "format": ["dense", "einsum"]}
 
 
 def _cases():
