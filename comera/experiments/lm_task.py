@@ -34,7 +34,7 @@ from comera.data.stdlib_corpus import (
     load_corpus_splits,
 )
 from comera.data.tokenizer import UNK
-from comera.experiments.task import IndexStream, Task, model_format, spread_subset
+from comera.experiments.task import Task, model_format, spread_subset
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 
 EVAL_SPLITS = ("val", "test")
@@ -135,10 +135,6 @@ class LMTask(Task):
                               f"{int(indices.max())}]; the training split has "
                               f"{len(self.train)} examples.")
         return self.train.ids[indices]
-
-    def step_batch(self, stream: IndexStream, step: int) -> Tensor:
-        """The training rows of ``step`` of ``stream``."""
-        return self.batch(stream.indices(step))
 
     def loss(self, model: nn.Module, batch: Tensor) -> Tensor:
         inputs, targets = next_token_targets(batch)  # (b, s-1) each
