@@ -138,15 +138,18 @@ class _Run:
     """State of one training run; ``train_model`` drives it."""
 
     def __init__(self, task: Task, name: str, tt: bool, config: EngineConfig, out: Path,
-                 world: World, progress: Progress | None, model: nn.Module | None = None,
-                 start_step: int = 0):
+                 world: World, progress: Progress | None,
+                 build: Callable[[], nn.Module] | None = None, start_step: int = 0):
         self.task, self.name, self.tt, self.config, self.world = task, name, tt, config, world
         self.progress = progress
         self.device = check_device(config.device)
         self.checkpoint_path = out / "checkpoints" / f"{name}.pt"
         torch.manual_seed(config.seed)
         random.seed(config.seed)
-        built = build_task_model(task, config.model_format(tt)) if model is None else model
+        built = build_task_model(task, config.model_format(tt)) if build is None else build()
+        if not isinstance(built, nn.Module):
+            raise ConfigError(f"build() gave a {type(built).__name__}; it must return the "
+                              "nn.Module to train.")
         self.model = built.to(self.device)
         broadcast_parameters_(self.model)
         for _, layer in comera.gated_layers(self.model):  # time for memory: no change in results
@@ -161,9 +164,9 @@ class _Run:
                     "without checkpoint_blocks.")
             self.model.checkpoint_blocks = True
         if tt and not any(True for _ in comera.gated_layers(self.model)):
-            raise ConfigError(f"task {task.name!r} built a model without gated layers for "
-                              f"format {config.format!r}; build_model(format) must use comera's "
-                              "layers of that format.")
+            raise ConfigError(f"the model of task {task.name!r} has no gated layers for a "
+                              f"CoMERA run (format {config.format!r}); build_model(format) (or "
+                              "build) must use comera's layers of that format.")
         hook, clip = prepare_model_(self.model, config.fsdp, config.max_grad_norm)
         self.base_lr = base_rates(config, tt)
         opt = run_optimizer(self.model, config, tt)
@@ -456,14 +459,15 @@ def _as_tuple(value: Any) -> Any:
 
 def train_model(task: Task, name: str, tt: bool, config: EngineConfig, out: Path,
                 resume: bool = False, progress: Progress | None = None,
-                stop_after: int | None = None, model: nn.Module | None = None,
+                stop_after: int | None = None, build: Callable[[], nn.Module] | None = None,
                 start_step: int = 0) -> tuple[nn.Module, RunRecord]:
     """Train one model of ``task`` (dense, or CoMERA with ``tt``); return it and its record.
 
     ``stop_after``: leave after this many steps of this call (a checkpoint is written first),
     e.g. to split a long run over sessions; ``resume`` continues from ``out``'s checkpoint if
-    there is one (and starts fresh otherwise). ``model``: train this model instead of the
-    task's (``build_model``; e.g. a model of other sizes, or one trained up to ``start_step``);
+    there is one (and starts fresh otherwise). ``build``: how to make the model instead of the
+    task's ``build_model`` (called once the run has seeded the RNG, as ``build_model`` is; e.g. a
+    model at another rank or of other sizes, or a copy of one trained up to ``start_step``);
     ``start_step``: the step the run starts at, its batches, schedule and stages continuing
     from there (a run started inside the late stage starts it at once, on
     ``late_target_loss``). The settings are checked before anything is
@@ -472,24 +476,20 @@ def train_model(task: Task, name: str, tt: bool, config: EngineConfig, out: Path
     """
     check_settings(config, tt, current_world().size)
     check_task(task, config, tt)
-    _check_start(config, tt, model, start_step)
+    _check_start(config, tt, build, start_step)
     with _holding(out):
-        return _train(task, name, tt, config, Path(out), resume, progress, stop_after, model,
+        return _train(task, name, tt, config, Path(out), resume, progress, stop_after, build,
                       start_step)
 
 
-def _check_start(config: EngineConfig, tt: bool, model: nn.Module | None,
+def _check_start(config: EngineConfig, tt: bool, build: Callable[[], nn.Module] | None,
                  start_step: int) -> None:
-    """A given model is a module (with gated layers for a CoMERA run); a start step lies inside
-    the run, and one inside the late stage has a loss target that needs no early losses."""
+    """``build`` is callable; a start step lies inside the run, and one inside the late stage
+    has a loss target that needs no early losses."""
     check_int("start_step", start_step, 0, MAX_INT)
-    if model is not None:
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model={type(model).__name__}; give an nn.Module (or None: the "
-                              "task builds it).")
-        if tt and not any(True for _ in comera.gated_layers(model)):
-            raise ConfigError("the given model has no gated layers for a CoMERA run; give one "
-                              "with comera's layers, or train it as the dense variant.")
+    if build is not None and not callable(build):
+        raise ConfigError(f"build={build!r}; give a function returning the model (or None: the "
+                          "task builds it).")
     end = config.steps_early if config.stage == "early" else config.total_steps
     if start_step >= end:
         raise ConfigError(f"start_step={start_step}: the run ends at step {end}; start before "
@@ -509,11 +509,12 @@ def _holding(out: Path | str) -> contextlib.AbstractContextManager:
 
 
 def _train(task: Task, name: str, tt: bool, config: EngineConfig, out: Path, resume: bool,
-           progress: Progress | None, stop_after: int | None, model: nn.Module | None,
+           progress: Progress | None, stop_after: int | None,
+           build: Callable[[], nn.Module] | None,
            start_step: int) -> tuple[nn.Module, RunRecord]:
     """``train_model`` inside a held run directory."""
     world = current_world()
-    run = _Run(task, name, tt, config, Path(out), world, progress, model, start_step)
+    run = _Run(task, name, tt, config, Path(out), world, progress, build, start_step)
     resumed = run.resume() if resume else False
     if not resumed and resume:
         log.info("%s: no checkpoint at %s; starting fresh", name, run.checkpoint_path)

@@ -68,7 +68,7 @@ def test_a_given_model_from_a_later_step_and_the_clock(tmp_path):
     given = ToyTask().build_model("dense")
     given.load_state_dict(first.state_dict())
     later, rec = train_model(ToyTask(), "dense", False, cfg, tmp_path / "later",
-                             model=given, start_step=4)
+                             build=lambda: given, start_step=4)
     assert later is given and rec.val_curve[0][0] == 4 and rec.steps == 8
     with pytest.raises(comera.ConfigError, match="start_step=8"):
         train_model(ToyTask(), "dense", False, cfg, tmp_path / "x", start_step=8)
@@ -76,4 +76,7 @@ def test_a_given_model_from_a_later_step_and_the_clock(tmp_path):
         train_model(ToyTask(), "comera", True, replace(cfg, steps_late=4, target_compression=3.0),
                     tmp_path / "y", start_step=8)
     with pytest.raises(comera.ConfigError, match="no gated layers"):
-        train_model(ToyTask(), "comera", True, cfg, tmp_path / "z", model=torch.nn.Linear(2, 2))
+        train_model(ToyTask(), "comera", True, cfg, tmp_path / "z",
+                    build=lambda: torch.nn.Linear(2, 2))
+    with pytest.raises(comera.ConfigError, match="build=3"):
+        train_model(ToyTask(), "comera", True, cfg, tmp_path / "z", build=3)
