@@ -65,6 +65,7 @@ from comera.experiments.settings import (
     check_task,
 )
 from comera.experiments.task import IndexStream, Task, build_task_model
+from comera.training.early import EarlyStage
 from comera.training.trainers import pick_threads
 
 __all__ = ["EngineConfig", "Progress", "RunRecord", "check_device", "check_settings",
@@ -172,8 +173,11 @@ class _Run:
         opt = run_optimizer(self.model, config, tt)
         if tt:
             lam = config.lam if config.stage != "late" else 0.0
+            early = (EarlyStage.for_compression(self.model, config.early_target,
+                                                config.steps_early, config.early_landing)
+                     if config.early_target is not None else None)
             self.trainer = comera.CoMERATrainer(self.model, opt, lam, config.regularizer,
-                                                clip, hook)
+                                                clip, hook, early=early)
         else:
             self.trainer = comera.DenseTrainer(self.model, opt, clip, hook)
         self.optimizer = opt

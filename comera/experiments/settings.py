@@ -91,6 +91,11 @@ class EngineConfig:
     # 1 + late_loss_slack); a number fixes it (0: the late stage weights the loss alone while
     # its step budget prunes along the schedule)
     late_target_loss: float | None = None
+    # the early stage's size target (comera.training.early.EarlyStage): the compression of the
+    # gated layers against dense at which it stops pruning (None: lam alone decides), reached
+    # along a schedule over the first early_landing of the early steps
+    early_target: float | None = None
+    early_landing: float = 0.5
 
     def __post_init__(self) -> None:
         """Check every field (type, range, finiteness) before anything is built."""
@@ -116,6 +121,12 @@ class EngineConfig:
         for name in ("compile", "checkpoint_blocks", "fsdp"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}; it is True or False.")
+        if self.early_target is not None:
+            check_number("early_target", self.early_target, "a compression against dense is a "
+                          "finite number > 1 (or None)", low=1.0, positive=True)
+        if not (isinstance(self.early_landing, int | float) and not isinstance(
+                self.early_landing, bool) and 0 < self.early_landing <= 1):
+            raise ConfigError(f"early_landing={self.early_landing!r}; give a fraction in (0, 1].")
         if self.late_target_loss is not None:
             check_number("late_target_loss", self.late_target_loss, "a loss target is a finite "
                           "number >= 0 (or None: from the early stage)")

@@ -335,3 +335,15 @@ def test_engine_config_rejects_bad_values():
         EngineConfig(target_compression=1.0)
     with pytest.raises(comera.ConfigError, match="batch_size"):
         EngineConfig(batch_size=0)
+
+
+def test_an_early_stage_size_target_stops_pruning_there(tmp_path):
+    cfg = replace(CFG, stage="early", steps_late=0, steps_early=30, lam=5.0, early_target=2.0,
+                  early_landing=0.5)
+    model, _ = train_model(ToyTask(), "comera", True, cfg, tmp_path)
+    target = comera.training.early.EarlyStage.for_compression(ToyTask().build_model("tt"), 2.0)
+    slice_ = max(max(m.layout.slice_costs(m.bond_ranks)) for _, m in comera.gated_layers(model))
+    assert comera.model_size(model) >= target.target_size - 2 * slice_
+    free, _ = train_model(ToyTask(), "comera", True, replace(cfg, early_target=None),
+                          tmp_path / "free")
+    assert comera.model_size(free) < comera.model_size(model)  # lam 5 alone prunes further
