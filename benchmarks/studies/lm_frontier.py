@@ -1,12 +1,15 @@
-r"""Four-way compression frontier of the causal language model (issue 23).
+r"""The compression frontier of the causal language model (issues 23, 30).
 
     python -m benchmarks.studies.lm_frontier --seeds 0 1 2 --targets 8 --tag t8
     python -m benchmarks.studies.lm_frontier --seeds 0 --targets 4 16 32 \
-        --methods fixed lowrank comera --tag rest-s0
+        --methods tt lowrank comera --tag rest-s0
+    python -m benchmarks.studies.lm_frontier --seeds 0 --targets 8 --lrs 1e-3 3e-3 1e-2 \
+        --schedule cosine --methods dense narrow tt ttm btt lowrank comera --tag grid-s0
 
 The quick causal LM of ``comera train lm --quick`` (d_model 128, 2 blocks, 64 tokens, batch 16,
 lr 2e-3, warm-up 50, 300 + 150 steps); its block linear layers have no biases, so compression
-is of weight parameters. Methods, protocol and outputs: :mod:`benchmarks.studies.frontier`.
+is of weight parameters. Methods, protocol and outputs:
+:mod:`benchmarks.studies.harness.frontier`.
 The metric is the validation loss (perplexity); the test loss is reported beside.
 """
 
@@ -15,8 +18,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from benchmarks.lib.harness import RESULTS
-from benchmarks.studies.frontier import Spec
-from benchmarks.studies.frontier import main as frontier_main
+from benchmarks.studies.harness.frontier import Spec
+from benchmarks.studies.harness.frontier import main as frontier_main
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 
 

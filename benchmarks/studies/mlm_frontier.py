@@ -1,4 +1,4 @@
-r"""Four-way compression frontier of the masked language model (issue 23).
+r"""The compression frontier of the masked language model (issue 23).
 
     python -m benchmarks.studies.mlm_frontier --seeds 0 1 2 --targets 8 \
         --methods dense fixed lowrank comera spectrum --tag t8
@@ -6,8 +6,9 @@ r"""Four-way compression frontier of the masked language model (issue 23).
 The quick MLM of ``comera train mlm --quick`` (d_model 128, 2 blocks, 64 tokens, batch 32, lr
 1e-3, warm-up 50, 300 + 150 steps) with a dense token table and head, so every method
 compresses the same layers: the encoder blocks' linear layers (biases included). Methods,
-protocol and outputs: :mod:`benchmarks.studies.frontier`. The metric the issue's target names is the
-test loss (masked-token cross-entropy on fixed masks); the validation loss is reported beside.
+protocol and outputs: :mod:`benchmarks.studies.harness.frontier`. The metric the issue's target
+names is the test loss (masked-token cross-entropy on fixed masks); the validation loss is
+reported beside (and chooses each method's learning rate from ``--lrs``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from benchmarks.lib.harness import RESULTS
-from benchmarks.studies.frontier import Spec
-from benchmarks.studies.frontier import main as frontier_main
+from benchmarks.studies.harness.frontier import Spec
+from benchmarks.studies.harness.frontier import main as frontier_main
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 
 

@@ -20,7 +20,7 @@ and next-token accuracy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,10 +110,12 @@ class LMTask(Task):
         self.vocab = len(self.tokenizer.vocab)
 
     # -- models -------------------------------------------------------------------------------
-    def build(self, format: str = "dense", rank: int | None = None) -> CausalLM:
+    def build(self, format: str = "dense", rank: int | None = None, **sizes: int) -> CausalLM:
         """The model with block linear layers of the kind ``format`` ("dense" or a registered
-        format) at ``rank``, initialised from the current RNG."""
-        return CausalLM(self.config.model_config(self.vocab, model_format(format), rank))
+        format) at ``rank``, initialised from the current RNG; ``sizes``: other model sizes of
+        the config (``d_model``, ``d_ff``, ...: a narrower model on the same data)."""
+        config = replace(self.config, **sizes) if sizes else self.config
+        return CausalLM(config.model_config(self.vocab, model_format(format), rank))
 
     def build_model(self, format: str = "tt") -> nn.Module:
         return self.build(format)

@@ -18,7 +18,7 @@ save and restore that count with ``state_dict`` / ``load_state_dict`` to resume 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -113,17 +113,19 @@ class MLMTask(Task):
     def build_model(self, format: str = "tt") -> nn.Module:
         return MaskedLM(self.config.model_config(self.vocab, format))
 
-    def build(self, format: str = "dense", rank: int | None = None) -> MaskedLM:
+    def build(self, format: str = "dense", rank: int | None = None, **sizes: int) -> MaskedLM:
         """The MLM with dense token table and head, and encoder block linear layers of the kind
         ``format`` ("dense" or a registered format, biases kept) at ``rank`` (default: the
         config's max rank), initialised from the current RNG (the dense model first, then the
         block layers): the model a compression frontier compares at matched size of
-        :meth:`block_linears`."""
+        :meth:`block_linears`. ``sizes``: other model sizes of the config (``d_model``,
+        ``d_ff``, ...: a narrower model on the same data)."""
         format = model_format(format)
+        config = replace(self.config, **sizes) if sizes else self.config
         rank = self.config.rank if rank is None else rank
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ConfigError(f"rank={rank!r}; give a rank >= 1.")
-        model = MaskedLM(self.config.model_config(self.vocab, DENSE))
+        model = MaskedLM(config.model_config(self.vocab, DENSE))
         if format == DENSE:
             return model
         for name, layer in self.block_linears(model):
