@@ -119,7 +119,7 @@ def run(args) -> dict:
                 continue
             row = (study.dense(seed, args.lr) if name == "dense"
                    else study.fixed(name, args.target, seed, args.lr))
-            row = {k: v for k, v in row.items() if k not in ("method", "format", "target", "lr")}
+            row = {k: v for k, v in row.items() if k not in ("method", "target", "lr")}
             result["rows"].append({"seed": seed, "model": name, "rank": row.pop("rank", None),
                                    "linear_compression": row["compression"], **row})
             save()

@@ -3,8 +3,9 @@
 - ``"dense"``: the task's dense model, all ``steps``.
 - a registered format (``"tt"``, ``"ttm"``, ``"btt"``, ``"lowrank"`` ...): every block layer in
   the format at the largest uniform rank whose block layers hold at most dense / target
-  parameters (:func:`comera.ranks.budget.uniform_rank`), trained at that rank without the rank
-  objective (lam 0, no late stage), all ``steps``. No row where not even rank 1 fits.
+  parameters (:meth:`Study.uniform_rank`: :func:`comera.ranks.budget.largest_rank` over the
+  layouts of the task's model), trained at that rank without the rank objective (lam 0, no late
+  stage), all ``steps``. No row where not even rank 1 fits.
 - ``"narrow"``: the same architecture, dense, with a smaller d_model (a multiple of the heads, the
   FFN's ratio kept) and then d_ff filling the budget: the largest whose block layers hold at
   most dense / target parameters (:func:`narrow_sizes`), all ``steps``.
@@ -37,7 +38,7 @@ from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.formats.registry import DENSE, get_format, layer_formats
 from comera.ranks.allocate import allocate, rebuild_at_
-from comera.ranks.budget import dense_linear_size, size_target, uniform_rank
+from comera.ranks.budget import dense_linear_size, largest_rank, layout_size, size_target
 from comera.ranks.truncate import round_
 
 SPECIAL = ("dense", "narrow", "comera", "spectrum", "early")
@@ -78,8 +79,9 @@ class Study:
     def config_for(self, seed: int, lr: float, steps: int, **changes: Any) -> EngineConfig:
         """The engine's settings of one model: a single stage of ``steps`` (lam 0) unless
         ``changes`` say otherwise."""
-        return replace(self.config, seed=seed, lr=lr, stage="early", steps_early=steps,
-                       steps_late=0, lam=0.0, **changes)
+        return replace(self.config, **{"seed": seed, "lr": lr, "stage": "early",
+                                       "steps_early": steps, "steps_late": 0, "lam": 0.0,
+                                       **changes})
 
     def run(self, name: str, format: str, config: EngineConfig, build=None,
             start_step: int = 0):
@@ -95,6 +97,17 @@ class Study:
         """Block-layer parameters at ``target``: dense / target."""
         return dense_linear_size(self.shapes()) / target
 
+    def uniform_rank(self, fmt: str, target: float) -> int:
+        """The largest uniform rank at which the block layers of the task's ``fmt`` model hold
+        at most dense / target parameters (their modes read from the model built at rank 1;
+        0 when not even rank 1 fits)."""
+        with torch.random.fork_rng(devices=[]):
+            probe = self.task.block_linears(self.task.build(fmt, 1))
+        layers = [(m.in_modes, m.out_modes, m.bias.numel() if m.bias is not None else 0)
+                  for _, m in probe]
+        return largest_rank(lambda r: sum(layout_size(fmt, i, o, r) + b for i, o, b in layers),
+                            self.budget(target))
+
     # -- the methods -------------------------------------------------------------------------
     def dense(self, seed: int, lr: float) -> dict:
         name = _name("dense", None, seed, lr)
@@ -105,7 +118,7 @@ class Study:
     def fixed(self, fmt: str, target: float, seed: int, lr: float,
               method: str | None = None) -> dict | None:
         """``fmt`` at the largest uniform rank within the target (None when rank 1 is over)."""
-        rank = uniform_rank(fmt, self.shapes(), self.budget(target))
+        rank = self.uniform_rank(fmt, target)
         if rank < 1:
             return None
         name = _name(fmt, target, seed, lr)
@@ -119,8 +132,10 @@ class Study:
         model, record = self.run(_name("narrow", target, seed, lr), DENSE,
                                  self.config_for(seed, lr, self.steps),
                                  lambda: self.task.build(DENSE, **sizes))
-        return row(self.task, model, record, seed=seed, method="narrow", target=target, lr=lr,
-                   **sizes)
+        out = row(self.task, model, record, seed=seed, method="narrow", target=target, lr=lr,
+                  **sizes)
+        dense = dense_linear_size(self.shapes())  # against the wide dense model it stands for
+        return out | {"linear_dense": dense, "compression": dense / out["linear_params"]}
 
     def comera(self, targets, seed: int, lr: float, method: str = "comera") -> list[dict]:
         """The early model (its own row, ``method + " early"``), then one late stage per

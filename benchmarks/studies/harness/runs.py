@@ -83,5 +83,5 @@ def row(task, model: nn.Module, record: RunRecord, **extra: Any) -> dict[str, An
     params, dense = layer_sizes(layers)
     return {**extra, "val": end["val"], "test": end["test"], "linear_params": params,
             "linear_dense": dense, "compression": dense / max(params, 1),
-            "ranks": layer_ranks(layers), "seconds": round(record.train_seconds, 1),
+            "ranks": layer_ranks(layers), "seconds": round(record.train_seconds, 3),
             "steps": record.steps, "curves": curves(record)}
