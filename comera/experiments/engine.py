@@ -14,8 +14,8 @@ timings, sizes, test scores) that :mod:`comera.experiments.results` turns into f
 
 A resumed run restores model (at its truncated ranks), optimizer, trainer stage, step, RNG states
 and history, and then sees exactly the batches it would have seen: it ends with the same
-parameters as an uninterrupted run. The settings (:class:`EngineConfig`) and their checks live in
-:mod:`comera.experiments.settings`, the optimizer and schedule in
+parameters as an uninterrupted run. The checks of the settings live in
+:mod:`comera.experiments.checks`, the optimizer and schedule in
 :mod:`comera.experiments.schedule`.
 """
 
@@ -43,6 +43,18 @@ from comera import (
     NonFiniteGradientError,
     TrainingStopped,
 )
+from comera.experiments.checks import (
+    MAX_INT,
+    MAX_THREADS,
+    ON_NONFINITE,
+    PRECISIONS,
+    STAGES,
+    check_device,
+    check_int,
+    check_number,
+    check_settings,
+    check_task,
+)
 from comera.experiments.distributed import (
     World,
     barrier,
@@ -54,17 +66,11 @@ from comera.experiments.distributed import (
     save_run_checkpoint,
 )
 from comera.experiments.rundir import hold_run_directory
-from comera.experiments.schedule import base_rates, lr_factor, run_optimizer
-from comera.experiments.settings import (
-    MAX_INT,
-    PRECISIONS,
-    EngineConfig,
-    check_device,
-    check_int,
-    check_settings,
-    check_task,
-)
+from comera.experiments.schedule import OPTIMIZERS, SCHEDULES, base_rates, lr_factor, run_optimizer
 from comera.experiments.task import IndexStream, Task, build_task_model
+from comera.formats.registry import DENSE, check_layer_format
+from comera.layers.linear import check_memory
+from comera.ranks.objective import REGULARIZERS
 from comera.training.early import EarlyStage
 from comera.training.trainers import pick_threads
 
@@ -72,6 +78,121 @@ __all__ = ["EngineConfig", "Progress", "RunRecord", "check_device", "check_setti
            "check_task", "sizes_of", "train_model"]
 
 log = logging.getLogger("comera.engine")
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to train; the task decides what. ``stage`` picks the CoMERA stages to run."""
+
+    steps_early: int = 300
+    steps_late: int = 150
+    batch_size: int = 32  # the global batch: split over data-parallel workers
+    lr: float = 1e-3  # TT cores, and every parameter of a dense model
+    lr_gates: float = 1e-2
+    lr_other: float | None = None  # non-TT parameters of a TT model (default: lr)
+    warmup: int = 0  # linear learning-rate warm-up, in steps
+    lam: float = 0.05  # early stage: weight of the rank regulariser
+    regularizer: str = "l1"
+    target_compression: float = 150.0  # late stage: TT layers vs their dense size
+    # late stage: the loss target L* is the mean training loss of the last early steps, times
+    # (1 + late_loss_slack): shrink while the loss stays near what the early stage reached
+    late_loss_slack: float = 0.05
+    stage: str = "both"
+    eval_every: int = 50
+    checkpoint_every: int = 0  # 0: only at the stage boundary and at the end
+    on_nonfinite: str = "stop"  # "stop": raise TrainingStopped; "skip": drop the batch
+    max_skips: int = 10  # consecutive skipped steps before stopping anyway
+    max_grad_norm: float | None = 1.0
+    seed: int = 0
+    device: str = "cpu"
+    precision: str = "fp32"  # "bf16" / "fp16": the forward under torch.autocast (fp16: CUDA only,
+    compile: bool = False  # with a GradScaler); compile: torch.compile the training forward
+    # what TT layers keep for the backward (tncomp's memory option): "fast", "balanced", "min"
+    memory: str = "fast"
+    threads: int = 0  # CPU threads; 0: the faster of 1 and the current count, timed at the start
+    # recompute each encoder block in the backward (models with ``checkpoint_blocks``: the
+    # transformers); like memory, it trades time for memory and leaves the results unchanged
+    checkpoint_blocks: bool = False
+    fsdp: bool = False  # FSDP2 over the workers: dense parts sharded, TT layers replicated
+    # the CoMERA run's layer kind: a registered format ("tt", "tucker", ...; the dense run is
+    # the other variant), from the CLI through Task.build_model to the layers
+    format: str = "tt"
+    # the optimizer and the rate after the warm-up (comera.experiments.schedule): "groups"
+    # (named AdamW groups) or "adamw" (AdamW over model.parameters()); "constant" or "cosine"
+    optimizer: str = "groups"
+    schedule: str = "constant"
+    # the late stage's loss target L*: None takes it from the early stage's last losses (times
+    # 1 + late_loss_slack); a number fixes it (0: the late stage weights the loss alone while
+    # its step budget prunes along the schedule)
+    late_target_loss: float | None = None
+    # the early stage's size target (comera.training.early.EarlyStage): the compression of the
+    # gated layers against dense at which it stops pruning (None: lam alone decides), reached
+    # along a schedule over the first early_landing of the early steps
+    early_target: float | None = None
+    early_landing: float = 0.5
+
+    def __post_init__(self) -> None:
+        """Check every field (type, range, finiteness) before anything is built."""
+        for name, low in (("steps_early", 0), ("steps_late", 0), ("warmup", 0),
+                          ("checkpoint_every", 0), ("max_skips", 0), ("threads", 0),
+                          ("seed", 0), ("batch_size", 1), ("eval_every", 1)):
+            check_int(name, getattr(self, name), low, MAX_THREADS if name == "threads"
+                       else MAX_INT)
+        check_number("lr", self.lr, "a learning rate is a finite number > 0", positive=True)
+        check_number("lr_gates", self.lr_gates, "a learning rate is a finite number > 0",
+                      positive=True)
+        if self.lr_other is not None:
+            check_number("lr_other", self.lr_other, "a learning rate is a finite number > 0 "
+                          "(or None: lr)", positive=True)
+        check_number("lam", self.lam, "the rank-regulariser weight is a finite number >= 0")
+        check_number("late_loss_slack", self.late_loss_slack, "it is a finite number >= 0, "
+                      "e.g. 0.05")
+        if self.max_grad_norm is not None:
+            check_number("max_grad_norm", self.max_grad_norm, "it is a finite number > 0 (or "
+                          "None: no clipping)", positive=True)
+        check_number("target_compression", self.target_compression, "it must be > 1 (dense "
+                      "size / TT size), e.g. 50", low=1.0, positive=True)
+        for name in ("compile", "checkpoint_blocks", "fsdp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r}; it is True or False.")
+        if self.early_target is not None:
+            check_number("early_target", self.early_target, "a compression against dense is a "
+                          "finite number > 1 (or None)", low=1.0, positive=True)
+        if not (isinstance(self.early_landing, int | float) and not isinstance(
+                self.early_landing, bool) and 0 < self.early_landing <= 1):
+            raise ConfigError(f"early_landing={self.early_landing!r}; give a fraction in (0, 1].")
+        if self.late_target_loss is not None:
+            check_number("late_target_loss", self.late_target_loss, "a loss target is a finite "
+                          "number >= 0 (or None: from the early stage)")
+        for name, choices in (("stage", STAGES), ("on_nonfinite", ON_NONFINITE),
+                              ("precision", tuple(PRECISIONS)), ("regularizer", REGULARIZERS),
+                              ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
+                raise ConfigError(f"{name}={getattr(self, name)!r}; choose one of "
+                                  f"{', '.join(choices)}.")
+        if not isinstance(self.device, str) or not self.device.strip():
+            raise ConfigError(f"device={self.device!r} is not a device; use cpu, cuda or "
+                              "cuda:1.")
+        if self.precision == "fp16" and not self.device.startswith("cuda"):
+            raise ConfigError(f"precision='fp16' trains with a CUDA GradScaler; device "
+                              f"{self.device!r} has none: use precision='bf16' on the CPU.")
+        if not isinstance(self.memory, str):
+            raise ConfigError(f"memory={self.memory!r}; choose one of fast, balanced, min.")
+        check_memory(self.memory)
+        if self.format == DENSE:
+            raise ConfigError("format='dense': the dense model is the run without CoMERA (tt="
+                              "False, variant dense); give the CoMERA run a registered format, "
+                              "e.g. 'tt'.")
+        check_layer_format(self.format)
+
+    def model_format(self, tt: bool) -> str:
+        """The layer kind a run builds: ``format`` for a CoMERA run, ``"dense"`` otherwise."""
+        return self.format if tt else DENSE
+
+    @property
+    def total_steps(self) -> int:
+        """Steps of a whole run: early-stage steps plus late-stage steps."""
+        return self.steps_early + self.steps_late
+
 
 @dataclass
 class RunRecord:
