@@ -15,23 +15,13 @@ The metric is the validation loss (perplexity); the test loss is reported beside
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from benchmarks.lib.harness import RESULTS
-from benchmarks.studies.harness.frontier import Spec
+from benchmarks.studies.harness.frontier import Spec, task_config
 from benchmarks.studies.harness.frontier import main as frontier_main
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 
-
-def task_config(args) -> LMTaskConfig:
-    if args.smoke:
-        return replace(LMTaskConfig(), seq_len=16, vocab_size=64, d_model=16, n_heads=2,
-                       d_ff=32, n_layers=1, rank=args.max_rank, eval_limit=8)
-    return replace(LMTaskConfig(), rank=args.max_rank)
-
-
 SPEC = Spec(name="lm", title="Causal LM on CPython stdlib sources", out=RESULTS / "lm_frontier",
-            make_task=lambda args: LMTask(task_config(args), root=args.root),
+            make_task=lambda args: LMTask(task_config(LMTaskConfig, args), root=args.root),
             defaults={"batch": 16, "lr": 2e-3, "targets": [8, 4, 16, 32]}, split="val")
 
 

@@ -13,23 +13,13 @@ reported beside (and chooses each method's learning rate from ``--lrs``).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from benchmarks.lib.harness import RESULTS
-from benchmarks.studies.harness.frontier import Spec
+from benchmarks.studies.harness.frontier import Spec, task_config
 from benchmarks.studies.harness.frontier import main as frontier_main
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 
-
-def task_config(args) -> MLMTaskConfig:
-    if args.smoke:
-        return replace(MLMTaskConfig(), seq_len=16, vocab_size=64, d_model=16, n_heads=2,
-                       d_ff=32, n_layers=1, rank=args.max_rank, eval_limit=8)
-    return replace(MLMTaskConfig(), rank=args.max_rank)
-
-
 SPEC = Spec(name="mlm", title="Masked LM on CPython stdlib sources", out=RESULTS / "mlm_frontier",
-            make_task=lambda args: MLMTask(task_config(args), root=args.root),
+            make_task=lambda args: MLMTask(task_config(MLMTaskConfig, args), root=args.root),
             defaults={"batch": 32, "lr": 1e-3, "targets": [8]}, split="test")
 
 

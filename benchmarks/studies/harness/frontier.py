@@ -70,6 +70,15 @@ class Spec:
     split: str = "val"  # the split the plot and the "vs dense" column lead with
 
 
+def task_config(config_class, args):
+    """The task's quick config at ``--max-rank``; with ``--smoke`` a tiny model (d_model 16, one
+    block, 16 tokens, 8 evaluation rows)."""
+    if args.smoke:
+        return config_class(seq_len=16, vocab_size=64, d_model=16, n_heads=2, d_ff=32,
+                            n_layers=1, rank=args.max_rank, eval_limit=8)
+    return config_class(rank=args.max_rank)
+
+
 def label(method: str) -> str:
     """A method's name in tables and plots."""
     if method in FIXED:

@@ -230,19 +230,26 @@ def test_autocast_computes_in_bfloat16_like_nn_linear(fmt):
     torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2 * scale)
 
 
+def compiled_matches_eager(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` under ``torch.compile(fullgraph=True)`` equals eager, forward and the
+    parameters' gradients; returns the compiled output."""
+    want = module(x)
+    want.square().sum().backward()
+    want_grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    got = torch.compile(module, backend="aot_eager", fullgraph=True)(x)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want)
+    for p, grad in zip(module.parameters(), want_grads, strict=True):
+        torch.testing.assert_close(p.grad, grad)
+    return got
+
+
 def test_torch_compile_fullgraph_matches_eager_and_the_dense_weight(fmt):
     layer = _f32_layer(fmt)
     x = torch.randn(5, IN)
-    want = layer(x)
-    want.square().sum().backward()
-    want_grads = [p.grad.clone() for p in layer.parameters()]
-    layer.zero_grad()
-    got = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
-    got.square().sum().backward()
-    torch.testing.assert_close(got, want)
+    got = compiled_matches_eager(layer, x)
     torch.testing.assert_close(got, _dense_out(layer, x), rtol=1e-4, atol=1e-5)
-    for p, grad in zip(layer.parameters(), want_grads, strict=True):
-        torch.testing.assert_close(p.grad, grad)
 
 
 def test_threads_calling_one_layer_get_the_serial_result(fmt):
@@ -374,14 +381,6 @@ def test_table_checkpoint(table_fmt, tmp_path):
 
 def test_table_autocast_keeps_the_tables_dtype_and_compile_matches_eager(table_fmt):
     table = _table(table_fmt, dtype=torch.float32)
-    want = table(IDS)
     with torch.autocast("cpu", torch.bfloat16):
         assert table(IDS).dtype == torch.float32  # as nn.Embedding: no low precision
-    want.square().sum().backward()
-    want_grads = [p.grad.clone() for p in table.parameters()]
-    table.zero_grad()
-    got = torch.compile(table, backend="aot_eager", fullgraph=True)(IDS)
-    got.square().sum().backward()
-    torch.testing.assert_close(got, want)
-    for p, grad in zip(table.parameters(), want_grads, strict=True):
-        torch.testing.assert_close(p.grad, grad)
+    compiled_matches_eager(table, IDS)
