@@ -1,10 +1,13 @@
 """The format protocol and the list of registered formats.
 
 A format turns (in_modes, out_modes, ranks) into a :class:`~comera.formats.layout.Layout`, and
-says, where it can, how to initialise its cores from a dense weight and how to round them
-exactly. Everything else (gates, sizes, regularisers, pruning, truncation, conversion,
-checkpoints, reports) is generic over the layout. Adding a format is its module (a subclass of
-:class:`Format`) plus one line in :data:`FORMATS` below, and its test.
+says, where it can, how to initialise its cores from a dense weight, how to round them exactly,
+and how it holds an embedding table (:attr:`Format.table`). Everything else (gates, sizes,
+regularisers, pruning, truncation, conversion, checkpoints, reports, embedding lookups) is
+generic over the layout. Adding a format is its module (a subclass of :class:`Format`) plus one
+line in :data:`BUILTIN` below (or :func:`register_format` for a user's own), and its test; the
+lists of formats the rest of comera reads are derived from the registry: :func:`format_names`,
+:func:`layer_formats` (a layer's kind: ``"dense"`` or a format), :func:`table_formats`.
 """
 
 from __future__ import annotations
