@@ -1,6 +1,8 @@
 """comera: CoMERA rank-adaptive tensor-train training on tncomp plans.
 
-Layers (``TTLinear``, ``TTMLinear``, ``TTEmbedding``) carry diagonal rank gates; the objective
+Layers (``GatedLinear`` and ``GatedEmbedding`` in any weight format, ``TTLinear``,
+``TTMLinear``, ``TTEmbedding``) carry diagonal rank gates; a new format is a ``Format`` subclass
+given to ``register_format`` (or one line in the registry's built-in list); the objective
 (``rank_regularizer``, ``LateStage``) drives ranks down; ``truncate_`` removes pruned ranks
 physically; ``convert_`` turns an existing torch model into a TT model; ``RankController`` runs
 the rank-adaptive stages inside any training loop (``CoMERATrainer`` is one such loop).
@@ -22,9 +24,10 @@ from comera.errors import (
     TrainingStopped,
 )
 from comera.formats.factorize import factorize, factorize_pair, suggest_padded_size
+from comera.formats.registry import Format, register_format
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.cached_embedding import CachedTTEmbedding
-from comera.layers.embedding import TTEmbedding
+from comera.layers.embedding import GatedEmbedding, TTEmbedding
 from comera.layers.linear import GatedLayer, GatedLinear, GatedTrain, TTLinear, TTMLinear
 from comera.layers.siblings import Siblings
 from comera.lean.dropout import BoolMaskDropout
@@ -61,6 +64,8 @@ __all__ = [
     "DenseTrainer",
     "EarlyStage",
     "FactorizationError",
+    "Format",
+    "GatedEmbedding",
     "GatedLayer",
     "GatedLinear",
     "GatedTrain",
@@ -94,6 +99,7 @@ __all__ = [
     "param_groups",
     "rank_regularizer",
     "read_checkpoint",
+    "register_format",
     "save_checkpoint",
     "save_pretrained",
     "scaled_dot_product_attention",

@@ -4,11 +4,12 @@
     python docs/gen_api.py --check    # exit 1 (and say so) when docs/api.md is out of date
 
 The public API is ``tncomp.__all__``, ``comera.__all__``, and the public classes and functions
-defined in ``comera.experiments.engine``, ``comera.experiments.task``,
-``comera.experiments.results``, ``comera.experiments.rundir`` and ``comera.surgery.report`` (names
-without a leading underscore). Each name gets its signature and docstring, grouped by the
-module that defines it; a class also gets its public methods, properties and class attributes,
-including those of the tncomp / comera classes it inherits from.
+defined in ``comera.experiments.engine``, ``comera.experiments.checks``,
+``comera.experiments.task``, ``comera.experiments.results``, ``comera.experiments.rundir`` and
+``comera.surgery.report`` (names without a leading underscore). Each name gets its signature and
+docstring, grouped by the module that defines it; a class also gets its public methods,
+properties and class attributes, including those of the tncomp / comera classes it inherits
+from.
 ``tests/test_api_reference.py`` checks that the committed file is what this script writes, and
 lists the public names that lack a docstring.
 """
@@ -35,6 +36,7 @@ NAMESPACES = (
     ("tncomp", "__all__"),
     ("comera", "__all__"),
     ("comera.experiments.engine", "defined"),
+    ("comera.experiments.checks", "defined"),
     ("comera.experiments.task", "defined"),
     ("comera.experiments.results", "defined"),
     ("comera.experiments.rundir", "defined"),

@@ -36,6 +36,7 @@ from comera.experiments.results import machine
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, format_names, get_format
 from comera.layers.linear import GatedLinear
+from comera.ranks.budget import largest_rank, layout_size
 
 IN_MODES, OUT_MODES = (12, 8, 8), (12, 16, 16)  # 768 x 3072, as in bench_tt_linear
 COMPRESSION = 50
@@ -44,21 +45,13 @@ BATCHES = (4096, 128)
 
 def layout_at_budget(fmt: Format, budget: int) -> Layout:
     """The format's layout at the largest uniform int rank whose cores fit ``budget``
-    parameters (the parameter count grows with the rank, so a bisection finds it)."""
+    parameters (:func:`comera.ranks.budget.largest_rank`)."""
     in_modes = IN_MODES if fmt.uses_modes else (768,)
     out_modes = OUT_MODES if fmt.uses_modes else (3072,)
-
-    def params(rank: int) -> int:
-        layout = fmt.layout(in_modes, out_modes, rank)
-        return layout.parameters_at(layout.bond_sizes)
-
-    low, high = 1, 3072
-    if params(low) > budget:
+    rank = largest_rank(lambda r: layout_size(fmt, in_modes, out_modes, r), budget, 3072)
+    if rank < 1:
         raise SystemExit(f"format {fmt.name!r}: even rank 1 is above {budget} parameters")
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if params(mid) <= budget else (low, mid - 1)
-    return fmt.layout(in_modes, out_modes, low)
+    return fmt.layout(in_modes, out_modes, rank)
 
 
 def run_batch(batch: int, repeats: int, warmup: int) -> list[dict]:

@@ -3,10 +3,11 @@ same total table size (the late stage's target counts the cache), over seeds.
 
     python -m benchmarks.studies.dlrm_cache --seeds 0 1 2 --cache-rows 64
 
-Every variant trains with the registry's quick ``dlrm`` engine settings (same steps, same data,
-same split); the TT variants' late stage lands on ``target_compression`` of their embedding
-tables, cache included. Results: ``benchmarks/results/dlrm_cache/dlrm_cache.{json,md}``,
-rewritten after every model.
+Every variant trains on the engine (:func:`benchmarks.studies.harness.runs.train`) with the
+registry's quick ``dlrm`` engine settings (same steps, same data, same split); the TT variants'
+late stage lands on ``target_compression`` of their embedding tables, cache included. Results:
+``benchmarks/results/dlrm_cache/dlrm_cache.{json,md}``, rewritten after every model (each row
+with its curves against step and training wall-clock).
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from benchmarks.lib.harness import RESULTS
+from benchmarks.studies.harness.runs import curves, train
 from comera.experiments.dlrm_task import DLRMTask, DLRMTaskConfig
-from comera.experiments.engine import train_model
 from comera.experiments.registry import EXPERIMENTS
+from comera.formats.registry import DENSE
+from tncomp.files import atomic_write_text
 
 OUT = RESULTS / "dlrm_cache"
 
@@ -65,7 +67,8 @@ def main(argv=None) -> int:
                    help="checkpoints (large; not results)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = replace(EXPERIMENTS["dlrm"].quick, target_compression=args.target_compression)
+    engine = replace(EXPERIMENTS["dlrm"].quick, target_compression=args.target_compression,
+                     threads=args.threads)
     plain = DLRMTask(DLRMTaskConfig.quick(tt_cache_rows=0))
     cached = DLRMTask(replace(plain.cfg, tt_cache_rows=args.cache_rows), plain.data)  # same data
     result = {"settings": {"cache_rows": args.cache_rows, "seeds": args.seeds,
@@ -80,17 +83,18 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         config = replace(engine, seed=seed)
         for name, task, tt in variants:
-            start = time.time()
-            model, record = train_model(task, "comera" if tt else "dense", tt, config,
-                                        args.runs / f"{name}-{seed}")
+            model, record = train(task, "comera" if tt else "dense", "tt" if tt else DENSE,
+                                  config, args.runs / f"{name}-{seed}")
             end = record.stage_ends["late" if tt else "dense"]
             result["rows"].append({"variant": name, "seed": seed, "test": end["test"],
                                    "val": end["val"], "sizes": end["sizes"],
                                    "table_params": model.table_parameters(),
-                                   "seconds": time.time() - start})
+                                   "seconds": round(record.train_seconds, 1),
+                                   "curves": curves(record)})
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "dlrm_cache.json").write_text(json.dumps(result, indent=1, default=str))
-            (args.out / "dlrm_cache.md").write_text(summarise(result) + "\n")
+            atomic_write_text(args.out / "dlrm_cache.json",
+                              json.dumps(result, indent=1, default=str))
+            atomic_write_text(args.out / "dlrm_cache.md", summarise(result) + "\n")
     print(summarise(result))
     return 0
 

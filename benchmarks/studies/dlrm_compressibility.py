@@ -73,13 +73,13 @@ def main(argv=None) -> int:
     if generator is None:
         from comera.data.criteo import SyntheticCriteo
 
-        generator = SyntheticCriteo(cardinalities=cfg.model_config(False).table_sizes,
+        generator = SyntheticCriteo(cardinalities=cfg.model_config("dense").table_sizes,
                                     zipf_exponent=cfg.zipf_exponent, seed=cfg.data_seed)
-    model = DLRM(cfg.model_config(tt=True))
+    model = DLRM(cfg.model_config("tt"))
     result = {"config": {"max_rows": cfg.max_rows, "hidden_dim": generator.hidden_dim,
                          "n_train": cfg.n_train}, "tables": []}
     for k, table in enumerate(model.embeddings):
-        if not cfg.model_config(True).is_tt_table(k):
+        if not cfg.model_config("tt").is_tt_table(k):
             continue
         rows = table.num_embeddings
         planted = planted_table(generator, k, rows)

@@ -2,22 +2,20 @@ r"""Test accuracy on the reviews task per weight format, every format at about t
 
     python -m benchmarks.studies.formats_accuracy --seeds 0 1 2 --target 50 --threads 1
 
-For each registered format (:func:`comera.formats.registry.format_names`; ``einsum`` is only
-declared by an equation, so it has no layer of its own here) the SmallReviews classifier of
-:mod:`benchmarks.studies.accuracy_frontier` (d_model 128, 2 layers) is built with every encoder
-linear layer (the layers that frontier's "fixed" method makes TT) as a ``GatedLinear(format=f,
-ranks=r)``, at the largest uniform int rank r whose linear layers (biases included) have at
-most ``dense / --target`` parameters, counted from the layouts, before any training. A format
-whose rank 1 is already larger gets a row saying so (its rank-1 compression) and is not
-trained.
+For each layer format (:func:`comera.formats.registry.layer_formats`; ``einsum`` is only
+declared by an equation, so it has no layer of its own) the SmallReviews classifier
+(:mod:`benchmarks.studies.harness.reviews`; d_model 128, 2 layers) is built with every encoder
+linear layer as a ``GatedLinear(format=f, ranks=r)``, at the largest uniform int rank r whose
+linear layers (biases included) have at most ``dense / --target`` parameters, counted from the
+layouts, before any training. A format whose rank 1 is already larger gets a row saying so (its
+rank-1 compression) and is not trained.
 
-Every model is then built and trained exactly as that frontier's "fixed" model is:
-``torch.manual_seed(seed)`` right before the model is constructed (the layers are made in the
-same order, by the model's own ``TransformerConfig(linear_format=...)``, so format ``tt``
-gives the fixed model itself), the same batches (:class:`IndexStream` of the seed), AdamW at
+Every model trains on the engine as the harness's format method does (the reviews frontier's
+"fixed" model for ``tt``): seeded right before it is built (the layers made in the same order,
+by the model's own ``TransformerConfig(linear_format=...)``), the same batches, AdamW at
 ``--lr`` (gates ``--lr-gates``) with ``--warmup`` warm-up steps, grad-norm clip 1.0, no rank
-adaptation (lam 0, no late stage), ``--steps`` steps. The dense model (``tt=False``) trains the
-same way in the same process, per seed, as the frontier's dense rows do.
+adaptation (lam 0, no late stage), ``--steps`` steps. The dense model trains the same way in the
+same process, per seed.
 
 Runs are seed-major (every format for seed 0, then seed 1, ...); ``--out``/formats.json and
 formats.md are rewritten after every model, so a cut-off run still gives its n=1 or n=2 rows.
@@ -30,30 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from dataclasses import replace
 from pathlib import Path
 
-import torch
-from torch import nn
-
-import comera
 from benchmarks.lib.harness import RESULTS, markdown_table
-from benchmarks.studies.accuracy_frontier import (
-    SmallReviews,
-    _score,
-    _train,
-    _tt_optimizer,
-    machine,
-    training_args,
-)
+from benchmarks.studies.harness.methods import Study
+from benchmarks.studies.harness.reviews import SmallReviews, training_args
 from comera.data.stdlib_pairs import PairDataset
 from comera.errors import ConfigError
-from comera.experiments.task import IndexStream
+from comera.experiments.engine import EngineConfig
+from comera.experiments.results import machine
 from comera.experiments.transformer_task import ReviewsTaskConfig
-from comera.formats.registry import format_names, get_format
-from comera.layers.linear import resolve_modes
-from comera.models import PairClassifier
+from comera.formats.registry import DENSE, layer_formats
+from comera.ranks.budget import dense_linear_size, linear_size, uniform_rank
+from tncomp.files import atomic_write_text
 
 OUT = RESULTS / "formats_reviews"
 SKIP = {"einsum": "declared by an equation only (GatedLinear.from_eq): no layer of its own"}
@@ -62,61 +49,23 @@ D = 3  # modes per side, as the fixed TT model factorises its layers
 
 
 def trained_formats() -> tuple[str, ...]:
-    """The registered formats this benchmark trains (all but the declared-only ones)."""
-    return tuple(f for f in format_names() if f not in SKIP)
-
-
-def encoder_shapes(task) -> list[tuple[str, int, int]]:
-    """(name, in_features, out_features) of every encoder linear layer of the dense model."""
-    model = task.build_model(tt=False)
-    return [(n, m.in_features, m.out_features) for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and n.startswith("blocks.")]
-
-
-def layer_parameters(fmt: str, n_in: int, n_out: int, rank: int) -> int:
-    """Parameters of ``GatedLinear(n_in, n_out, format=fmt, ranks=rank, d=3)`` with its bias,
-    from the layout alone (no cores are drawn)."""
-    f = get_format(fmt)
-    if f.uses_modes:
-        in_modes, out_modes = resolve_modes(n_in, n_out, None, None, D)
-    else:
-        in_modes, out_modes = (n_in,), (n_out,)
-    layout = f.layout(tuple(in_modes), tuple(out_modes), rank)
-    return layout.parameters_at(layout.bond_sizes) + n_out
-
-
-def total_parameters(fmt: str, shapes, rank: int) -> int:
-    """Parameters of all the encoder linear layers of ``shapes`` in ``fmt`` at ``rank``."""
-    return sum(layer_parameters(fmt, n_in, n_out, rank) for _, n_in, n_out in shapes)
+    """The registered formats this benchmark trains: every layer format (a declared one has no
+    layer of its own)."""
+    return tuple(f for f in layer_formats() if f != DENSE)
 
 
 def rank_for(fmt: str, shapes, budget: float) -> tuple[int, int]:
-    """(rank, parameters): the largest uniform rank whose layers fit ``budget`` (the smallest
-    rank of that size where larger ranks are capped to it), or (0, rank-1 parameters) when
-    not even rank 1 fits."""
-    best, size = 0, total_parameters(fmt, shapes, 1)
-    previous = None
-    for rank in range(1, MAX_RANK + 1):
-        params = total_parameters(fmt, shapes, rank)
-        if params > budget:
-            break
-        if params != previous:
-            best, size, previous = rank, params, params
-    return best, size
+    """(rank, parameters): the largest uniform rank whose layers fit ``budget``
+    (:func:`comera.ranks.budget.uniform_rank`), or (0, rank-1 parameters) when not even rank 1
+    fits."""
+    rank = uniform_rank(fmt, shapes, budget, D, MAX_RANK)
+    return rank, linear_size(fmt, shapes, max(rank, 1), D)
 
 
-def build_model(task, fmt: str, rank: int, seed: int) -> nn.Module:
-    """The classifier with every encoder linear layer in ``fmt`` at ``rank``, initialised from
-    ``seed`` as the fixed-rank TT model is (``fmt="tt"``: that model itself)."""
-    cfg = replace(task.model_config(True), rank=rank, linear_format=fmt)
-    torch.manual_seed(seed)
-    return PairClassifier(cfg)
-
-
-def plan(task, formats, target: float) -> dict:
+def plan(study: Study, formats, target: float) -> dict:
     """Per format: the rank, its linear parameters and compression at ``dense / target``."""
-    shapes = encoder_shapes(task)
-    dense = sum(n_in * n_out + n_out for _, n_in, n_out in shapes)
+    shapes = study.shapes()
+    dense = dense_linear_size(shapes)
     budget = dense / target
     out = {"dense_linear": dense, "budget": budget, "formats": {}}
     for fmt in formats:
@@ -124,6 +73,14 @@ def plan(task, formats, target: float) -> dict:
         out["formats"][fmt] = {"rank": rank, "linear_params": params,
                                "compression": dense / params, "fits": rank > 0}
     return out
+
+
+def study_of(task, args) -> Study:
+    """The study: every model ``--steps`` steps at the shared training flags."""
+    config = EngineConfig(batch_size=args.batch, lr=args.lr, lr_gates=args.lr_gates,
+                          warmup=args.warmup, eval_every=args.eval_every, max_grad_norm=1.0,
+                          threads=args.threads)
+    return Study(task, config, args.work, steps=args.steps)
 
 
 def _smoke_task(task, n: int = 64):
@@ -138,50 +95,36 @@ def run(args) -> dict:
     task = SmallReviews(ReviewsTaskConfig(max_len=args.max_len))
     if args.smoke:
         _smoke_task(task)
-    the_plan = plan(task, args.formats, args.target)
+    study = study_of(task, args)
+    the_plan = plan(study, args.formats, args.target)
     path = args.out / "formats.json"
     result = {"task": "reviews (title, review) -> recommended, SmallReviews (d_model 128, "
                       "2 layers)", "data": task.describe(),
-              "settings": vars(args) | {"out": str(args.out)}, "machine": machine(),
-              "plan": the_plan, "rows": []}
+              "settings": vars(args) | {"out": str(args.out), "work": str(args.work)},
+              "machine": machine(), "plan": the_plan, "rows": []}
     if args.append and path.is_file():
         result["rows"] = json.loads(path.read_text())["rows"]
-    lr = {"cores": args.lr, "gates": args.lr_gates, "other": args.lr}
 
     def save() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-        (args.out / "formats.md").write_text(summarise(result) + "\n")
+        atomic_write_text(path, json.dumps(result, indent=1, default=str) + "\n")
+        atomic_write_text(args.out / "formats.md", summarise(result) + "\n")
 
     save()
     for seed in args.seeds:
-        stream = IndexStream(task.train_size(), args.batch, seed)
         for name in [*args.formats, "dense"]:
             if any(r["seed"] == seed and r["model"] == name for r in result["rows"]):
                 continue
             if name != "dense" and not the_plan["formats"][name]["fits"]:
                 continue
-            start = time.time()
-            if name == "dense":
-                torch.manual_seed(seed)
-                model = task.build_model(tt=False)
-                opt = torch.optim.AdamW([{"params": list(model.parameters()), "lr": args.lr,
-                                          "name": "other"}], weight_decay=0.0)
-                trainer = comera.DenseTrainer(model, opt, 1.0)
-                rank = None
-            else:
-                rank = the_plan["formats"][name]["rank"]
-                model = build_model(task, name, rank, seed)
-                trainer = comera.CoMERATrainer(model, _tt_optimizer(model, args), 0.0,
-                                               max_grad_norm=1.0)
-            _train(task, model, trainer, stream, 0, args.steps, args.warmup, lr)
-            score = _score(task, model)
-            result["rows"].append({"seed": seed, "model": name, "rank": rank,
-                                   "seconds": round(time.time() - start, 1), **score})
+            row = (study.dense(seed, args.lr) if name == "dense"
+                   else study.fixed(name, args.target, seed, args.lr))
+            row = {k: v for k, v in row.items() if k not in ("method", "target", "lr")}
+            result["rows"].append({"seed": seed, "model": name, "rank": row.pop("rank", None),
+                                   "linear_compression": row["compression"], **row})
             save()
-            print(f"seed {seed} {name}: test {score['test']['accuracy']:.4f} "
-                  f"({score['linear_compression']:.1f}x, {result['rows'][-1]['seconds']} s)",
-                  flush=True)
+            print(f"seed {seed} {name}: test {row['test']['accuracy']:.4f} "
+                  f"({row['compression']:.1f}x, {row['seconds']} s)", flush=True)
     return result
 
 
@@ -243,6 +186,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=450)
     training_args(p)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--work", type=Path, default=Path("/tmp/formats_reviews_work"),
+                   help="the engine's run folder (a checkpoint per model)")
     p.add_argument("--append", action="store_true",
                    help="keep the rows already in --out/formats.json; skip (seed, model) done")
     p.add_argument("--smoke", action="store_true",
@@ -256,11 +201,11 @@ def main(argv=None) -> int:
         p.error(f"--formats {' '.join(bad)}: choose from {', '.join(known)}")
     if args.target <= 1:
         p.error(f"--target {args.target:g}: give a compression > 1 (e.g. 50)")
-    if args.steps < 1 or args.warmup < 1:
-        p.error(f"--steps {args.steps} --warmup {args.warmup}: both must be >= 1")
+    if args.steps < 1 or args.warmup < 1 or args.eval_every < 1 or args.threads < 1:
+        p.error(f"--steps {args.steps} --warmup {args.warmup} --eval-every {args.eval_every} "
+                f"--threads {args.threads}: each must be >= 1")
     if args.smoke:
         args.steps, args.warmup = 2, 1
-    torch.set_num_threads(args.threads)
     if args.summarise_only:
         result = json.loads((args.out / "formats.json").read_text())
     else:

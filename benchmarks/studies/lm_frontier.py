@@ -1,34 +1,27 @@
-r"""Four-way compression frontier of the causal language model (issue 23).
+r"""The compression frontier of the causal language model (issues 23, 30).
 
     python -m benchmarks.studies.lm_frontier --seeds 0 1 2 --targets 8 --tag t8
     python -m benchmarks.studies.lm_frontier --seeds 0 --targets 4 16 32 \
-        --methods fixed lowrank comera --tag rest-s0
+        --methods tt lowrank comera --tag rest-s0
+    python -m benchmarks.studies.lm_frontier --seeds 0 --targets 8 --lrs 1e-3 3e-3 1e-2 \
+        --schedule cosine --methods dense narrow tt ttm btt lowrank comera --tag grid-s0
 
 The quick causal LM of ``comera train lm --quick`` (d_model 128, 2 blocks, 64 tokens, batch 16,
 lr 2e-3, warm-up 50, 300 + 150 steps); its block linear layers have no biases, so compression
-is of weight parameters. Methods, protocol and outputs: :mod:`benchmarks.studies.frontier`.
+is of weight parameters. Methods, protocol and outputs:
+:mod:`benchmarks.studies.harness.frontier`.
 The metric is the validation loss (perplexity); the test loss is reported beside.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from benchmarks.lib.harness import RESULTS
-from benchmarks.studies.frontier import Spec
-from benchmarks.studies.frontier import main as frontier_main
+from benchmarks.studies.harness.frontier import Spec, task_config
+from benchmarks.studies.harness.frontier import main as frontier_main
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 
-
-def task_config(args) -> LMTaskConfig:
-    if args.smoke:
-        return replace(LMTaskConfig(), seq_len=16, vocab_size=64, d_model=16, n_heads=2,
-                       d_ff=32, n_layers=1, rank=args.max_rank, eval_limit=8)
-    return replace(LMTaskConfig(), rank=args.max_rank)
-
-
 SPEC = Spec(name="lm", title="Causal LM on CPython stdlib sources", out=RESULTS / "lm_frontier",
-            make_task=lambda args: LMTask(task_config(args), root=args.root),
+            make_task=lambda args: LMTask(task_config(LMTaskConfig, args), root=args.root),
             defaults={"batch": 16, "lr": 2e-3, "targets": [8, 4, 16, 32]}, split="val")
 
 

@@ -1,4 +1,4 @@
-r"""Four-way compression frontier of the masked language model (issue 23).
+r"""The compression frontier of the masked language model (issue 23).
 
     python -m benchmarks.studies.mlm_frontier --seeds 0 1 2 --targets 8 \
         --methods dense fixed lowrank comera spectrum --tag t8
@@ -6,29 +6,20 @@ r"""Four-way compression frontier of the masked language model (issue 23).
 The quick MLM of ``comera train mlm --quick`` (d_model 128, 2 blocks, 64 tokens, batch 32, lr
 1e-3, warm-up 50, 300 + 150 steps) with a dense token table and head, so every method
 compresses the same layers: the encoder blocks' linear layers (biases included). Methods,
-protocol and outputs: :mod:`benchmarks.studies.frontier`. The metric the issue's target names is the
-test loss (masked-token cross-entropy on fixed masks); the validation loss is reported beside.
+protocol and outputs: :mod:`benchmarks.studies.harness.frontier`. The metric the issue's target
+names is the test loss (masked-token cross-entropy on fixed masks); the validation loss is
+reported beside (and chooses each method's learning rate from ``--lrs``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from benchmarks.lib.harness import RESULTS
-from benchmarks.studies.frontier import Spec
-from benchmarks.studies.frontier import main as frontier_main
+from benchmarks.studies.harness.frontier import Spec, task_config
+from benchmarks.studies.harness.frontier import main as frontier_main
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 
-
-def task_config(args) -> MLMTaskConfig:
-    if args.smoke:
-        return replace(MLMTaskConfig(), seq_len=16, vocab_size=64, d_model=16, n_heads=2,
-                       d_ff=32, n_layers=1, rank=args.max_rank, eval_limit=8)
-    return replace(MLMTaskConfig(), rank=args.max_rank)
-
-
 SPEC = Spec(name="mlm", title="Masked LM on CPython stdlib sources", out=RESULTS / "mlm_frontier",
-            make_task=lambda args: MLMTask(task_config(args), root=args.root),
+            make_task=lambda args: MLMTask(task_config(MLMTaskConfig, args), root=args.root),
             defaults={"batch": 32, "lr": 1e-3, "targets": [8]}, split="test")
 
 

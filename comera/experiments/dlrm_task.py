@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from comera import ConfigError, NonFiniteLossError
 from comera.data import CriteoData, SyntheticCriteo, load_criteo_tsv, load_synthetic_criteo
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, SPLITS, describe_data
-from comera.experiments.task import Task
+from comera.experiments.task import Task, model_format
+from comera.formats.registry import DENSE
 from comera.models import DLRM, DLRMConfig
 
 log = logging.getLogger("comera.experiments")
@@ -97,7 +98,7 @@ class DLRMTaskConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}; evaluate() scores this split, so it "
                                   "needs at least one example (both classes for the AUC).")
-        self.model_config(tt=False)  # the model settings are checked there
+        self.model_config(DENSE)  # the model settings are checked there
 
     @classmethod
     def quick(cls, **overrides: Any) -> DLRMTaskConfig:
@@ -119,17 +120,22 @@ class DLRMTaskConfig:
         base.update(overrides)
         return cls(**base)
 
-    def model_config(self, tt: bool) -> DLRMConfig:
+    def model_config(self, format: str = "tt") -> DLRMConfig:
+        """The DLRM's config with its large tables of the kind ``format`` ("dense" or a format
+        that holds tables: "tt" and "ttm" give TT-matrix tables)."""
+        format = model_format(format)
+        tt = format != DENSE
         return DLRMConfig(cardinalities=self.cardinalities, embedding_dim=self.embedding_dim,
                           bottom_mlp=self.bottom_mlp, top_mlp=self.top_mlp,
-                          max_rows=self.max_rows, tt=tt, tt_ranks=self.tt_ranks,
+                          max_rows=self.max_rows, tt=tt, table_format=format if tt else "ttm",
+                          tt_ranks=self.tt_ranks,
                           tt_min_rows=self.tt_min_rows, tt_d=self.tt_d, tau=self.tau,
                           tt_cache_rows=self.tt_cache_rows)
 
 
 class DLRMTask(Task):
-    """DLRM on (synthetic or real) Criteo clicks; ``build_model(tt)`` gives dense or TT tables
-    of the same sizes."""
+    """DLRM on (synthetic or real) Criteo clicks; ``build_model(format)`` gives dense tables or
+    tables in ``format`` (TT: TT-matrix tables) of the same sizes."""
 
     name = "dlrm"
     metric = "auc"
@@ -137,7 +143,7 @@ class DLRMTask(Task):
 
     def __init__(self, cfg: DLRMTaskConfig | None = None, data: CriteoData | None = None):
         self.cfg = cfg or DLRMTaskConfig()
-        sizes = self.cfg.model_config(tt=False).table_sizes
+        sizes = self.cfg.model_config(DENSE).table_sizes
         if data is None:
             data = self._load(sizes)
         if tuple(data.cardinalities) != sizes:
@@ -157,9 +163,10 @@ class DLRMTask(Task):
         return load_synthetic_criteo(generator, cfg.n_train, cfg.n_val, cfg.n_test)
 
     # -- the Task protocol ----------------------------------------------------------------------
-    def build_model(self, tt: bool) -> nn.Module:
-        model = DLRM(self.cfg.model_config(tt))
-        if tt and self.cfg.tt_cache_rows:
+    def build_model(self, format: str = "tt") -> nn.Module:
+        config = self.cfg.model_config(format)
+        model = DLRM(config)
+        if config.tt and self.cfg.tt_cache_rows:
             shares = model.choose_hot_rows_(self.data.train.sparse)
             log.info("hot-row caches of %d rows answer %s%% of the training lookups per table",
                      self.cfg.tt_cache_rows, shares)
@@ -200,7 +207,7 @@ class DLRMTask(Task):
                 "auc": binary_auc(scores, labels)}
 
     def describe(self) -> dict[str, Any]:
-        dense = self.cfg.model_config(tt=False)
+        dense = self.cfg.model_config(DENSE)
         return {**describe_data(self.data), "source": self.cfg.tsv_path or "synthetic",
                 "table_sizes": list(dense.table_sizes),
                 "dense_table_parameters": sum(dense.table_sizes) * dense.embedding_dim}

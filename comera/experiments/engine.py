@@ -1,7 +1,8 @@
 """The training engine: one loop for every task, dense or CoMERA, alone or data-parallel.
 
     task = PairTask(PairTaskConfig())
-    record = train_model(task, "comera", tt=True, config=EngineConfig(), out=Path("runs/x"))
+    record = train_model(task, "comera", tt=True, config=EngineConfig(format="tt"),
+                         out=Path("runs/x"))
 
 Per run it owns: the batches of each step (:class:`~comera.experiments.task.IndexStream`, a pure
 function of seed and step), the optimizer and its learning-rate schedule (a pure function of the
@@ -13,7 +14,9 @@ timings, sizes, test scores) that :mod:`comera.experiments.results` turns into f
 
 A resumed run restores model (at its truncated ranks), optimizer, trainer stage, step, RNG states
 and history, and then sees exactly the batches it would have seen: it ends with the same
-parameters as an uninterrupted run.
+parameters as an uninterrupted run. The checks of the settings live in
+:mod:`comera.experiments.checks`, the optimizer and schedule in
+:mod:`comera.experiments.schedule`.
 """
 
 from __future__ import annotations
@@ -39,8 +42,18 @@ from comera import (
     NonFiniteError,
     NonFiniteGradientError,
     TrainingStopped,
-    TTLinear,
-    TTMLinear,
+)
+from comera.experiments.checks import (
+    MAX_INT,
+    MAX_THREADS,
+    ON_NONFINITE,
+    PRECISIONS,
+    STAGES,
+    check_device,
+    check_int,
+    check_number,
+    check_settings,
+    check_task,
 )
 from comera.experiments.distributed import (
     World,
@@ -53,37 +66,18 @@ from comera.experiments.distributed import (
     save_run_checkpoint,
 )
 from comera.experiments.rundir import hold_run_directory
-from comera.experiments.task import IndexStream, Task
+from comera.experiments.schedule import OPTIMIZERS, SCHEDULES, base_rates, lr_factor, run_optimizer
+from comera.experiments.task import IndexStream, Task, build_task_model
+from comera.formats.registry import DENSE, check_layer_format
 from comera.layers.linear import check_memory
-from comera.ranks.objective import REGULARIZERS, floor_size
+from comera.ranks.objective import REGULARIZERS
+from comera.training.early import EarlyStage
 from comera.training.trainers import pick_threads
 
+__all__ = ["EngineConfig", "Progress", "RunRecord", "check_device", "check_settings",
+           "check_task", "sizes_of", "train_model"]
+
 log = logging.getLogger("comera.engine")
-
-STAGES = ("early", "late", "both")
-ON_NONFINITE = ("stop", "skip")
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # autocast dtype
-MAX_INT = 2**63 - 1  # torch counts steps, seeds and indices in int64
-MAX_THREADS = 1024
-
-
-def _check_int(name: str, value: Any, low: int, high: int) -> None:
-    """``value`` is an int (not a bool) in ``[low, high]``, or a ConfigError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r}; it is a whole number >= {low}.")
-    if not low <= value <= high:
-        raise ConfigError(f"{name}={value}; it must be between {low} and {high}.")
-
-
-def _check_number(name: str, value: Any, rule: str, low: float = 0.0,
-                  positive: bool = False) -> None:
-    """``value`` is a finite real number >= ``low`` (> with ``positive``), else a ConfigError
-    naming it and ``rule``."""
-    ok = (isinstance(value, int | float) and not isinstance(value, bool)
-          and math.isfinite(value) and (value > low if positive else value >= low))
-    if not ok:
-        raise ConfigError(f"{name}={value!r}; {rule}.")
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -119,33 +113,59 @@ class EngineConfig:
     # transformers); like memory, it trades time for memory and leaves the results unchanged
     checkpoint_blocks: bool = False
     fsdp: bool = False  # FSDP2 over the workers: dense parts sharded, TT layers replicated
+    # the CoMERA run's layer kind: a registered format ("tt", "tucker", ...; the dense run is
+    # the other variant), from the CLI through Task.build_model to the layers
+    format: str = "tt"
+    # the optimizer and the rate after the warm-up (comera.experiments.schedule): "groups"
+    # (named AdamW groups) or "adamw" (AdamW over model.parameters()); "constant" or "cosine"
+    optimizer: str = "groups"
+    schedule: str = "constant"
+    # the late stage's loss target L*: None takes it from the early stage's last losses (times
+    # 1 + late_loss_slack); a number fixes it (0: the late stage weights the loss alone while
+    # its step budget prunes along the schedule)
+    late_target_loss: float | None = None
+    # the early stage's size target (comera.training.early.EarlyStage): the compression of the
+    # gated layers against dense at which it stops pruning (None: lam alone decides), reached
+    # along a schedule over the first early_landing of the early steps
+    early_target: float | None = None
+    early_landing: float = 0.5
 
     def __post_init__(self) -> None:
         """Check every field (type, range, finiteness) before anything is built."""
         for name, low in (("steps_early", 0), ("steps_late", 0), ("warmup", 0),
                           ("checkpoint_every", 0), ("max_skips", 0), ("threads", 0),
                           ("seed", 0), ("batch_size", 1), ("eval_every", 1)):
-            _check_int(name, getattr(self, name), low, MAX_THREADS if name == "threads"
+            check_int(name, getattr(self, name), low, MAX_THREADS if name == "threads"
                        else MAX_INT)
-        _check_number("lr", self.lr, "a learning rate is a finite number > 0", positive=True)
-        _check_number("lr_gates", self.lr_gates, "a learning rate is a finite number > 0",
+        check_number("lr", self.lr, "a learning rate is a finite number > 0", positive=True)
+        check_number("lr_gates", self.lr_gates, "a learning rate is a finite number > 0",
                       positive=True)
         if self.lr_other is not None:
-            _check_number("lr_other", self.lr_other, "a learning rate is a finite number > 0 "
+            check_number("lr_other", self.lr_other, "a learning rate is a finite number > 0 "
                           "(or None: lr)", positive=True)
-        _check_number("lam", self.lam, "the rank-regulariser weight is a finite number >= 0")
-        _check_number("late_loss_slack", self.late_loss_slack, "it is a finite number >= 0, "
+        check_number("lam", self.lam, "the rank-regulariser weight is a finite number >= 0")
+        check_number("late_loss_slack", self.late_loss_slack, "it is a finite number >= 0, "
                       "e.g. 0.05")
         if self.max_grad_norm is not None:
-            _check_number("max_grad_norm", self.max_grad_norm, "it is a finite number > 0 (or "
+            check_number("max_grad_norm", self.max_grad_norm, "it is a finite number > 0 (or "
                           "None: no clipping)", positive=True)
-        _check_number("target_compression", self.target_compression, "it must be > 1 (dense "
+        check_number("target_compression", self.target_compression, "it must be > 1 (dense "
                       "size / TT size), e.g. 50", low=1.0, positive=True)
         for name in ("compile", "checkpoint_blocks", "fsdp"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}; it is True or False.")
+        if self.early_target is not None:
+            check_number("early_target", self.early_target, "a compression against dense is a "
+                          "finite number > 1 (or None)", low=1.0, positive=True)
+        if not (isinstance(self.early_landing, int | float) and not isinstance(
+                self.early_landing, bool) and 0 < self.early_landing <= 1):
+            raise ConfigError(f"early_landing={self.early_landing!r}; give a fraction in (0, 1].")
+        if self.late_target_loss is not None:
+            check_number("late_target_loss", self.late_target_loss, "a loss target is a finite "
+                          "number >= 0 (or None: from the early stage)")
         for name, choices in (("stage", STAGES), ("on_nonfinite", ON_NONFINITE),
-                              ("precision", tuple(PRECISIONS)), ("regularizer", REGULARIZERS)):
+                              ("precision", tuple(PRECISIONS)), ("regularizer", REGULARIZERS),
+                              ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
                 raise ConfigError(f"{name}={getattr(self, name)!r}; choose one of "
                                   f"{', '.join(choices)}.")
@@ -158,83 +178,20 @@ class EngineConfig:
         if not isinstance(self.memory, str):
             raise ConfigError(f"memory={self.memory!r}; choose one of fast, balanced, min.")
         check_memory(self.memory)
+        if self.format == DENSE:
+            raise ConfigError("format='dense': the dense model is the run without CoMERA (tt="
+                              "False, variant dense); give the CoMERA run a registered format, "
+                              "e.g. 'tt'.")
+        check_layer_format(self.format)
+
+    def model_format(self, tt: bool) -> str:
+        """The layer kind a run builds: ``format`` for a CoMERA run, ``"dense"`` otherwise."""
+        return self.format if tt else DENSE
 
     @property
     def total_steps(self) -> int:
         """Steps of a whole run: early-stage steps plus late-stage steps."""
         return self.steps_early + self.steps_late
-
-
-def check_device(device: str) -> torch.device:
-    """``device`` parsed, if this machine has it: cpu, cuda[:k] (with CUDA) or mps (on Apple)."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError, TypeError):
-        raise ConfigError(f"device={device!r} is not a device; use cpu, cuda or cuda:1.") from None
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device={device!r}: CUDA is not available here; use cpu.")
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ConfigError(f"device={device!r}: this machine has {torch.cuda.device_count()} "
-                              "CUDA device(s); use cuda:0 .. cuda:"
-                              f"{torch.cuda.device_count() - 1}.")
-    elif parsed.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ConfigError(f"device={device!r}: MPS is not available here; use cpu.")
-    elif parsed.type != "cpu":
-        raise ConfigError(f"device={device!r}: training runs on cpu, cuda or mps, not "
-                          f"{parsed.type}.")
-    return parsed
-
-
-def check_settings(config: EngineConfig, tt: bool = True, world_size: int = 1) -> None:
-    """Refuse, before any training, settings that cannot run to the end: an unknown or absent
-    device, a run of no steps, a late stage without early steps to take its loss target from, a
-    global batch that the workers cannot split evenly. ``tt``: a CoMERA run is among those to
-    come. Each check names the setting and the fix; every engine option is checked here."""
-    check_device(config.device)
-    if world_size < 1:
-        raise ConfigError(f"{world_size} worker processes; use at least 1.")
-    if config.batch_size % world_size:
-        raise ConfigError(f"batch_size={config.batch_size} cannot be split over {world_size} "
-                          "workers; use a multiple of the worker count, e.g. "
-                          f"{max(world_size, config.batch_size // world_size * world_size)}.")
-    if config.fsdp and (world_size < 2 or config.precision == "fp16"):
-        raise ConfigError(f"fsdp=True with {world_size} worker(s), precision={config.precision!r}"
-                          ": FSDP (--fsdp) shards over 2 or more workers (--nproc N) and runs "
-                          "fp32 or bf16.")
-    steps = config.steps_early if config.stage == "early" else config.total_steps
-    if steps < 1:
-        raise ConfigError(f"steps_early={config.steps_early}, steps_late={config.steps_late} "
-                          f"with stage={config.stage!r}: nothing would be trained; set "
-                          "steps_early >= 1.")
-    if tt and config.stage != "early" and config.steps_late and config.steps_early < 1:
-        raise ConfigError(f"steps_early={config.steps_early}: the late stage takes its loss "
-                          "target from the early stage's last steps; set steps_early >= 1.")
-
-
-def check_task(task: Task, config: EngineConfig, tt: bool = True) -> None:
-    """Refuse, before any training, settings that ``task`` cannot meet: a batch larger than its
-    training split, or (``tt`` with a late stage) a ``target_compression`` beyond what its TT
-    layers reach with every rank at 1. Builds the TT model once to measure it; the RNG states
-    are left as they were."""
-    size = task.train_size()
-    if config.batch_size > size:
-        raise ConfigError(f"batch_size={config.batch_size} exceeds the {size} training examples "
-                          f"of task {task.name!r}; use batch_size <= {size}.")
-    if not (tt and config.stage != "early" and config.steps_late):
-        return
-    with torch.random.fork_rng(devices=[]):
-        model = task.build_model(True)
-    dense = comera.dense_size(model, only=comera.GatedLayer)
-    non_tt = comera.model_size(model) - comera.model_size(model, only=comera.GatedLayer)
-    floor = max(1, floor_size(model, 1) - non_tt)  # the TT layers with every rank at 1
-    if config.target_compression > dense / floor:
-        most = math.floor(dense / floor * 10) / 10
-        raise ConfigError(f"target_compression={config.target_compression:g} cannot be reached: "
-                          f"the TT layers of task {task.name!r} shrink at most {most:g}x "
-                          f"(every rank 1: {floor} of {dense} parameters); choose "
-                          f"target_compression <= {most:g}.")
 
 
 @dataclass
@@ -251,6 +208,10 @@ class RunRecord:
     ranks: list = field(default_factory=list)  # (step, {layer: [ranks]})
     stage_ends: dict = field(default_factory=dict)  # stage -> {"step", "val", "test", "sizes"}
     sizes: dict = field(default_factory=dict)  # at the end (see sizes_of)
+    # wall-clock seconds spent training (steps with their batches; evaluations and checkpoints
+    # left out) by the end of the run, and at each point of val_curve
+    train_seconds: float = 0.0
+    val_seconds: list = field(default_factory=list)
 
     @property
     def step_ms(self) -> float:
@@ -274,8 +235,8 @@ def sizes_of(model: nn.Module) -> dict[str, float]:
         return out
     out["model_params"] = comera.model_size(model)
     out["dense_model_params"] = comera.dense_size(model)
-    for key, only in (("tt", comera.GatedLayer), ("linear", (TTLinear, TTMLinear)),
-                      ("embedding", comera.TTEmbedding)):
+    for key, only in (("tt", comera.GatedLayer), ("linear", comera.GatedLinear),
+                      ("embedding", comera.GatedEmbedding)):
         dense = comera.dense_size(model, only=only)
         if dense:
             params = comera.model_size(model, only=only)
@@ -295,22 +256,23 @@ def _to(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _lr_factor(step: int, warmup: int) -> float:
-    return min(1.0, (step + 1) / warmup) if warmup else 1.0
-
-
 class _Run:
     """State of one training run; ``train_model`` drives it."""
 
     def __init__(self, task: Task, name: str, tt: bool, config: EngineConfig, out: Path,
-                 world: World, progress: Progress | None):
+                 world: World, progress: Progress | None,
+                 build: Callable[[], nn.Module] | None = None, start_step: int = 0):
         self.task, self.name, self.tt, self.config, self.world = task, name, tt, config, world
         self.progress = progress
         self.device = check_device(config.device)
         self.checkpoint_path = out / "checkpoints" / f"{name}.pt"
         torch.manual_seed(config.seed)
         random.seed(config.seed)
-        self.model = task.build_model(tt).to(self.device)
+        built = build_task_model(task, config.model_format(tt)) if build is None else build()
+        if not isinstance(built, nn.Module):
+            raise ConfigError(f"build() gave a {type(built).__name__}; it must return the "
+                              "nn.Module to train.")
+        self.model = built.to(self.device)
         broadcast_parameters_(self.model)
         for _, layer in comera.gated_layers(self.model):  # time for memory: no change in results
             if layer.memory != config.memory:
@@ -324,21 +286,20 @@ class _Run:
                     "without checkpoint_blocks.")
             self.model.checkpoint_blocks = True
         if tt and not any(True for _ in comera.gated_layers(self.model)):
-            raise ConfigError(f"task {task.name!r} built a model without TT layers for tt=True; "
-                              "build_model(tt=True) must use comera's TT layers.")
+            raise ConfigError(f"the model of task {task.name!r} has no gated layers for a "
+                              f"CoMERA run (format {config.format!r}); build_model(format) (or "
+                              "build) must use comera's layers of that format.")
         hook, clip = prepare_model_(self.model, config.fsdp, config.max_grad_norm)
-        self.base_lr = {"cores": config.lr, "gates": config.lr_gates,
-                        "other": config.lr if config.lr_other is None else config.lr_other}
+        self.base_lr = base_rates(config, tt)
+        opt = run_optimizer(self.model, config, tt)
         if tt:
-            opt = comera.make_optimizer(self.model, comera.OptimizerConfig(
-                config.lr, config.lr_gates, self.base_lr["other"]))
             lam = config.lam if config.stage != "late" else 0.0
+            early = (EarlyStage.for_compression(self.model, config.early_target,
+                                                config.steps_early, config.early_landing)
+                     if config.early_target is not None else None)
             self.trainer = comera.CoMERATrainer(self.model, opt, lam, config.regularizer,
-                                                clip, hook)
+                                                clip, hook, early=early)
         else:
-            opt = torch.optim.AdamW([{"params": list(self.model.parameters()), "lr": config.lr,
-                                      "name": "other"}], weight_decay=0.0)
-            self.base_lr["other"] = config.lr
             self.trainer = comera.DenseTrainer(self.model, opt, clip, hook)
         self.optimizer = opt
         self.scaler = (torch.amp.GradScaler(self.device.type) if config.precision == "fp16"
@@ -348,7 +309,7 @@ class _Run:
         self.forward_model = torch.compile(self.model) if config.compile else self.model
         self.stream = IndexStream(task.train_size(), config.batch_size, config.seed)
         self.record = RunRecord(name, tt)
-        self.step = 0
+        self.step = start_step
         self.consecutive_skips = 0
         self.resumed_threads: int | None = None  # the CPU thread count a checkpoint was run at
 
@@ -364,27 +325,23 @@ class _Run:
         return [("early", 0, c.steps_early), ("late", c.steps_early, c.total_steps)]
 
     def _start_late(self) -> None:
-        target = comera.LateStage.from_ratio(
-            self.model, self.config.target_compression,
-            dense_reference=comera.dense_size(self.model, only=comera.GatedLayer),
-        )
-        # the target counts TT layers only; the model size the controller sees includes the rest
+        # the target counts TT layers only (against their dense size), the rest kept as it is;
         # the step budget makes the stage land on the target by its end, whatever lr_gates is
-        late = comera.LateStage(target.target_size + self._non_tt_params(), self._loss_target(),
-                                steps=max(1, self.config.steps_late))
+        late = comera.LateStage.for_compression(self.model, self.config.target_compression,
+                                                target_loss=self._loss_target(),
+                                                steps=max(1, self.config.steps_late))
         report = self.trainer.start_late_stage(late)
         log.info("%s: late stage from step %d, target %.0f parameters; %s", self.name,
                  self.step, late.target_size, report)
 
     def _loss_target(self) -> float:
+        if self.config.late_target_loss is not None:
+            return self.config.late_target_loss
         recent = [loss for _, loss, _, _ in self.record.train_curve[-50:]]
         if not recent:
             raise ConfigError("the late stage needs a loss target from the early stage, but no "
                               "early step ran; set steps_early >= 1.")
         return statistics.fmean(recent) * (1.0 + self.config.late_loss_slack)
-
-    def _non_tt_params(self) -> int:
-        return comera.model_size(self.model) - comera.model_size(self.model, only=comera.GatedLayer)
 
     # -- one step -----------------------------------------------------------------------------
     def _autocast(self):
@@ -393,11 +350,19 @@ class _Run:
                 else torch.autocast(self.device.type, dtype=dtype))
 
     def _set_lr(self) -> None:
-        factor = _lr_factor(self.step, self.config.warmup)
+        c = self.config
+        factor = lr_factor(self.step, c.warmup, self.stages()[-1][2], c.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = self.base_lr[group.get("name", "other")] * factor
 
     def train_step(self) -> None:
+        began = time.perf_counter()
+        try:
+            self._train_step()
+        finally:
+            self.record.train_seconds += time.perf_counter() - began
+
+    def _train_step(self) -> None:
         batch = self.task.step_batch(self.stream, self.step, self.world.rank, self.world.size)
         batch = _to(batch, self.device)
         self._set_lr()
@@ -466,6 +431,7 @@ class _Run:
     def observe(self, stage: str) -> None:
         scores = self.evaluate("val")
         self.record.val_curve.append((self.step, scores))
+        self.record.val_seconds.append(self.record.train_seconds)
         ranks = {n: list(m.ranks) for n, m in comera.gated_layers(self.model)}
         if ranks:
             self.record.ranks.append((self.step, ranks))
@@ -618,19 +584,46 @@ def _as_tuple(value: Any) -> Any:
 
 def train_model(task: Task, name: str, tt: bool, config: EngineConfig, out: Path,
                 resume: bool = False, progress: Progress | None = None,
-                stop_after: int | None = None) -> tuple[nn.Module, RunRecord]:
+                stop_after: int | None = None, build: Callable[[], nn.Module] | None = None,
+                start_step: int = 0) -> tuple[nn.Module, RunRecord]:
     """Train one model of ``task`` (dense, or CoMERA with ``tt``); return it and its record.
 
     ``stop_after``: leave after this many steps of this call (a checkpoint is written first),
     e.g. to split a long run over sessions; ``resume`` continues from ``out``'s checkpoint if
-    there is one (and starts fresh otherwise). The settings are checked before anything is
+    there is one (and starts fresh otherwise). ``build``: how to make the model instead of the
+    task's ``build_model`` (called once the run has seeded the RNG, as ``build_model`` is; e.g. a
+    model at another rank or of other sizes, or a copy of one trained up to ``start_step``);
+    ``start_step``: the step the run starts at, its batches, schedule and stages continuing
+    from there (a run started inside the late stage starts it at once, on
+    ``late_target_loss``). The settings are checked before anything is
     built, and ``out`` is held for the call (:func:`~comera.experiments.rundir.hold_run_directory`):
     a second run on it is refused at once.
     """
     check_settings(config, tt, current_world().size)
     check_task(task, config, tt)
+    _check_start(config, tt, build, start_step)
     with _holding(out):
-        return _train(task, name, tt, config, Path(out), resume, progress, stop_after)
+        return _train(task, name, tt, config, Path(out), resume, progress, stop_after, build,
+                      start_step)
+
+
+def _check_start(config: EngineConfig, tt: bool, build: Callable[[], nn.Module] | None,
+                 start_step: int) -> None:
+    """``build`` is callable; a start step lies inside the run, and one inside the late stage
+    has a loss target that needs no early losses."""
+    check_int("start_step", start_step, 0, MAX_INT)
+    if build is not None and not callable(build):
+        raise ConfigError(f"build={build!r}; give a function returning the model (or None: the "
+                          "task builds it).")
+    end = config.steps_early if config.stage == "early" else config.total_steps
+    if start_step >= end:
+        raise ConfigError(f"start_step={start_step}: the run ends at step {end}; start before "
+                          "its end.")
+    late = tt and config.stage != "early" and config.steps_late
+    if late and start_step >= config.steps_early and config.late_target_loss is None:
+        raise ConfigError(f"start_step={start_step} starts inside the late stage, whose loss "
+                          "target comes from the early stage's last losses; set "
+                          "late_target_loss.")
 
 
 def _holding(out: Path | str) -> contextlib.AbstractContextManager:
@@ -641,10 +634,12 @@ def _holding(out: Path | str) -> contextlib.AbstractContextManager:
 
 
 def _train(task: Task, name: str, tt: bool, config: EngineConfig, out: Path, resume: bool,
-           progress: Progress | None, stop_after: int | None) -> tuple[nn.Module, RunRecord]:
+           progress: Progress | None, stop_after: int | None,
+           build: Callable[[], nn.Module] | None,
+           start_step: int) -> tuple[nn.Module, RunRecord]:
     """``train_model`` inside a held run directory."""
     world = current_world()
-    run = _Run(task, name, tt, config, Path(out), world, progress)
+    run = _Run(task, name, tt, config, Path(out), world, progress, build, start_step)
     resumed = run.resume() if resume else False
     if not resumed and resume:
         log.info("%s: no checkpoint at %s; starting fresh", name, run.checkpoint_path)

@@ -54,7 +54,9 @@ def _engine_state(path: Path) -> dict:
         task = engine.get("task") if isinstance(engine, dict) else None
         raise CheckpointError(f"--init-from {path}: a checkpoint of task {task!r}; it must be "
                               "one written by `comera train mlm`.")
-    return {"tt": bool(engine["tt"]), "state": payload["model"]}
+    config = engine.get("config") if isinstance(engine.get("config"), dict) else {}
+    return {"format": str(config.get("format", "tt")) if engine["tt"] else "dense",
+            "state": payload["model"]}
 
 
 def read_pretrained(path: Path | str, task_config=None, root: Path | str | None = None,
@@ -85,7 +87,7 @@ def read_pretrained(path: Path | str, task_config=None, root: Path | str | None 
     task_config = known[0]
     _, _, _, tokenizer = load_stdlib_corpus(task_config.seq_len, task_config.vocab_size,
                                             root=root, use_cache=use_cache)
-    config = task_config.model_config(len(tokenizer.vocab), saved["tt"])
+    config = task_config.model_config(len(tokenizer.vocab), saved["format"])
     model = MaskedLM(config)
     load_checkpoint(path, model)
     return Pretrained(model, config, tokenizer)

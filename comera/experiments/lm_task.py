@@ -1,7 +1,7 @@
 """Causal language modelling (GPT-style) on the CPython standard-library sources.
 
     task = LMTask(LMTaskConfig())             # quick: d_model 128, 2 blocks, 64 tokens
-    model = task.build_model(tt=True)         # every block linear layer a TTLinear
+    model = task.build_model("tt")            # every block linear layer a TTLinear
     ids = task.batch(indices)                 # (b, seq_len) token rows
     loss = task.loss(model, ids)              # next-token cross-entropy
 
@@ -20,7 +20,7 @@ and next-token accuracy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from comera.data.stdlib_corpus import (
     load_corpus_splits,
 )
 from comera.data.tokenizer import UNK
-from comera.experiments.task import IndexStream, Task, spread_subset
+from comera.experiments.task import Task, model_format, spread_subset
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 
 EVAL_SPLITS = ("val", "test")
@@ -74,13 +74,13 @@ class LMTaskConfig:
         return cls(quick=False, seq_len=128, vocab_size=16384, d_model=512, n_heads=8,
                    d_ff=2048, n_layers=6, rank=32, eval_limit=None)
 
-    def model_config(self, vocab_size: int, linear: str = "dense",
+    def model_config(self, vocab_size: int, format: str = "dense",
                      rank: int | None = None) -> CausalLMConfig:
-        """The model's config with block linear layers of kind ``linear`` at ``rank``
-        (default: the TT max rank ``self.rank``)."""
+        """The model's config with block linear layers of the kind ``format`` ("dense" or a
+        registered format) at ``rank`` (default: the max rank ``self.rank``)."""
         return CausalLMConfig(
             vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
-            n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout, linear=linear,
+            n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout, linear=format,
             rank=self.rank if rank is None else rank)
 
 
@@ -110,13 +110,15 @@ class LMTask(Task):
         self.vocab = len(self.tokenizer.vocab)
 
     # -- models -------------------------------------------------------------------------------
-    def build(self, linear: str = "dense", rank: int | None = None) -> CausalLM:
-        """The model with block linear layers of kind ``linear`` ("dense", "tt", "lowrank") at
-        ``rank``, initialised from the current RNG."""
-        return CausalLM(self.config.model_config(self.vocab, linear, rank))
+    def build(self, format: str = "dense", rank: int | None = None, **sizes: int) -> CausalLM:
+        """The model with block linear layers of the kind ``format`` ("dense" or a registered
+        format) at ``rank``, initialised from the current RNG; ``sizes``: other model sizes of
+        the config (``d_model``, ``d_ff``, ...: a narrower model on the same data)."""
+        config = replace(self.config, **sizes) if sizes else self.config
+        return CausalLM(config.model_config(self.vocab, model_format(format), rank))
 
-    def build_model(self, tt: bool) -> nn.Module:
-        return self.build("tt" if tt else "dense")
+    def build_model(self, format: str = "tt") -> nn.Module:
+        return self.build(format)
 
     @staticmethod
     def block_linears(model: CausalLM) -> list[tuple[str, nn.Module]]:
@@ -135,10 +137,6 @@ class LMTask(Task):
                               f"{int(indices.max())}]; the training split has "
                               f"{len(self.train)} examples.")
         return self.train.ids[indices]
-
-    def step_batch(self, stream: IndexStream, step: int) -> Tensor:
-        """The training rows of ``step`` of ``stream``."""
-        return self.batch(stream.indices(step))
 
     def loss(self, model: nn.Module, batch: Tensor) -> Tensor:
         inputs, targets = next_token_targets(batch)  # (b, s-1) each

@@ -1,7 +1,7 @@
 """Masked-language-model pretraining (the paper's CodeBERT-like run) on the stdlib corpus.
 
     task = MLMTask(MLMTaskConfig())          # quick: d_model 128, 2 layers, 64 tokens
-    model = task.build_model(tt=True)
+    model = task.build_model("tt")
     inputs, labels = task.batch(indices)     # BERT masks of (seed, example, epoch)
     loss = task.loss(model, (inputs, labels))
 
@@ -18,7 +18,7 @@ save and restore that count with ``state_dict`` / ``load_state_dict`` to resume 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +28,13 @@ from torch import Tensor, nn
 from comera import ConfigError
 from comera.data import BertMasking
 from comera.data.stdlib_corpus import load_corpus_splits
-from comera.experiments.task import IndexStream, Task, spread_subset
-from comera.layers.linear import TTLinear
-from comera.layers.lowrank import LowRankLinear
+from comera.experiments.task import IndexStream, Task, model_format, spread_subset
+from comera.formats.registry import DENSE
 from comera.models import MaskedLM, TransformerConfig
 from comera.models.mlm import masked_logits
+from comera.models.transformer import linear_layer
 
 EVAL_SPLITS = ("val", "test")
-LINEAR_KINDS = ("dense", "tt", "lowrank")
 _BLOCK_LINEARS = ("attn.q", "attn.k", "attn.v", "attn.o", "ffn_in", "ffn_out")
 
 
@@ -75,11 +74,14 @@ class MLMTaskConfig:
         return cls(quick=False, seq_len=128, vocab_size=16384, d_model=768, n_heads=12,
                    d_ff=3072, n_layers=6, rank=30, embedding_rank=32, eval_limit=None)
 
-    def model_config(self, vocab_size: int, tt: bool) -> TransformerConfig:
-        """The :class:`TransformerConfig` of the MLM (modes factorised from the sizes)."""
+    def model_config(self, vocab_size: int, format: str = "tt") -> TransformerConfig:
+        """The :class:`TransformerConfig` of the MLM with its layers of the kind ``format``
+        ("dense" or a registered format; modes factorised from the sizes)."""
+        format = model_format(format)
         return TransformerConfig(
             vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
-            n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout, tt=tt,
+            n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout,
+            tt=format != DENSE, linear_format=format if format != DENSE else "tt",
             tt_embedding=self.tt_embedding, rank=self.rank, embedding_rank=self.embedding_rank,
             attn_modes=None, ffn_in_modes=None, ffn_out_modes=None, embedding_modes=None)
 
@@ -108,26 +110,27 @@ class MLMTask(Task):
         self._eval: dict[str, tuple[Tensor, Tensor]] = {}
 
     # -- Task protocol ------------------------------------------------------------------------
-    def build_model(self, tt: bool) -> nn.Module:
-        return MaskedLM(self.config.model_config(self.vocab, tt))
+    def build_model(self, format: str = "tt") -> nn.Module:
+        return MaskedLM(self.config.model_config(self.vocab, format))
 
-    def build(self, linear: str = "dense", rank: int | None = None) -> MaskedLM:
-        """The MLM with dense token table and head, and encoder block linear layers of kind
-        ``linear`` ("dense", "tt", "lowrank", biases kept) at ``rank`` (default: the config's
-        TT rank), initialised from the current RNG: the model a compression frontier compares
-        at matched size of :meth:`block_linears`."""
-        if linear not in LINEAR_KINDS:
-            raise ConfigError(f"linear={linear!r}; choose one of {', '.join(LINEAR_KINDS)}.")
+    def build(self, format: str = "dense", rank: int | None = None, **sizes: int) -> MaskedLM:
+        """The MLM with dense token table and head, and encoder block linear layers of the kind
+        ``format`` ("dense" or a registered format, biases kept) at ``rank`` (default: the
+        config's max rank), initialised from the current RNG (the dense model first, then the
+        block layers): the model a compression frontier compares at matched size of
+        :meth:`block_linears`. ``sizes``: other model sizes of the config (``d_model``,
+        ``d_ff``, ...: a narrower model on the same data)."""
+        format = model_format(format)
+        config = replace(self.config, **sizes) if sizes else self.config
         rank = self.config.rank if rank is None else rank
-        if rank < 1:
-            raise ConfigError(f"rank={rank}; give a rank >= 1.")
-        model = MaskedLM(self.config.model_config(self.vocab, tt=False))
-        if linear == "dense":
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ConfigError(f"rank={rank!r}; give a rank >= 1.")
+        model = MaskedLM(config.model_config(self.vocab, DENSE))
+        if format == DENSE:
             return model
         for name, layer in self.block_linears(model):
-            i, o = layer.in_features, layer.out_features
-            new = (TTLinear(i, o, ranks=rank, tau=model.cfg.tau) if linear == "tt"
-                   else LowRankLinear(i, o, min(rank, i, o)))
+            new = linear_layer(format, layer.in_features, layer.out_features, rank,
+                               tau=model.cfg.tau)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, new)
         return model

@@ -9,6 +9,8 @@ optimizer, the CoMERA stages, checkpoints, progress and the results files.
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
@@ -18,8 +20,37 @@ import torch
 from torch import Tensor, nn
 
 from comera import ConfigError
+from comera.formats.registry import DENSE, check_layer_format
 
 Batch = Any  # whatever ``Task.batch`` returns and ``Task.loss`` takes (tensors, tuples of them)
+
+
+def model_format(format: str | bool) -> str:
+    """A layer kind as a task takes it: ``"dense"`` or a registered format (checked, else a
+    :class:`ConfigError` naming the choices). The boolean of before (``tt=True`` / ``False``)
+    is read as ``"tt"`` / ``"dense"`` for one release, with a DeprecationWarning."""
+    if isinstance(format, bool):
+        warnings.warn(f"build_model({format}) takes a format now: {'tt' if format else DENSE!r} "
+                      "(or any registered format name); the boolean goes in the next release.",
+                      DeprecationWarning, stacklevel=3)
+        return "tt" if format else DENSE
+    return check_layer_format(format)
+
+
+def build_task_model(task: Task, format: str) -> nn.Module:
+    """``task.build_model(format)``. A task written before formats (``build_model(self, tt)``)
+    gets the boolean it expects, with a DeprecationWarning, for one release; it builds TT or
+    dense only."""
+    if "tt" not in inspect.signature(task.build_model).parameters:
+        return task.build_model(format)
+    if format not in ("tt", DENSE):
+        raise ConfigError(f"task {task.name!r} builds its model with build_model(tt), so it "
+                          f"knows TT and dense only, not format {format!r}; give it "
+                          "build_model(self, format) (see comera.experiments.task.Task).")
+    warnings.warn(f"task {task.name!r}: build_model(self, tt) is called with a format now "
+                  "(\"tt\", \"dense\" or any registered format name); rename its argument, the "
+                  "boolean goes in the next release.", DeprecationWarning, stacklevel=3)
+    return task.build_model(format == "tt")
 
 
 class Task(ABC):
@@ -30,8 +61,10 @@ class Task(ABC):
     higher_is_better: bool = True
 
     @abstractmethod
-    def build_model(self, tt: bool) -> nn.Module:
-        """The model, with TT layers (``tt=True``) or dense, initialised from the current RNG."""
+    def build_model(self, format: str = "tt") -> nn.Module:
+        """The model with its layers of the kind ``format`` (a registered format name, e.g.
+        ``"tt"``, or ``"dense"``; read it through :func:`model_format`), initialised from the
+        current RNG."""
 
     @abstractmethod
     def train_size(self) -> int:

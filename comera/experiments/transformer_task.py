@@ -5,8 +5,8 @@
 from-scratch transformer learns on a CPU in minutes. ``comera train transformer-code`` runs
 :class:`CodePairTask` (:mod:`comera.experiments.pair_task`): does this docstring describe this
 code? Both use :class:`comera.models.PairClassifier` (every linear layer and the token embedding
-as TT layers, or dense for the baseline), and report the majority-class baseline next to every
-accuracy (``evaluate(...)["majority"]``).
+in a format, TT by default, or dense for the baseline), and report the majority-class baseline
+next to every accuracy (``evaluate(...)["majority"]``).
 
 ``init_from``: start the classifier's encoder from a ``comera train mlm`` checkpoint (see
 :mod:`comera.experiments.init_from`), at the ranks it was saved with; the task then reads its
@@ -24,7 +24,8 @@ from torch import Tensor, nn
 
 from comera.data.stdlib_pairs import PairDataset
 from comera.errors import ConfigError
-from comera.experiments.task import Task
+from comera.experiments.task import Task, model_format
+from comera.formats.registry import DENSE
 from comera.models import PairClassifier, TransformerConfig
 
 
@@ -64,20 +65,26 @@ class PairClassificationTask(Task):
         self.pretrained = read_pretrained(self.config.init_from)
         return self.pretrained.tokenizer, self.pretrained.max_len
 
-    def model_config(self, tt: bool) -> TransformerConfig:
+    def model_config(self, format: str = "tt") -> TransformerConfig:
+        """The classifier's config with its layers (and token table) of the kind ``format``."""
+        format = model_format(format)
+        tt = format != DENSE
         c = self.config
         if self.pretrained is not None:
             from comera.experiments.init_from import classifier_config
 
-            saved_tt = self.pretrained.config.tt
-            if tt != saved_tt:
-                kind, variant = ("TT", "comera") if saved_tt else ("dense", "dense")
-                raise ConfigError(f"--init-from {c.init_from} holds a {kind} encoder; train the "
-                                  f"{variant} variant from it (--variants {variant}), or "
+            saved = self.pretrained.config
+            saved_format = saved.linear_format if saved.tt else DENSE
+            if format != saved_format:
+                variant = "comera" if saved.tt else "dense"
+                raise ConfigError(f"--init-from {c.init_from} holds an encoder of format "
+                                  f"{saved_format!r}; train the {variant} variant from it "
+                                  f"(--variants {variant}, format {saved_format!r}), or "
                                   "pretrain the other one.")
             return classifier_config(self.pretrained, self.n_classes, c.dropout)
         changes: dict[str, Any] = dict(max_len=c.max_len, n_classes=self.n_classes, tt=tt,
-                                       tt_embedding=tt, dropout=c.dropout)
+                                       tt_embedding=tt, dropout=c.dropout,
+                                       linear_format=format if tt else "tt")
         if c.rank is not None:
             changes["rank"] = c.rank
         vocab = len(self.tokenizer.vocab)
@@ -85,8 +92,8 @@ class PairClassificationTask(Task):
             return TransformerConfig(vocab_size=vocab, **changes)
         return TransformerConfig.small(vocab, **changes)
 
-    def build_model(self, tt: bool) -> nn.Module:
-        model = PairClassifier(self.model_config(tt))
+    def build_model(self, format: str = "tt") -> nn.Module:
+        model = PairClassifier(self.model_config(format))
         if self.pretrained is not None:
             from comera.experiments.init_from import load_encoder_
 

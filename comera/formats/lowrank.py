@@ -1,10 +1,10 @@
 """The plain low-rank format: ``W = A @ B`` with A (in, r) and B (r, out), the rank r gated.
 
-The gated counterpart of :class:`comera.layers.lowrank.LowRankLinear` (which has a fixed rank):
-the two-factor network is the smallest a bond can sit in, and it is the baseline every tensor
-format is measured against. It ignores modes (``uses_modes`` is False). Initialisation by
-truncated SVD (Eckart-Young: the best rank-r approximation, exact at full rank), exact rounding
-by QR of both factors and an SVD of the small (r, r) product.
+The two-factor network is the smallest a bond can sit in, and it is the baseline every tensor
+format is measured against (trained without the rank objective, at a fixed rank). It ignores
+modes (``uses_modes`` is False). Initialisation by truncated SVD (Eckart-Young: the best rank-r
+approximation, exact at full rank), exact rounding by QR of both factors and an SVD of the
+small (r, r) product.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """The format protocol and the list of registered formats.
 
 A format turns (in_modes, out_modes, ranks) into a :class:`~comera.formats.layout.Layout`, and
-says, where it can, how to initialise its cores from a dense weight and how to round them
-exactly. Everything else (gates, sizes, regularisers, pruning, truncation, conversion,
-checkpoints, reports) is generic over the layout. Adding a format is its module (a subclass of
-:class:`Format`) plus one line in :data:`FORMATS` below, and its test.
+says, where it can, how to initialise its cores from a dense weight, how to round them exactly,
+and how it holds an embedding table (:attr:`Format.table`). Everything else (gates, sizes,
+regularisers, pruning, truncation, conversion, checkpoints, reports, embedding lookups) is
+generic over the layout. Adding a format is its module (a subclass of :class:`Format`) plus one
+line in :data:`BUILTIN` below (or :func:`register_format` for a user's own), and its test; the
+lists of formats the rest of comera reads are derived from the registry: :func:`format_names`,
+:func:`layer_formats` (a layer's kind: ``"dense"`` or a format), :func:`table_formats`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from comera.errors import ConfigError
 from comera.formats.layout import Layout
 
 Ranks = int | Sequence[int]
+DENSE = "dense"  # a layer's kind when it is a plain dense layer (no format)
 
 
 class Format:
@@ -35,6 +39,17 @@ class Format:
     #: False for a declared format (``"einsum"``): its layout is the user's declaration, so
     #: :meth:`layout` from modes and ranks is refused (loops over formats skip it).
     from_modes: bool = True
+    #: How the format holds an embedding table: ``""`` in its own layout (rows as inputs, the
+    #: dim as outputs: :class:`comera.layers.embedding.GatedEmbedding`), another registered
+    #: format's name (TT's tables are TT-matrix tables, ``"ttm"``), or None: it holds none.
+    table: str | None = ""
+
+    @property
+    def table_format(self) -> str | None:
+        """The registered format an embedding table of this format is held in (None: none)."""
+        if self.table is None or not self.from_modes:
+            return None
+        return self.table or self.name
 
     def layout(self, in_modes: tuple[int, ...], out_modes: tuple[int, ...],
                ranks: Ranks) -> Layout:
@@ -104,6 +119,26 @@ def get_format(name: str | Format) -> Format:
 def format_names() -> tuple[str, ...]:
     """The registered formats' names."""
     return tuple(_registry())
+
+
+def table_formats() -> tuple[str, ...]:
+    """The registered formats that hold embedding tables (a table of each is held in its
+    :attr:`Format.table_format`): derived from the registry, there is no other list."""
+    return tuple(name for name, fmt in _registry().items() if fmt.table_format is not None)
+
+
+def layer_formats() -> tuple[str, ...]:
+    """What a layer's kind may be: ``"dense"`` or a registered format built from modes (a
+    declared one, ``"einsum"``, has no layer without its equation)."""
+    return (DENSE, *(name for name, fmt in _registry().items() if fmt.from_modes))
+
+
+def check_layer_format(value: str, what: str = "format") -> str:
+    """``value`` as a layer's kind (:func:`layer_formats`), else a :class:`ConfigError` naming
+    it and the choices."""
+    if not isinstance(value, str) or value not in layer_formats():
+        raise ConfigError(f"{what}={value!r}; choose one of {', '.join(layer_formats())}.")
+    return value
 
 
 def register_format(fmt: Format) -> Format:

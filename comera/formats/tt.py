@@ -8,8 +8,6 @@ sweeps (:func:`round_chain`).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -39,6 +37,7 @@ class TT(Format):
     """CoMERA's TT format: all input modes, then all output modes, one core each."""
 
     name, title, exact_decomposition = "tt", "TT", True
+    table = "ttm"  # an embedding table of a TT model is a TT-matrix table (TT-Rec's layout)
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         modes = tuple(in_modes) + tuple(out_modes)
@@ -107,7 +106,3 @@ def round_chain(cores: list[Tensor], rtol: float = 1e-7) -> list[Tensor]:
         cores[k - 1] = torch.tensordot(cores[k - 1], u[:, :keep] * s[:keep], dims=1)
     return cores
 
-
-def inner_size(layout: Layout, core: int) -> int:
-    """The product of a chain core's middle indices (its modes)."""
-    return math.prod(layout.size(i) for i in layout.cores[core][1:-1])

@@ -2,7 +2,8 @@
 
 Click data is heavy-tailed: on a Zipf table the top 1,000 ids carry about half of the lookups,
 and a low-rank TT table represents those few ids worst relative to how often they are asked for.
-:class:`CachedTTEmbedding` wraps a :class:`~comera.layers.embedding.TTEmbedding`: the ``cache_rows``
+:class:`CachedTTEmbedding` wraps a :class:`~comera.layers.embedding.TTEmbedding` (or a table of
+any format, :class:`~comera.layers.embedding.GatedEmbedding`): the ``cache_rows``
 most frequent ids (chosen from counts over the training data, :meth:`choose_hot_ids_`) are
 looked up in a dense ``cache`` parameter of shape ``(cache_rows, embedding_dim)``; every other
 id is reconstructed from the TT cores. The cache starts from the TT rows it replaces, so wrapping
@@ -19,16 +20,17 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError, LookupIndexError
-from comera.layers.embedding import TTEmbedding, check_ids
+from comera.layers.embedding import GatedEmbedding, check_ids
 
 
 class CachedTTEmbedding(nn.Module):
     """A TT table with dense rows for its ``cache_rows`` hot ids (see the module docstring)."""
 
-    def __init__(self, tt: TTEmbedding, cache_rows: int):
+    def __init__(self, tt: GatedEmbedding, cache_rows: int):
         super().__init__()
-        if not isinstance(tt, TTEmbedding):
-            raise ConfigError(f"CachedTTEmbedding wraps a TTEmbedding, got {type(tt).__name__}.")
+        if not isinstance(tt, GatedEmbedding):
+            raise ConfigError(f"CachedTTEmbedding wraps a TTEmbedding (or any GatedEmbedding), "
+                              f"got {type(tt).__name__}.")
         if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) \
                 or not 0 <= cache_rows <= tt.num_embeddings:
             raise ConfigError(f"cache_rows={cache_rows!r}; an int in [0, {tt.num_embeddings}] "

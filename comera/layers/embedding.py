@@ -1,7 +1,15 @@
-"""A TT-matrix embedding table with rank gates, looked up through tncomp plans.
+"""Embedding tables held in a weight format, with rank gates, looked up through tncomp plans.
 
-The table (rows x dim, rows = prod(row_modes) >= num_embeddings, padded) is a TT-matrix with
-cores (r_{k-1}, m_k, n_k, r_k). A lookup:
+A table (rows x dim) is a gated layer whose layout maps row indices to dim indices
+(:class:`~comera.formats.layout.Layout`: rows = prod(row_modes) >= num_embeddings, padded). Any
+format whose :attr:`~comera.formats.registry.Format.table` names it can hold one
+(:class:`GatedEmbedding`): a lookup deduplicates the ids, gathers every core that carries a row
+index at the ids' digits (its row axes merged, one ``index_select``), and contracts the gathered
+cores with the rest through a compiled network whose batch ``b`` joins them (a hyperedge); the
+cores carrying no row index are used whole. Gradients reach the cores through the gather.
+
+:class:`TTEmbedding` is the TT-matrix table (cores (r_{k-1}, m_k, n_k, r_k), the layout TT and
+TT-matrix tables take) with its own lookup:
 
 1. deduplicates the batch's ids (``unique`` + ``inverse``), so a frequent token costs once
    (in eager mode; under ``torch.compile`` every id is looked up, without data-dependent shapes);
@@ -15,7 +23,8 @@ cores (r_{k-1}, m_k, n_k, r_k). A lookup:
    ``tncomp.ttm_embedding`` network (a batched chain over the hyperedge ``b``);
 4. gathers the rows back by ``inverse``; ``padding_idx`` rows are zero and get no gradient.
 
-Gradients reach the cores through the gather (a scatter-add) and the planned merges.
+:func:`embedding_class` picks the class for a table format; :func:`table_format` says which
+format a layer kind's tables take.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,8 +42,9 @@ from torch import Tensor, nn
 import tncomp
 from comera.errors import ConfigError, LookupIndexError
 from comera.formats.factorize import factorize, suggest_padded_size
-from comera.formats.registry import get_format
-from comera.formats.ttsvd import matrix_to_ttm, ttm_to_matrix
+from comera.formats.layout import Layout
+from comera.formats.registry import Format, get_format, table_formats
+from comera.formats.ttsvd import ttm_to_matrix
 from comera.layers.linear import (
     DEFAULT_TAU,
     GatedLayer,
@@ -120,16 +131,53 @@ def check_ids(ids: Any, who: str) -> None:
                           f"nn.Embedding does; got {got}: pass ids.long().")
 
 
-class TTEmbedding(GatedLayer):
-    """``nn.Embedding`` with its table stored as a gated TT-matrix (see the module docstring)."""
+def _batch_label(layout: Layout) -> str:
+    """An index name for the lookup's batch that no index of ``layout`` has."""
+    taken = dict(layout.sizes)
+    b = "b"
+    while b in taken:
+        b = "_" + b
+    return b
+
+
+class GatedEmbedding(GatedLayer):
+    """``nn.Embedding`` with its table (rows x dim) held in a registered format, rank gates on
+    its bonds (see the module docstring). ``format``: any format that holds tables
+    (:func:`comera.formats.registry.table_formats`); ``row_modes`` / ``col_modes``: how the
+    padded rows and the dim factor (a missing side is factorised, ``d`` modes when both are; a
+    format that uses no modes, plain low-rank, takes none)."""
+
+    #: The format a subclass is fixed to (TTEmbedding: "ttm"); None: any.
+    fixed_format: str | None = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  row_modes: Sequence[int] | None = None, col_modes: Sequence[int] | None = None,
                  ranks: Ranks = 16, padding_idx: int | None = None, tau: float = DEFAULT_TAU,
-                 d: int = 3, merge_pairs: bool = True, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 d: int = 3, *, format: Format | str | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        self._setup(num_embeddings, embedding_dim, row_modes, col_modes, ranks, padding_idx,
+                    tau, d, format, dtype, device)
+
+    def _setup(self, num_embeddings, embedding_dim, row_modes, col_modes, ranks, padding_idx,
+               tau, d, format, dtype, device) -> None:
+        """Check every argument, then build the table's layout, cores and plans."""
         self.num_embeddings = check_features("num_embeddings", num_embeddings)
         self.embedding_dim = check_features("embedding_dim", embedding_dim)
+        if format is None and self.fixed_format is None:
+            raise ConfigError(f"{type(self).__name__} takes format=..., the format its table is "
+                              f"held in: one of {', '.join(table_formats())}.")
+        fmt = get_format(format if format is not None else self.fixed_format)
+        if self.fixed_format is not None and fmt.name != self.fixed_format:
+            raise ConfigError(f"{type(self).__name__} is the {self.fixed_format!r} table, got "
+                              f"format {fmt.name!r}; use GatedEmbedding for other formats.")
+        if fmt.table is None:
+            raise ConfigError(f"format {fmt.name!r} holds no embedding tables; choose one of "
+                              f"{', '.join(table_formats())}.")
+        if not fmt.uses_modes:
+            if row_modes is not None or col_modes is not None:
+                raise ConfigError(f"format {fmt.name!r} uses no modes, got row_modes="
+                                  f"{row_modes!r}, col_modes={col_modes!r}; leave them out.")
+            row_modes, col_modes = (num_embeddings,), (embedding_dim,)
         if row_modes is None:
             n = len(tuple(col_modes)) if col_modes is not None else d
             row_modes = factorize(suggest_padded_size(num_embeddings, n), n)
@@ -137,9 +185,7 @@ class TTEmbedding(GatedLayer):
             col_modes = factorize(embedding_dim, len(tuple(row_modes)))
         self.row_modes = tuple(int(m) for m in row_modes)
         self.col_modes = tuple(int(n) for n in col_modes)
-        if len(self.row_modes) != len(self.col_modes):
-            raise ConfigError(f"row_modes {self.row_modes} and col_modes {self.col_modes} differ "
-                              "in length; each TT-matrix core carries one of each.")
+        self._check_mode_counts()
         if math.prod(self.row_modes) < num_embeddings:
             raise ConfigError(
                 f"row_modes {self.row_modes} cover {math.prod(self.row_modes)} rows, fewer than "
@@ -155,15 +201,164 @@ class TTEmbedding(GatedLayer):
             if not 0 <= padding_idx < num_embeddings:
                 raise ConfigError(f"padding_idx={padding_idx} is outside [0, {num_embeddings}).")
         self.padding_idx = padding_idx
-        self.merge_pairs = bool(merge_pairs)
         # GatedLayer reads these names for sizes and reprs (the layout's in_features is the
         # padded row count).
         self.in_features, self.out_features = num_embeddings, embedding_dim
-        ttm = get_format("ttm")  # the table is a TT-matrix: rows x dim, cores (r, m, n, r)
-        layout = ttm.layout(self.row_modes, self.col_modes, ranks)
-        super().__init__(layout, ttm, False, check_tau(tau), dtype, device)
+        layout = fmt.layout(self.row_modes, self.col_modes, ranks)
+        GatedLayer.__init__(self, layout, fmt, False, check_tau(tau), dtype, device)
         self._gaussian_init_()
         self.build_compiled()
+
+    def _check_mode_counts(self) -> None:
+        """A subclass's own rule on the numbers of modes (nothing by default: the format's
+        layout refuses what it cannot hold)."""
+
+    # -- structure ------------------------------------------------------------------------------
+    def _network(self) -> tncomp.Network:
+        """The lookup: every core carrying a row index gathered (its row indices replaced by
+        the batch ``b``), the others whole; output (b, *col indices)."""
+        layout = self.layout
+        b = _batch_label(layout)
+        rows = set(layout.inputs)
+        operands = [(f"core{k + 1}", [b, *(i for i in core if i not in rows)]
+                     if rows & set(core) else list(core), tncomp.Role.PARAMETER)
+                    for k, core in enumerate(layout.cores)]
+        counts = Counter(i for _, ix, _ in operands for i in ix)
+        counts.update([b, *layout.outputs])
+        sizes = {b: tncomp.Dim("B"), **{i: s for i, s in layout.sizes if i not in rows}}
+        return tncomp.make_network(operands, ("y", [b, *layout.outputs]), sizes,
+                                   [i for i, n in counts.items() if n > 2])
+
+    # -- compute --------------------------------------------------------------------------------
+    def forward(self, ids: Tensor) -> Tensor:
+        """Rows of the table at integer ``ids`` (any shape): a tensor of shape
+        ``(*ids.shape, embedding_dim)``, like ``nn.Embedding``.
+
+        Each distinct id is reconstructed once from its digit slices of the cores; the rows of
+        ``padding_idx`` are zero. An id outside ``[0, num_embeddings)`` raises
+        :class:`LookupIndexError`."""
+        check_ids(ids, type(self).__name__)
+        if ids.device != self.cores[0].device:
+            raise ConfigError(f"{type(self).__name__}: the ids are on {ids.device}, the cores on "
+                              f"{self.cores[0].device}; move one to the other, e.g. "
+                              f"ids.to('{self.cores[0].device}').")
+        flat = ids.reshape(-1)
+        if flat.numel() == 0 or ids.device.type == "meta":  # meta: shapes only
+            return self.cores[0].new_zeros(*ids.shape, self.embedding_dim)
+        device = ids.device.type
+        # as nn.Embedding, the rows come in the table's dtype under autocast: no low precision
+        exact = (torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device)
+                 else contextlib.nullcontext())
+        with exact:
+            if torch.compiler.is_compiling():
+                # traced: no data-dependent Python (no unique, no int() of a tensor); one row per
+                # id, and the range check runs as an op (a RuntimeError when it fails)
+                torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
+                                    f"{type(self).__name__}: an id is out of range; ids must "
+                                    f"lie in [0, {self.num_embeddings}).")
+                rows = self._rows(flat)
+            else:
+                self._check_range(flat)
+                unique, inverse = torch.unique(flat, return_inverse=True)
+                rows = self._rows(unique).index_select(0, inverse)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def _check_range(self, flat: Tensor) -> None:
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < 0 or hi >= self.num_embeddings:
+            bad = lo if lo < 0 else hi
+            raise LookupIndexError(f"id {bad} is out of range for a table of "
+                                   f"{self.num_embeddings} rows; ids must lie in "
+                                   f"[0, {self.num_embeddings}).")
+
+    def _rows(self, ids: Tensor) -> Tensor:
+        """The table rows at the 1-d ``ids`` (in range): (len(ids), embedding_dim)."""
+        layout = self.layout
+        strides = dict(zip(layout.inputs, _mixed_radix_strides(self.row_modes), strict=True))
+        gathered = []
+        for core, names in zip(self.gated_cores(), layout.cores, strict=True):
+            axes = [k for k, i in enumerate(names) if i in strides]
+            if not axes:
+                gathered.append(core)
+                continue
+            rest = [k for k in range(core.dim()) if k not in axes]
+            # the core's row digits as one mixed-radix number over its row axes
+            index = torch.zeros_like(ids)
+            for k in axes:
+                digit = torch.div(ids, strides[names[k]], rounding_mode="floor") % core.shape[k]
+                index = index * core.shape[k] + digit
+            merged = core.permute(*axes, *rest).reshape(-1, *(core.shape[k] for k in rest))
+            gathered.append(merged.index_select(0, index))  # (U, *rest)
+        rows = self.compiled()(*gathered).reshape(ids.shape[0], self.embedding_dim)
+        return self._pad(rows, ids)
+
+    def _pad(self, rows: Tensor, ids: Tensor) -> Tensor:
+        """``rows`` with the rows of ``padding_idx`` zero (no gradient reaches them)."""
+        if self.padding_idx is not None:
+            rows = rows * (ids != self.padding_idx).to(rows.dtype).unsqueeze(1)
+        return rows
+
+    def to_dense(self) -> Tensor:
+        """The table as ``nn.Embedding.weight``: (num_embeddings, embedding_dim)."""
+        return self._unpadded(self.layout.dense(self.gated_cores()))
+
+    def _unpadded(self, table: Tensor) -> Tensor:
+        """The padded ``table``'s first num_embeddings rows, the padding row zero."""
+        table = table[: self.num_embeddings]
+        if self.padding_idx is not None:
+            table = table.clone()
+            table[self.padding_idx] = 0
+        return table
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, ranks: Ranks = 16,
+                       row_modes: Sequence[int] | None = None,
+                       col_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
+                       d: int = 3, **options) -> GatedEmbedding:
+        """A table initialised by the format's decomposition of a trained table (rows
+        zero-padded; exact at full rank where the format's is), or randomly where the format
+        has none. ``options``: ``format`` (GatedEmbedding) and the class's other keywords."""
+        if not isinstance(embedding, nn.Embedding):
+            raise ConfigError(f"from_embedding takes an nn.Embedding, got "
+                              f"{type(embedding).__name__}.")
+        check_finite_weight(embedding, embedding.weight)
+        w = embedding.weight.detach()
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, row_modes, col_modes,
+                    ranks, embedding.padding_idx, tau, d, dtype=w.dtype, device=w.device,
+                    **options)
+        layout = layer.layout
+        padded = torch.zeros(layout.in_features, w.shape[1], dtype=w.dtype, device=w.device)
+        padded[: w.shape[0]] = w
+        cores = layer.format.decompose(padded, layout)
+        if cores is not None:
+            load_cores_(layer, cores, None)
+        return layer
+
+    def extra_repr(self) -> str:
+        own = "" if self.fixed_format is not None else f"format={self.format.name!r}, "
+        return (f"{self.num_embeddings}, {self.embedding_dim}, {own}row_modes={self.row_modes}, "
+                f"col_modes={self.col_modes}, ranks={self.ranks}, padding_idx={self.padding_idx}")
+
+
+class TTEmbedding(GatedEmbedding):
+    """``nn.Embedding`` with its table stored as a gated TT-matrix (see the module docstring):
+    the table of the TT and TT-matrix formats."""
+
+    fixed_format = "ttm"
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 row_modes: Sequence[int] | None = None, col_modes: Sequence[int] | None = None,
+                 ranks: Ranks = 16, padding_idx: int | None = None, tau: float = DEFAULT_TAU,
+                 d: int = 3, merge_pairs: bool = True, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, *, format: Format | str = "ttm"):
+        self.merge_pairs = bool(merge_pairs)
+        self._setup(num_embeddings, embedding_dim, row_modes, col_modes, ranks, padding_idx,
+                    tau, d, format, dtype, device)
+
+    def _check_mode_counts(self) -> None:
+        if len(self.row_modes) != len(self.col_modes):
+            raise ConfigError(f"row_modes {self.row_modes} and col_modes {self.col_modes} differ "
+                              "in length; each TT-matrix core carries one of each.")
 
     # -- structure ------------------------------------------------------------------------------
     def groups(self) -> list[tuple[int, ...]]:
@@ -225,47 +420,6 @@ class TTEmbedding(GatedLayer):
         state["_merges_for"] = None
         return state
 
-    def forward(self, ids: Tensor) -> Tensor:
-        """Rows of the table at integer ``ids`` (any shape): a tensor of shape
-        ``(*ids.shape, embedding_dim)``, like ``nn.Embedding``.
-
-        Each distinct id is reconstructed once from its digit slices of the (merged) cores; the rows
-        of ``padding_idx`` are zero. An id outside ``[0, num_embeddings)`` raises
-        :class:`LookupIndexError`."""
-        check_ids(ids, "TTEmbedding")
-        if ids.device != self.cores[0].device:
-            raise ConfigError(f"TTEmbedding: the ids are on {ids.device}, the cores on "
-                              f"{self.cores[0].device}; move one to the other, e.g. "
-                              f"ids.to('{self.cores[0].device}').")
-        flat = ids.reshape(-1)
-        if flat.numel() == 0 or ids.device.type == "meta":  # meta: shapes only
-            return self.cores[0].new_zeros(*ids.shape, self.embedding_dim)
-        device = ids.device.type
-        # as nn.Embedding, the rows come in the table's dtype under autocast: no low precision
-        exact = (torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device)
-                 else contextlib.nullcontext())
-        with exact:
-            if torch.compiler.is_compiling():
-                # traced: no data-dependent Python (no unique, no int() of a tensor); one row per
-                # id, and the range check runs as an op (a RuntimeError when it fails)
-                torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
-                                    f"TTEmbedding: an id is out of range; ids must lie in "
-                                    f"[0, {self.num_embeddings}).")
-                rows = self._rows(flat)
-            else:
-                self._check_range(flat)
-                unique, inverse = torch.unique(flat, return_inverse=True)
-                rows = self._rows(unique).index_select(0, inverse)
-        return rows.reshape(*ids.shape, self.embedding_dim)
-
-    def _check_range(self, flat: Tensor) -> None:
-        lo, hi = int(flat.min()), int(flat.max())
-        if lo < 0 or hi >= self.num_embeddings:
-            bad = lo if lo < 0 else hi
-            raise LookupIndexError(f"id {bad} is out of range for a table of "
-                                   f"{self.num_embeddings} rows; ids must lie in "
-                                   f"[0, {self.num_embeddings}).")
-
     def _rows(self, ids: Tensor) -> Tensor:
         """The table rows at the 1-d ``ids`` (in range): (len(ids), embedding_dim)."""
         if torch.compiler.is_compiling():  # traced: whole tables, no data-dependent shapes
@@ -288,9 +442,7 @@ class TTEmbedding(GatedLayer):
         traced = torch.compiler.is_compiling()
         with contextlib.nullcontext() if traced else _regathered_in_backward(gathers):
             rows = self.compiled()(*slices).reshape(ids.shape[0], self.embedding_dim)
-        if self.padding_idx is not None:
-            rows = rows * (ids != self.padding_idx).to(rows.dtype).unsqueeze(1)
-        return rows
+        return self._pad(rows, ids)
 
     def _pair_table(self, cores: list[Tensor], group: tuple[int, ...],
                     merge: tncomp.CompiledNetwork, digits: Tensor) -> tuple[Tensor, Tensor]:
@@ -312,33 +464,38 @@ class TTEmbedding(GatedLayer):
 
     def to_dense(self) -> Tensor:
         """The table as ``nn.Embedding.weight``: (num_embeddings, embedding_dim)."""
-        table = ttm_to_matrix(self.gated_cores())[: self.num_embeddings]
-        if self.padding_idx is not None:
-            table = table.clone()
-            table[self.padding_idx] = 0
-        return table
+        return self._unpadded(ttm_to_matrix(self.gated_cores()))
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, ranks: Ranks = 16,
                        row_modes: Sequence[int] | None = None,
                        col_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
-                       d: int = 3, merge_pairs: bool = True) -> TTEmbedding:
+                       d: int = 3, merge_pairs: bool = True, **options) -> TTEmbedding:
         """A TT embedding initialised by TT-matrix SVD of a trained table (rows zero-padded)."""
-        if not isinstance(embedding, nn.Embedding):
-            raise ConfigError(f"from_embedding takes an nn.Embedding, got "
-                              f"{type(embedding).__name__}.")
-        check_finite_weight(embedding, embedding.weight)
-        w = embedding.weight.detach()
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, row_modes, col_modes,
-                    ranks, embedding.padding_idx, tau, d, merge_pairs, dtype=w.dtype,
-                    device=w.device)
-        padded = torch.zeros(math.prod(layer.row_modes), w.shape[1], dtype=w.dtype,
-                             device=w.device)
-        padded[: w.shape[0]] = w
-        cores = matrix_to_ttm(padded, layer.row_modes, layer.col_modes, list(layer.bond_sizes))
-        load_cores_(layer, cores, None)
-        return layer
+        return super().from_embedding(embedding, ranks, row_modes, col_modes, tau, d,
+                                      merge_pairs=merge_pairs, **options)
 
-    def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, row_modes={self.row_modes}, "
-                f"col_modes={self.col_modes}, ranks={self.ranks}, padding_idx={self.padding_idx}")
+
+def embedding_class(format: Format | str) -> type[GatedEmbedding]:
+    """The table class of a table format (TTEmbedding for ``"ttm"``; GatedEmbedding else)."""
+    name = get_format(format).name
+    return TTEmbedding if name == TTEmbedding.fixed_format else GatedEmbedding
+
+
+def table_format(format: Format | str, what: str = "format") -> str:
+    """The registered format a table of the layer kind ``format`` is held in (TT: ``"ttm"``),
+    else a :class:`ConfigError` naming the formats that hold tables."""
+    held = get_format(format).table_format
+    if held is None:
+        raise ConfigError(f"{what}={get_format(format).name!r} holds no embedding tables; "
+                          f"choose one of {', '.join(table_formats())}.")
+    return held
+
+
+def gated_embedding(num_embeddings: int, embedding_dim: int, format: Format | str,
+                    **options) -> GatedEmbedding:
+    """A table for the layer kind ``format`` (held in :func:`table_format`, by the class of
+    :func:`embedding_class`), randomly initialised; ``options``: the table's other arguments
+    (ranks, row_modes, col_modes, padding_idx, tau, d, dtype, device)."""
+    held = table_format(format)
+    return embedding_class(held)(num_embeddings, embedding_dim, format=held, **options)

@@ -1,13 +1,12 @@
-"""A GPT-style causal language model whose every block linear layer is dense, TT or low-rank.
+"""A GPT-style causal language model whose every block linear layer is dense or in any format.
 
 Token + learned position embeddings, N pre-LayerNorm decoder blocks (causal self-attention with
 separate q, k, v, o projections, then a GELU FFN), a final LayerNorm and logits through the
-token table (tied, as GPT-2). The six linear layers of each block are built by ``cfg.linear``:
-
-- ``"dense"``: ``nn.Linear``;
-- ``"tt"``: :class:`~comera.layers.linear.TTLinear` at max rank ``cfg.rank`` (modes factorised
-  from the sizes with ``cfg.tt_order`` modes per side), the layers CoMERA adapts;
-- ``"lowrank"``: :class:`~comera.layers.lowrank.LowRankLinear` at rank ``cfg.rank``.
+token table (tied, as GPT-2). The six linear layers of each block are of the kind
+``cfg.linear``: ``"dense"`` (``nn.Linear``) or any registered format at max rank ``cfg.rank``
+(modes factorised from the sizes with ``cfg.tt_order`` modes per side; ``"tt"``:
+:class:`~comera.layers.linear.TTLinear`, the layers CoMERA adapts; ``"lowrank"``: ``x @ A @ B``
+with the rank gated, trained at a fixed rank when the rank objective is off).
 
 The token table stays dense: the compressed layers are exactly the block linear layers, so
 "compression of the linear layers" is what the frontier's targets speak of.
@@ -21,11 +20,10 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
-from comera.layers.linear import DEFAULT_TAU, TTLinear
-from comera.layers.lowrank import LowRankLinear
-from comera.models.transformer import check_token_ids
+from comera.formats.registry import check_layer_format
+from comera.layers.linear import DEFAULT_TAU
+from comera.models.transformer import check_token_ids, linear_layer
 
-LINEAR_KINDS = ("dense", "tt", "lowrank")
 EMBEDDING_STD = 0.02  # GPT-2's initializer_range
 
 
@@ -40,14 +38,13 @@ class CausalLMConfig:
     n_layers: int = 2
     max_len: int = 64
     dropout: float = 0.0
-    linear: str = "dense"  # one of LINEAR_KINDS
-    rank: int = 32  # TT max rank, or the low-rank rank
+    linear: str = "dense"  # "dense" or a registered format (layer_formats())
+    rank: int = 32  # the format's max rank
     tt_order: int = 3  # modes per side of a TT layer
     tau: float = DEFAULT_TAU
 
     def __post_init__(self) -> None:
-        if self.linear not in LINEAR_KINDS:
-            raise ConfigError(f"linear={self.linear!r}; choose one of {', '.join(LINEAR_KINDS)}.")
+        check_layer_format(self.linear, "linear")
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "rank",
                      "tt_order"):
             value = getattr(self, name)
@@ -61,13 +58,10 @@ class CausalLMConfig:
 
 
 def block_linear(cfg: CausalLMConfig, n_in: int, n_out: int) -> nn.Module:
-    """One block linear layer of the kind ``cfg.linear`` asks for, without a bias (as Llama):
-    every parameter of a compressed layer is then a weight parameter."""
-    if cfg.linear == "tt":
-        return TTLinear(n_in, n_out, ranks=cfg.rank, bias=False, tau=cfg.tau, d=cfg.tt_order)
-    if cfg.linear == "lowrank":
-        return LowRankLinear(n_in, n_out, min(cfg.rank, n_in, n_out), bias=False)
-    return nn.Linear(n_in, n_out, bias=False)
+    """One block linear layer of the kind ``cfg.linear``, without a bias (as Llama): every
+    parameter of a compressed layer is then a weight parameter."""
+    return linear_layer(cfg.linear, n_in, n_out, cfg.rank, bias=False, tau=cfg.tau,
+                        d=cfg.tt_order)
 
 
 class CausalSelfAttention(nn.Module):
@@ -145,4 +139,4 @@ class CausalLM(nn.Module):
                 for i, block in enumerate(self.blocks) for n in names]
 
 
-__all__ = ["LINEAR_KINDS", "CausalLM", "CausalLMConfig", "DecoderBlock", "block_linear"]
+__all__ = ["CausalLM", "CausalLMConfig", "DecoderBlock", "block_linear"]

@@ -1,12 +1,14 @@
-"""DLRM (Naumov et al. 2019) with its embedding tables as TT-matrix tables (or dense).
+"""DLRM (Naumov et al. 2019) with its embedding tables as TT-matrix tables (or in another
+format that holds tables, ``table_format``; or dense).
 
 One example is 13 dense features and one categorical id per table. The model:
 
 1. a bottom MLP maps the dense features to a vector of ``embedding_dim`` (ReLU after every
    layer, as in the reference implementation);
 2. each categorical id is looked up in its table: a plain ``nn.Embedding``, or a
-   :class:`~comera.layers.embedding.TTEmbedding` for tables of at least ``tt_min_rows`` rows when
-   ``tt=True`` (a TT table of a few hundred rows saves nothing and costs a contraction);
+   :class:`~comera.layers.embedding.TTEmbedding` (a table in ``table_format``) for tables of at
+   least ``tt_min_rows`` rows when ``tt=True`` (a TT table of a few hundred rows saves nothing
+   and costs a contraction);
 3. the interaction takes the dot product of every pair of the ``1 + T`` vectors (the strict
    upper triangle of their Gram matrix) and concatenates them to the bottom MLP's output;
 4. a top MLP maps that to one logit (ReLU between layers, none after the last).
@@ -29,7 +31,7 @@ from torch import Tensor, nn
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, CRITEO_NUM_DENSE
 from comera.errors import ConfigError, LookupIndexError
 from comera.layers.cached_embedding import CachedTTEmbedding
-from comera.layers.embedding import TTEmbedding
+from comera.layers.embedding import embedding_class, gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLayer
 
 log = logging.getLogger("comera.models")
@@ -67,6 +69,9 @@ class DLRMConfig:
     top_mlp: tuple[int, ...] = (512, 256, 1)
     max_rows: int | None = None  # cap on every table's rows (dense and TT alike), for small runs
     tt: bool = False
+    # with tt: the format of the large tables, a format that holds tables (table_formats();
+    # a format word is read as the table it takes: "tt" holds TT-matrix tables, "ttm")
+    table_format: str = "ttm"
     tt_ranks: int = 32
     tt_min_rows: int = 10_000  # smaller tables stay nn.Embedding when tt=True
     tt_d: int = 3  # number of TT-matrix cores per table
@@ -96,6 +101,8 @@ class DLRMConfig:
         object.__setattr__(self, "top_mlp", top)
         if self.max_rows is not None:
             _positive_int("max_rows", self.max_rows)
+        object.__setattr__(self, "table_format", table_format(self.table_format,
+                                                              "table_format"))
         _positive_int("tt_ranks", self.tt_ranks)
         _positive_int("tt_min_rows", self.tt_min_rows)
         _positive_int("tt_d", self.tt_d)
@@ -120,7 +127,7 @@ class DLRMConfig:
         return f * (f - 1) // 2
 
     def is_tt_table(self, k: int) -> bool:
-        """Whether table ``k`` is a TTEmbedding in this configuration."""
+        """Whether table ``k`` is a gated table (in ``table_format``) in this configuration."""
         return self.tt and self.table_sizes[k] >= self.tt_min_rows
 
 
@@ -157,8 +164,8 @@ class DLRM(nn.Module):
         tables: list[nn.Module] = []
         for k, rows in enumerate(cfg.table_sizes):
             if cfg.is_tt_table(k):
-                table = TTEmbedding(rows, cfg.embedding_dim, ranks=cfg.tt_ranks, tau=cfg.tau,
-                                    d=cfg.tt_d)
+                table = gated_embedding(rows, cfg.embedding_dim, cfg.table_format,
+                                        ranks=cfg.tt_ranks, tau=cfg.tau, d=cfg.tt_d)
                 if cfg.tt_cache_rows:
                     table = CachedTTEmbedding(table, min(cfg.tt_cache_rows, rows))
                 tables.append(table)
@@ -256,8 +263,8 @@ class DLRM(nn.Module):
         out.top.load_state_dict(model.top.state_dict())
         for k, table in enumerate(model.embeddings):
             if cfg.is_tt_table(k):
-                out.embeddings[k] = TTEmbedding.from_embedding(table, ranks=cfg.tt_ranks,
-                                                               tau=cfg.tau, d=cfg.tt_d)
+                out.embeddings[k] = embedding_class(cfg.table_format).from_embedding(
+                    table, ranks=cfg.tt_ranks, tau=cfg.tau, d=cfg.tt_d, format=cfg.table_format)
             else:
                 out.embeddings[k].load_state_dict(table.state_dict())
         log.debug("converted %d DLRM tables to TT at ranks <= %d",

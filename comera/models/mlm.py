@@ -2,8 +2,9 @@
 
 Token + position embeddings, LayerNorm, dropout, N post-LayerNorm encoder blocks, then BERT's
 prediction head: a d x d transform, GELU, LayerNorm, and the vocabulary projection d -> V. With
-``cfg.tt`` every linear layer (head included) is a :class:`~comera.layers.linear.TTLinear` and, with
-``cfg.tt_embedding``, the token table a :class:`~comera.layers.embedding.TTEmbedding`.
+``cfg.tt`` every linear layer (head included) is in ``cfg.linear_format`` (TT:
+:class:`~comera.layers.linear.TTLinear`) and, with ``cfg.tt_embedding``, the token table in the
+format's table (TT: a TT-matrix :class:`~comera.layers.embedding.TTEmbedding`).
 
 The TT vocabulary projection has ``V`` padded to the nearest size with balanced modes
 (:func:`~comera.formats.factorize.suggest_padded_size`, e.g. 15,317 -> 15,360); the extra logits are
@@ -23,15 +24,16 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.formats.factorize import suggest_padded_size
-from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import TTLinear
+from comera.layers.embedding import GatedEmbedding
 from comera.lean.dropout import BoolMaskDropout
 from comera.models.transformer import (
     EncoderBlock,
     TransformerConfig,
     check_token_ids,
     linear,
+    linear_layer,
     run_blocks,
+    token_table,
 )
 
 IGNORE_INDEX = -100
@@ -53,13 +55,7 @@ class MaskedLM(nn.Module):
         self.pad_id = pad_id
         self.vocab_size = cfg.vocab_size
         d = cfg.d_model
-        if cfg.tt and cfg.tt_embedding:
-            rows, cols = cfg.embedding_modes or (None, None)
-            self.tokens = TTEmbedding(cfg.vocab_size, d, rows, cols, cfg.embedding_rank,
-                                      padding_idx=pad_id, tau=cfg.tau,
-                                      d=len(rows) if rows else 3)
-        else:
-            self.tokens = nn.Embedding(cfg.vocab_size, d, padding_idx=pad_id)
+        self.tokens = token_table(cfg, pad_id)
         self.positions = nn.Embedding(cfg.max_len, d)
         self.ln = nn.LayerNorm(d)
         self.drop = BoolMaskDropout(cfg.dropout)
@@ -69,8 +65,8 @@ class MaskedLM(nn.Module):
         self.head_ln = nn.LayerNorm(d)
         if cfg.tt:
             padded = suggest_padded_size(cfg.vocab_size, _VOCAB_MODES)
-            self.decoder = TTLinear(d, padded, ranks=cfg.embedding_rank, tau=cfg.tau,
-                                    d=_VOCAB_MODES)
+            self.decoder = linear_layer(cfg.linear_format, d, padded, cfg.embedding_rank,
+                                        tau=cfg.tau, d=_VOCAB_MODES)
         else:
             self.decoder = nn.Linear(d, cfg.vocab_size)
         self._init_embeddings_()
@@ -82,7 +78,7 @@ class MaskedLM(nn.Module):
         has std ~1/sqrt(V + d) while positions have std 1: after the LayerNorm the tokens are
         drowned out and training stalls.)"""
         nn.init.normal_(self.positions.weight, 0.0, EMBEDDING_STD)
-        if isinstance(self.tokens, TTEmbedding):
+        if isinstance(self.tokens, GatedEmbedding):
             std = float(self.tokens.to_dense().std())
             self.tokens.cores[0].mul_(EMBEDDING_STD / std)
         else:

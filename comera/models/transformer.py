@@ -1,5 +1,6 @@
 """The six-encoder transformer of the paper's MNLI run, with every linear layer and the token
-embedding as TT layers (or dense, for the baseline).
+embedding as TT layers (or in any other registered format, ``linear_format``; or dense, for the
+baseline).
 
 d_model 768, 12 heads, FFN 3072, GELU, post-LayerNorm, dropout 0.1, learned positions, max
 length 128, and a pair-classification head on the first token. Shapes follow the paper:
@@ -24,9 +25,9 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
-from comera.formats.registry import get_format
-from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import GatedLinear, TTLinear
+from comera.formats.registry import DENSE, check_layer_format, get_format
+from comera.layers.embedding import gated_embedding, table_format
+from comera.layers.linear import DEFAULT_TAU, GatedLinear, TTLinear
 from comera.layers.siblings import Siblings
 from comera.lean.dropout import BoolMaskDropout
 from comera.lean.sdpa import scaled_dot_product_attention
@@ -65,7 +66,9 @@ class TransformerConfig:
     ffn_out_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((16, 16, 12), (8, 8, 12))
     embedding_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((16, 20, 10, 10), (4, 4, 8, 6))
     tau: float = 1e-2
-    linear_format: str = "tt"  # the encoder's linear layers: any format of format_names()
+    # with tt: the layers' format (any format of format_names(); the token table takes the
+    # format's table, e.g. TT's a TT-matrix one)
+    linear_format: str = "tt"
 
     def __post_init__(self) -> None:
         fmt = get_format(self.linear_format)  # names the choices when unknown
@@ -87,18 +90,41 @@ class TransformerConfig:
         return cls(**base)
 
 
-def linear(cfg: TransformerConfig, n_in: int, n_out: int, modes) -> nn.Module:
-    if not cfg.tt:
-        return nn.Linear(n_in, n_out)
+def linear_layer(format: str, n_in: int, n_out: int, rank: int, modes=None, *,
+                 bias: bool = True, tau: float = DEFAULT_TAU, d: int = 3) -> nn.Module:
+    """One linear layer of the kind ``format``: ``nn.Linear`` for ``"dense"``, ``TTLinear`` for
+    ``"tt"`` (the class TT checkpoints hold), else a ``GatedLinear`` in that format at max rank
+    ``rank``. ``modes``: (in_modes, out_modes) for a format that uses modes, used when they
+    multiply to the sizes (else factorised, ``d`` a side)."""
+    if check_layer_format(format) == DENSE:
+        return nn.Linear(n_in, n_out, bias=bias)
     if modes is not None and (math.prod(modes[0]) != n_in or math.prod(modes[1]) != n_out):
         modes = None  # sizes changed by an override: factorize automatically
-    in_modes, out_modes = modes if modes is not None else (None, None)
-    if cfg.linear_format == "tt":
-        return TTLinear(n_in, n_out, in_modes, out_modes, cfg.rank, tau=cfg.tau)
-    if not get_format(cfg.linear_format).uses_modes:
-        in_modes = out_modes = None
-    return GatedLinear(n_in, n_out, cfg.linear_format, cfg.rank, in_modes, out_modes,
-                       tau=cfg.tau)
+    if modes is None or not get_format(format).uses_modes:
+        modes = (None, None)
+    if format == "tt":
+        return TTLinear(n_in, n_out, *modes, rank, bias=bias, tau=tau, d=d)
+    return GatedLinear(n_in, n_out, format, rank, *modes, bias=bias, tau=tau, d=d)
+
+
+def token_table(cfg: TransformerConfig, pad_id: int) -> nn.Module:
+    """The token table: in the table of the layers' format (TT: a TT-matrix
+    :class:`~comera.layers.embedding.TTEmbedding`) when ``cfg.tt`` and ``cfg.tt_embedding``, else
+    ``nn.Embedding``."""
+    if not (cfg.tt and cfg.tt_embedding):
+        return nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=pad_id)
+    rows, cols = cfg.embedding_modes or (None, None)
+    modes = ({"row_modes": rows, "col_modes": cols}
+             if get_format(table_format(cfg.linear_format)).uses_modes else {})
+    return gated_embedding(cfg.vocab_size, cfg.d_model, cfg.linear_format,
+                           ranks=cfg.embedding_rank, padding_idx=pad_id, tau=cfg.tau,
+                           d=len(rows) if rows else 3, **modes)
+
+
+def linear(cfg: TransformerConfig, n_in: int, n_out: int, modes) -> nn.Module:
+    """A linear layer of the model: its format (or dense) and rank, from ``cfg``."""
+    return linear_layer(cfg.linear_format if cfg.tt else DENSE, n_in, n_out, cfg.rank, modes,
+                        tau=cfg.tau)
 
 
 class SelfAttention(nn.Module):
@@ -180,13 +206,7 @@ class PairClassifier(nn.Module):
     def __init__(self, cfg: TransformerConfig, pad_id: int = 0):
         super().__init__()
         self.cfg = cfg
-        if cfg.tt and cfg.tt_embedding:
-            rows, cols = cfg.embedding_modes or (None, None)
-            self.tokens = TTEmbedding(cfg.vocab_size, cfg.d_model, rows, cols,
-                                      cfg.embedding_rank, padding_idx=pad_id, tau=cfg.tau,
-                                      d=len(rows) if rows else 3)
-        else:
-            self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=pad_id)
+        self.tokens = token_table(cfg, pad_id)
         self.positions = nn.Embedding(cfg.max_len, cfg.d_model)
         self.segments = nn.Embedding(2, cfg.d_model)
         self.ln = nn.LayerNorm(cfg.d_model)

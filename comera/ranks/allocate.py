@@ -21,7 +21,8 @@ where the spectra say a bond carries nothing past a rank, the uniform floor is c
 (:func:`comera.ranks.truncate.round_layer_`, which leaves every bond's slices in the order of
 its singular values) and the gates past the allocated ranks are zeroed, so truncation
 (:func:`comera.ranks.truncate.truncate_`) then drops them. Used at the start of the late stage
-(``LateStage(allocation="spectrum")``, the default): decide the shape once, then train it.
+(``LateStage(allocation="spectrum")``; the default is ``"prune"``): decide the shape once, then
+train it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.layers.linear import GatedLayer, GatedLinear
+from comera.ranks.budget import largest_rank
 from comera.ranks.size import gated_layers, model_size
 from comera.ranks.truncate import live_cores, rebuild_stacks, round_layer_, rounds_exactly
 
@@ -145,8 +147,9 @@ class Allocation:
 def uniform_ranks(model: nn.Module, target_size: float,
                   limit: int | None = None) -> tuple[int, dict[str, tuple[int, ...]]]:
     """The largest uniform rank r whose model fits ``target_size`` (every bond at ``min(r, what
-    it carries now and its neighbours allow)``), and those ranks per layer; (0, rank 1 ranks)
-    when not even rank 1 fits. ``limit``: the highest rank tried (default: the largest bond)."""
+    it carries now and its neighbours allow)``; :func:`comera.ranks.budget.largest_rank`), and
+    those ranks per layer; (0, rank 1 ranks) when not even rank 1 fits. ``limit``: the highest
+    rank tried (default: the largest bond)."""
     layers = [(name, m) for name, m in gated_layers(model) if not m.is_removed()]
     check_chains(layers)
     other = model_size(model) - sum(m.num_parameters() for _, m in layers)
@@ -159,11 +162,11 @@ def uniform_ranks(model: nn.Module, target_size: float,
             out[name] = tuple(_capped([1] + [r] * (len(cur) - 2) + [1], _inner(m), cur[1:-1]))
         return out
 
-    best = 0
-    for r in range(1, top + 1):
+    def size(r: int) -> int:
         ranks = at(r)
-        if other + sum(layer_size(m, ranks[name]) for name, m in layers) <= target_size:
-            best = r
+        return other + sum(layer_size(m, ranks[name]) for name, m in layers)
+
+    best = largest_rank(size, target_size, top)
     return best, at(max(best, 1))
 
 

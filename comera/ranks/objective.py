@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.ranks.allocate import FLOORS, Allocation, allocate_
+from comera.ranks.budget import size_target
 from comera.ranks.size import gated_layers, model_size
 from comera.ranks.truncate import round_, rounded_bond_ranks
 
@@ -162,19 +163,14 @@ class LateStage:
     def for_compression(cls, model: nn.Module, ratio: float, of=None, target_loss: float = 0.0,
                         steps: int | None = None, **options) -> LateStage:
         """The target that compresses the layers ``of`` by ``ratio`` against their dense size
-        (``dense parameters of those layers / their parameters = ratio``), every other
-        parameter kept as it is now. ``of``: a layer type or tuple of types (e.g.
+        (``dense parameters of those layers / their parameters = ratio``, a hot-row cache
+        counted with its table), every other parameter kept as it is now
+        (:func:`comera.ranks.budget.size_target`). ``of``: a layer type or tuple of types (e.g.
         ``comera.TTLinear``), or qualified module names (a str or a list; a name also takes the
         TT layers under it); default every TT layer. ``options``: the other fields
-        (``size_weight``, ``landing``, ``rounding``, ``allocation``, ``floor``)."""
-        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 1:
-            raise ConfigError(f"ratio={ratio!r}; a compression against dense is a number > 1 "
-                              "(10 keeps a tenth of the dense parameters).")
-        layers = _select(model, of)
-        current = sum(m.num_parameters() for _, m in layers)
-        dense = sum(m.dense_num_parameters() for _, m in layers)
-        rest = model_size(model) - current
-        return cls(rest + dense / ratio, target_loss, steps=steps, **options)
+        (``size_weight``, ``landing``, ``rounding``, ``allocation``, ``floor``). The one way to
+        build a late stage against dense: ``comera.late_stage_for`` and the engine call it."""
+        return cls(size_target(model, ratio, of), target_loss, steps=steps, **options)
 
     def allocate_(self, model: nn.Module, optimizer=None,
                   min_rank: int = 1) -> Allocation | None:
@@ -218,30 +214,6 @@ class LateStage:
             return loss, which
         reference = size_reference if size_reference is not None else max(size, 1)
         return loss + self.size_weight * soft_size(model) / reference, which
-
-
-def _select(model: nn.Module, of) -> list[tuple[str, object]]:
-    """The TT layers ``of`` names (see :meth:`LateStage.for_compression`), else a ConfigError
-    listing what there is."""
-    layers = list(gated_layers(model))
-    if of is None:
-        chosen = layers
-    elif isinstance(of, type) or (isinstance(of, tuple) and of and
-                                   all(isinstance(t, type) for t in of)):
-        chosen = [(n, m) for n, m in layers if isinstance(m, of)]
-    else:
-        names = [of] if isinstance(of, str) else list(of)
-        if not names or not all(isinstance(n, str) for n in names):
-            raise ConfigError(f"of={of!r}; give a layer type, a tuple of types, or module "
-                              "names (str).")
-        chosen = [(n, m) for n, m in layers
-                  if any(want in ("", n) or n.startswith(want + ".") for want in names)]
-    if not chosen:
-        have = ", ".join(n or "<model>" for n, _ in layers[:8]) or "none"
-        raise ConfigError(f"of={of!r} matches no TT layer of the model (its TT layers: {have}"
-                          f"{' ...' if len(layers) > 8 else ''}); name some of them, or leave "
-                          "of out for all.")
-    return chosen
 
 
 def floor_size(model: nn.Module, min_rank: int) -> int:

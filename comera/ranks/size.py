@@ -68,6 +68,15 @@ def dense_size(model: nn.Module, only: type | None = None) -> int:
     return tt if only is not None else tt + _non_tt_parameters(model)
 
 
+def layers_size(model: nn.Module, layers) -> tuple[int, int]:
+    """(parameters at the effective ranks, with their hot-row caches; dense parameters) of the
+    gated ``layers`` of ``model``, counted as :func:`model_size` and :func:`dense_size` do."""
+    caches = _caches(model)
+    layers = list(layers)
+    return (sum(m.num_parameters() + caches.get(id(m), 0) for m in layers),
+            sum(m.dense_num_parameters() for m in layers))
+
+
 def compression_ratio(model: nn.Module, only: type | None = None) -> float:
     """Dense size / effective size (of the TT layers of type ``only``, if given)."""
     return dense_size(model, only) / max(model_size(model, True, only), 1)

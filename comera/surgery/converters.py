@@ -4,7 +4,10 @@ As PEFT's ``dispatch_*`` functions: each :class:`Converter` says which modules i
 reads their weight (in x out) and bias, and how it builds the gated layer(s) that replace them.
 The target format comes from the config (:meth:`ConvertConfig.format_for`), so nothing here
 names a format: a linear weight becomes a :class:`~comera.layers.linear.GatedLinear` of any
-registered format, an embedding table a TT-matrix :class:`~comera.layers.embedding.TTEmbedding`.
+registered format, an embedding table a table of the format's
+(:func:`~comera.layers.embedding.table_format`: TT and TT-matrix tables are
+:class:`~comera.layers.embedding.TTEmbedding`, others a
+:class:`~comera.layers.embedding.GatedEmbedding`).
 Adding a source type is one entry in :data:`CONVERTERS`.
 """
 
@@ -21,15 +24,13 @@ from comera.errors import ConfigError, ConversionError
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, get_format
 from comera.layers.attention import TTMultiheadAttention
-from comera.layers.embedding import TTEmbedding
+from comera.layers.embedding import embedding_class, table_format
 from comera.layers.linear import GatedLayer, GatedLinear
+from comera.ranks.budget import largest_rank, layout_size
 from comera.surgery.config import ConvertConfig
 from comera.surgery.records import linear_class
 
-#: the formats an embedding table can take: the chain formats, both stored as a TT-matrix table
-EMBEDDING_FORMATS = ("tt", "ttm")
 IN_PARTS = ("q_proj", "k_proj", "v_proj")  # an nn.MultiheadAttention's split projections
-MAX_RANK = 1 << 16  # target_compression searches ranks up to this
 
 
 class Part(NamedTuple):
@@ -91,21 +92,9 @@ def _linear(fmt: str, in_features: int, out_features: int, modes, rank: int, bia
 
 def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
     """The largest uniform max rank whose cores (``fmt``'s layout on ``probe``'s modes) hold at
-    most ``budget`` parameters (at least 1). The size grows with the rank until every bond
-    reaches the format's cap, so double, then bisect."""
-    def size(rank: int) -> int:
-        layout = fmt.layout(probe.in_modes, probe.out_modes, rank)
-        return layout.parameters_at(layout.bond_sizes)
-
-    lo, hi = 1, 1
-    while size(hi) <= budget and hi < MAX_RANK:
-        if size(hi * 2) == size(hi):  # every bond is at its cap already
-            return hi
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if size(mid) <= budget else (lo, mid)
-    return lo
+    most ``budget`` parameters (:func:`comera.ranks.budget.largest_rank`; at least 1)."""
+    return max(1, largest_rank(
+        lambda r: layout_size(fmt, probe.in_modes, probe.out_modes, r), budget))
 
 
 def full_rank(fmt: Format, layout: Layout, rank: int) -> int | None:
@@ -157,24 +146,30 @@ def _linear_like(read: Callable[[nn.Module], tuple[Tensor, Tensor | None]]) -> C
 
 def _check_embedding(name: str, module: nn.Embedding, config: ConvertConfig) -> None:
     _check_layer(name, config)
-    fmt = config.format_for(name)
-    if fmt not in EMBEDDING_FORMATS:
-        raise ConfigError(
-            f"format {fmt!r} for the embedding {name!r}: embedding tables are converted to the "
-            f"TT-matrix TTEmbedding only (format {' or '.join(map(repr, EMBEDDING_FORMATS))}); "
-            f"give the embeddings a pattern of their own, e.g. format={{{name!r}: 'ttm', "
-            f"'*': {fmt!r}}}, or leave them dense with embedding=False.")
+    try:
+        table_format(config.format_for(name))
+    except ConfigError as exc:
+        raise ConfigError(f"the embedding {name!r}: {exc} Give the embeddings a pattern of "
+                          f"their own, e.g. format={{{name!r}: 'ttm', '*': "
+                          f"{config.format_for(name)!r}}}, or leave them dense with "
+                          "embedding=False.") from None
 
 
 def _embedding(name: str, module: nn.Embedding, config: ConvertConfig):
+    """A table of the format the config gives ``name`` (held as :func:`table_format` says:
+    a TT or TT-matrix table is a :class:`TTEmbedding`), initialised by its decomposition."""
+    held = table_format(config.format_for(name))
+    cls = embedding_class(held)
     modes = config.modes.get(name, (None, None))
-    rank = 1 if config.target_compression else config.rank_for(name)
     if config.target_compression:
-        probe = TTEmbedding(module.num_embeddings, module.embedding_dim, modes[0], modes[1], 1,
-                            module.padding_idx, config.tau, config.d, device="meta")
+        probe = cls(module.num_embeddings, module.embedding_dim, modes[0], modes[1], 1,
+                    module.padding_idx, config.tau, config.d, format=held, device="meta")
         rank = rank_for_target(probe.format, probe.layout,
                                module.weight.numel() / config.target_compression)
-    layer = TTEmbedding.from_embedding(module, rank, modes[0], modes[1], config.tau, config.d)
+    else:
+        rank = config.rank_for(name)
+    layer = cls.from_embedding(module, rank, modes[0], modes[1], config.tau, config.d,
+                               format=held)
     if config.memory != "fast":
         layer.memory = config.memory
     shape = (module.num_embeddings, module.embedding_dim)
@@ -253,5 +248,5 @@ def converter_for(module: nn.Module, converters: tuple[Converter, ...]) -> Conve
     return next((c for c in converters if c.matches(module)), None)
 
 
-__all__ = ["CONVERTERS", "EMBEDDING_FORMATS", "Converter", "Part", "converter_for", "full_rank",
+__all__ = ["CONVERTERS", "Converter", "Part", "converter_for", "full_rank",
            "gated_linear", "rank_for_target"]

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteLossError
 from comera.layers.linear import GatedLayer
+from comera.ranks.budget import check_ratio
 from comera.ranks.objective import (
     REGULARIZERS,
     LateStage,
@@ -99,18 +100,10 @@ def clear_moments_(optimizer: Any,
 def late_stage_for(model: nn.Module, compression: float, steps: int | None = None,
                    target_loss: float = 0.0, rounding: bool = True) -> LateStage:
     """A late stage whose TT layers end at ``compression`` times below their dense size (the
-    parameters outside them kept as they are), landing within ``steps`` steps."""
-    if not (isinstance(compression, int | float) and not isinstance(compression, bool)
-            and math.isfinite(compression) and compression > 1):
-        raise ConfigError(f"compression={compression!r}; the target is a finite number > 1 "
-                          "(TT layers' dense size / their size).")
-    layers = [m for _, m in gated_layers(model)]
-    if not layers:
-        raise ConfigError("the model has no TT layers: convert it with comera.convert_ first.")
-    outside = model_size(model) - model_size(model, only=GatedLayer)  # hot rows count inside
-    tt_dense = sum(m.dense_num_parameters() for m in layers)
-    return LateStage(tt_dense / compression + outside, target_loss, steps=steps,
-                     rounding=rounding)
+    parameters outside them kept as they are), landing within ``steps`` steps: the name loops
+    call it by, for :meth:`LateStage.for_compression` over every gated layer."""
+    return LateStage.for_compression(model, check_ratio(compression, "compression"),
+                                     target_loss=target_loss, steps=steps, rounding=rounding)
 
 
 @dataclass

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from comera.errors import ConfigError
-from comera.layers.linear import GatedLayer
-from comera.ranks.size import gated_layers, model_size
+from comera.ranks.budget import check_ratio, size_target
 
 __all__ = ["EarlyStage"]
 
@@ -65,18 +64,8 @@ class EarlyStage:
     def for_compression(cls, model: nn.Module, ratio: float, steps: int | None = None,
                         landing: float = 0.5, gain: float = 0.1) -> EarlyStage:
         """A target with the TT layers ``ratio`` times below their dense size, the parameters
-        outside them kept as they are."""
-        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not (
-                math.isfinite(ratio) and ratio > 1):
-            raise ConfigError(f"ratio={ratio!r}; the target is a finite number > 1 (TT layers' "
-                              "dense size / their size).")
-        layers = [m for _, m in gated_layers(model)]
-        if not layers:
-            raise ConfigError("the model has no TT layers: convert it with comera.convert_ "
-                              "first.")
-        outside = model_size(model) - model_size(model, only=GatedLayer)
-        return cls(sum(m.dense_num_parameters() for m in layers) / ratio + outside, steps,
-                   landing, gain)
+        outside them kept as they are (:func:`comera.ranks.budget.size_target`)."""
+        return cls(size_target(model, check_ratio(ratio)), steps, landing, gain)
 
     def scheduled_size(self, start_size: float, step: int) -> float:
         """The size to be at after ``step`` steps (0-based): geometric from ``start_size`` to

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 import comera
-from comera.experiments.task import Task
+from comera.experiments.task import Task, model_format
 
 
 class ToyTask(Task):
@@ -31,9 +31,14 @@ class ToyTask(Task):
         self.delay = delay
         self.val = slice(0, 64)
 
-    def build_model(self, tt: bool) -> nn.Module:
-        first = (comera.TTLinear(32, 32, (4, 8), (8, 4), 6, dtype=torch.float64) if tt
-                 else nn.Linear(32, 32, dtype=torch.float64))
+    def build_model(self, format: str = "tt") -> nn.Module:
+        format = model_format(format)
+        if format == "tt":
+            first = comera.TTLinear(32, 32, (4, 8), (8, 4), 6, dtype=torch.float64)
+        elif format == "dense":
+            first = nn.Linear(32, 32, dtype=torch.float64)
+        else:
+            first = comera.GatedLinear(32, 32, format, 6, d=2, dtype=torch.float64)
         return nn.Sequential(first, nn.Tanh(), nn.Dropout(self.dropout),
                              nn.Linear(32, 4, dtype=torch.float64))
 

@@ -1,33 +1,22 @@
-"""The four-way frontier script's pieces that need no training: sizes of the linear layers per
-method, the table (mean ± sd per method and target, the ranks chosen next to the uniform ones)
-and the plot."""
+"""The reviews frontier's pieces that need no training: rows of before read under their names,
+the table (mean ± sd per method and target, the ranks chosen next to the uniform ones), the
+plot, and its flags checked before any work."""
 
 from __future__ import annotations
 
 import statistics
 
 import pytest
-from torch import nn
 
-from benchmarks.studies.accuracy_frontier import linear_sizes, main, plot, summarise
-from comera import TTLinear
-from comera.layers.lowrank import LowRankLinear
+from benchmarks.studies.accuracy_frontier import main, plot, summarise, upgrade
 
 
-class _Blocks(nn.Module):
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.ModuleDict({"ffn": layer})])
-        self.head = nn.Linear(32, 2)  # not a compressed layer: never counted
-
-
-def test_linear_sizes_count_the_compressed_layers_of_each_kind():
-    dense = _Blocks(nn.Linear(32, 16))
-    assert linear_sizes(dense) == (32 * 16 + 16, 32 * 16 + 16)
-    low = _Blocks(LowRankLinear(32, 16, 3))
-    assert linear_sizes(low) == (3 * 48 + 16, 32 * 16 + 16)
-    tt = _Blocks(TTLinear(32, 16, (4, 8), (4, 4), ranks=2))
-    assert linear_sizes(tt) == (4 * 2 + 2 * 8 * 2 + 2 * 4 * 2 + 2 * 4 + 16, 32 * 16 + 16)
+def test_rows_of_before_are_read_under_their_own_names():
+    warm = {"model": "comera", "restart": False}
+    assert upgrade(warm)["model"] == "comera-warm"
+    assert upgrade({"model": "lowrank"})["model"] == "lowrank-ungated"  # LowRankLinear rows
+    assert upgrade({"model": "lowrank", "format": "lowrank"})["model"] == "lowrank"
+    assert upgrade({"model": "comera", "restart": True})["model"] == "comera"
 
 
 def _result():
@@ -75,7 +64,8 @@ def test_summarise_only_writes_table_and_plot(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--early-landing", "0"], ["--early-landing", "1.5"],
-                                   ["--threads", "0"]])
+                                   ["--threads", "0"], ["--eval-every", "0"],
+                                   ["--early", "500"], ["--summarise-only"]])
 def test_bad_flags_exit_2_before_any_training(flags, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main([*flags, "--out", str(tmp_path / "out")])

@@ -1,5 +1,6 @@
-"""benchmarks/studies/lm_frontier.py (on benchmarks/studies/frontier.py): budgets of the
-baselines, and a --smoke run on a tiny corpus."""
+"""benchmarks/studies/lm_frontier.py (on the harness's frontier): each format's model at its
+uniform rank within the budget, the flags checked before any work, and a --smoke run on a tiny
+corpus."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import json
 
 import pytest
 
-from benchmarks.studies import frontier, lm_frontier
+from benchmarks.studies import lm_frontier
+from benchmarks.studies.harness.frontier import parse
+from benchmarks.studies.harness.methods import Study
+from benchmarks.studies.harness.runs import layer_sizes
+from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig
-from comera.layers.linear import TTLinear
 from tests.helpers.tiny_corpus import write_tiny_corpus
 
 
@@ -21,44 +25,61 @@ def root(tmp_path_factory):
 
 
 @pytest.mark.parametrize("target", [2.0, 4.0, 8.0])
-def test_uniform_ranks_are_the_largest_within_the_budget(root, target):
+def test_each_format_is_at_the_largest_uniform_rank_within_the_budget(root, target, tmp_path):
     task = LMTask(LMTaskConfig(seq_len=16, vocab_size=64, d_model=32, n_heads=2, d_ff=64,
                                n_layers=1), root=root, use_cache=False)
-    shapes = [(m.in_features, m.out_features) for _, m in task.block_linears(task.build())]
-    assert len(shapes) == 6
-    budget = sum(i * o for i, o in shapes) / target
-    r = frontier.uniform_rank(task, "lowrank", target)
-    assert r * sum(i + o for i, o in shapes) <= budget < (r + 1) * sum(i + o for i, o in shapes)
-    assert frontier.linear_sizes(task, task.build("lowrank", r))[0] <= budget
+    study = Study(task, EngineConfig(), tmp_path, steps=2)
+    dense = layer_sizes(task.block_linears(task.build()))[0]
+    assert study.budget(target) == dense / target
+    for fmt in ("tt", "lowrank", "btt"):
+        r = study.uniform_rank(fmt, target)
+        if r == 0:
+            assert layer_sizes(task.block_linears(task.build(fmt, 1)))[0] > dense / target
+            continue
+        assert layer_sizes(task.block_linears(task.build(fmt, r)))[0] <= dense / target
+        bigger = layer_sizes(task.block_linears(task.build(fmt, r + 1)))[0]
+        assert bigger > dense / target or bigger == layer_sizes(
+            task.block_linears(task.build(fmt, r)))[0], fmt  # or every bond at its cap
 
-    def tt_size(rank):
-        return sum(TTLinear(i, o, ranks=rank, bias=False).num_parameters() for i, o in shapes)
 
-    r = frontier.uniform_rank(task, "tt", target)
-    assert tt_size(r) <= budget < tt_size(r + 1)
-    assert frontier.linear_sizes(task, task.build("tt", r))[0] == tt_size(r)
+@pytest.mark.parametrize("flags", [["--methods", "einsum"], ["--lrs", "0"], ["--targets", "1"],
+                                   ["--eval-every", "0"], ["--decide", "0"]])
+def test_bad_flags_exit_2_before_any_work(flags, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        lm_frontier.main([*flags, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_fixed_is_the_tt_method_and_the_grid_defaults_to_lr():
+    args = parse(lm_frontier.SPEC, ["--methods", "dense", "fixed", "tt", "narrow"])
+    assert args.methods == ["dense", "tt", "narrow"] and args.lrs == [2e-3]
 
 
 @pytest.mark.slow
-def test_smoke_run_writes_all_four_methods(root, tmp_path):
+def test_smoke_run_writes_every_method(root, tmp_path):
     out = tmp_path / "out"
-    argv = ["--smoke", "--root", str(root), "--seeds", "0", "--targets", "4", "--out", str(out),
-            "--work", str(tmp_path / "work"), "--tag", "smoke", "--max-rank", "4"]
+    common = ["--smoke", "--root", str(root), "--seeds", "0", "--targets", "4", "--out",
+              str(out), "--work", str(tmp_path / "work"), "--max-rank", "4"]
+    argv = [*common, "--tag", "smoke", "--lrs", "2e-3", "4e-3", "--methods", "dense", "narrow",
+            "tt", "lowrank", "comera"]
     assert lm_frontier.main(argv) == 0
     result = json.loads((out / "frontier.json").read_text())
     methods = {r["method"] for r in result["rows"]}
-    assert methods == {"dense", "comera early", "comera", "fixed", "lowrank"}
+    assert methods == {"dense", "narrow", "comera early", "comera", "tt", "lowrank"}
+    assert {r["lr"] for r in result["rows"]} == {2e-3, 4e-3}
     for row in result["rows"]:
         assert row["val"]["perplexity"] > 1 and row["test"]["loss"] > 0
-        if row["method"] in ("fixed", "lowrank"):
+        assert row["curves"]["val"][-1][1] > 0  # the training wall-clock of the last evaluation
+        if row["method"] in ("tt", "lowrank", "narrow"):
             assert row["compression"] >= 4.0
     assert result["runs"][0]["command"].startswith(
         "python -m benchmarks.studies.lm_frontier --smoke")
-    assert result["runs"][0]["machine"]["cpu"]
     text = (out / "frontier.md").read_text()
-    assert "fixed uniform TT rank" in text and "low-rank" in text and "CoMERA" in text
-    # a second call reuses the early model and adds its rows next to the first call's
-    assert lm_frontier.main([*argv[:-4], "--tag", "more", "--methods", "comera",
-                             "--max-rank", "4"]) == 0
+    assert "TT at a uniform rank" in text and "narrower dense" in text and "CoMERA" in text
+    assert (out / "frontier.png").is_file() and (out / "frontier_curves.png").is_file()
+    # a second call with --resume reads the early model back and adds its rows
+    assert lm_frontier.main([*common, "--tag", "more", "--resume", "--lrs", "2e-3",
+                             "--methods", "comera"]) == 0
     merged = json.loads((out / "frontier.json").read_text())
-    assert len(merged["rows"]) == len(result["rows"]) + 1
+    assert len(merged["rows"]) == len(result["rows"]) + 2

@@ -56,6 +56,21 @@ def test_index_stream_covers_each_epoch_once_and_shards_partition_the_batch():
 
 
 # -- stages and records -------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["tucker", "lowrank"])
+def test_the_engine_trains_any_format_the_config_names(tmp_path, fmt):
+    """The layer kind goes from EngineConfig.format through Task.build_model to the layers; the
+    late stage lands on the target against the format's dense size; a resume with another
+    format is refused."""
+    cfg = replace(CFG, format=fmt, target_compression=2.0)
+    model, record = train_model(ToyTask(), "comera", True, cfg, tmp_path)
+    (_, layer), = comera.gated_layers(model)
+    assert layer.format.name == fmt and not isinstance(layer, comera.TTLinear)
+    assert record.sizes["linear_compression"] >= 2.0 * 0.95
+    assert record.sizes["linear_compression"] == record.sizes["tt_compression"]
+    with pytest.raises(comera.CheckpointError, match="format"):
+        train_model(ToyTask(), "comera", True, replace(cfg, format="tt"), tmp_path, resume=True)
+
+
 def test_tt_run_has_both_stages_and_truncates_at_the_boundary(tmp_path):
     model, record = train_model(ToyTask(), "comera", True, CFG, tmp_path)
     assert set(record.stage_ends) == {"early", "late"}
@@ -320,3 +335,15 @@ def test_engine_config_rejects_bad_values():
         EngineConfig(target_compression=1.0)
     with pytest.raises(comera.ConfigError, match="batch_size"):
         EngineConfig(batch_size=0)
+
+
+def test_an_early_stage_size_target_stops_pruning_there(tmp_path):
+    cfg = replace(CFG, stage="early", steps_late=0, steps_early=30, lam=5.0, early_target=2.0,
+                  early_landing=0.5)
+    model, _ = train_model(ToyTask(), "comera", True, cfg, tmp_path)
+    target = comera.training.early.EarlyStage.for_compression(ToyTask().build_model("tt"), 2.0)
+    slice_ = max(max(m.layout.slice_costs(m.bond_ranks)) for _, m in comera.gated_layers(model))
+    assert comera.model_size(model) >= target.target_size - 2 * slice_
+    free, _ = train_model(ToyTask(), "comera", True, replace(cfg, early_target=None),
+                          tmp_path / "free")
+    assert comera.model_size(free) < comera.model_size(model)  # lam 5 alone prunes further

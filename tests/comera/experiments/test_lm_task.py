@@ -18,7 +18,6 @@ from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig, next_token_targets
 from comera.experiments.registry import EXPERIMENTS, experiment
 from comera.experiments.results import run_experiment
-from comera.layers.lowrank import LowRankLinear
 from tests.helpers.tiny_corpus import write_tiny_corpus
 
 TINY = LMTaskConfig(seq_len=16, vocab_size=64, d_model=16, n_heads=2, d_ff=32, n_layers=1,
@@ -61,7 +60,7 @@ def test_next_token_targets():
 
 def test_loss_is_next_token_cross_entropy(task):
     torch.manual_seed(0)
-    model = task.build_model(tt=False)
+    model = task.build_model("dense")
     batch = task.batch(torch.arange(4))
     logits = model(batch[:, :-1])
     keep = next_token_targets(batch)[1] != IGNORE_INDEX
@@ -71,7 +70,7 @@ def test_loss_is_next_token_cross_entropy(task):
 
 def test_model_is_causal(task):
     torch.manual_seed(1)
-    model = task.build_model(tt=False).eval()
+    model = task.build_model("dense").eval()
     ids = task.batch(torch.arange(2))
     changed = ids.clone()
     changed[:, 9:] = (changed[:, 9:] + 1) % task.vocab
@@ -82,7 +81,7 @@ def test_model_is_causal(task):
 
 def test_evaluate_scores_every_predicted_token(task):
     torch.manual_seed(2)
-    model = task.build_model(tt=False).eval()
+    model = task.build_model("dense").eval()
     scores = task.evaluate(model, "val")
     rows = task.splits["val"].ids
     inputs, targets = next_token_targets(rows)
@@ -102,8 +101,8 @@ def test_models_of_each_kind(task):
     assert [n for n, _ in comera.gated_layers(tt)] == [n for n, _ in tt.block_linears()]
     assert all(max(m.ranks) <= 3 for _, m in comera.gated_layers(tt))
     low = task.build("lowrank", 2)
-    assert all(isinstance(m, LowRankLinear) and m.rank == 2 for _, m in low.block_linears())
-    dense = task.build_model(tt=False)
+    assert all(m.format.name == "lowrank" and m.ranks == (2,) for _, m in low.block_linears())
+    dense = task.build_model("dense")
     assert not any(True for _ in comera.gated_layers(dense))
     assert all(m.bias is None for _, m in dense.block_linears())
 

@@ -25,8 +25,8 @@ class Toy32(ToyTask):
         super().__init__()
         self.x, self.y = self.x.float(), self.y.float()
 
-    def build_model(self, tt: bool) -> nn.Module:
-        return super().build_model(tt).float()
+    def build_model(self, format: str = "tt") -> nn.Module:
+        return super().build_model(format).float()
 
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         device = next(model.parameters()).device

@@ -49,11 +49,11 @@ def test_reviews_task_scores_accuracy_next_to_the_majority_baseline(tmp_path, mo
     task = ReviewsTask(ReviewsTaskConfig(max_len=16, vocab_size=40,
                                          source=str(tmp_path / "r.parquet")))
     assert task.name == "transformer"
-    scores = task.evaluate(task.build_model(tt=False).eval(), "val")
+    scores = task.evaluate(task.build_model("dense").eval(), "val")
     assert set(scores) == {"accuracy", "loss", "majority"}
     assert scores["majority"] == pytest.approx(task.majority("val"))
     assert task.describe()["majority_test"] == pytest.approx(task.majority("test"))
-    model = task.build_model(tt=True)
+    model = task.build_model("tt")
     assert any(True for _ in comera.gated_layers(model))
 
 

@@ -6,6 +6,10 @@ exact decomposition); a zeroed gate entry prunes a slice (size and function both
 ``truncate_`` keeps the function and slices Adam's state to the new shapes; ``round_`` (formats
 with a rounding) keeps the function and never grows a bond; a checkpoint round trip; ``convert_``
 of an MLP; an early then late stage under :class:`comera.RankController` lands on its target.
+Every format that holds embedding tables (:func:`comera.formats.registry.table_formats`) passes
+the table checks too: lookups equal the dense rows (forward, gradients, gradcheck), the padding
+row is zero, full-rank conversion of a trained table, pruning and truncation, ``convert_`` of an
+``nn.Embedding``, checkpoints, autocast and torch.compile.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ import torch
 from torch import nn
 
 import comera
-from comera.formats.registry import Format, format_names, get_format
+from comera.formats.registry import Format, format_names, get_format, table_formats
+from comera.layers.embedding import (
+    GatedEmbedding,
+    embedding_class,
+    gated_embedding,
+    table_format,
+)
 from comera.layers.linear import GatedLinear
 from comera.ranks.size import model_size
 from comera.ranks.truncate import round_
@@ -220,19 +230,26 @@ def test_autocast_computes_in_bfloat16_like_nn_linear(fmt):
     torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2 * scale)
 
 
+def compiled_matches_eager(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` under ``torch.compile(fullgraph=True)`` equals eager, forward and the
+    parameters' gradients; returns the compiled output."""
+    want = module(x)
+    want.square().sum().backward()
+    want_grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    got = torch.compile(module, backend="aot_eager", fullgraph=True)(x)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want)
+    for p, grad in zip(module.parameters(), want_grads, strict=True):
+        torch.testing.assert_close(p.grad, grad)
+    return got
+
+
 def test_torch_compile_fullgraph_matches_eager_and_the_dense_weight(fmt):
     layer = _f32_layer(fmt)
     x = torch.randn(5, IN)
-    want = layer(x)
-    want.square().sum().backward()
-    want_grads = [p.grad.clone() for p in layer.parameters()]
-    layer.zero_grad()
-    got = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
-    got.square().sum().backward()
-    torch.testing.assert_close(got, want)
+    got = compiled_matches_eager(layer, x)
     torch.testing.assert_close(got, _dense_out(layer, x), rtol=1e-4, atol=1e-5)
-    for p, grad in zip(layer.parameters(), want_grads, strict=True):
-        torch.testing.assert_close(p.grad, grad)
 
 
 def test_threads_calling_one_layer_get_the_serial_result(fmt):
@@ -246,3 +263,124 @@ def test_threads_calling_one_layer_get_the_serial_result(fmt):
             got = list(pool.map(layer, xs))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+# -- embedding tables: every format that holds one (the registry says how) -------------------
+TABLES = list(table_formats())
+ROWS, DIM, PAD = 30, 12, 4  # 30 rows pad to the modes' product; row PAD is the padding row
+
+
+@pytest.fixture(params=TABLES)
+def table_fmt(request) -> str:
+    return request.param
+
+
+def _table(fmt: str, ranks=3, seed: int = 0, dtype=torch.float64) -> GatedEmbedding:
+    torch.manual_seed(seed)
+    table = gated_embedding(ROWS, DIM, fmt, ranks=ranks, padding_idx=PAD, d=2, dtype=dtype)
+    with torch.no_grad():
+        for g in table.gates:  # gates other than one, so folding them in is exercised
+            g.uniform_(0.5, 1.5)
+    return table
+
+
+IDS = torch.tensor([[0, PAD, 29, 7, 7], [3, 29, 1, PAD, 12]])
+
+
+def test_every_table_format_is_a_registered_format_with_a_table_class(table_fmt):
+    held = table_format(table_fmt)
+    assert held in format_names() and get_format(held).table_format == held
+    table = _table(table_fmt)
+    assert type(table) is embedding_class(held) and table.format.name == held
+    assert set(TABLES) >= {"tt", "ttm"} and "einsum" not in TABLES
+
+
+def test_table_lookup_equals_its_dense_rows(table_fmt):
+    table = _table(table_fmt)
+    rows = table(IDS)
+    dense = table.to_dense()  # (ROWS, DIM), the padding row zero
+    assert dense.shape == (ROWS, DIM) and not dense[PAD].any()
+    ref = dense[IDS]
+    torch.testing.assert_close(rows, ref, rtol=1e-10, atol=1e-12)
+    g = torch.randn_like(rows)
+    params = [*table.cores, *table.gates]
+    for a, b in zip(torch.autograd.grad(rows, params, g), torch.autograd.grad(ref, params, g),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    full = table.layout.dense(table.gated_cores())  # plain torch.einsum of the layout
+    torch.testing.assert_close(dense[:PAD], full[:PAD], rtol=1e-10, atol=1e-12)
+
+
+def test_table_gradcheck(table_fmt):
+    table = _table(table_fmt, ranks=2)
+    names = [name for name, _ in table.named_parameters()]
+    values = [p.detach().clone().requires_grad_() for p in table.parameters()]
+
+    def run(*values):
+        return torch.func.functional_call(table, dict(zip(names, values, strict=True)), (IDS,))
+
+    assert torch.autograd.gradcheck(run, tuple(values))
+
+
+def test_table_from_a_trained_embedding_at_full_rank(table_fmt):
+    held = table_format(table_fmt)
+    torch.manual_seed(1)
+    embedding = nn.Embedding(ROWS, DIM, padding_idx=PAD, dtype=torch.float64)
+    table = embedding_class(held).from_embedding(embedding, 10_000, d=2, format=held)
+    assert table.padding_idx == PAD
+    if get_format(held).exact_decomposition:
+        torch.testing.assert_close(table(IDS), embedding(IDS), rtol=1e-9, atol=1e-10)
+
+
+def test_table_prunes_and_truncates_keeping_the_function(table_fmt):
+    table = _table(table_fmt)
+    model = nn.Sequential(table)
+    before = table.num_parameters()
+    with torch.no_grad():
+        table.gates[0][-1] = 0.0
+    assert table.num_parameters() < before
+    expected = model(IDS).detach()
+    torch.testing.assert_close(expected, table.to_dense()[IDS], rtol=1e-10, atol=1e-12)
+    size = model_size(model)
+    comera.truncate_(model)
+    torch.testing.assert_close(model(IDS), expected, rtol=1e-10, atol=1e-12)
+    assert model_size(model) == size
+    assert table.layout.core_shapes == tuple(tuple(c.shape) for c in table.cores)
+
+
+def test_convert_takes_embeddings_to_the_formats_table(table_fmt):
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Embedding(ROWS, DIM, dtype=torch.float64),
+                          nn.Linear(DIM, 6, dtype=torch.float64))
+    expected = model(IDS).detach()
+    report = comera.convert_(model, comera.ConvertConfig(format=table_fmt, ranks=10_000, d=2,
+                                                         embedding=True))
+    held = table_format(table_fmt)
+    assert type(model[0]) is embedding_class(held)
+    assert [r.format for r in report.layers] == [held, table_fmt]
+    if get_format(held).exact_decomposition and get_format(table_fmt).exact_decomposition:
+        torch.testing.assert_close(model(IDS), expected, rtol=1e-8, atol=1e-9)
+
+
+def test_table_checkpoint(table_fmt, tmp_path):
+    """TT-matrix tables round-trip; a table of another format is refused by the records
+    (surgery/records.py knows TTEmbedding only), with an error naming it, before anything is
+    written."""
+    model = nn.Sequential(_table(table_fmt, seed=2))
+    path = tmp_path / "m.pt"
+    if not isinstance(model[0], comera.TTEmbedding):
+        with pytest.raises(comera.CheckpointError, match="GatedEmbedding"):
+            comera.save_checkpoint(path, model)
+        assert not path.exists()
+        return
+    comera.save_checkpoint(path, model)
+    fresh = nn.Sequential(_table(table_fmt, seed=3))
+    comera.load_checkpoint(path, fresh)
+    torch.testing.assert_close(fresh(IDS), model(IDS))
+
+
+def test_table_autocast_keeps_the_tables_dtype_and_compile_matches_eager(table_fmt):
+    table = _table(table_fmt, dtype=torch.float32)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert table(IDS).dtype == torch.float32  # as nn.Embedding: no low precision
+    compiled_matches_eager(table, IDS)

@@ -236,7 +236,7 @@ def test_task_trains_with_index_stream(tiny_task, tt):
     task = tiny_task
     assert task.train_size() == 2048 and task.metric == "auc"
     torch.manual_seed(0)
-    model = task.build_model(tt)
+    model = task.build_model("tt" if tt else "dense")
     assert model.cfg.table_sizes == (40, 7, 300, 1000)
     assert any(isinstance(t, TTEmbedding) for t in model.embeddings) == tt
     stream = IndexStream(task.train_size(), batch_size=256, seed=0)
@@ -269,8 +269,9 @@ def test_task_trains_with_index_stream(tiny_task, tt):
 def test_task_configs():
     quick, full = DLRMTaskConfig.quick(), DLRMTaskConfig.full()
     assert quick == DLRMTaskConfig(tt_cache_rows=112)
-    assert max(quick.model_config(False).table_sizes) == 20_000
-    paper = full.model_config(tt=True)
+    assert max(quick.model_config("dense").table_sizes) == 20_000
+    paper = full.model_config("tt")
+    assert paper.tt and paper.table_format == "ttm"  # TT holds TT-matrix tables
     assert paper.table_sizes == CRITEO_KAGGLE_CARDINALITIES and paper.tt_ranks == 32
     assert (paper.bottom_mlp, paper.top_mlp) == ((512, 256, 64, 16), (512, 256, 1))
     assert DLRMTaskConfig.full(n_train=10).n_train == 10

@@ -340,7 +340,7 @@ def _task(tmp_path, **kw) -> MLMTask:
 def test_a_few_steps_reduce_the_mlm_loss(tmp_path, tt):
     task = _task(tmp_path)
     torch.manual_seed(0)
-    model = task.build_model(tt)
+    model = task.build_model("tt" if tt else "dense")
     assert any(True for _ in comera.gated_layers(model)) == tt
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     batch = task.batch(torch.arange(min(16, task.train_size())), epochs=0)
@@ -386,7 +386,7 @@ def test_step_epochs_follow_the_index_stream():
 def test_evaluate_scores_fixed_masks_against_full_logits(tmp_path):
     task = _task(tmp_path, eval_limit=5, eval_batch_size=2)
     torch.manual_seed(0)
-    model = task.build_model(False).eval()
+    model = task.build_model("dense").eval()
     with torch.no_grad():
         scores = task.evaluate(model, "val")
         inputs, labels = task.eval_batch("val")

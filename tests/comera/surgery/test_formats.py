@@ -20,8 +20,8 @@ import comera
 from comera.formats import registry
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, format_names, get_format
+from comera.layers.embedding import embedding_class, table_format
 from comera.surgery import checkpoint
-from comera.surgery.converters import EMBEDDING_FORMATS
 from comera.surgery.report import checkpoint_report
 from tests.comera.layers.toy_formats import TOY
 
@@ -135,14 +135,39 @@ def test_target_compression_picks_the_largest_rank_under_budget_in_every_format(
                 or bigger.bond_sizes == layout.bond_sizes), r.name
 
 
-@pytest.mark.parametrize("fmt", [f for f in FORMATS if f not in EMBEDDING_FORMATS])
-def test_an_embedding_asked_for_a_non_chain_format_says_it_stays_tt_matrix(fmt):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_embedding_becomes_a_table_of_its_format(fmt):
+    """The registry says how a format holds a table (TT: a TT-matrix TTEmbedding; any other
+    format its own GatedEmbedding), so every format converts embeddings; at full rank an exact
+    decomposition reproduces the table."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8, padding_idx=3, dtype=F64), nn.Linear(8, 4,
+                                                                                dtype=F64))
+    ids = torch.tensor([[0, 5, 19, 3], [3, 3, 7, 0]])
+    with torch.no_grad():
+        before = model(ids)
+    report = _convert(model, embedding=True, ranks=_rank(fmt), format={"0": fmt, "*": "tt"})
+    held = table_format(fmt)
+    assert type(model[0]) is embedding_class(held) and model[0].format.name == held
+    assert report.layers[0].format == held and model[0].padding_idx == 3
+    if get_format(held).exact_decomposition:
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids), before, rtol=1e-9, atol=1e-10)
+
+
+def test_an_embedding_asked_for_a_format_without_tables_is_refused(monkeypatch):
+    class NoTables(TwoFactors):
+        name, table = "no-tables", None
+
+    monkeypatch.setitem(registry.FORMATS, "no-tables", NoTables())
+    assert "no-tables" not in registry.table_formats()
     model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 4))
-    with pytest.raises(comera.ConfigError, match=re.escape("TT-matrix TTEmbedding only")):
-        comera.convert_(model, embedding=True, format=fmt, d=2)
+    with pytest.raises(comera.ConfigError, match=re.escape("format='no-tables' holds no "
+                                                           "embedding tables; choose one of")):
+        comera.convert_(model, embedding=True, format="no-tables", d=2)
     assert type(model[0]) is nn.Embedding and type(model[1]) is nn.Linear  # nothing swapped
-    report = _convert(model, embedding=True, ranks=2, format={"0": "ttm", "*": fmt})
-    assert [r.format for r in report.layers] == ["ttm", fmt]
+    report = _convert(model, embedding=True, ranks=2, format={"0": "ttm", "*": "no-tables"})
+    assert [r.format for r in report.layers] == ["ttm", "no-tables"]
 
 
 @pytest.mark.parametrize("in_proj", ["split", "packed"])

@@ -1,0 +1,295 @@
+r"""The compression frontier of the language-model tasks (issues 23, 30): every method of
+:mod:`.methods` at matched size of the block linear layers, on the same rows, steps, batches,
+seeds and schedule, each method at its best learning rate of one shared grid.
+
+A task script (``benchmarks/studies/lm_frontier.py``, ``benchmarks/studies/mlm_frontier.py``)
+gives a :class:`Spec`; this module trains (through :class:`~.methods.Study`), scores, merges and
+reports. The task offers ``build(format, rank=None, **sizes)``, ``block_linears(model)``,
+``evaluate(model, split)`` (a dict with "loss" and "perplexity"), ``describe()`` and
+``train_size()``.
+
+Methods (``--methods``): ``dense``, ``narrow``, ``comera`` (its early model is a row too,
+``comera early``), ``spectrum``, ``early``, and any registered format (``tt``, ``ttm``, ``btt``,
+``lowrank`` ...; ``fixed`` is ``tt``, its name before the formats). Compression: dense
+parameters / parameters at the effective ranks of the block linear layers (biases included where
+the model has them). ``--lrs``: the grid; every method trains at every rate, and the tables show
+each method at the rate of its best mean validation loss. ``--schedule cosine``, ``--optimizer
+adamw`` (plain AdamW over ``model.parameters()``, what a user does) and ``--eval-every`` are the
+engine's. Every row holds its curves (training loss per step; validation loss and perplexity at
+each evaluation, against the step and the measured training wall-clock). Results:
+``frontier.json``, ``frontier.md``, ``frontier.png`` (loss vs compression) and
+``frontier_curves.png`` (loss vs step and vs wall-clock at the first target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.studies.harness.methods import Study, method_names
+from benchmarks.studies.harness.results import (
+    RunsFile,
+    at_best_lr,
+    by_method,
+    mean_sd,
+    merge,
+    plot_curves,
+    plot_points,
+)
+from comera.experiments.engine import EngineConfig
+from comera.experiments.schedule import OPTIMIZERS, SCHEDULES
+from comera.formats.registry import get_format
+from comera.ranks.allocate import FLOORS
+from tncomp.files import atomic_write_text
+
+ALIASES = {"fixed": "tt"}  # method names before the formats
+FIXED = {"comera early": "CoMERA early stage", "comera": "CoMERA (early + late)",
+         "spectrum": "CoMERA (spectrum allocation, restart)", "dense": "dense",
+         "narrow": "narrower dense, same size", "early": "CoMERA early stage to the target",
+         "lowrank-ungated": "low-rank x@A@B (ungated LowRankLinear, before the lowrank format)"}
+_ORDER = ("dense", "narrow", "comera early")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a task's frontier script fixes: its name, title, results folder, task factory
+    (from the parsed arguments) and the defaults of its quick engine settings."""
+
+    name: str
+    title: str
+    out: Path
+    make_task: Callable[[argparse.Namespace], Any]
+    defaults: dict[str, Any] = field(default_factory=dict)
+    split: str = "val"  # the split the plot and the "vs dense" column lead with
+
+
+def task_config(config_class, args):
+    """The task's quick config at ``--max-rank``; with ``--smoke`` a tiny model (d_model 16, one
+    block, 16 tokens, 8 evaluation rows)."""
+    if args.smoke:
+        return config_class(seq_len=16, vocab_size=64, d_model=16, n_heads=2, d_ff=32,
+                            n_layers=1, rank=args.max_rank, eval_limit=8)
+    return config_class(rank=args.max_rank)
+
+
+def label(method: str) -> str:
+    """A method's name in tables and plots."""
+    if method in FIXED:
+        return FIXED[method]
+    return f"{get_format(method).title} at a uniform rank"
+
+
+def upgrade(row: dict) -> dict:
+    """A row as today's methods name it: ``fixed`` is ``tt``; the ungated LowRankLinear rows of
+    before the lowrank format keep a name of their own."""
+    method = ALIASES.get(row["method"], row["method"])
+    if method == "lowrank" and "format" not in row:
+        method = "lowrank-ungated"
+    return row | {"method": method}
+
+
+def _order(method: str) -> int:
+    return _ORDER.index(method) if method in _ORDER else len(_ORDER)
+
+
+# -- training ------------------------------------------------------------------------------------
+def study(spec: Spec, args, task) -> Study:
+    """The study of ``args``: its engine settings, steps and CoMERA settings."""
+    config = EngineConfig(batch_size=args.batch, lr=args.lr, lr_gates=args.lr_gates,
+                          warmup=args.warmup, eval_every=args.eval_every, max_grad_norm=1.0,
+                          threads=args.threads, optimizer=args.optimizer, schedule=args.schedule)
+    return Study(task, config, args.work, steps=args.early + args.late, early=args.early,
+                 decide=args.decide, lam=args.lam, max_rank=args.max_rank, floor=args.floor,
+                 resume=args.resume)
+
+
+def run(spec: Spec, args, task, runs: RunsFile) -> None:
+    """Train and score every (seed, learning rate, method, target) of ``args``."""
+    plan = study(spec, args, task)
+    for seed in args.seeds:
+        for lr in args.lrs:
+            for method in args.methods:
+                rows = plan.method(method, args.targets, seed, lr)
+                runs.add(rows)
+                write_report(spec, args.out)
+                for r in rows:
+                    print(f"seed {seed} lr {lr:g} {r['method']} {r['target']}: val loss "
+                          f"{r['val']['loss']:.4f}, test loss {r['test']['loss']:.4f} "
+                          f"({r['compression']:.1f}x, {r['seconds']:.0f}s)", flush=True)
+
+
+# -- reporting -----------------------------------------------------------------------------------
+def chosen(result: dict) -> dict[tuple, tuple[list[dict], str]]:
+    """Per (target, method): the rows at the method's best learning rate, and how it was
+    chosen (on the validation loss)."""
+    return {key: at_best_lr(rows, lambda r: r["val"]["loss"])
+            for key, rows in by_method(result["rows"]).items()}
+
+
+def summarise(spec: Spec, result: dict) -> str:
+    """The frontier table (mean ± sd over seeds per method and target, each at its best
+    learning rate), CoMERA's per-layer ranks next to the uniform rank, the machine and the
+    commands."""
+    data = result["data"]
+    lines = [f"{spec.title}: train {data.get('train')} rows, val {data.get('val')}, test "
+             f"{data.get('test')} (of {data.get('seq_len')} tokens, split by module); "
+             f"vocabulary {data.get('vocab')}. Each method at the learning rate of its best mean "
+             "validation loss.", "",
+             "| target | method | seeds | lr | val loss (mean ± sd) | val ppl | val vs dense "
+             "| test loss (mean ± sd) | test vs dense | linear compression | uniform rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    groups = chosen(result)
+    dense_rows = next((rows for (t, m), (rows, _) in groups.items() if m == "dense"), [])
+    dense = {s: statistics.fmean(r[s]["loss"] for r in dense_rows) if dense_rows
+             else float("nan") for s in ("val", "test")}
+    for (target, method), (rows, lr) in sorted(groups.items(), key=lambda kv: (
+            kv[0][0] or 0, _order(kv[0][1]), kv[0][1])):
+        val = [r["val"]["loss"] for r in rows]
+        test = [r["test"]["loss"] for r in rows]
+        ppl = statistics.fmean(r["val"]["perplexity"] for r in rows)
+        comp = statistics.fmean(r["compression"] for r in rows)
+        rank = sorted({r["rank"] for r in rows if "rank" in r})
+        width = sorted({f"d {r['d_model']}, ff {r['d_ff']}" for r in rows if "d_model" in r})
+        lines.append(
+            f"| {f'{target:g}x' if target else '-'} | {label(method)} | "
+            f"{len(rows)} (seeds {','.join(str(r['seed']) for r in rows)}) | {lr} | "
+            f"{mean_sd(val)} | {ppl:.1f} | {statistics.fmean(val) / dense['val'] - 1:+.2%} | "
+            f"{mean_sd(test)} | {statistics.fmean(test) / dense['test'] - 1:+.2%} | "
+            f"{comp:.1f}x | {','.join(map(str, rank)) or '; '.join(width) or '-'} |")
+    for method in ("comera", "spectrum"):
+        picked = sorted((r for (t, m), (rows, _) in groups.items() if m == method for r in rows),
+                        key=lambda r: (r["target"], r["seed"]))
+        if not picked:
+            continue
+        lines += ["", f"{label(method)}: per-layer TT ranks (interior bonds) at each target, "
+                  "first seed, next to the uniform TT rank:", ""]
+        seen = set()
+        for row in picked:
+            if row["target"] in seen:
+                continue
+            seen.add(row["target"])
+            fixed = [r.get("rank") for r in result["rows"]
+                     if r["method"] == "tt" and r["target"] == row["target"]]
+            lines.append(f"- {row['target']:g}x (seed {row['seed']}, uniform TT rank "
+                         f"{fixed[0] if fixed else '?'}): " + "; ".join(
+                             f"{n}: {r[1:-1]}" for n, r in row["ranks"].items()))
+    if result["runs"]:
+        m = result["runs"][-1]["machine"]
+        lines += ["", f"Machine: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s); "
+                  "commands:", ""] + [f"    {r['command']}" for r in result["runs"]]
+    return "\n".join(lines)
+
+
+def plot(spec: Spec, result: dict, out: Path) -> None:
+    """Loss on ``spec.split`` vs compression (one point per seed, each method at its best
+    rate), and the validation curves at the first target against step and wall-clock."""
+    groups = chosen(result)
+    split = spec.split
+    dense = [r[split]["loss"] for (t, m), (rows, _) in groups.items() if m == "dense"
+             for r in rows]
+    lines = ()
+    if dense:
+        pct = 3 if spec.name == "lm" else 5
+        lines = ((f"dense + {pct}%", statistics.fmean(dense) * (1 + pct / 100)),)
+    series: dict[str, list] = {}
+    for (target, method), (rows, _) in groups.items():
+        if target is not None:
+            series.setdefault(label(method), []).extend(
+                (r["compression"], r[split]["loss"]) for r in rows)
+    plot_points(series, out / "frontier.png", title=f"{spec.title}\n{split} loss vs "
+                "compression (one point per seed)",
+                xlabel="compression of the block linear layers (dense / parameters)",
+                ylabel=f"{split} loss (cross-entropy)", reference=("dense", dense), lines=lines)
+    targets = sorted({t for t, _ in groups if t is not None})
+    if targets:
+        curves = {label(m): rows for (t, m), (rows, _) in groups.items()
+                  if t in (None, targets[0]) and m != "comera early"}
+        plot_curves(curves, out / "frontier_curves.png", metric="loss",
+                    title=f"{spec.title}: validation loss at {targets[0]:g}x (mean over seeds)")
+
+
+def write_report(spec: Spec, out: Path) -> dict:
+    result = merge(out, spec.title, upgrade)
+    atomic_write_text(out / "frontier.json", json.dumps(result, indent=1, default=str))
+    atomic_write_text(out / "frontier.md", summarise(spec, result) + "\n")
+    plot(spec, result, out)
+    return result
+
+
+def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
+    d = {"early": 300, "late": 150, "batch": 16, "lr": 2e-3, "lr_gates": 1e-2, "lam": 0.02,
+         "warmup": 50, "max_rank": 32, "decide": 112, "targets": [8, 4, 16, 32],
+         "eval_every": 75} | spec.defaults
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--targets", type=float, nargs="+", default=d["targets"])
+    p.add_argument("--methods", nargs="+", choices=[*method_names(), *ALIASES],
+                   default=["dense", "tt", "lowrank", "comera"])
+    p.add_argument("--early", type=int, default=d["early"])
+    p.add_argument("--late", type=int, default=d["late"])
+    p.add_argument("--decide", type=int, default=d["decide"],
+                   help="spectrum: steps at --max-rank before the allocation fixes the shape")
+    p.add_argument("--floor", choices=FLOORS, default="uniform",
+                   help="spectrum: the allocation starts from the uniform ranks or from rank 1")
+    p.add_argument("--batch", type=int, default=d["batch"])
+    p.add_argument("--lr", type=float, default=d["lr"])
+    p.add_argument("--lrs", type=float, nargs="+", default=None,
+                   help="a learning-rate grid every method trains at (default: --lr alone)")
+    p.add_argument("--lr-gates", type=float, default=d["lr_gates"])
+    p.add_argument("--lam", type=float, default=d["lam"])
+    p.add_argument("--warmup", type=int, default=d["warmup"])
+    p.add_argument("--schedule", choices=SCHEDULES, default="constant")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="groups")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"])
+    p.add_argument("--max-rank", type=int, default=d["max_rank"],
+                   help="CoMERA's starting TT rank")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--root", type=Path, default=None,
+                   help="a folder of .py files to read instead of the standard library")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny model (d_model 16, 1 block, 16 tokens) for a fast test")
+    p.add_argument("--tag", default="run", help="this call's rows go to <out>/runs/<tag>.json")
+    p.add_argument("--out", type=Path, default=spec.out)
+    p.add_argument("--work", type=Path, default=Path(f"/tmp/{spec.name}_frontier_work"),
+                   help="the engine's run folder (a checkpoint per model)")
+    p.add_argument("--resume", action="store_true",
+                   help="read back the models --work holds finished (and go on with cut-off "
+                        "ones) instead of training them again")
+    p.add_argument("--summarise-only", action="store_true")
+    args = p.parse_args(argv)
+    args.methods = list(dict.fromkeys(ALIASES.get(m, m) for m in args.methods))
+    args.lrs = args.lrs or [args.lr]
+    if args.smoke:
+        args.early, args.late = min(args.early, 4), min(args.late, 3)
+        args.decide = min(args.decide, 2)
+    if not 0 < args.decide < args.early + args.late:
+        p.error(f"--decide {args.decide}: give a step count in (0, early + late)")
+    if not 0 < args.early < args.early + args.late:
+        p.error(f"--early {args.early} --late {args.late}: give both at least 1")
+    if args.threads < 1 or args.eval_every < 1:
+        p.error(f"--threads {args.threads} --eval-every {args.eval_every}: both at least 1")
+    if any(t <= 1 for t in args.targets) or any(lr <= 0 for lr in args.lrs):
+        p.error("--targets above 1 and --lrs above 0")
+    return args
+
+
+def main(spec: Spec, argv=None, doc: str | None = None) -> int:
+    """Parse, train (unless ``--summarise-only``), write the runs file and the report."""
+    args = parse(spec, argv, doc)
+    torch.set_num_threads(args.threads)
+    if not args.summarise_only:
+        task = spec.make_task(args)
+        runs = RunsFile(args.out, args.tag, f"benchmarks.studies.{spec.name}_frontier",
+                        task.describe(), vars(args), argv)
+        runs.save()
+        run(spec, args, task, runs)
+    print(summarise(spec, write_report(spec, args.out)))
+    return 0

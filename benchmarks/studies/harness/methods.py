@@ -1,0 +1,225 @@
+"""The methods a study compares, by layer kind, each trained on the engine from one seed.
+
+- ``"dense"``: the task's dense model, all ``steps``.
+- a registered format (``"tt"``, ``"ttm"``, ``"btt"``, ``"lowrank"`` ...): every block layer in
+  the format at the largest uniform rank whose block layers hold at most dense / target
+  parameters (:meth:`Study.uniform_rank`: :func:`comera.ranks.budget.largest_rank` over the
+  layouts of the task's model), trained at that rank without the rank objective (lam 0, no late
+  stage), all ``steps``. No row where not even rank 1 fits.
+- ``"narrow"``: the same architecture, dense, with a smaller d_model (a multiple of the heads, the
+  FFN's ratio kept) and then d_ff filling the budget: the largest whose block layers hold at
+  most dense / target parameters (:func:`narrow_sizes`), all ``steps``.
+- ``"comera"``: CoMERA as the frontiers run it: the TT model at ``max_rank``, ``early`` steps of
+  the early stage (loss + lam R), rounded exactly; then per target the late stage from there on
+  the next batches (``steps - early`` steps, a fresh optimizer, loss target 0: its step budget
+  prunes to the target along the schedule).
+- ``"spectrum"``: the TT model at ``max_rank`` trained ``decide`` steps (lam 0), then per target
+  the spectrum allocation (:func:`comera.ranks.allocate.allocate`) and a fresh model at the chosen
+  ranks trained all ``steps``, as the fixed rank is.
+- ``"early"``: the early stage alone with a size target (``EngineConfig.early_target``): the TT
+  model at ``max_rank``, lam adapted toward the target, all ``steps``.
+
+Every model is built by the engine right after it seeds the RNG with the seed (``build``), so a
+method's model is drawn exactly as it was by the scripts before the harness.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.studies.harness.runs import layer_shapes, row, train
+from comera.errors import ConfigError
+from comera.experiments.engine import EngineConfig
+from comera.formats.registry import DENSE, get_format, layer_formats
+from comera.ranks.allocate import allocate, rebuild_at_
+from comera.ranks.budget import dense_linear_size, largest_rank, layout_size, size_target
+from comera.ranks.truncate import round_
+
+SPECIAL = ("dense", "narrow", "comera", "spectrum", "early")
+
+__all__ = ["SPECIAL", "Study", "method_names", "narrow_sizes"]
+
+
+def method_names() -> tuple[str, ...]:
+    """Every method a study may run: the special ones and every layer format."""
+    return (*SPECIAL, *(f for f in layer_formats() if f != DENSE))
+
+
+@dataclass(frozen=True)
+class Study:
+    """One study's task and settings: ``config`` is the engine's (batch, learning rates,
+    warm-up, schedule, optimizer, evaluation, threads); ``steps`` every model's steps,
+    ``early`` CoMERA's early steps, ``decide`` the spectrum's, ``lam`` the early stage's,
+    ``max_rank`` the starting TT rank; runs go to ``work`` (the engine's run folder)."""
+
+    task: Any
+    config: EngineConfig
+    work: Path
+    steps: int
+    early: int = 0
+    decide: int = 0
+    lam: float = 0.0
+    max_rank: int = 16
+    floor: str = "uniform"
+    early_landing: float = 0.5
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.early < self.steps or not 0 <= self.decide < self.steps:
+            raise ConfigError(f"early={self.early}, decide={self.decide} with steps="
+                              f"{self.steps}: each is a step count below steps.")
+
+    # -- the engine --------------------------------------------------------------------------
+    def config_for(self, seed: int, lr: float, steps: int, **changes: Any) -> EngineConfig:
+        """The engine's settings of one model: a single stage of ``steps`` (lam 0) unless
+        ``changes`` say otherwise."""
+        return replace(self.config, **{"seed": seed, "lr": lr, "stage": "early",
+                                       "steps_early": steps, "steps_late": 0, "lam": 0.0,
+                                       **changes})
+
+    def run(self, name: str, format: str, config: EngineConfig, build=None,
+            start_step: int = 0):
+        return train(self.task, name, format, config, self.work, build, start_step, self.resume)
+
+    # -- budgets -----------------------------------------------------------------------------
+    def shapes(self) -> list[tuple[int, int, bool]]:
+        """(in, out, bias) of the dense model's block layers."""
+        with torch.random.fork_rng(devices=[]):
+            return layer_shapes(self.task.block_linears(self.task.build(DENSE)))
+
+    def budget(self, target: float) -> float:
+        """Block-layer parameters at ``target``: dense / target."""
+        return dense_linear_size(self.shapes()) / target
+
+    def uniform_rank(self, fmt: str, target: float) -> int:
+        """The largest uniform rank at which the block layers of the task's ``fmt`` model hold
+        at most dense / target parameters (their modes read from the model built at rank 1;
+        0 when not even rank 1 fits)."""
+        with torch.random.fork_rng(devices=[]):
+            probe = self.task.block_linears(self.task.build(fmt, 1))
+        layers = [(m.in_modes, m.out_modes, m.bias.numel() if m.bias is not None else 0)
+                  for _, m in probe]
+        return largest_rank(lambda r: sum(layout_size(fmt, i, o, r) + b for i, o, b in layers),
+                            self.budget(target))
+
+    # -- the methods -------------------------------------------------------------------------
+    def dense(self, seed: int, lr: float) -> dict:
+        name = _name("dense", None, seed, lr)
+        model, record = self.run(name, DENSE, self.config_for(seed, lr, self.steps),
+                                 lambda: self.task.build(DENSE))
+        return row(self.task, model, record, seed=seed, method="dense", target=None, lr=lr)
+
+    def fixed(self, fmt: str, target: float, seed: int, lr: float,
+              method: str | None = None) -> dict | None:
+        """``fmt`` at the largest uniform rank within the target (None when rank 1 is over)."""
+        rank = self.uniform_rank(fmt, target)
+        if rank < 1:
+            return None
+        name = _name(fmt, target, seed, lr)
+        model, record = self.run(name, fmt, self.config_for(seed, lr, self.steps),
+                                 lambda: self.task.build(fmt, rank))
+        return row(self.task, model, record, seed=seed, method=method or fmt, target=target,
+                   lr=lr, rank=rank, format=fmt)
+
+    def narrow(self, target: float, seed: int, lr: float) -> dict:
+        sizes = narrow_sizes(self.task, self.budget(target))
+        model, record = self.run(_name("narrow", target, seed, lr), DENSE,
+                                 self.config_for(seed, lr, self.steps),
+                                 lambda: self.task.build(DENSE, **sizes))
+        out = row(self.task, model, record, seed=seed, method="narrow", target=target, lr=lr,
+                  **sizes)
+        dense = dense_linear_size(self.shapes())  # against the wide dense model it stands for
+        return out | {"linear_dense": dense, "compression": dense / out["linear_params"]}
+
+    def comera(self, targets, seed: int, lr: float, method: str = "comera") -> list[dict]:
+        """The early model (its own row, ``method + " early"``), then one late stage per
+        target."""
+        late = self.steps - self.early
+        name = _name(f"{method}-early", None, seed, lr)
+        early, record = self.run(name, "tt", self.config_for(seed, lr, self.early, lam=self.lam),
+                                 lambda: self.task.build("tt", self.max_rank))
+        round_(early)  # exact: frees slices a rank-1 neighbour makes useless
+        rows = [row(self.task, early, record, seed=seed, method=f"{method} early", target=None,
+                    lr=lr)]
+        for target in targets:
+            config = replace(self.config_for(seed, lr, self.early, lam=self.lam), stage="both",
+                             steps_late=late, late_target_loss=0.0, target_compression=target)
+            model, record = self.run(_name(method, target, seed, lr), "tt", config,
+                                     lambda: copy.deepcopy(early), start_step=self.early)
+            rows.append(row(self.task, model, record, seed=seed, method=method, target=target,
+                            lr=lr))
+        return rows
+
+    def spectrum(self, targets, seed: int, lr: float, method: str = "spectrum") -> list[dict]:
+        """Decide the shape on a briefly trained model, then train that shape from the start."""
+        probe, record = self.run(_name(f"{method}-decide", None, seed, lr), "tt",
+                                 self.config_for(seed, lr, self.decide),
+                                 lambda: self.task.build("tt", self.max_rank))
+        rows = []
+        for target in targets:
+            chosen = allocate(probe, size_target(probe, target), self.floor)
+            model, rec = self.run(_name(method, target, seed, lr), "tt",
+                                  self.config_for(seed, lr, self.steps),
+                                  lambda ranks=chosen.ranks: rebuild_at_(
+                                      self.task.build("tt", self.max_rank), ranks))
+            rows.append(row(self.task, model, rec, seed=seed, method=method, target=target,
+                            lr=lr, decide=self.decide, floor=self.floor,
+                            uniform_rank=chosen.uniform_rank,
+                            decide_seconds=round(record.train_seconds, 1)))
+        return rows
+
+    def early_stage(self, target: float, seed: int, lr: float) -> dict:
+        """The early stage alone, lam adapted toward the size target."""
+        config = self.config_for(seed, lr, self.steps, lam=self.lam, early_target=target,
+                                 early_landing=self.early_landing)
+        model, record = self.run(_name("early", target, seed, lr), "tt", config,
+                                 lambda: self.task.build("tt", self.max_rank))
+        return row(self.task, model, record, seed=seed, method="early", target=target, lr=lr)
+
+    def method(self, name: str, targets, seed: int, lr: float) -> list[dict]:
+        """The rows of method ``name`` (see the module docstring) at ``targets``."""
+        if name == "dense":
+            return [self.dense(seed, lr)]
+        if name in ("comera", "spectrum"):
+            return getattr(self, name)(targets, seed, lr)
+        if name == "narrow":
+            return [self.narrow(t, seed, lr) for t in targets]
+        if name == "early":
+            return [self.early_stage(t, seed, lr) for t in targets]
+        get_format(name)  # names the choices when unknown
+        return [r for t in targets if (r := self.fixed(name, t, seed, lr)) is not None]
+
+
+def _name(method: str, target: float | None, seed: int, lr: float) -> str:
+    """A model's run name in the work folder (its checkpoint's file name)."""
+    at = "" if target is None else f"-{target:g}x"
+    return f"{method}{at}-s{seed}-lr{lr:g}"
+
+
+def narrow_sizes(task, budget: float) -> dict[str, int]:
+    """``d_model`` and ``d_ff`` of the narrower dense model: the largest d_model (a multiple of
+    the heads, d_ff at the task's ratio) whose block layers fit ``budget``, then the largest
+    d_ff that still fits (the same architecture, as many block parameters as the budget
+    allows). ``task.config`` has d_model, d_ff, n_heads and n_layers."""
+    c = task.config
+    with torch.random.fork_rng(devices=[]):
+        bias = any(b for _, _, b in layer_shapes(task.block_linears(task.build(DENSE))))
+    ratio = c.d_ff / c.d_model
+
+    def size(d: int, f: int) -> int:  # per block: q, k, v, o (d x d), ffn_in, ffn_out
+        return c.n_layers * (4 * (d * d + bias * d) + (d * f + bias * f) + (f * d + bias * d))
+
+    d = max((k * c.n_heads for k in range(1, c.d_model // c.n_heads + 1)
+             if size(k * c.n_heads, max(1, round(k * c.n_heads * ratio))) <= budget), default=0)
+    if d == 0:
+        raise ConfigError(f"a budget of {budget:.0f} block parameters is below the narrowest "
+                          f"dense model (d_model {c.n_heads}); choose a smaller target.")
+    f = math.floor((budget / c.n_layers - 4 * (d * d + bias * d) - bias * d) / (2 * d + bias))
+    assert size(d, f) <= budget < size(d, f + 1)
+    return {"d_model": d, "d_ff": f}

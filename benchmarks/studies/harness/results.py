@@ -1,0 +1,172 @@
+"""A study's results: runs files, the learning rate each method takes from the shared grid,
+and the plots.
+
+Every call of a study writes its rows to ``<out>/runs/<tag>.json`` after every model (so a
+cut-off run keeps what it finished, and calls with different tags run side by side) and merges
+every runs file into the study's results (:func:`merge`). Each row carries the learning rate it
+trained at; where a method ran at several, :func:`at_best_lr` keeps the rows of the rate whose
+mean validation score is best (one shared grid, each method its own rate, chosen on validation
+data only).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from comera.experiments.results import machine
+from tncomp.files import atomic_write_text
+
+__all__ = ["RunsFile", "at_best_lr", "best_lrs", "by_method", "mean_sd", "merge",
+           "plot_curves", "plot_points"]
+
+
+def mean_sd(values: list[float], digits: int = 4) -> str:
+    """``mean ± sd`` of ``values`` (sd nan for one value)."""
+    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+    return f"{statistics.fmean(values):.{digits}f} ± {sd:.{digits}f}"
+
+
+class RunsFile:
+    """One call's rows, in ``<out>/runs/<tag>.json``: the data described, the machine, the
+    command that made them and its settings; :meth:`save` rewrites it (atomically)."""
+
+    def __init__(self, out: Path, tag: str, module: str, data: dict, settings: dict,
+                 argv: list[str] | None = None):
+        self.path = Path(out) / "runs" / f"{tag}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        args = sys.argv[1:] if argv is None else argv
+        self.payload = {"tag": tag, "data": data, "machine": machine(),
+                        "command": f"python -m {module} " + shlex.join(args),
+                        "settings": {k: str(v) if isinstance(v, Path) else v
+                                     for k, v in settings.items()}, "rows": []}
+
+    @property
+    def rows(self) -> list[dict]:
+        return self.payload["rows"]
+
+    def add(self, rows: Iterable[dict]) -> None:
+        """Append ``rows`` and save."""
+        self.rows.extend(rows)
+        self.save()
+
+    def save(self) -> None:
+        atomic_write_text(self.path, json.dumps(self.payload, indent=1, default=str))
+
+
+def merge(out: Path, title: str, upgrade: Callable[[dict], dict] = lambda r: r) -> dict:
+    """Every ``runs/*.json`` under ``out`` in one result (rows concatenated, each passed
+    through ``upgrade``; the settings, machine and command of every run)."""
+    runs = [json.loads(p.read_text()) for p in sorted((Path(out) / "runs").glob("*.json"))]
+    rows = [upgrade(row) for r in runs for row in r["rows"]]
+    return {"task": title, "data": runs[0]["data"] if runs else {},
+            "runs": [{k: v for k, v in r.items() if k != "rows"} for r in runs], "rows": rows}
+
+
+def by_method(rows: Iterable[dict], key: str = "method") -> dict[tuple, list[dict]]:
+    """Rows grouped by (target, method)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row.get("target"), row[key]), []).append(row)
+    return groups
+
+
+def best_lrs(rows: list[dict], score: Callable[[dict], float],
+             lower: bool = True) -> tuple[float | None, list[float]]:
+    """(the learning rate whose rows' mean ``score`` is best, every rate tried); a row without
+    one (made before the grid) counts as its own rate, None."""
+    rates: dict[Any, list[float]] = {}
+    for row in rows:
+        rates.setdefault(row.get("lr"), []).append(score(row))
+    pick = (min if lower else max)(rates, key=lambda lr: statistics.fmean(rates[lr]))
+    return pick, sorted(lr for lr in rates if lr is not None)
+
+
+def at_best_lr(rows: list[dict], score: Callable[[dict], float],
+               lower: bool = True) -> tuple[list[dict], str]:
+    """The rows at the best learning rate (:func:`best_lrs`) and how it was chosen, e.g.
+    ``"3e-3 of 1e-3..1e-2"`` (``", at the edge"`` when it is the grid's first or last)."""
+    lr, grid = best_lrs(rows, score, lower)
+    chosen = [r for r in rows if r.get("lr") == lr]
+    if lr is None or len(grid) < 2:
+        return chosen, "-" if lr is None else f"{lr:g}"
+    edge = ", at the edge" if lr in (grid[0], grid[-1]) else ""
+    return chosen, f"{lr:g} of {grid[0]:g}..{grid[-1]:g}{edge}"
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_points(series: dict[str, list[tuple[float, float]]], path: Path, *, title: str,
+                xlabel: str, ylabel: str, reference: tuple[str, list[float]] | None = None,
+                lines: tuple[tuple[str, float], ...] = ()) -> bool:
+    """A log-x scatter of (x, y) points per labelled series, with an optional reference band
+    (label, values: mean line and ± sd band) and horizontal lines; False without
+    matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    markers = iter(("^", "v", "o", "s", "x", "D", "P", "*", "<", ">", "h"))
+    fig, ax = plt.subplots(figsize=(6.6, 4.3))
+    if reference and reference[1]:
+        label, values = reference
+        mean = statistics.fmean(values)
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        ax.axhline(mean, color="k", lw=1, label=f"{label} (mean ± sd of {len(values)})")
+        ax.axhspan(mean - sd, mean + sd, color="k", alpha=0.1)
+    for label, y in lines:
+        ax.axhline(y, color="grey", lw=0.8, ls=":", label=label)
+    for label, points in series.items():
+        if points:
+            ax.scatter([p[0] for p in points], [p[1] for p in points],
+                       marker=next(markers, "o"), label=label, alpha=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_curves(series: dict[str, list[dict]], path: Path, *, title: str, metric: str) -> bool:
+    """Validation ``metric`` against the step (left) and the measured training wall-clock
+    (right), one line per labelled group of rows (the mean over its seeds at each evaluation);
+    False without matplotlib or curves."""
+    plt = _pyplot()
+    if plt is None or not any(series.values()):
+        return False
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for label, rows in series.items():
+        points = [[(s, t, scores[metric]) for s, t, scores in r["curves"]["val"]
+                   if t is not None] for r in rows if r.get("curves")]
+        if not points or not all(len(p) == len(points[0]) for p in points):
+            continue
+        mean = [tuple(statistics.fmean(p[k][i] for p in points) for i in range(3))
+                for k in range(len(points[0]))]
+        by_step.plot([m[0] for m in mean], [m[2] for m in mean], marker=".", label=label)
+        by_time.plot([m[1] for m in mean], [m[2] for m in mean], marker=".", label=label)
+    by_step.set_xlabel("training step")
+    by_time.set_xlabel("training wall-clock (s, this CPU)")
+    by_step.set_ylabel(f"validation {metric}")
+    by_step.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,60 @@
+"""A run's optimizer and learning-rate schedule, each a pure function of the settings and the step.
+
+Optimizers (``EngineConfig.optimizer``):
+
+- ``"groups"`` (the default): AdamW without weight decay in named groups, a CoMERA model's cores,
+  gates and other parameters at ``lr``, ``lr_gates`` and ``lr_other``
+  (:func:`comera.make_optimizer`); a dense model's parameters in one group at ``lr``;
+- ``"adamw"``: ``torch.optim.AdamW(model.parameters(), lr=lr)``, what a user writes (torch's
+  defaults otherwise, weight decay 0.01 included; gates at ``lr`` too).
+
+Schedules (``EngineConfig.schedule``), a factor on every group's base rate: linear warm-up over
+``warmup`` steps, then ``"constant"`` (the default) or ``"cosine"`` (half a cosine from 1 at the
+end of the warm-up to 0 at the run's last step).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+import comera
+
+OPTIMIZERS = ("groups", "adamw")
+SCHEDULES = ("constant", "cosine")
+
+__all__ = ["OPTIMIZERS", "SCHEDULES", "base_rates", "lr_factor", "run_optimizer"]
+
+
+def lr_factor(step: int, warmup: int, total: int = 0, schedule: str = "constant") -> float:
+    """The learning-rate factor of ``step`` (0-based) of a ``total``-step run: ``(step + 1) /
+    warmup`` during the warm-up, then 1 (``"constant"``) or the cosine's value (``"cosine"``)."""
+    if warmup and step < warmup:
+        return min(1.0, (step + 1) / warmup)
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def base_rates(config: Any, tt: bool) -> dict[str, float]:
+    """Each named parameter group's base learning rate (a group without a name: ``"other"``)."""
+    if not tt or config.optimizer == "adamw":
+        return {"cores": config.lr, "gates": config.lr, "other": config.lr}
+    return {"cores": config.lr, "gates": config.lr_gates,
+            "other": config.lr if config.lr_other is None else config.lr_other}
+
+
+def run_optimizer(model: nn.Module, config: Any, tt: bool) -> torch.optim.Optimizer:
+    """The optimizer ``config.optimizer`` names for ``model`` (a CoMERA model with ``tt``)."""
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=config.lr)
+    rates = base_rates(config, tt)
+    if tt:
+        return comera.make_optimizer(model, comera.OptimizerConfig(
+            rates["cores"], rates["gates"], rates["other"]))
+    return torch.optim.AdamW([{"params": list(model.parameters()), "lr": config.lr,
+                               "name": "other"}], weight_decay=0.0)

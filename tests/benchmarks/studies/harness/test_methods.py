@@ -1,0 +1,150 @@
+"""The harness's methods on a toy study: each is the engine's run of the model it names, and
+the rows are bit for bit those of the hand-written protocol the studies ran before the harness
+(seed, build, the same trainer and batches), so moving a study onto the engine changes no
+result."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import comera
+from benchmarks.studies.harness.methods import Study, method_names, narrow_sizes
+from comera.experiments.engine import EngineConfig
+from comera.experiments.task import IndexStream, model_format
+from comera.models.transformer import linear_layer
+from comera.ranks.truncate import round_
+from tests.helpers.toy_task import ToyTask
+
+CFG = EngineConfig(batch_size=16, lr=1e-2, lr_gates=0.1, warmup=2, eval_every=3, threads=1,
+                   max_grad_norm=1.0)
+
+
+class ToyStudy(ToyTask):
+    """The toy task with what a study's task offers: models of any kind at a rank, and the
+    layers compression speaks of."""
+
+    def build(self, format: str = "dense", rank: int | None = None, **sizes):
+        first = linear_layer(model_format(format), 32, 32, rank or 6, ((4, 8), (8, 4)), d=2)
+        return nn.Sequential(first, nn.Tanh(), nn.Linear(32, 4)).double()
+
+    @staticmethod
+    def block_linears(model):
+        return [("0", model[0])]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _study(tmp_path, **kw) -> Study:
+    return Study(ToyStudy(), CFG, tmp_path / "work", steps=8, early=5, decide=3, lam=5.0,
+                 max_rank=6, **kw)
+
+
+def _by_hand(task, model, trainer, seed, first, steps, warmup, base):
+    """The protocol of the scripts before the harness: their own loop."""
+    stream = IndexStream(task.train_size(), CFG.batch_size, seed)
+    model.train()
+    for step in range(first, first + steps):
+        factor = min(1.0, (step + 1) / warmup) if warmup else 1.0
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = base[group.get("name", "other")] * factor
+        trainer.step(task.loss(model, task.step_batch(stream, step)))
+    model.eval()
+    with torch.no_grad():
+        return task.evaluate(model, "val"), task.evaluate(model, "test")
+
+
+def _tt_trainer(model, lam):
+    return comera.CoMERATrainer(model, comera.make_optimizer(
+        model, comera.OptimizerConfig(CFG.lr, CFG.lr_gates, CFG.lr)), lam, max_grad_norm=1.0)
+
+
+BASE = {"cores": CFG.lr, "gates": CFG.lr_gates, "other": CFG.lr}
+
+
+def test_dense_and_a_format_at_its_uniform_rank_equal_the_loop_of_before(tmp_path):
+    study = _study(tmp_path)
+    task = study.task
+    dense = study.dense(seed=1, lr=CFG.lr)
+    torch.manual_seed(1)
+    model = task.build("dense")
+    opt = torch.optim.AdamW([{"params": list(model.parameters()), "lr": CFG.lr,
+                              "name": "other"}], weight_decay=0.0)
+    val, test = _by_hand(task, model, comera.DenseTrainer(model, opt, 1.0), 1, 0, 8, 2, BASE)
+    assert dense["val"] == val and dense["test"] == test
+    assert dense["method"] == "dense" and dense["compression"] == 1.0
+    row = study.fixed("tt", 3.0, seed=1, lr=CFG.lr)
+    def size(rank):  # the layer itself, counted
+        return task.build("tt", rank)[0].num_parameters()
+
+    assert size(row["rank"]) == row["linear_params"] <= 1056 / 3 < size(row["rank"] + 1)
+    torch.manual_seed(1)
+    model = task.build("tt", row["rank"])
+    val, test = _by_hand(task, model, _tt_trainer(model, 0.0), 1, 0, 8, 2, BASE)
+    assert row["val"] == val and row["test"] == test and row["compression"] >= 3.0
+
+
+def test_comera_early_then_late_equals_the_loop_of_before(tmp_path):
+    study = _study(tmp_path)
+    task = study.task
+    rows = study.comera([3.0], seed=0, lr=CFG.lr)
+    assert [r["method"] for r in rows] == ["comera early", "comera"]
+    torch.manual_seed(0)
+    early = task.build("tt", 6)
+    val, _ = _by_hand(task, early, _tt_trainer(early, 5.0), 0, 0, 5, 2, BASE)
+    assert rows[0]["val"] == val
+    round_(early)
+    model = copy.deepcopy(early)
+    trainer = _tt_trainer(model, 0.0)
+    trainer.start_late_stage(comera.LateStage.for_compression(model, 3.0, steps=3))
+    val, test = _by_hand(task, model, trainer, 0, 5, 3, 1, BASE)
+    assert rows[1]["val"] == val and rows[1]["test"] == test
+    assert rows[1]["compression"] >= 3.0 * 0.9 and rows[1]["steps"] == 8
+
+
+def test_every_method_gives_rows_with_curves_and_clocks(tmp_path):
+    study = _study(tmp_path)
+    assert {"dense", "narrow", "comera", "spectrum", "early", "tt", "lowrank"} <= set(
+        method_names()) and "einsum" not in method_names()
+    for method in ("spectrum", "early", "lowrank", "tucker"):
+        rows = study.method(method, [2.0], seed=0, lr=CFG.lr)
+        assert rows, method
+        for r in rows:
+            assert r["target"] == 2.0 and r["seconds"] > 0 and r["steps"] == 8, method
+            steps = [s for s, _ in r["curves"]["train"]]
+            assert steps == list(range(8))
+            val = r["curves"]["val"]
+            assert [s for s, _, _ in val] == [0, 3, 6, 8] and "loss" in val[-1][2]
+            assert [t for _, t, _ in val] == sorted(t for _, t, _ in val)
+    with pytest.raises(comera.ConfigError, match="format='bogus'"):
+        study.method("bogus", [2.0], 0, CFG.lr)
+    assert study.fixed("tt", 1000.0, 0, CFG.lr) is None  # rank 1 over the budget: no row
+
+
+def test_a_cut_off_study_resumes_its_models(tmp_path):
+    first = _study(tmp_path).dense(seed=0, lr=CFG.lr)
+    again = replace(_study(tmp_path), resume=True).dense(seed=0, lr=CFG.lr)
+    assert again["val"] == first["val"] and again["curves"] == first["curves"]
+
+
+def test_the_narrower_dense_model_fills_the_budget(tmp_path):
+    from comera.experiments.lm_task import LMTask, LMTaskConfig
+    from tests.helpers.tiny_corpus import write_tiny_corpus
+
+    write_tiny_corpus(tmp_path / "lib")
+    task = LMTask(LMTaskConfig(seq_len=16, vocab_size=64, d_model=32, n_heads=2, d_ff=64,
+                               n_layers=2), root=tmp_path / "lib", use_cache=False)
+    dense = sum(m.weight.numel() for _, m in task.block_linears(task.build()))
+    for target in (2.0, 4.0, 8.0):
+        sizes = narrow_sizes(task, dense / target)
+        assert sizes["d_model"] % 2 == 0 and sizes["d_model"] < 32
+        model = task.build("dense", **sizes)
+        params = sum(m.weight.numel() for _, m in task.block_linears(model))
+        assert params <= dense / target < params + 2 * sizes["d_model"] * 2  # one d_ff more
+    with pytest.raises(comera.ConfigError, match="narrowest"):
+        narrow_sizes(task, 10.0)
