@@ -21,10 +21,10 @@ from comera.errors import ConfigError, ConversionError
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, get_format
 from comera.layers.attention import TTMultiheadAttention
+from comera.layers.classes import linear_class
 from comera.layers.embedding import TTEmbedding
 from comera.layers.linear import GatedLayer, GatedLinear
 from comera.surgery.config import ConvertConfig
-from comera.surgery.records import linear_class
 
 #: the formats an embedding table can take: the chain formats, both stored as a TT-matrix table
 EMBEDDING_FORMATS = ("tt", "ttm")

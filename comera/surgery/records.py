@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from comera.errors import CheckpointError, ConfigError
 from comera.formats.layout import Layout
 from comera.formats.registry import format_names, get_format
+from comera.layers.classes import linear_class
 from comera.layers.embedding import TTEmbedding
 from comera.layers.linear import GatedLayer, GatedLinear
 
@@ -36,16 +37,6 @@ MAX_INDICES = 4 * MAX_MODES  # indices of a recorded layout
 LEGACY = {"TTLinear": "tt", "TTMLinear": "ttm"}  # kinds written before the format protocol
 LEGACY_KEYS = ("kind", "in_features", "out_features", "in_modes", "out_modes", "bonds", "tau",
                "bias", "padding_idx", "merge_pairs")
-
-def linear_class(fmt: str) -> type[GatedLinear]:
-    """The linear layer class fixed to the format ``fmt`` (TTLinear for ``"tt"``), or
-    GatedLinear: a layer rebuilt from a record is of the class a converted one has."""
-    todo, seen = list(GatedLinear.__subclasses__()), []
-    while todo:
-        cls = todo.pop(0)
-        seen.append(cls)
-        todo += cls.__subclasses__()
-    return next((c for c in seen if c.fixed_format == fmt), GatedLinear)
 
 
 # -- checks of plain values -----------------------------------------------------------------------
@@ -298,4 +289,4 @@ def read_records(layers: Any, state: Mapping[str, Any], where: str) -> dict[str,
 
 
 __all__ = ["KINDS", "LEGACY", "RecordKind", "build_layer", "kind_of", "layer_spec",
-           "layout_problem", "linear_class", "read_records", "record_problem", "upgrade"]
+           "layout_problem", "read_records", "record_problem", "upgrade"]
