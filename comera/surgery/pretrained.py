@@ -58,8 +58,8 @@ def _safetensors():
     try:
         import safetensors.torch
     except ImportError as exc:
-        raise ImportError("save_pretrained / from_pretrained need safetensors: pip install "
-                          "'tncomp[hf]' (or pip install safetensors).") from exc
+        raise ImportError("save_pretrained / from_pretrained need safetensors: pip install -e "
+                          "'.[hf]' in the comera checkout (or pip install safetensors).") from exc
     return safetensors.torch
 
 
