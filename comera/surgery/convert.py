@@ -147,14 +147,15 @@ def _warn_oversized(parts: list[Part], config: ConvertConfig) -> None:
 
 
 def _warn_out_of_reach(parts: list[Part], target: float) -> None:
-    """One warning naming the layers whose cores hold more than dense / target parameters at
-    rank 1 (the smallest their format has): the target is out of their reach."""
+    """One warning naming the layers that hold more than dense / target parameters (biases
+    counted on both sides) at rank 1 (the smallest their format has): the target is out of
+    their reach."""
     over = []
     for p in parts:
-        layout, dense = p.layer.layout, p.shape[0] * p.shape[1]
-        cores = layout.parameters_at(layout.bond_sizes)
-        if cores > dense / target:
-            over.append(f"{p.name} ({p.format}: {dense / cores:.2f}x)")
+        layout, bias = p.layer.layout, p.layer.bias
+        after = layout.parameters_at(layout.bond_sizes) + (bias.numel() if bias is not None else 0)
+        if after > p.before / target:
+            over.append(f"{p.name} ({p.format}: {p.before / after:.2f}x)")
     if over:
         warnings.warn(f"convert_: target_compression={target} is out of reach for {len(over)} "
                       f"layer(s) even at rank 1: {_names(over)}. Choose modes or a format that "

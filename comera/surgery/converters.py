@@ -124,8 +124,9 @@ def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
     modes = config.modes.get(name, (None, None))
     if config.target_compression:
         probe = _linear(fmt, *weight.shape, modes, 1, False, config, device="meta")
+        kept = bias.numel() if bias is not None else 0  # counted on both sides, as model_size does
         rank = rank_for_target(get_format(fmt), probe.layout,
-                               weight.numel() / config.target_compression)
+                               (weight.numel() + kept) / config.target_compression - kept)
     else:
         rank = config.rank_for(name)
     layer = _linear(fmt, *weight.shape, modes, rank, bias is not None, config,

@@ -123,8 +123,9 @@ def test_target_compression_picks_the_largest_rank_under_budget_in_every_format(
         report = comera.convert_(model, target_compression=target, format=fmt, d=2)
     fmt_ = get_format(fmt)
     for r in report.layers:
-        layout = model.get_submodule(r.name).layout
-        budget = r.shape[0] * r.shape[1] / target
+        layout, bias = model.get_submodule(r.name).layout, model.get_submodule(r.name).bias
+        kept = bias.numel() if bias is not None else 0  # on both sides, as compression_ratio
+        budget = (r.shape[0] * r.shape[1] + kept) / target - kept
         rank = max(layout.bond_sizes)
         if layout.parameters_at(layout.bond_sizes) > budget:  # even rank 1 is above: said
             assert rank == 1 and any(f"{r.name} ({fmt}:" in str(w.message) and
