@@ -98,9 +98,12 @@ def check_memory(memory) -> str | int:
 
 
 def check_tau(tau: float) -> float:
-    """``tau`` as a gate threshold (a number >= 0), else :class:`ConfigError`."""
-    if not isinstance(tau, int | float) or tau < 0 or math.isnan(tau):
-        raise ConfigError(f"tau={tau!r}; the gate threshold is a number >= 0 (default 1e-2).")
+    """``tau`` as a gate threshold, a number in [0, 1), else :class:`ConfigError`. Gates start
+    at 1, so a threshold at or above 1 would prune every rank of a fresh layer (a record
+    edited to ``tau=1e300`` would silently zero its layer)."""
+    if isinstance(tau, bool) or not isinstance(tau, int | float) or not 0 <= tau < 1:
+        raise ConfigError(f"tau={tau!r}; the gate threshold is a number in [0, 1) (default "
+                          "1e-2): gates start at 1, and entries at or below tau are pruned.")
     return float(tau)
 
 

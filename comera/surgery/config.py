@@ -15,7 +15,7 @@ from typing import Any
 
 from comera.errors import ConfigError
 from comera.formats.registry import format_names, get_format
-from comera.layers.linear import DEFAULT_TAU, check_memory
+from comera.layers.linear import DEFAULT_TAU, check_memory, check_tau
 
 IN_PROJ = ("split", "packed")
 
@@ -79,9 +79,7 @@ class ConvertConfig:
         if isinstance(self.d, bool) or not isinstance(self.d, int) or self.d < 1:
             raise ConfigError(f"d={self.d!r}; the number of modes per side is an int >= 1 "
                               "(a TT layer has at least one mode per side; default 3).")
-        if not (_is_number(self.tau) and self.tau >= 0):
-            raise ConfigError(f"tau={self.tau!r}; the gate threshold is a finite number >= 0 "
-                              f"(default {DEFAULT_TAU}).")
+        check_tau(self.tau)
         _check_format(self.format)
         if not isinstance(self.modes, Mapping) or any(
                 not isinstance(k, str) or not _is_modes(v) for k, v in self.modes.items()):

@@ -29,7 +29,7 @@ from comera.formats.layout import Layout
 from comera.formats.registry import format_names, get_format
 from comera.layers.classes import linear_class
 from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import GatedLayer, GatedLinear
+from comera.layers.linear import GatedLayer, GatedLinear, check_tau
 
 MAX_FEATURES = 2**31 - 1  # a record's sizes and bonds: int32, checked before anything is built
 MAX_MODES = 64
@@ -50,9 +50,10 @@ def _modes(value: Any) -> bool:
 
 
 def _tau_bias_problem(spec: Mapping[str, Any]) -> str | None:
-    tau = spec["tau"]
-    if isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau):
-        return f"has tau={tau!r}; expected a finite number"
+    try:
+        check_tau(spec["tau"])  # the layers' one rule: in [0, 1)
+    except ConfigError as exc:
+        return f"has {exc}"
     if not isinstance(spec["bias"], bool):
         return f"has bias={spec['bias']!r}; expected true or false"
     return None
