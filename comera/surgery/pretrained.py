@@ -206,7 +206,8 @@ def _convert_like_(model: nn.Module, layers: Mapping[str, Mapping]) -> None:
     replace by itself (a dense nn.MultiheadAttention's projections, HF's Conv1D), each to its
     recorded format and modes (rank 1: they are resized and loaded afterwards). A plain
     ``nn.Linear`` / ``nn.Embedding`` is left to loading, which puts the recorded layer in its
-    place (any format, a declared einsum one too)."""
+    place (a format a conversion makes; a declared einsum layer must be in the model
+    already)."""
     groups: dict[tuple[str, bool], dict[str, tuple[str, tuple | None]]] = {}
     targets: dict[tuple[str, bool], set[str]] = {}
     for name, spec in layers.items():

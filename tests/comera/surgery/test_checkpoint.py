@@ -378,3 +378,25 @@ def test_extra_must_be_plain_data(trained, tmp_path):
 def test_save_into_a_missing_directory(trained, tmp_path):
     with pytest.raises(CheckpointError, match="does not exist; create it first"):
         save_checkpoint(tmp_path / "no" / "x.pt", trained["model"])
+
+
+def test_an_einsum_layer_loads_only_into_a_model_that_has_one(tmp_path):
+    """Issue 34, item 9: a checkpoint holding a declared einsum layer, loaded into a plain
+    nn.Linear model, says the model lacks that layer kind (it used to put the file's network
+    in its place, whatever it costs to run); into a model declaring it, it loads."""
+    def declared(rank: int) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(comera.GatedLinear.from_eq(
+            "b i j, i a, a j k -> b k", bonds="a", sizes={"i": 4, "j": 8, "k": 16}, ranks=rank))
+
+    model = declared(8)
+    save_checkpoint(tmp_path / "e.pt", model)
+    plain = nn.Sequential(nn.Linear(32, 16))
+    with pytest.raises(CheckpointError, match=r"0: the checkpoint holds a declared einsum layer "
+                                              r"\(format 'einsum'\).*the model lacks it"):
+        load_checkpoint(tmp_path / "e.pt", plain)
+    assert type(plain[0]) is nn.Linear
+    target = declared(2)
+    load_checkpoint(tmp_path / "e.pt", target)
+    x = torch.randn(3, 32)
+    assert torch.equal(target(x), model(x))
