@@ -59,6 +59,8 @@ class CoMERACallback(StageCallback, TrainerCallback, ExportableState):
 
     # -- set up ------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        """Refuse a model without TT layers; make its layers take saved bonds on load and its
+        ``save_pretrained`` write comera's files too."""
         if model is None or not has_tt_layers(model):
             raise ConfigError("CoMERACallback: the model has no TT layers; convert it with "
                               "comera.convert_(model, ...) before building the Trainer.")
@@ -66,6 +68,7 @@ class CoMERACallback(StageCallback, TrainerCallback, ExportableState):
         saves_comera_files_(model)  # trainer.save_model() writes what comera reads
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        """Build the driver, restoring (and checking) a resumed run's state and settings."""
         entry = self._saved_in(state)
         controller = self.controller_state or entry.get("attributes", {}).get("controller_state")
         self.begin_training(model, optimizer, state.max_steps or None, state.global_step,
@@ -86,12 +89,15 @@ class CoMERACallback(StageCallback, TrainerCallback, ExportableState):
 
     # -- each step ---------------------------------------------------------------------------
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """Add the stage's penalty to the accumulated gradients."""
         self.driver.before_optimizer_step()
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        """The controller's bookkeeping; the late stage starts after ``late_start`` steps."""
         self.driver.after_optimizer_step(state.global_step + 1, optimizer)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Add the objective, size, compressions, total rank and stage to ``Trainer``'s log."""
         if self.driver is None or logs is None or "loss" not in logs:
             return
         extra = self.driver.log_values(float(logs["loss"]))
@@ -100,6 +106,7 @@ class CoMERACallback(StageCallback, TrainerCallback, ExportableState):
             state.log_history[-1].update(extra)
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Remove the loss hook; warn when the run ended short of its target."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = ()
@@ -107,6 +114,7 @@ class CoMERACallback(StageCallback, TrainerCallback, ExportableState):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def on_save(self, args, state, control, model=None, **kwargs):
+        """Mark each TT layer in the checkpoint's weights (HuggingFace's loader then refuses it)."""
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir() and model is not None:
             mark_checkpoint(folder, [name for name, _ in gated_layers(model)])
@@ -127,6 +135,8 @@ class ComeraSavePretrained:
         self.model = model
 
     def __call__(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        """HuggingFace's ``save_pretrained(save_directory, ...)``, then the marks and comera's
+        files."""
         result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             mark_checkpoint(save_directory, [name for name, _ in gated_layers(self.model)])

@@ -43,12 +43,14 @@ class CoMERACallback(StageCallback, pl.Callback):
     _saved: dict[str, Any] | None = None  # a checkpoint's state, until training starts
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        """Refuse a module without TT layers; make its layers take saved bonds on load."""
         if not has_tt_layers(pl_module):
             raise ConfigError("CoMERACallback: the LightningModule has no TT layers; convert it "
                               "with comera.convert_(module, ...) before fit.")
         follow_saved_bonds_(pl_module)  # fit(ckpt_path=...) loads truncated layers
 
     def on_train_start(self, trainer, pl_module) -> None:
+        """Build the driver, restoring (and checking) a resumed run's state and settings."""
         if len(trainer.optimizers) != 1:
             raise ConfigError(f"CoMERACallback drives one optimizer; configure_optimizers "
                               f"returned {len(trainer.optimizers)}.")
@@ -58,12 +60,15 @@ class CoMERACallback(StageCallback, pl.Callback):
                             saved.get("controller"), saved.get("settings"))
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
+        """Remember the micro-batch's plain loss (the late stage decides on it)."""
         self.driver.saw_loss(loss)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """Add the stage's penalty to the accumulated gradients."""
         self.driver.before_optimizer_step()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """The controller's bookkeeping after the optimizer step, then the ``comera/*`` metrics."""
         before = self.driver.controller.stage
         self.driver.after_optimizer_step(trainer.global_step, trainer.optimizers[0])
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -75,6 +80,7 @@ class CoMERACallback(StageCallback, pl.Callback):
             pl_module.log("comera/late_start_step", float(trainer.global_step), batch_size=1)
 
     def on_train_end(self, trainer, pl_module) -> None:
+        """Warn when the run ended short of its target."""
         self.end_training(trainer.global_step)
 
     def state_dict(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 import tncomp
 from comera.errors import ConfigError, ConversionError, NonFiniteError, tncomp_errors_as_config
+from comera.formats.bond_ranks import warn_full_rank
 from comera.formats.einsum import layout_from_eq
 from comera.formats.factorize import factorize, factorize_pair
 from comera.formats.layout import Layout
@@ -454,6 +455,7 @@ class GatedLinear(GatedLayer):
         else:
             in_modes, out_modes = (in_features,), (out_features,)
         layout = fmt.layout(tuple(in_modes), tuple(out_modes), ranks)
+        warn_full_rank(fmt, layout, ranks, type(self).__name__)  # as convert_ warns
         self._setup(layout, fmt, bias, tau, dtype, device, memory)
 
     def _check_mode_counts(self, in_modes: tuple[int, ...], out_modes: tuple[int, ...]) -> None:

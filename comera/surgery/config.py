@@ -18,6 +18,7 @@ from comera.formats.registry import format_names, get_format
 from comera.layers.linear import DEFAULT_TAU, check_memory, check_tau
 
 IN_PROJ = ("split", "packed")
+DEFAULT_RANK = 16  # every layer's max rank when neither ranks nor target_compression is given
 
 
 @dataclass(frozen=True)
@@ -25,16 +26,17 @@ class ConvertConfig:
     """What to convert and how.
 
     include / exclude: fnmatch patterns over qualified module names ("*" matches all).
-    ranks: a max rank for every layer, or {pattern: max rank}, first match wins.
-    target_compression: instead of ranks, the largest uniform max rank per layer whose TT size
-    is at most dense / target (per layer).
+    ranks: a max rank for every layer, or {pattern: max rank}, first match wins (default:
+    16 for every layer).
+    target_compression: instead of ranks (giving both is refused), the largest uniform max rank
+    per layer whose size is at most dense / target (per layer, biases counted on both sides).
     """
 
     include: Sequence[str] = ("*",)
     exclude: Sequence[str] = ()
     linear: bool = True
     embedding: bool = False
-    ranks: int | Mapping[str, int] = 16
+    ranks: int | Mapping[str, int] | None = None
     target_compression: float | None = None
     d: int = 3
     tau: float = DEFAULT_TAU
@@ -63,7 +65,13 @@ class ConvertConfig:
         for key in ("linear", "embedding"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r}; pass True or False.")
-        if isinstance(self.ranks, Mapping):
+        if self.ranks is not None and self.target_compression is not None:
+            raise ConfigError(f"ranks={self.ranks!r} and target_compression="
+                              f"{self.target_compression!r}: give one; target_compression "
+                              "chooses each layer's rank itself.")
+        if self.ranks is None:
+            pass
+        elif isinstance(self.ranks, Mapping):
             bad = {k: v for k, v in self.ranks.items() if not isinstance(k, str)
                    or not _is_rank(v)}
             if bad or not self.ranks:
@@ -96,6 +104,8 @@ class ConvertConfig:
     def rank_for(self, name: str) -> int:
         """The max rank for the layer named ``name``: ``ranks`` itself, or the value of the first
         pattern in ``ranks`` that matches (a :class:`ConfigError` when none does)."""
+        if self.ranks is None:
+            return DEFAULT_RANK
         if isinstance(self.ranks, int):
             return self.ranks
         for pattern, rank in self.ranks.items():

@@ -26,7 +26,7 @@ from comera.formats.registry import get_format
 from comera.layers.linear import check_finite_weight
 from comera.surgery.config import ConvertConfig
 from comera.surgery.converters import CONVERTERS, Converter, Part, converter_for, full_rank
-from comera.surgery.swap import fast_paths_off_, swap_submodule
+from comera.surgery.swap import check_module, fast_paths_off_, swap_submodule
 from comera.surgery.table import text_table
 
 HF_SAVE_WARNING = (
@@ -188,6 +188,8 @@ def convert_(
     """Replace the modules of ``model`` that a converter of :data:`CONVERTERS` matches (Linear,
     Conv1D, MultiheadAttention; Embedding with ``embedding=True``) and the config selects by
     gated layers of the configured format, in place. Validate, match, replace, report."""
+    check_module(model, "convert_(model, config=None, **options): load a saved model first (or "
+                 "run `comera convert FILE -o OUT` on a file)")
     if config is None:
         config = ConvertConfig(**overrides)
     elif overrides:

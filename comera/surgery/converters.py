@@ -11,6 +11,7 @@ Adding a source type is one entry in :data:`CONVERTERS`.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -18,6 +19,7 @@ from typing import NamedTuple
 from torch import Tensor, nn
 
 from comera.errors import ConfigError, ConversionError
+from comera.formats.bond_ranks import FullRankWarning, full_rank
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, get_format
 from comera.layers.attention import TTMultiheadAttention
@@ -85,8 +87,10 @@ def _linear(fmt: str, in_features: int, out_features: int, modes, rank: int, bia
     """A randomly initialised linear layer of ``fmt`` (of the class fixed to it, if any)."""
     cls = linear_class(fmt)
     own = {} if cls.fixed_format is not None else {"format": fmt}
-    return cls(in_features, out_features, ranks=rank, in_modes=modes[0], out_modes=modes[1],
-               bias=bias, tau=config.tau, d=config.d, memory=config.memory, **own, **factory)
+    with warnings.catch_warnings():  # convert_ names every such layer in one warning
+        warnings.simplefilter("ignore", FullRankWarning)
+        return cls(in_features, out_features, ranks=rank, in_modes=modes[0], out_modes=modes[1],
+                   bias=bias, tau=config.tau, d=config.d, memory=config.memory, **own, **factory)
 
 
 def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
@@ -106,14 +110,6 @@ def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if size(mid) <= budget else (lo, mid)
     return lo
-
-
-def full_rank(fmt: Format, layout: Layout, rank: int) -> int | None:
-    """The largest bond ``fmt`` allows on ``layout``'s modes when asked for ``rank`` or more
-    (the bonds are clipped there), or None when ``rank`` is below every cap."""
-    at = fmt.layout(layout.in_modes, layout.out_modes, rank).bond_sizes
-    above = fmt.layout(layout.in_modes, layout.out_modes, rank + 1).bond_sizes
-    return max(at, default=1) if at == above else None
 
 
 def gated_linear(name: str, weight: Tensor, bias: Tensor | None,

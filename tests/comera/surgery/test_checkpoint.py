@@ -400,3 +400,28 @@ def test_an_einsum_layer_loads_only_into_a_model_that_has_one(tmp_path):
     load_checkpoint(tmp_path / "e.pt", target)
     x = torch.randn(3, 32)
     assert torch.equal(target(x), model(x))
+
+
+def test_swapped_arguments_say_the_order_and_touch_nothing(tmp_path):
+    """Issue 34, item 13: save_checkpoint(model, path), convert_("model.pt") and
+    save_pretrained(folder, model) gave raw Python errors; each now says which argument is
+    which, before anything is read or written."""
+    model = nn.Sequential(comera.TTLinear(16, 16, (4, 4), (4, 4), 2))
+    path, folder = tmp_path / "run.pt", tmp_path / "folder"
+    calls = [
+        (lambda: save_checkpoint(model, path), r"save_checkpoint: model is a PosixPath .*"
+                                               r"save_checkpoint\(path, model"),
+        (lambda: save_checkpoint(path, model, model), "optimizer"),
+        (lambda: load_checkpoint(model, path), r"load_checkpoint: model is a PosixPath"),
+        (lambda: comera.convert_("model.pt"), r"convert_: model is a str \('model\.pt'\)"),
+        (lambda: comera.save_pretrained(folder, model), r"save_pretrained: model is a "
+                                                        r"PosixPath.*save_pretrained\(model, "
+                                                        r"directory\)"),
+        (lambda: comera.save_pretrained(model, model), r"directory is a Sequential"),
+        (lambda: comera.from_pretrained(model, folder), r"from_pretrained: directory is a "
+                                                        r"Sequential"),
+    ]
+    for call, said in calls:
+        with pytest.raises((comera.ConfigError, CheckpointError), match=said):
+            call()
+    assert list(tmp_path.iterdir()) == []
