@@ -1,6 +1,6 @@
 """Pictures of an experiment's summary: training curves, rank evolution, compression vs score.
 
-matplotlib is optional (``pip install 'tncomp[plot]'``): without it the plots are skipped with a
+matplotlib is optional (``pip install -e '.[plot]' in the checkout``): without it the plots are skipped with a
 warning and the JSON / markdown files still hold every number.
 """
 
@@ -21,7 +21,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        log.warning("matplotlib is not installed: plots skipped (pip install 'tncomp[plot]')")
+        log.warning("matplotlib is not installed: plots skipped (pip install -e '.[plot]' in the checkout)")
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
