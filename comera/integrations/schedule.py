@@ -218,8 +218,6 @@ class StageCallback:
     (restoring and checking a resumed run's state) and the warnings it gives when a target is
     out of reach. The trainer's hooks call :meth:`begin_training` and :meth:`end_training`."""
 
-    name = "CoMERACallback"
-
     def __init__(self, target_compression: float | None = None, late_start: int | None = None,
                  late_steps: int | None = None, lam: float = 0.01, regularizer: str = "l1",
                  min_rank: int = 1, target_loss: float | None = None):
@@ -235,15 +233,16 @@ class StageCallback:
         its checkpoint saved: settings changed since are applied before the late stage began
         (with a warning naming them) and refused after (a :class:`ConfigError`)."""
         self.driver = StageDriver(self.schedule, model, optimizer, max_steps)
+        who = type(self).__name__
         if controller is not None and step > 0:
             changes = self.schedule.changes(settings or {})
             fixed = {k: v for k, v in changes.items() if k in LATE_SETTINGS}
             if controller.get("stage") == "late" and fixed:
                 raise ConfigError(
-                    f"{self.name}: resuming at step {step}, after the late stage began, with "
-                    f"settings other than those it began with ({_listed(fixed)}); the late "
-                    "stage's target and schedule were fixed when it started. Resume with the "
-                    "saved settings, or start a new run from the model.")
+                    f"{who}: resuming at step {step}, after the late stage began, with settings "
+                    f"other than those it began with ({_listed(fixed)}); the late stage's "
+                    "target and schedule were fixed when it started. Resume with the saved "
+                    "settings, or start a new run from the model.")
             self.driver.controller.load_state_dict(dict(controller))
             if changes:
                 self.driver.controller.lam = self.schedule.lam
@@ -251,11 +250,11 @@ class StageCallback:
                 later = ("the late stage has not begun, so the new values apply"
                          if controller.get("stage") != "late"
                          else "they belong to the early stage, which is over")
-                warnings.warn(f"{self.name}: resuming at step {step} with settings changed since "
-                              f"the checkpoint ({_listed(changes)}); {later}.", UserWarning,
+                warnings.warn(f"{who}: resuming at step {step} with settings changed since the "
+                              f"checkpoint ({_listed(changes)}); {later}.", UserWarning,
                               stacklevel=3)
         for problem in self._out_of_reach(model, max_steps, step):
-            warnings.warn(f"{self.name}: {problem}", UserWarning, stacklevel=3)
+            warnings.warn(f"{who}: {problem}", UserWarning, stacklevel=3)
         return self.driver
 
     def _out_of_reach(self, model: nn.Module, max_steps: int | None, step: int) -> list[str]:
@@ -302,5 +301,5 @@ class StageCallback:
                    f"{controller.late_note or 'give it more late steps (late_steps)'}.")
         else:
             return None
-        warnings.warn(f"{self.name}: {why}", UserWarning, stacklevel=3)
+        warnings.warn(f"{type(self).__name__}: {why}", UserWarning, stacklevel=3)
         return why
