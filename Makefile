@@ -57,8 +57,9 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # every GPU claim in one command, at most 9 minutes on one CUDA GPU (docs/gpu.md); exits 2 without
-# CUDA. Wheels carried in .whl/ (benchmarks/gpu/wheels.sh) are installed first where present.
+# CUDA or when $(PYTHON) has no torch (set PYTHON=/path/to/python). Wheels carried in .whl/
+# (benchmarks/gpu/wheels.sh) are installed first where present.
 gpu:
 	@if ls .whl/*.whl >/dev/null 2>&1; then $(PYTHON) -m pip install -q --no-index --no-deps \
 		--no-compile --no-cache-dir --upgrade --target .whl/site .whl/*.whl; fi
-	PYTHONPATH=$(CURDIR)/.whl/site:$(CURDIR) $(PYTHON) -m benchmarks.gpu
+	@PYTHONPATH=$(CURDIR)/.whl/site:$(CURDIR) $(PYTHON) -m benchmarks.gpu

@@ -16,14 +16,15 @@ import os
 import re
 import subprocess
 import sys
-import types
 import typing
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from comera.errors import ComeraError, ConfigError
+from comera.torchfile import NotATorchFileError, check_torch_file, peek_torch_file
 
 EXIT_USAGE = 2
 MAX_NPROC = 1024
@@ -175,6 +176,12 @@ def _cmd_train(args, argv: list[str]) -> int:
     if args.init_from is not None and not Path(args.init_from).is_file():
         raise ComeraError(f"--init-from {args.init_from!r} is not a file; give a checkpoint of "
                           "`comera train mlm`, e.g. runs/mlm/checkpoints/comera.pt.")
+    if args.init_from is not None:
+        try:
+            check_torch_file(args.init_from)
+        except (NotATorchFileError, OSError) as exc:
+            raise ComeraError(f"--init-from {args.init_from}: {exc}; give a checkpoint of "
+                              "`comera train mlm`, e.g. runs/mlm/checkpoints/comera.pt.") from None
     if args.checkpoint_blocks and not exp.checkpoint_blocks:
         able = ", ".join(name for name, e in EXPERIMENTS.items() if e.checkpoint_blocks)
         raise ComeraError(f"--checkpoint-blocks: the {exp.name} model has no encoder blocks to "
@@ -213,64 +220,10 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def _type_name(hint: Any) -> str:
-    """A type hint in words: ``int | Mapping[str, int]`` -> "int or mapping of str to int"."""
-    origin, params = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(p) for p in params)
-    if hint is type(None):
-        return "null"
-    if origin in (Mapping, dict) and len(params) == 2:
-        return f"mapping of {_type_name(params[0])} to {_type_name(params[1])}"
-    if origin in (Sequence, list, tuple):
-        return f"list of {_type_name(params[0])}" if params else "list"
-    return getattr(hint, "__name__", str(hint))
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    """Whether a JSON value fits a ConvertConfig field's type hint (hints it does not know pass:
-    ConvertConfig itself checks those)."""
-    origin, params = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, p) for p in params)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if origin in (Mapping, dict):
-        return isinstance(value, dict) and (len(params) != 2 or all(
-            _matches(k, params[0]) and _matches(v, params[1]) for k, v in value.items()))
-    if origin in (Sequence, list, tuple):
-        if not isinstance(value, list | tuple):
-            return False
-        if origin is tuple and params and params[-1] is not Ellipsis:
-            return len(value) == len(params) and all(
-                _matches(v, p) for v, p in zip(value, params, strict=True))
-        return not params or all(_matches(v, params[0]) for v in value)
-    return True
-
-
-def _finite(value: Any) -> bool:
-    """No NaN or infinity anywhere in a JSON value (json.loads accepts NaN and Infinity)."""
-    if isinstance(value, float):
-        return value == value and abs(value) != float("inf")
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return all(_finite(v) for v in value)
-    return True
-
-
 def _convert_config(args):
-    from comera.surgery.config import ConvertConfig
+    """The ConvertConfig of ``--config`` (a JSON file or JSON text) and ``--set KEY=VALUE``
+    pairs (the later wins), checked by :func:`~comera.surgery.config.config_from_json`."""
+    from comera.surgery.config import config_from_json
 
     fields: dict[str, Any] = {}
     if args.config is not None:
@@ -292,59 +245,7 @@ def _convert_config(args):
         if not sep:
             raise ComeraError(f"--set {item!r}: expected KEY=VALUE, e.g. --set ranks=16.")
         fields[key.strip()] = _parse_value(value)
-    known = set(ConvertConfig.__dataclass_fields__)
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ComeraError(f"unknown convert setting(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(sorted(known))}.")
-    for key in ("include", "exclude"):
-        if isinstance(fields.get(key), str):
-            fields[key] = (fields[key],)
-    try:
-        hints = typing.get_type_hints(ConvertConfig)
-    except Exception:  # a hint that cannot be evaluated: ConvertConfig checks its own fields
-        hints = {}
-    for key, value in fields.items():
-        if not _finite(value):
-            raise ComeraError(f"convert setting {key}={json.dumps(value)}: numbers must be "
-                              "finite, e.g. --set target_compression=20.")
-        if key in hints and not _matches(value, hints[key]):
-            raise ComeraError(f"convert setting {key}={json.dumps(value)}: expected "
-                              f"{_type_name(hints[key])}, e.g. --set ranks=16.")
-    try:
-        return ConvertConfig(**fields)
-    except ComeraError:
-        raise
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise ComeraError(f"convert settings {json.dumps(fields)} were refused: {exc}") from None
-
-
-_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
-
-
-def _peek(path: Path) -> tuple[str, Any]:
-    """What a torch file holds, read with ``weights_only=True`` (no code in the file runs):
-    ("data", the object) for tensors and plain containers, ("object", its class name) for a
-    pickle of other Python objects (e.g. a whole model), ("unreadable", why) otherwise."""
-    import pickle
-    import warnings
-
-    from comera.torchfile import read_torch_file
-
-    if path.stat().st_size == 0:
-        return "unreadable", "empty: 0 bytes"
-    try:
-        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the answer says it
-            warnings.simplefilter("ignore")
-            return "data", read_torch_file(path)
-    except pickle.UnpicklingError as exc:
-        found = _GLOBAL.search(str(exc))  # the pickle names a class: an object, not garbage
-        if found:
-            return "object", found.group(1)
-        why = str(exc).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0]
-        return "unreadable", _one_line(why)[:160]
-    except Exception as exc:
-        return "unreadable", _one_line(f"{type(exc).__name__}: {exc}")[:160]
+    return config_from_json(fields)
 
 
 def _not_a_model(source: Path, data: Any) -> str:
@@ -365,8 +266,9 @@ def _not_a_model(source: Path, data: Any) -> str:
             "converted without its model: save the module itself with torch.save(model, path).")
 
 
-def _check_output(path: Path, flag: str) -> None:
-    """A file a command writes: its folder must exist (nothing creates folders silently)."""
+def _check_output(path: Path, flag: str, source: Path, force: bool) -> None:
+    """A file a command writes: its folder must exist (nothing creates folders silently), it
+    is not the input ``source``, and an existing file is replaced only with ``--force``."""
     if not str(path).strip() or str(path) == ".":
         raise ComeraError(f"{flag} {str(path)!r}: give a file name, e.g. {flag} model_tt.pt.")
     if path.is_dir():
@@ -376,6 +278,13 @@ def _check_output(path: Path, flag: str) -> None:
     if not folder.is_dir():
         raise ComeraError(f"{flag} {path}: the folder {folder} does not exist; create it first "
                           f"(mkdir -p {folder}).")
+    if path.exists() and (path.resolve() == source.resolve() or os.path.samefile(path, source)):
+        raise ComeraError(f"{flag} {path} is the model file being converted; writing there "
+                          "would replace it: give another name, e.g. "
+                          f"{path.with_name(path.stem + '_tt.pt')}.")
+    if path.exists() and not force:
+        raise ComeraError(f"{flag} {path} exists; pass --force to replace it, or give another "
+                          "name.")
 
 
 def _cmd_convert(args, argv) -> int:
@@ -392,9 +301,9 @@ def _cmd_convert(args, argv) -> int:
         raise ComeraError(f"model file {source} does not exist; save one with "
                           "torch.save(model, 'model.pt').")
     out = Path(args.output)
-    _check_output(out, "-o")
+    _check_output(out, "-o", source, args.force)
     config = _convert_config(args)
-    kind, what = _peek(source)
+    kind, what = peek_torch_file(source)
     if kind == "unreadable":
         raise ComeraError(f"{source} is not a torch file ({what}); save the model with "
                           "torch.save(model, path).")
@@ -409,12 +318,32 @@ def _cmd_convert(args, argv) -> int:
     if not isinstance(model, nn.Module):
         raise ComeraError(f"{source} holds a {type(model).__name__}, not an nn.Module; save the "
                           "module itself with torch.save(model, path).")
-    report = comera.convert_(model, config)
+    with warnings.catch_warnings(record=True) as said:  # shown once the conversion is kept
+        warnings.simplefilter("always")
+        report = comera.convert_(model, config)
+    _check_reached(report, config.target_compression)
     print(report)
+    for warning in said:
+        print(f"comera: warning: {_one_line(str(warning.message))}", file=sys.stderr)
     comera.save_checkpoint(out, model, converted_from=str(source))
     print(f"\nwrote {out} (load it into the original architecture with "
           "comera.load_checkpoint(path, model))")
     return 0
+
+
+def _check_reached(report: Any, target: float | None) -> None:
+    """Refuse (nothing written) a conversion whose layers compress less than the
+    ``target_compression`` asked for: some are out of its reach even at rank 1."""
+    reached = report.before / max(report.after, 1)
+    if target is None or reached >= target:
+        return
+    short = [f"{r.name} ({r.before / max(r.after, 1):.2f}x)" for r in report.layers
+             if r.before / max(r.after, 1) < target]
+    raise ComeraError(f"target_compression={target:g} cannot be reached: the converted layers "
+                      f"compress {reached:.2f}x, at rank 1 where {', '.join(short[:6])}"
+                      f"{' ...' if len(short) > 6 else ''} fall short; nothing was written. "
+                      "Lower the target, or give those layers other modes (--set modes=...) or "
+                      "leave them dense (--set exclude=...).")
 
 
 def _cmd_report(args, argv) -> int:
@@ -422,13 +351,10 @@ def _cmd_report(args, argv) -> int:
     from comera.surgery.report import checkpoint_report
 
     path = Path(args.checkpoint)
-    if path.is_file() and path.stat().st_size == 0:
-        raise ComeraError(f"checkpoint {path} is empty (0 bytes), not a comera checkpoint; "
-                          "write checkpoints with comera.save_checkpoint or comera train.")
     try:
         report = checkpoint_report(path)
     except CheckpointError:
-        kind, what = _peek(path) if path.is_file() else ("", None)
+        kind, what = peek_torch_file(path) if path.is_file() else ("", None)
         if kind == "object":
             raise ComeraError(
                 f"{path} is a pickled Python object ({what}), e.g. a whole model saved with "
@@ -514,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="one ConvertConfig field, e.g. ranks=16, format=ttm or "
                    "target_compression=20")
+    p.add_argument("--force", action="store_true", help="replace the -o file if it exists")
     p.set_defaults(run=_cmd_convert)
 
     p = sub.add_parser("report", help="per-layer ranks, sizes and compression of a checkpoint")

@@ -6,7 +6,10 @@ cache). :func:`write_torch_file` serialises to memory and writes through
 new one or none. :func:`read_torch_file` loads with ``weights_only=True``: tensors and plain
 containers only, so a planted pickle is refused before any of it runs. Torch's weights-only errors
 span many lines with terminal colour codes; :func:`load_error_reason` makes them one plain line
-and :func:`refused_global` names the Python object a file asked to unpickle.
+and :func:`refused_global` names the Python object a file asked to unpickle. A file that is not
+a torch file at all (empty, text, another format) is refused by its first bytes, before torch
+reads it (torch's own errors for those are raw ones such as ``IndexError``), and
+:func:`peek_torch_file` says what a file holds without running any of it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import io
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,12 @@ from tncomp.files import atomic_write_bytes
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+# how every torch.save file begins: its zip archive, or the legacy format's pickle protocol byte
+MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+class NotATorchFileError(ValueError):
+    """A file whose first bytes are not those of any ``torch.save`` file."""
 
 
 def write_torch_file(path: Path | str | os.PathLike, obj: Any) -> None:
@@ -37,8 +47,36 @@ def write_torch_file(path: Path | str | os.PathLike, obj: Any) -> None:
 
 
 def read_torch_file(path: Path | str | os.PathLike) -> Any:
-    """``torch.load(path)`` on the CPU with ``weights_only=True`` (never unpickles code)."""
+    """``torch.load(path)`` on the CPU with ``weights_only=True`` (never unpickles code).
+    :class:`NotATorchFileError` for a file that does not begin as a torch file does."""
+    check_torch_file(path)
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def check_torch_file(path: Path | str | os.PathLike) -> None:
+    """Raise :class:`NotATorchFileError` (a ``ValueError``) naming what ``path`` begins with
+    when it is empty or does not begin as a ``torch.save`` file does."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if not head:
+        raise NotATorchFileError("not a torch file: it is empty (0 bytes)")
+    if not head.startswith(MAGIC):
+        raise NotATorchFileError(f"not a torch file: it begins with {head!r}, where a "
+                                 "torch.save file begins with a zip header or a pickle")
+
+
+def peek_torch_file(path: Path | str | os.PathLike) -> tuple[str, Any]:
+    """What a torch file holds, read with ``weights_only=True`` (nothing in it runs):
+    ``("data", the object)`` for tensors and plain containers, ``("object", "module.Name")``
+    for a pickle of other Python objects (a whole model, say), ``("unreadable", why)`` for
+    anything else (``why`` one plain line)."""
+    try:
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the answer says it
+            warnings.simplefilter("ignore")
+            return "data", read_torch_file(path)
+    except Exception as exc:
+        found = refused_global(exc)
+        return ("object", found) if found else ("unreadable", load_error_reason(exc))
 
 
 def update_digest(h: Any, obj: Any) -> None:
@@ -85,5 +123,6 @@ def load_error_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
 
 
-__all__ = ["content_digest", "load_error_reason", "read_torch_file", "refused_global",
-           "update_digest", "write_torch_file"]
+__all__ = ["NotATorchFileError", "check_torch_file", "content_digest", "load_error_reason",
+           "peek_torch_file", "read_torch_file", "refused_global", "update_digest",
+           "write_torch_file"]

@@ -5,11 +5,12 @@
 
 The public API is ``tncomp.__all__``, ``comera.__all__``, and the public classes and functions
 defined in ``comera.experiments.engine``, ``comera.experiments.checks``,
-``comera.experiments.task``, ``comera.experiments.results``, ``comera.experiments.rundir`` and
-``comera.surgery.report`` (names without a leading underscore). Each name gets its signature and
-docstring, grouped by the module that defines it; a class also gets its public methods,
-properties and class attributes, including those of the tncomp / comera classes it inherits
-from.
+``comera.experiments.task``, ``comera.experiments.results``, ``comera.experiments.rundir``,
+``comera.surgery.report`` and the trainer callbacks' ``comera.integrations.hf`` and
+``comera.integrations.lightning`` (names without a leading underscore). Each name gets its
+signature and docstring, grouped by the module that defines it; a class also gets its public
+methods, properties and class attributes, including those of the tncomp / comera classes it
+inherits from.
 ``tests/test_api_reference.py`` checks that the committed file is what this script writes, and
 lists the public names that lack a docstring.
 """
@@ -41,6 +42,8 @@ NAMESPACES = (
     ("comera.experiments.results", "defined"),
     ("comera.experiments.rundir", "defined"),
     ("comera.surgery.report", "defined"),
+    ("comera.integrations.hf", "defined"),  # the trainer callbacks (the hf / lightning extras)
+    ("comera.integrations.lightning", "defined"),
 )
 HIDDEN_MEMBERS = frozenset({"extra_repr"})  # nn.Module's repr hook: not something users call
 SHOWN_DUNDERS = ("__call__",)  # a callable object's call is its main entry point

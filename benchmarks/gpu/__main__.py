@@ -5,7 +5,8 @@ Each part runs in a process of its own with a hard budget: past ``budget + GRACE
 is killed, and whatever it had saved (parts save after every case) is kept, marked
 ``timed_out``. Inside a part, a case that would not fit the part's budget is skipped and listed.
 Then the results go to benchmarks/results/*_cuda.{json,md} and the targets table is printed.
-Without CUDA it prints one line and exits 2, writing nothing.
+Without CUDA, or run by a python without torch, it prints one line and exits 2, writing
+nothing.
 
     python -m benchmarks.gpu                     # everything, ~9 minutes
     python -m benchmarks.gpu --parts layer,step  # some parts
@@ -26,10 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+NO_TORCH = ("make gpu: {python} has no torch ({why}); it needs a python with CUDA torch: run "
+            "make gpu PYTHON=/path/to/that/python (or python -m benchmarks.gpu with it).")
+try:
+    import torch
+except ImportError as exc:  # before anything is written: one line, exit 2, as without CUDA
+    print(NO_TORCH.format(python=sys.executable, why=exc), file=sys.stderr)
+    raise SystemExit(2) from None
 
-from benchmarks.gpu.common import NO_CUDA, device_info
-from benchmarks.gpu.report import summary_table, targets, write_results
+from benchmarks.gpu.common import NO_CUDA, device_info  # noqa: E402 (after the torch check)
+from benchmarks.gpu.report import summary_table, targets, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"

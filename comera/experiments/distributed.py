@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch import nn
 
 from comera import ConfigError
+from comera.integrations.collectives import average_over_workers_
 from comera.surgery.checkpoint import load_checkpoint as load_checkpoint_plain
 from comera.surgery.checkpoint import save_checkpoint as save_checkpoint_plain
 
@@ -78,20 +78,8 @@ def broadcast_parameters_(model: nn.Module) -> None:
 
 def average_gradients(model: nn.Module) -> None:
     """Average ``.grad`` over the workers in place (one flat all-reduce per dtype)."""
-    world = current_world()
-    if world.size == 1:
-        return
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for p in model.parameters():
-        if p.grad is None:  # same on every worker: the same code ran on the same shapes
-            continue
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = _flatten_dense_tensors(grads)  # (sum of numels,)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat /= world.size
-        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(averaged)
+    # same on every worker: the same code ran on the same shapes, so the same grads are None
+    average_over_workers_(p.grad for p in model.parameters() if p.grad is not None)
 
 
 def mean_over_workers(value: float, device: str | torch.device = "cpu") -> float:

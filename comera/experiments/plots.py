@@ -1,7 +1,7 @@
 """Pictures of an experiment's summary: training curves, rank evolution, compression vs score.
 
-matplotlib is optional (``pip install 'tncomp[plot]'``): without it the plots are skipped with a
-warning and the JSON / markdown files still hold every number.
+matplotlib is optional (``pip install -e '.[plot]'`` in the checkout): without it the plots
+are skipped with a warning and the JSON / markdown files still hold every number.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        log.warning("matplotlib is not installed: plots skipped (pip install 'tncomp[plot]')")
+        log.warning("matplotlib is not installed: plots skipped (pip install -e '.[plot]' in "
+                    "the checkout)")
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

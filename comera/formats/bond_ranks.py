@@ -1,13 +1,48 @@
-"""The ``ranks=`` argument of a format with one rank per bond, checked and capped in one place."""
+"""The ``ranks=`` argument of a format with one rank per bond, checked and capped in one place,
+and the rule that says when an int rank is so high that every bond is capped (the layer is then
+exact and compresses nothing): :func:`full_rank`, which a layer built with such a rank warns
+about (:class:`FullRankWarning`) as ``convert_`` does."""
 
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from comera.errors import ConfigError
 
+if TYPE_CHECKING:
+    from comera.formats.layout import Layout
+
 Ranks = int | Sequence[int]
+
+
+class FullRankWarning(UserWarning):
+    """An int rank at or above the full rank of a layer's layout: every bond is clipped at its
+    cap, so the layer is exact and compresses nothing."""
+
+
+def full_rank(fmt: Any, layout: Layout, rank: int) -> int | None:
+    """The largest bond the format ``fmt`` allows on ``layout``'s modes when asked for ``rank``
+    or more (the bonds are clipped there), or None when ``rank`` is below every cap."""
+    at = fmt.layout(layout.in_modes, layout.out_modes, rank).bond_sizes
+    above = fmt.layout(layout.in_modes, layout.out_modes, rank + 1).bond_sizes
+    return max(at, default=1) if at == above else None
+
+
+def warn_full_rank(fmt: Any, layout: Layout, ranks: Ranks, what: str) -> None:
+    """Warn (:class:`FullRankWarning`, naming ``what``) when the int ``ranks`` reaches the full
+    rank of ``layout`` in ``fmt``: a layer asked for more rank than its bonds can hold is
+    clipped, and should say so rather than compress nothing silently."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int):
+        return
+    cap = full_rank(fmt, layout, ranks)
+    if cap is not None:
+        warnings.warn(f"{what}: ranks={ranks} reaches the full rank of its {fmt.name} layout "
+                      f"(every bond clipped at its cap, the largest {cap}): the layer is exact "
+                      "and compresses nothing. Lower ranks to compress.", FullRankWarning,
+                      stacklevel=3)
 
 
 def resolve_bond_ranks(ranks: Ranks, caps: Sequence[int], what: str = "ranks") -> tuple[int, ...]:

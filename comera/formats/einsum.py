@@ -80,9 +80,11 @@ def layout_from_eq(eq: str, bonds: str | Sequence[str], sizes: Mapping[str, int]
 
     ``sizes`` gives every index but the batch and the bonds (a bond given here is allowed);
     ``ranks`` gives the bonds: one int for all, a mapping per bond, or None (every bond then in
-    ``sizes``). A bond's size in ``sizes`` or a ``ranks`` mapping is used as is; an int
-    ``ranks`` is capped, for a bond joining two cores, at :meth:`Layout.bond_caps` (the smaller
-    product of either core's other indices: a larger bond only repeats what that core holds).
+    ``sizes``). An int ``ranks`` is capped per bond, and a bond's size in ``sizes`` or a
+    ``ranks`` mapping must be at most that cap (a :class:`ConfigError` otherwise): for a bond
+    joining two cores, :meth:`Layout.bond_caps` (the smaller product of either core's other
+    indices: a larger bond only repeats what that core holds); for any bond, the dense
+    weight's number of entries. So no bond reaches the allocator larger than the weight.
     """
     terms, out = _terms(eq)
     x, cores = terms[0], terms[1:]
@@ -131,9 +133,18 @@ def layout_from_eq(eq: str, bonds: str | Sequence[str], sizes: Mapping[str, int]
     order = dict.fromkeys([*inputs, *outputs, *(i for core in cores for i in core)])
     layout = Layout(inputs, outputs, tuple(tuple(core) for core in cores),
                     tuple((i, resolved[i]) for i in order), bond_names)
-    caps = layout.bond_caps(layout.bond_sizes)
+    dense = layout.in_features * layout.out_features  # no bond is useful beyond the weight
+    caps = [dense if cap is None else min(cap, dense)
+            for cap in layout.bond_caps(layout.bond_sizes)]
+    for bond, cap in zip(bond_names, caps, strict=True):
+        if bond not in capped and layout.size(bond) > cap:
+            given = "sizes" if bond in sizes else "ranks"
+            raise ConfigError(f"{given}[{bond!r}]={layout.size(bond)} is above {cap}, the largest "
+                              f"size bond {bond!r} can use in eq {eq!r} (a larger bond only "
+                              f"adds zero directions); give at most {cap}, or an int ranks, "
+                              "which is capped per bond.")
     return layout.resized({b: min(layout.size(b), cap) for b, cap in
-                           zip(bond_names, caps, strict=True) if b in capped and cap is not None})
+                           zip(bond_names, caps, strict=True) if b in capped})
 
 
 def _resolve_sizes(eq: str, batch: str, indices: set[str], bonds: tuple[str, ...],

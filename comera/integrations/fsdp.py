@@ -39,9 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from comera.errors import CheckpointError, ConfigError
+from comera.integrations.collectives import average_over_workers_
 from comera.ranks.size import gated_layers
 from comera.surgery.checkpoint import checkpoint_payload, read_checkpoint
 from comera.surgery.records import layer_spec
@@ -119,19 +119,8 @@ def shard_(model: nn.Module, units: Iterable[str] | None = None,
 def average_replicated_gradients(model: nn.Module) -> None:
     """Average the gradients FSDP does not reduce (the replicated, non-DTensor ones) over the
     workers, one flat ``all_reduce`` per dtype: the trainer's ``grad_hook`` under FSDP."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for p in model.parameters():
-        if p.grad is None or _is_dtensor(p):
-            continue
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = _flatten_dense_tensors(grads)  # (sum of numels,)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat /= dist.get_world_size()
-        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(averaged)
+    average_over_workers_(p.grad for p in model.parameters()
+                          if p.grad is not None and not _is_dtensor(p))
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> Tensor:

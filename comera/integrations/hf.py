@@ -4,23 +4,27 @@
     callback = CoMERACallback(target_compression=10, late_start=300)
     trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
     trainer.train()                                        # early stage, then late stage
-    comera.save_pretrained(model, "out/tt-model")          # the trained, truncated model
+    trainer.save_model("out/tt-model")                     # comera.from_pretrained reads it
 
 The callback drives a :class:`~comera.training.controller.RankController` (see
 :mod:`comera.integrations.schedule`): the early stage's ``lam * R`` (and the late stage's size
 term) reach the gradients just before each optimizer step, after ``late_start`` steps the pruned
 ranks are truncated with the optimizer state and the late stage lands on the compression target
 within ``late_steps``. ``Trainer`` logs its plain loss; the callback adds ``objective``, ``size``,
-``compression``, ``rank_total`` and ``late_stage``.
+``compression`` (the TT layers', which ``target_compression`` refers to), ``model_compression``
+(the whole model's), ``rank_total`` and ``late_stage``. A target the run cannot reach is a
+warning (when training begins if it is known then, else when it ends); a resumed run with
+changed settings is refused after the late stage began and warned about before.
 
-Checkpoints: ``Trainer``'s own checkpoints keep the TT layers, and ``resume_from_checkpoint``
-restores a truncated model exactly (its TT layers take the saved bonds as they load, see
-:mod:`comera.integrations.bonds`; the controller's stage rides in ``trainer_state.json``).
-Each checkpoint's weights also carry a zero-size ``<layer>.weight`` per TT layer, so that
-``from_pretrained`` of a checkpoint folder refuses it (a size mismatch naming the layer) instead
-of building dense layers with fresh random weights. To publish the model, use
-:func:`comera.save_pretrained` / :func:`comera.from_pretrained`. Gradients with fp16 loss
-scaling are not supported (bf16 and fp32 are).
+Saving: the callback makes the model's ``save_pretrained`` (called by ``trainer.save_model()``
+and by every checkpoint) also write :func:`comera.save_pretrained`'s files, so
+``comera.from_pretrained(folder, cls)`` reads any saved folder, and mark each TT layer in
+HuggingFace's weights with a zero-size ``<layer>.weight``, so HuggingFace's own
+``from_pretrained`` refuses the folder (a size mismatch naming the layer) instead of building
+dense layers with fresh random weights. ``resume_from_checkpoint`` restores a truncated model
+exactly from HuggingFace's files (its TT layers take the saved bonds as they load, see
+:mod:`comera.integrations.bonds`; the controller's stage and the settings ride in
+``trainer_state.json``). Gradients with fp16 loss scaling are not supported (bf16 and fp32 are).
 """
 
 from __future__ import annotations
@@ -32,52 +36,51 @@ from typing import Any
 
 from comera.errors import ConfigError
 from comera.integrations.bonds import SENTINEL, follow_saved_bonds_
-from comera.integrations.schedule import StageDriver, StageSchedule, has_tt_layers
+from comera.integrations.schedule import StageCallback, has_tt_layers
 from comera.ranks.size import gated_layers
+from comera.surgery.pretrained import save_pretrained
 
 try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import ExportableState
 except ImportError as exc:  # pragma: no cover - the hf extra is missing
-    raise ImportError("comera.integrations.hf needs transformers: pip install 'tncomp[hf]'.") \
-        from exc
+    raise ImportError("comera.integrations.hf needs transformers: pip install -e '.[hf]' in "
+                      "the comera checkout.") from exc
 
-__all__ = ["CoMERACallback", "mark_checkpoint"]
+__all__ = ["CoMERACallback", "ComeraSavePretrained", "mark_checkpoint", "saves_comera_files_"]
 
 
-class CoMERACallback(TrainerCallback, ExportableState):
+class CoMERACallback(StageCallback, TrainerCallback, ExportableState):
     """Rank-adaptive training in ``transformers.Trainer``; the arguments are those of
     :class:`~comera.integrations.schedule.StageSchedule`."""
 
-    def __init__(self, target_compression: float | None = None, late_start: int | None = None,
-                 late_steps: int | None = None, lam: float = 0.01, regularizer: str = "l1",
-                 min_rank: int = 1, target_loss: float | None = None):
-        self.schedule = StageSchedule(target_compression, late_start, late_steps, lam,
-                                      regularizer, min_rank, target_loss)
-        self.driver: StageDriver | None = None
-        self.controller_state: dict[str, Any] | None = None  # restored by Trainer, if asked
-        self._hooks: list[Any] = []
+    controller_state: dict[str, Any] | None = None  # set by Trainer when it restores callbacks
+    _hooks: tuple[Any, ...] = ()
 
     # -- set up ------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        """Refuse a model without TT layers; make its layers take saved bonds on load and its
+        ``save_pretrained`` write comera's files too."""
         if model is None or not has_tt_layers(model):
             raise ConfigError("CoMERACallback: the model has no TT layers; convert it with "
                               "comera.convert_(model, ...) before building the Trainer.")
         follow_saved_bonds_(model)  # resume_from_checkpoint loads truncated layers
+        saves_comera_files_(model)  # trainer.save_model() writes what comera reads
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self.driver = StageDriver(self.schedule, model, optimizer, state.max_steps or None)
-        saved = self.controller_state or self._saved_in(state)
-        if saved is not None and state.global_step > 0:
-            self.driver.controller.load_state_dict(saved)
-        self._hooks = [model.register_forward_hook(self._see_output)]
+        """Build the driver, restoring (and checking) a resumed run's state and settings."""
+        entry = self._saved_in(state)
+        controller = self.controller_state or entry.get("attributes", {}).get("controller_state")
+        self.begin_training(model, optimizer, state.max_steps or None, state.global_step,
+                            controller, entry.get("args"))
+        self._hooks = (model.register_forward_hook(self._see_output),)
 
-    def _saved_in(self, state) -> dict[str, Any] | None:
-        """The controller state stored in a resumed ``TrainerState`` (None when none)."""
+    def _saved_in(self, state) -> dict[str, Any]:
+        """This callback's entry in a resumed ``TrainerState`` ({} when none)."""
         entry = state.stateful_callbacks.get(type(self).__name__)
         if isinstance(entry, list):
             entry = entry[-1] if entry else None
-        return (entry or {}).get("attributes", {}).get("controller_state")
+        return entry if isinstance(entry, dict) else {}
 
     def _see_output(self, module, inputs, output) -> None:
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
@@ -86,12 +89,15 @@ class CoMERACallback(TrainerCallback, ExportableState):
 
     # -- each step ---------------------------------------------------------------------------
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """Add the stage's penalty to the accumulated gradients."""
         self.driver.before_optimizer_step()
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        """The controller's bookkeeping; the late stage starts after ``late_start`` steps."""
         self.driver.after_optimizer_step(state.global_step + 1, optimizer)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Add the objective, size, compressions, total rank and stage to ``Trainer``'s log."""
         if self.driver is None or logs is None or "loss" not in logs:
             return
         extra = self.driver.log_values(float(logs["loss"]))
@@ -100,24 +106,54 @@ class CoMERACallback(TrainerCallback, ExportableState):
             state.log_history[-1].update(extra)
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Remove the loss hook; warn when the run ended short of its target."""
         for handle in self._hooks:
             handle.remove()
-        self._hooks = []
+        self._hooks = ()
+        self.end_training(state.global_step)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def on_save(self, args, state, control, model=None, **kwargs):
+        """Mark each TT layer in the checkpoint's weights (HuggingFace's loader then refuses it)."""
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir() and model is not None:
             mark_checkpoint(folder, [name for name, _ in gated_layers(model)])
 
     def state(self) -> dict[str, Any]:
         """What ``trainer_state.json`` keeps: the schedule and the controller's state."""
-        s = self.schedule
-        args = {"target_compression": s.target_compression, "late_start": s.late_start,
-                "late_steps": s.late_steps, "lam": s.lam, "regularizer": s.regularizer,
-                "min_rank": s.min_rank, "target_loss": s.target_loss}
         controller = None if self.driver is None else self.driver.controller.state_dict()
-        return {"args": args, "attributes": {"controller_state": controller}}
+        return {"args": self.schedule.settings(),
+                "attributes": {"controller_state": controller}}
+
+
+class ComeraSavePretrained:
+    """A model's ``save_pretrained`` that writes comera's files too (see
+    :func:`saves_comera_files_`): HuggingFace's own files, each TT layer marked in its weights,
+    then :func:`comera.save_pretrained`'s files in the same folder."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def __call__(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        """HuggingFace's ``save_pretrained(save_directory, ...)``, then the marks and comera's
+        files."""
+        result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            mark_checkpoint(save_directory, [name for name, _ in gated_layers(self.model)])
+            save_pretrained(self.model, save_directory)
+        return result
+
+
+def saves_comera_files_(model: Any) -> None:
+    """Make ``model.save_pretrained`` (which ``Trainer.save_model`` and its checkpoints call)
+    write a folder :func:`comera.from_pretrained` reads and HuggingFace's own
+    ``from_pretrained`` refuses (a size mismatch naming each TT layer), instead of one HF would
+    load as dense layers with fresh random weights. HuggingFace's files stay, so
+    ``resume_from_checkpoint`` reads them as before. A model without ``save_pretrained`` is left
+    as it is (Trainer then saves its state dict, and :meth:`CoMERACallback.on_save` marks it)."""
+    if callable(getattr(type(model), "save_pretrained", None)) and not isinstance(
+            model.__dict__.get("save_pretrained"), ComeraSavePretrained):
+        model.save_pretrained = ComeraSavePretrained(model)
 
 
 def mark_checkpoint(folder: str | os.PathLike, layers: list[str]) -> None:

@@ -8,11 +8,15 @@ The same schedule as :mod:`comera.integrations.hf` (see :mod:`comera.integration
 the penalty reaches the gradients in ``on_before_optimizer_step`` (after gradient accumulation,
 before clipping), the controller's bookkeeping runs after each optimizer step, and the late
 stage truncates (with the optimizer state) and lands on the compression target. The module logs
-its own loss; the callback logs ``comera/objective``, ``comera/size``, ``comera/compression``,
-``comera/rank_total`` and ``comera/late_stage``. Checkpoints keep the TT layers; ``fit(...,
-ckpt_path=...)`` resumes a truncated model exactly (the controller's state is the callback's
-state), while ``LightningModule.load_from_checkpoint`` builds the module from its arguments and
-refuses the truncated weights (strict loading) rather than loading part of them. One optimizer.
+its own loss; the callback logs ``comera/objective``, ``comera/size``, ``comera/compression``
+(the TT layers', which ``target_compression`` refers to), ``comera/model_compression`` (the
+whole model's), ``comera/rank_total`` and ``comera/late_stage``. A target the run cannot reach
+is a warning (when training begins if it is known then, else when it ends); resuming with
+changed settings is refused after the late stage began and warned about before. Checkpoints
+keep the TT layers; ``fit(..., ckpt_path=...)`` resumes a truncated model exactly (the
+controller's state and the settings are the callback's state), while
+``LightningModule.load_from_checkpoint`` builds the module from its arguments and refuses the
+truncated weights (strict loading) rather than loading part of them. One optimizer.
 """
 
 from __future__ import annotations
@@ -21,51 +25,50 @@ from typing import Any
 
 from comera.errors import ConfigError
 from comera.integrations.bonds import follow_saved_bonds_
-from comera.integrations.schedule import StageDriver, StageSchedule, has_tt_layers
+from comera.integrations.schedule import StageCallback, has_tt_layers
 
 try:
     import lightning.pytorch as pl
 except ImportError as exc:  # pragma: no cover - the lightning extra is missing
-    raise ImportError("comera.integrations.lightning needs lightning: pip install "
-                      "'tncomp[lightning]'.") from exc
+    raise ImportError("comera.integrations.lightning needs lightning: pip install -e "
+                      "'.[lightning]' in the comera checkout.") from exc
 
 __all__ = ["CoMERACallback"]
 
 
-class CoMERACallback(pl.Callback):
+class CoMERACallback(StageCallback, pl.Callback):
     """Rank-adaptive training in ``lightning.Trainer``; the arguments are those of
     :class:`~comera.integrations.schedule.StageSchedule`."""
 
-    def __init__(self, target_compression: float | None = None, late_start: int | None = None,
-                 late_steps: int | None = None, lam: float = 0.01, regularizer: str = "l1",
-                 min_rank: int = 1, target_loss: float | None = None):
-        self.schedule = StageSchedule(target_compression, late_start, late_steps, lam,
-                                      regularizer, min_rank, target_loss)
-        self.driver: StageDriver | None = None
-        self._saved: dict[str, Any] | None = None
+    _saved: dict[str, Any] | None = None  # a checkpoint's state, until training starts
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        """Refuse a module without TT layers; make its layers take saved bonds on load."""
         if not has_tt_layers(pl_module):
             raise ConfigError("CoMERACallback: the LightningModule has no TT layers; convert it "
                               "with comera.convert_(module, ...) before fit.")
         follow_saved_bonds_(pl_module)  # fit(ckpt_path=...) loads truncated layers
 
     def on_train_start(self, trainer, pl_module) -> None:
+        """Build the driver, restoring (and checking) a resumed run's state and settings."""
         if len(trainer.optimizers) != 1:
             raise ConfigError(f"CoMERACallback drives one optimizer; configure_optimizers "
                               f"returned {len(trainer.optimizers)}.")
         max_steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        self.driver = StageDriver(self.schedule, pl_module, trainer.optimizers[0], max_steps)
-        if self._saved is not None:
-            self.driver.controller.load_state_dict(self._saved)
+        saved = self._saved or {}
+        self.begin_training(pl_module, trainer.optimizers[0], max_steps, trainer.global_step,
+                            saved.get("controller"), saved.get("settings"))
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
+        """Remember the micro-batch's plain loss (the late stage decides on it)."""
         self.driver.saw_loss(loss)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """Add the stage's penalty to the accumulated gradients."""
         self.driver.before_optimizer_step()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """The controller's bookkeeping after the optimizer step, then the ``comera/*`` metrics."""
         before = self.driver.controller.stage
         self.driver.after_optimizer_step(trainer.global_step, trainer.optimizers[0])
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -76,9 +79,17 @@ class CoMERACallback(pl.Callback):
         if before != self.driver.controller.stage:
             pl_module.log("comera/late_start_step", float(trainer.global_step), batch_size=1)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        """Warn when the run ended short of its target."""
+        self.end_training(trainer.global_step)
+
     def state_dict(self) -> dict[str, Any]:
-        """The controller's state, saved in Lightning checkpoints."""
-        return {} if self.driver is None else {"controller": self.driver.controller.state_dict()}
+        """The controller's state and the schedule's settings, saved in Lightning checkpoints."""
+        if self.driver is None:
+            return {}
+        return {"controller": self.driver.controller.state_dict(),
+                "settings": self.schedule.settings()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._saved = state_dict.get("controller")
+        """Keep a checkpoint's state for :meth:`on_train_start`, which checks and restores it."""
+        self._saved = dict(state_dict)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 import tncomp
 from comera.errors import ConfigError, ConversionError, NonFiniteError, tncomp_errors_as_config
+from comera.formats.bond_ranks import warn_full_rank
 from comera.formats.einsum import layout_from_eq
 from comera.formats.factorize import factorize, factorize_pair
 from comera.formats.layout import Layout
@@ -98,9 +99,12 @@ def check_memory(memory) -> str | int:
 
 
 def check_tau(tau: float) -> float:
-    """``tau`` as a gate threshold (a number >= 0), else :class:`ConfigError`."""
-    if not isinstance(tau, int | float) or tau < 0 or math.isnan(tau):
-        raise ConfigError(f"tau={tau!r}; the gate threshold is a number >= 0 (default 1e-2).")
+    """``tau`` as a gate threshold, a number in [0, 1), else :class:`ConfigError`. Gates start
+    at 1, so a threshold at or above 1 would prune every rank of a fresh layer (a record
+    edited to ``tau=1e300`` would silently zero its layer)."""
+    if isinstance(tau, bool) or not isinstance(tau, int | float) or not 0 <= tau < 1:
+        raise ConfigError(f"tau={tau!r}; the gate threshold is a number in [0, 1) (default "
+                          "1e-2): gates start at 1, and entries at or below tau are pruned.")
     return float(tau)
 
 
@@ -451,6 +455,7 @@ class GatedLinear(GatedLayer):
         else:
             in_modes, out_modes = (in_features,), (out_features,)
         layout = fmt.layout(tuple(in_modes), tuple(out_modes), ranks)
+        warn_full_rank(fmt, layout, ranks, type(self).__name__)  # as convert_ warns
         self._setup(layout, fmt, bias, tau, dtype, device, memory)
 
     def _check_mode_counts(self, in_modes: tuple[int, ...], out_modes: tuple[int, ...]) -> None:

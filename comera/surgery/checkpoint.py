@@ -45,10 +45,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera.errors import CheckpointError
+from comera.errors import CheckpointError, ConfigError
 from comera.ranks.size import gated_layers
 from comera.surgery.records import layer_spec, read_records
-from comera.surgery.swap import check_other_keys, match_layers, restore_layers_
+from comera.surgery.swap import check_module, check_other_keys, match_layers, restore_layers_
 from comera.torchfile import (
     load_error_reason,
     read_torch_file,
@@ -117,6 +117,18 @@ def _check_plain(obj: Any, where: str) -> None:
         )
 
 
+def _check_arguments(path: Any, optimizer: Any, usage: str) -> None:
+    """A file name (str or os.PathLike) and an optimizer (or None), else a
+    :class:`ConfigError` naming the call's argument order."""
+    call = usage.partition("(")[0]
+    if not isinstance(path, str | os.PathLike):
+        raise ConfigError(f"{call}: path is a {type(path).__name__}, not a file name (str or "
+                          f"pathlib.Path); the arguments are {usage}.")
+    if optimizer is not None and not hasattr(optimizer, "param_groups"):
+        raise ConfigError(f"{call}: optimizer is a {type(optimizer).__name__}, not a "
+                          f"torch.optim.Optimizer; the arguments are {usage}.")
+
+
 def _sweep(path: Path) -> None:
     """Remove the temp files of earlier writes of ``path`` whose writers died."""
     try:
@@ -149,6 +161,9 @@ def checkpoint_payload(model_state: Mapping[str, Tensor], layers: Mapping[str, A
 def save_checkpoint(path: PathLike, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:
     """Write model, layer records, optimizer state and ``extra`` to ``path``, atomically."""
+    usage = "save_checkpoint(path, model, optimizer=None, **extra)"
+    check_module(model, usage)
+    _check_arguments(path, optimizer, usage)
     _check_plain(extra, "extra")
     layers = {name: layer_spec(layer) for name, layer in gated_layers(model)}
     payload = checkpoint_payload(
@@ -258,12 +273,17 @@ def load_checkpoint(source: PathLike | Mapping[str, Any], model: nn.Module,
     """Load ``source`` (a path, or the dict torch.load returned) into ``model``; return ``extra``.
 
     Each recorded layer is matched by name: a gated layer of other bonds is resized in place, an
-    unconverted ``nn.Linear`` / ``nn.Embedding`` is replaced by the recorded layer; its gate
-    threshold tau is restored. The model is checked against the checkpoint before it is changed.
+    unconverted ``nn.Linear`` / ``nn.Embedding`` is replaced by the recorded layer (of a format
+    a conversion makes; a declared einsum layer the model lacks is refused, naming it); its
+    gate threshold tau is restored. The model is checked against the checkpoint before it is
+    changed.
     ``strict`` applies to the entries outside the gated layers (as in ``load_state_dict``). With
     ``optimizer``, its param groups are rebuilt over the loaded model and the saved state is
     loaded into it (see the module docstring).
     """
+    usage = "load_checkpoint(path, model, optimizer=None, strict=True)"
+    check_module(model, usage)
+    _check_arguments("the dict" if isinstance(source, Mapping) else source, optimizer, usage)
     if not isinstance(source, Mapping):
         _sweep(Path(source))
     record = _read(source)

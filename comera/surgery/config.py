@@ -4,15 +4,21 @@ field a :class:`~comera.errors.ConfigError` naming it), as PEFT's tuner configs 
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
+from typing import Any
 
 from comera.errors import ConfigError
 from comera.formats.registry import format_names, get_format
-from comera.layers.linear import DEFAULT_TAU, check_memory
+from comera.layers.linear import DEFAULT_TAU, check_memory, check_tau
 
 IN_PROJ = ("split", "packed")
+DEFAULT_RANK = 16  # every layer's max rank when neither ranks nor target_compression is given
 
 
 @dataclass(frozen=True)
@@ -20,16 +26,17 @@ class ConvertConfig:
     """What to convert and how.
 
     include / exclude: fnmatch patterns over qualified module names ("*" matches all).
-    ranks: a max rank for every layer, or {pattern: max rank}, first match wins.
-    target_compression: instead of ranks, the largest uniform max rank per layer whose TT size
-    is at most dense / target (per layer).
+    ranks: a max rank for every layer, or {pattern: max rank}, first match wins (default:
+    16 for every layer).
+    target_compression: instead of ranks (giving both is refused), the largest uniform max rank
+    per layer whose size is at most dense / target (per layer, biases counted on both sides).
     """
 
     include: Sequence[str] = ("*",)
     exclude: Sequence[str] = ()
     linear: bool = True
     embedding: bool = False
-    ranks: int | Mapping[str, int] = 16
+    ranks: int | Mapping[str, int] | None = None
     target_compression: float | None = None
     d: int = 3
     tau: float = DEFAULT_TAU
@@ -58,7 +65,13 @@ class ConvertConfig:
         for key in ("linear", "embedding"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r}; pass True or False.")
-        if isinstance(self.ranks, Mapping):
+        if self.ranks is not None and self.target_compression is not None:
+            raise ConfigError(f"ranks={self.ranks!r} and target_compression="
+                              f"{self.target_compression!r}: give one; target_compression "
+                              "chooses each layer's rank itself.")
+        if self.ranks is None:
+            pass
+        elif isinstance(self.ranks, Mapping):
             bad = {k: v for k, v in self.ranks.items() if not isinstance(k, str)
                    or not _is_rank(v)}
             if bad or not self.ranks:
@@ -74,9 +87,7 @@ class ConvertConfig:
         if isinstance(self.d, bool) or not isinstance(self.d, int) or self.d < 1:
             raise ConfigError(f"d={self.d!r}; the number of modes per side is an int >= 1 "
                               "(a TT layer has at least one mode per side; default 3).")
-        if not (_is_number(self.tau) and self.tau >= 0):
-            raise ConfigError(f"tau={self.tau!r}; the gate threshold is a finite number >= 0 "
-                              f"(default {DEFAULT_TAU}).")
+        check_tau(self.tau)
         _check_format(self.format)
         if not isinstance(self.modes, Mapping) or any(
                 not isinstance(k, str) or not _is_modes(v) for k, v in self.modes.items()):
@@ -93,6 +104,8 @@ class ConvertConfig:
     def rank_for(self, name: str) -> int:
         """The max rank for the layer named ``name``: ``ranks`` itself, or the value of the first
         pattern in ``ranks`` that matches (a :class:`ConfigError` when none does)."""
+        if self.ranks is None:
+            return DEFAULT_RANK
         if isinstance(self.ranks, int):
             return self.ranks
         for pattern, rank in self.ranks.items():
@@ -148,4 +161,90 @@ def _is_modes(value: object) -> bool:
                     and all(_is_rank(m) for m in side) for side in value))
 
 
-__all__ = ["IN_PROJ", "ConvertConfig"]
+def _type_name(hint: Any) -> str:
+    """A type hint in words: ``int | Mapping[str, int]`` -> "int or mapping of str to int"."""
+    origin, params = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(p) for p in params)
+    if hint is type(None):
+        return "null"
+    if origin in (Mapping, dict) and len(params) == 2:
+        return f"mapping of {_type_name(params[0])} to {_type_name(params[1])}"
+    if origin in (Sequence, list, tuple):
+        return f"list of {_type_name(params[0])}" if params else "list"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a field's type hint (hints it does not know pass: the
+    dataclass checks those)."""
+    origin, params = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, p) for p in params)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (Mapping, dict):
+        return isinstance(value, dict) and (len(params) != 2 or all(
+            _matches(k, params[0]) and _matches(v, params[1]) for k, v in value.items()))
+    if origin in (Sequence, list, tuple):
+        if not isinstance(value, list | tuple):
+            return False
+        if origin is tuple and params and params[-1] is not Ellipsis:
+            return len(value) == len(params) and all(
+                _matches(v, p) for v, p in zip(value, params, strict=True))
+        return not params or all(_matches(v, params[0]) for v in value)
+    return True
+
+
+def _finite(value: Any) -> bool:
+    """No NaN or infinity anywhere in a JSON value (json.loads accepts NaN and Infinity)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_finite(v) for v in value)
+    return True
+
+
+def config_from_json(fields: Mapping[str, Any]) -> ConvertConfig:
+    """A :class:`ConvertConfig` from JSON values (``comera convert --config`` / ``--set``):
+    unknown names, non-finite numbers and values of the wrong JSON type are each a
+    :class:`ConfigError` naming the setting, before the config is built (``include`` /
+    ``exclude`` may be one pattern)."""
+    fields = dict(fields)
+    known = {f.name for f in dataclass_fields(ConvertConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError(f"unknown convert setting(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(known))}.")
+    for key in ("include", "exclude"):
+        if isinstance(fields.get(key), str):
+            fields[key] = (fields[key],)
+    hints = typing.get_type_hints(ConvertConfig)
+    for key, value in fields.items():
+        if not _finite(value):
+            raise ConfigError(f"convert setting {key}={json.dumps(value)}: numbers must be "
+                              "finite, e.g. --set target_compression=20.")
+        if not _matches(value, hints[key]):
+            raise ConfigError(f"convert setting {key}={json.dumps(value)}: expected "
+                              f"{_type_name(hints[key])}, e.g. --set ranks=16.")
+    try:
+        return ConvertConfig(**fields)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"convert settings {json.dumps(fields)} were refused: {exc}") from None
+
+
+__all__ = ["IN_PROJ", "ConvertConfig", "config_from_json"]

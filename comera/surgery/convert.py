@@ -26,7 +26,7 @@ from comera.formats.registry import get_format
 from comera.layers.linear import check_finite_weight
 from comera.surgery.config import ConvertConfig
 from comera.surgery.converters import CONVERTERS, Converter, Part, converter_for, full_rank
-from comera.surgery.swap import fast_paths_off_, swap_submodule
+from comera.surgery.swap import check_module, fast_paths_off_, swap_submodule
 from comera.surgery.table import text_table
 
 HF_SAVE_WARNING = (
@@ -147,14 +147,15 @@ def _warn_oversized(parts: list[Part], config: ConvertConfig) -> None:
 
 
 def _warn_out_of_reach(parts: list[Part], target: float) -> None:
-    """One warning naming the layers whose cores hold more than dense / target parameters at
-    rank 1 (the smallest their format has): the target is out of their reach."""
+    """One warning naming the layers that hold more than dense / target parameters (biases
+    counted on both sides) at rank 1 (the smallest their format has): the target is out of
+    their reach."""
     over = []
     for p in parts:
-        layout, dense = p.layer.layout, p.shape[0] * p.shape[1]
-        cores = layout.parameters_at(layout.bond_sizes)
-        if cores > dense / target:
-            over.append(f"{p.name} ({p.format}: {dense / cores:.2f}x)")
+        layout, bias = p.layer.layout, p.layer.bias
+        after = layout.parameters_at(layout.bond_sizes) + (bias.numel() if bias is not None else 0)
+        if after > p.before / target:
+            over.append(f"{p.name} ({p.format}: {p.before / after:.2f}x)")
     if over:
         warnings.warn(f"convert_: target_compression={target} is out of reach for {len(over)} "
                       f"layer(s) even at rank 1: {_names(over)}. Choose modes or a format that "
@@ -187,6 +188,8 @@ def convert_(
     """Replace the modules of ``model`` that a converter of :data:`CONVERTERS` matches (Linear,
     Conv1D, MultiheadAttention; Embedding with ``embedding=True``) and the config selects by
     gated layers of the configured format, in place. Validate, match, replace, report."""
+    check_module(model, "convert_(model, config=None, **options): load a saved model first (or "
+                 "run `comera convert FILE -o OUT` on a file)")
     if config is None:
         config = ConvertConfig(**overrides)
     elif overrides:

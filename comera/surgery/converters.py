@@ -14,6 +14,7 @@ Adding a source type is one entry in :data:`CONVERTERS`.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -21,14 +22,15 @@ from typing import NamedTuple
 from torch import Tensor, nn
 
 from comera.errors import ConfigError, ConversionError
+from comera.formats.bond_ranks import FullRankWarning, full_rank
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, get_format
 from comera.layers.attention import TTMultiheadAttention
+from comera.layers.classes import linear_class
 from comera.layers.embedding import embedding_class, table_format
 from comera.layers.linear import GatedLayer, GatedLinear
 from comera.ranks.budget import largest_rank, layout_size
 from comera.surgery.config import ConvertConfig
-from comera.surgery.records import linear_class
 
 IN_PARTS = ("q_proj", "k_proj", "v_proj")  # an nn.MultiheadAttention's split projections
 
@@ -86,8 +88,10 @@ def _linear(fmt: str, in_features: int, out_features: int, modes, rank: int, bia
     """A randomly initialised linear layer of ``fmt`` (of the class fixed to it, if any)."""
     cls = linear_class(fmt)
     own = {} if cls.fixed_format is not None else {"format": fmt}
-    return cls(in_features, out_features, ranks=rank, in_modes=modes[0], out_modes=modes[1],
-               bias=bias, tau=config.tau, d=config.d, memory=config.memory, **own, **factory)
+    with warnings.catch_warnings():  # convert_ names every such layer in one warning
+        warnings.simplefilter("ignore", FullRankWarning)
+        return cls(in_features, out_features, ranks=rank, in_modes=modes[0], out_modes=modes[1],
+                   bias=bias, tau=config.tau, d=config.d, memory=config.memory, **own, **factory)
 
 
 def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
@@ -95,14 +99,6 @@ def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
     most ``budget`` parameters (:func:`comera.ranks.budget.largest_rank`; at least 1)."""
     return max(1, largest_rank(
         lambda r: layout_size(fmt, probe.in_modes, probe.out_modes, r), budget))
-
-
-def full_rank(fmt: Format, layout: Layout, rank: int) -> int | None:
-    """The largest bond ``fmt`` allows on ``layout``'s modes when asked for ``rank`` or more
-    (the bonds are clipped there), or None when ``rank`` is below every cap."""
-    at = fmt.layout(layout.in_modes, layout.out_modes, rank).bond_sizes
-    above = fmt.layout(layout.in_modes, layout.out_modes, rank + 1).bond_sizes
-    return max(at, default=1) if at == above else None
 
 
 def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
@@ -113,8 +109,9 @@ def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
     modes = config.modes.get(name, (None, None))
     if config.target_compression:
         probe = _linear(fmt, *weight.shape, modes, 1, False, config, device="meta")
+        kept = bias.numel() if bias is not None else 0  # counted on both sides, as model_size does
         rank = rank_for_target(get_format(fmt), probe.layout,
-                               weight.numel() / config.target_compression)
+                               (weight.numel() + kept) / config.target_compression - kept)
     else:
         rank = config.rank_for(name)
     layer = _linear(fmt, *weight.shape, modes, rank, bias is not None, config,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera.errors import CheckpointError
+from comera.errors import CheckpointError, ConfigError
 from comera.formats.registry import get_format
 from comera.layers.linear import GatedLayer
 from comera.ranks.size import gated_layers
@@ -41,6 +41,7 @@ from comera.surgery import checkpoint as _ckpt
 from comera.surgery.config import ConvertConfig
 from comera.surgery.convert import HF_SAVE_WARNING, convert_
 from comera.surgery.records import KINDS, build_layer, layer_spec
+from comera.surgery.swap import check_module
 from tncomp.files import atomic_write_bytes, atomic_write_text, link_or_special
 
 WEIGHTS = "comera_model.safetensors"
@@ -58,8 +59,8 @@ def _safetensors():
     try:
         import safetensors.torch
     except ImportError as exc:
-        raise ImportError("save_pretrained / from_pretrained need safetensors: pip install "
-                          "'tncomp[hf]' (or pip install safetensors).") from exc
+        raise ImportError("save_pretrained / from_pretrained need safetensors: pip install -e "
+                          "'.[hf]' in the comera checkout (or pip install safetensors).") from exc
     return safetensors.torch
 
 
@@ -80,6 +81,10 @@ def _deduplicated(state: dict[str, torch.Tensor]):
 
 def save_pretrained(model: nn.Module, directory: PathLike) -> Path:
     """Write ``model`` (converted, truncated or not) to ``directory``; return its path."""
+    check_module(model, "save_pretrained(model, directory)")
+    if not isinstance(directory, str | os.PathLike):
+        raise ConfigError(f"save_pretrained: directory is a {type(directory).__name__}, not a "
+                          "folder name; the arguments are save_pretrained(model, directory).")
     st = _safetensors()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -206,7 +211,8 @@ def _convert_like_(model: nn.Module, layers: Mapping[str, Mapping]) -> None:
     replace by itself (a dense nn.MultiheadAttention's projections, HF's Conv1D), each to its
     recorded format and modes (rank 1: they are resized and loaded afterwards). A plain
     ``nn.Linear`` / ``nn.Embedding`` is left to loading, which puts the recorded layer in its
-    place (any format, a declared einsum one too)."""
+    place (a format a conversion makes; a declared einsum layer must be in the model
+    already)."""
     groups: dict[tuple[str, bool], dict[str, tuple[str, tuple | None]]] = {}
     targets: dict[tuple[str, bool], set[str]] = {}
     for name, spec in layers.items():
@@ -251,6 +257,10 @@ def from_pretrained(directory: PathLike, model_or_class: nn.Module | type) -> nn
     the saved formats and ranks. ``model_or_class``: a model of the saved architecture
     (converted or not; it is changed in place), or its class (a HuggingFace class is built
     from the saved config and put in eval mode, as HuggingFace's ``from_pretrained`` does)."""
+    if not isinstance(directory, str | os.PathLike):
+        raise ConfigError(f"from_pretrained: directory is a {type(directory).__name__}, not a "
+                          "folder name; the arguments are from_pretrained(directory, "
+                          "model_or_class).")
     directory = Path(directory)
     records = _read_records(directory)
     extra = _covered(records, directory)  # before config.json is read to build the model

@@ -27,8 +27,9 @@ from torch import Tensor, nn
 from comera.errors import CheckpointError, ConfigError
 from comera.formats.layout import Layout
 from comera.formats.registry import format_names, get_format
+from comera.layers.classes import linear_class
 from comera.layers.embedding import TTEmbedding
-from comera.layers.linear import GatedLayer, GatedLinear
+from comera.layers.linear import GatedLayer, GatedLinear, check_tau
 
 MAX_FEATURES = 2**31 - 1  # a record's sizes and bonds: int32, checked before anything is built
 MAX_MODES = 64
@@ -36,16 +37,6 @@ MAX_INDICES = 4 * MAX_MODES  # indices of a recorded layout
 LEGACY = {"TTLinear": "tt", "TTMLinear": "ttm"}  # kinds written before the format protocol
 LEGACY_KEYS = ("kind", "in_features", "out_features", "in_modes", "out_modes", "bonds", "tau",
                "bias", "padding_idx", "merge_pairs")
-
-def linear_class(fmt: str) -> type[GatedLinear]:
-    """The linear layer class fixed to the format ``fmt`` (TTLinear for ``"tt"``), or
-    GatedLinear: a layer rebuilt from a record is of the class a converted one has."""
-    todo, seen = list(GatedLinear.__subclasses__()), []
-    while todo:
-        cls = todo.pop(0)
-        seen.append(cls)
-        todo += cls.__subclasses__()
-    return next((c for c in seen if c.fixed_format == fmt), GatedLinear)
 
 
 # -- checks of plain values -----------------------------------------------------------------------
@@ -59,9 +50,10 @@ def _modes(value: Any) -> bool:
 
 
 def _tau_bias_problem(spec: Mapping[str, Any]) -> str | None:
-    tau = spec["tau"]
-    if isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau):
-        return f"has tau={tau!r}; expected a finite number"
+    try:
+        check_tau(spec["tau"])  # the layers' one rule: in [0, 1)
+    except ConfigError as exc:
+        return f"has {exc}"
     if not isinstance(spec["bias"], bool):
         return f"has bias={spec['bias']!r}; expected true or false"
     return None
@@ -92,6 +84,19 @@ def _linear_write(layer: GatedLayer) -> dict[str, Any]:
             "tau": float(layer.tau)}
 
 
+def builds_from_modes(fmt_name: str, layout: Layout) -> bool:
+    """Whether the format ``fmt_name`` builds layouts from ``layout``'s modes (False for a
+    declared network, whose layout is the user's whole description)."""
+    fmt = get_format(fmt_name)
+    if not fmt.from_modes:
+        return False
+    try:
+        fmt.layout(layout.in_modes, layout.out_modes, 1)
+    except (NotImplementedError, ConfigError):
+        return False
+    return True
+
+
 def layout_problem(fmt_name: str, layout: Layout) -> str | None:
     """Why ``layout`` is not one the format ``fmt_name`` builds at its own bond sizes (None when
     it is, or when the format builds no layouts from modes: a user-declared network, whose
@@ -103,9 +108,7 @@ def layout_problem(fmt_name: str, layout: Layout) -> str | None:
             _whole(layout.in_features) and _whole(layout.out_features)):
         return f"has a layout whose sizes pass {MAX_FEATURES}"
     fmt = get_format(fmt_name)
-    try:
-        fmt.layout(layout.in_modes, layout.out_modes, 1)
-    except (NotImplementedError, ConfigError):
+    if not builds_from_modes(fmt_name, layout):
         return None  # no layouts from modes (a declared network): the layout is its network
     try:
         expected = fmt.layout(layout.in_modes, layout.out_modes, list(layout.bond_sizes))
@@ -141,6 +144,12 @@ def _linear_build(spec: Mapping[str, Any], factory: dict) -> GatedLayer:
 
 def _linear_fits(module: nn.Module, spec: Mapping[str, Any]) -> str | None:
     layout = Layout.from_dict(spec["layout"])
+    if not builds_from_modes(spec["format"], layout):  # its structure is the file's alone
+        fmt = get_format(spec["format"])
+        return (f"the checkpoint holds a {fmt.title} layer (format {fmt.name!r}), which no "
+                f"conversion of an nn.{type(module).__name__} makes, and the model lacks it: "
+                "build that layer in the model first (e.g. GatedLinear.from_eq(...), at any "
+                "bond sizes: loading resizes it), then load")
     mine = (module.in_features, module.out_features, module.bias is not None)
     theirs = (layout.in_features, layout.out_features, spec["bias"])
     if mine != theirs:
@@ -297,5 +306,5 @@ def read_records(layers: Any, state: Mapping[str, Any], where: str) -> dict[str,
     return read
 
 
-__all__ = ["KINDS", "LEGACY", "RecordKind", "build_layer", "kind_of", "layer_spec",
-           "layout_problem", "linear_class", "read_records", "record_problem", "upgrade"]
+__all__ = ["KINDS", "LEGACY", "RecordKind", "build_layer", "builds_from_modes", "kind_of",
+           "layer_spec", "layout_problem", "read_records", "record_problem", "upgrade"]

@@ -27,6 +27,17 @@ from comera.surgery.records import KINDS, build_layer, kind_of
 LayerPlan = list[tuple[str, nn.Module, Mapping[str, Any]]]  # (name, module now, record)
 
 
+def check_module(value: Any, usage: str, what: str = "model") -> None:
+    """Refuse, with a :class:`ConfigError` naming the call's argument order, a ``what`` that is
+    not an ``nn.Module`` (swapped arguments, say ``save_checkpoint(model, path)``), before
+    anything reads or writes. ``usage``: the call as it should be written."""
+    if not isinstance(value, nn.Module):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ConfigError(f"{usage.partition('(')[0]}: {what} is a {type(value).__name__} "
+                          f"({shown}), not an nn.Module; the arguments are {usage}.")
+
+
 def swap_submodule(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     """Put ``new`` at the dotted ``name`` inside ``model`` (e.g. ``"encoder.0.fc1"``) and return
     the module it replaces."""
@@ -159,5 +170,5 @@ def restore_layers_(model: nn.Module, plan: LayerPlan) -> None:
     fast_paths_off_(model)
 
 
-__all__ = ["check_other_keys", "fast_paths_off_", "match_layers", "restore_layers_",
+__all__ = ["check_module", "check_other_keys", "fast_paths_off_", "match_layers", "restore_layers_",
            "swap_submodule"]

@@ -50,6 +50,18 @@ def test_without_cuda_make_gpu_exits_2_with_one_line_and_writes_nothing(tmp_path
     assert part.returncode == 2 and not (tmp_path / "layer.json").exists()
 
 
+def test_a_python_without_torch_exits_2_with_one_line_and_writes_nothing(tmp_path):
+    """Issue 34, item 14: `make gpu` with a system python that lacks torch printed a
+    ModuleNotFoundError traceback; it now says what it needs, as it does without CUDA."""
+    out = tmp_path / "results"
+    proc = _python("import sys, runpy; sys.modules['torch'] = None; "
+                   "runpy.run_module('benchmarks.gpu', run_name='__main__')", "--out-dir", str(out))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert "has no torch" in proc.stderr and "PYTHON=" in proc.stderr
+    assert not out.exists()
+
+
 def test_bad_parts_are_refused_before_anything_runs(tmp_path):
     from benchmarks.gpu.__main__ import main
 

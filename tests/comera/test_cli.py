@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import comera
+from comera.surgery.report import checkpoint_report
 from tests.helpers import ROOT
 
 
@@ -126,3 +127,36 @@ def test_report_says_removed_for_a_layer_pruned_to_nothing(tmp_path):
     dense = model[0].dense_num_parameters()
     assert "removed" in text
     assert f"{dense / max(model[0].num_parameters(True), 1):.1f}x" not in text
+
+
+def test_a_target_compression_is_what_convert_and_report_print(tmp_path):
+    """Issue 34, item 2: the rank rule counts biases as the report does (and as
+    compression_ratio and the late stage do), so asking for 20x prints at least 20x."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    torch.save(model, tmp_path / "model.pt")
+    out = tmp_path / "tt.pt"
+    result = run_cli("convert", str(tmp_path / "model.pt"), "-o", str(out), "--set",
+                     "target_compression=20")
+    assert result.returncode == 0, result.stderr
+    total = next(line for line in result.stdout.splitlines() if line.startswith("total"))
+    assert float(total.split()[-1].rstrip("x")) >= 20, total
+    report = checkpoint_report(out)
+    assert report.compression >= 20
+    assert all(r.compression >= 20 for r in report.layers)
+
+
+def test_convert_replaces_an_existing_output_only_with_force(tmp_path):
+    """Issue 34, item 12: -o of an existing file is refused (exit 2, the file kept) unless
+    --force is given."""
+    torch.manual_seed(0)
+    torch.save(nn.Sequential(nn.Linear(16, 16)), tmp_path / "model.pt")
+    out = tmp_path / "tt.pt"
+    out.write_bytes(b"keep me")
+    args = ("convert", str(tmp_path / "model.pt"), "-o", str(out), "--set", "ranks=2")
+    refused = run_cli(*args)
+    assert refused.returncode == 2 and "--force" in refused.stderr
+    assert out.read_bytes() == b"keep me"
+    forced = run_cli(*args, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert comera.read_checkpoint(out).layers

@@ -56,7 +56,8 @@ def _snapshot(*folders: Path) -> dict[str, tuple]:
 def _files(tmp: Path) -> dict[str, Path]:
     torch.manual_seed(0)
     files = {name: tmp / f"{name}.pt"
-             for name in ("model", "state_dict", "tensor", "checkpoint", "garbage", "empty")}
+             for name in ("model", "state_dict", "tensor", "checkpoint", "garbage", "empty",
+                          "text")}
     torch.save(nn.Sequential(nn.Linear(8, 8)), files["model"])
     torch.save(nn.Linear(8, 8).state_dict(), files["state_dict"])
     torch.save(torch.randn(3), files["tensor"])
@@ -64,6 +65,7 @@ def _files(tmp: Path) -> dict[str, Path]:
                            nn.Sequential(comera.TTLinear(16, 16, (4, 4), (4, 4), 2)))
     files["garbage"].write_bytes(b"not a torch file " * 20)
     files["empty"].write_bytes(b"")
+    files["text"].write_text("root:x:0:0:root:/root:/bin/bash\n")  # as /etc/passwd
     return files
 
 
@@ -140,6 +142,19 @@ CASES: list[Case] = [
      ("not a torch file",), None),
     ("convert-empty", lambda t, f, o: ["convert", f["empty"], "-o", t / "o.pt"],
      ("not a torch file", "empty"), None),
+    # issue 34, item 12
+    ("convert-unreachable-target",
+     lambda t, f, o: ["convert", f["model"], "-o", t / "o.pt", "--set",
+                      "target_compression=1e308"],
+     ("target_compression=1e+308 cannot be reached", "nothing was written"), None),
+    ("convert-output-exists", lambda t, f, o: ["convert", f["model"], "-o", f["tensor"]],
+     ("exists", "--force"), None),
+    ("convert-output-is-the-input",
+     lambda t, f, o: ["convert", f["model"], "-o", f["model"], "--force"],
+     ("the model file being converted",), None),
+    ("train-init-from-a-text-file",
+     lambda t, f, o: ["train", "transformer", "--quick", "--init-from", f["text"], "--out", o],
+     ("--init-from", "not a torch file", "root:x"), None),
 ]
 if not torch.cuda.is_available():
     CASES.append(("train-device-cuda-without-cuda",
@@ -147,7 +162,7 @@ if not torch.cuda.is_available():
                   ("CUDA is not available",), None))
 # the cases that also run as a subprocess in the default run (the rest under -m slow)
 SUBPROCESS_DEFAULT = {"train-batch-not-split-over-nproc", "report-whole-model",
-                      "convert-set-wrong-type"}
+                      "convert-set-wrong-type", "convert-unreachable-target"}
 
 
 def _run(argv: list[str], subprocess_run: bool, capsys) -> tuple[int, str]:

@@ -23,7 +23,7 @@ FLOAT = ["nan", "inf", "-inf", "-1", "abc", "", "1e400"]
 ZERO_INVALID = {"--batch-size", "--eval-every", "--lr", "--lr-gates", "--target-compression",
                 "--nproc", "--steps"}
 SWITCHES = {"--quick", "--resume", "--compile", "--checkpoint-blocks", "--fsdp", "--no-progress",
-            "--verbose", "-v"}  # flags without a value
+            "--verbose", "-v", "--force"}  # flags without a value
 
 # (command, flag) -> bad values for flags whose type alone does not say what is bad;
 # "{tmp}" / "{file}" are a folder and a file that exist
@@ -32,9 +32,9 @@ BY_FLAG: dict[tuple[str, str], list[str]] = {
     ("train", "--device"): ["", "bogus", "tpu", "cuda:99999"],
     ("train", "--out"): ["", "{file}"],
     ("train", "--variants"): ["", ",", "sparse", "dense,dense"],
-    ("train", "--init-from"): ["", "{tmp}/missing.pt", "{tmp}"],
+    ("train", "--init-from"): ["", "{tmp}/missing.pt", "{tmp}", "{file}"],  # {file}: text
     ("convert", "model"): ["", "{tmp}/missing.pt", "{tmp}", "{file}"],
-    ("convert", "--output"): ["", "{tmp}", "{tmp}/missing/x.pt"],
+    ("convert", "--output"): ["", "{tmp}", "{tmp}/missing/x.pt", "{file}", "{model}"],
     ("convert", "--config"): ["[1]", "", "null", '"x"', "{", '{"ranks": NaN}', "{tmp}",
                               '{"ranks": "16"}', '{"bogus": 1}'],
     ("convert", "--set"): ["x", "=1", "bogus=1", "ranks=abc", "ranks=NaN", "ranks=1e999",
@@ -134,6 +134,7 @@ def test_a_bad_value_exits_2_with_one_line_before_any_work(tmp_path, capsys, no_
                                                            model_file, command, flag, value):
     (tmp_path / "file.txt").write_text("not a directory")
     value = value.replace("{tmp}", str(tmp_path)).replace("{file}", str(tmp_path / "file.txt"))
+    value = value.replace("{model}", str(model_file))
     before = sorted(p.name for p in tmp_path.iterdir())
     argv = _argv(command, flag, value, tmp_path, model_file)
     try:

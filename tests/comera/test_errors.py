@@ -65,9 +65,9 @@ def test_in_and_out_modes_of_different_length(cls):
 
 
 @pytest.mark.parametrize("cls", LAYERS)
-@pytest.mark.parametrize("tau", [-0.1, float("nan")])
+@pytest.mark.parametrize("tau", [-0.1, float("nan"), 1.0, 1e300, True])
 def test_bad_tau(cls, tau):
-    with pytest.raises(ConfigError, match=r"tau=.*>= 0"):
+    with pytest.raises(ConfigError, match=r"tau=.*in \[0, 1\)"):
         cls(15, 14, (3, 5), (7, 2), tau=tau)
 
 

@@ -58,7 +58,9 @@ def test_every_exported_name_has_an_entry(rendered):
     for qualname in ("comera.experiments.engine.train_model",
                      "comera.experiments.engine.EngineConfig", "comera.experiments.task.Task",
                      "comera.experiments.results.run_experiment",
-                     "comera.surgery.report.checkpoint_report", "tncomp.errors.IRError"):
+                     "comera.surgery.report.checkpoint_report", "tncomp.errors.IRError",
+                     "comera.integrations.hf.CoMERACallback",  # issue 34, item 13
+                     "comera.integrations.lightning.CoMERACallback"):
         assert f'<a id="{qualname}"></a>' in rendered, qualname
     # private helpers and names imported from elsewhere are not public names of a module
     assert 'id="comera.experiments.engine._Run"' not in rendered

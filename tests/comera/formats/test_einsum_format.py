@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from comera.errors import ConfigError
 from comera.formats.einsum import Declared, layout_from_eq
 from comera.formats.layout import Layout
 from comera.formats.registry import get_format
+from comera.layers.linear import GatedLinear
 from tests.comera.formats.layout_checks import check_network, random_cores
 
 EQ = "b i j, i a, a j k -> b k"
@@ -70,10 +73,27 @@ def test_ranks_int_mapping_and_sizes():
 def test_an_int_rank_is_capped_at_what_a_core_can_hold():
     # a joins core (i, a) and core (a, j, k): beyond i = 2 the first core has no more rank
     assert layout_from_eq(EQ, "a", SIZES, 100).bond_sizes == (2,)
-    # an explicit size is taken as given
-    assert layout_from_eq(EQ, "a", SIZES, {"a": 100}).bond_sizes == (100,)
-    # a bond on three cores is not capped
-    assert layout_from_eq("b i j, i r, j r, r k -> b k", "r", SIZES, 50).bond_sizes == (50,)
+    # an explicit size up to the cap is taken as given
+    assert layout_from_eq(EQ, "a", SIZES, {"a": 2}).bond_sizes == (2,)
+    # a bond on three cores is capped only at the dense weight's entries (6 x 4)
+    assert layout_from_eq("b i j, i r, j r, r k -> b k", "r", SIZES, 20).bond_sizes == (20,)
+    assert layout_from_eq("b i j, i r, j r, r k -> b k", "r", SIZES, 10**6).bond_sizes == (24,)
+
+
+@pytest.mark.parametrize(("bonds", "sizes", "ranks", "said"), [
+    ("a", SIZES, {"a": 2**33}, "ranks['a']=8589934592 is above 2"),
+    ("a", SIZES, {"a": 3}, "ranks['a']=3 is above 2"),
+    ("a", {**SIZES, "a": 2**40}, None, "sizes['a']=1099511627776 is above 2"),
+    ("r", SIZES, {"r": 2**33}, "ranks['r']=8589934592 is above 24"),
+])
+def test_a_bond_size_above_its_cap_is_refused_before_any_allocation(bonds, sizes, ranks, said):
+    """Issue 34, item 10: a per-bond size is bounded as an int rank is (which is capped),
+    so ``from_eq(..., ranks={"a": 2**33})`` never reaches the allocator."""
+    eq = EQ if bonds == "a" else "b i j, i r, j r, r k -> b k"
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        layout_from_eq(eq, bonds, sizes, ranks)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        GatedLinear.from_eq(eq, bonds, sizes, ranks)
 
 
 def test_a_layout_record_rebuilds_the_same_network():

@@ -49,7 +49,8 @@ def _trainer(model, out, steps: int = STEPS, **callback) -> Trainer:
     args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=8,
                              learning_rate=1e-3, logging_steps=2, save_steps=4, report_to=[],
                              use_cpu=True, disable_tqdm=True, seed=0, save_total_limit=None)
-    cb = CoMERACallback(target_compression=TARGET, late_start=LATE_START, lam=0.01, **callback)
+    callback = {"target_compression": TARGET, "late_start": LATE_START, "lam": 0.01, **callback}
+    cb = CoMERACallback(**callback)
     return Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=[cb])
 
 
@@ -86,6 +87,48 @@ def test_logs_hold_the_plain_loss_next_to_the_objective_ranks_and_compression(ru
         assert entry["objective"] >= entry["loss"]
     assert logs[0]["late_stage"] == 0.0 and logs[-1]["late_stage"] == 1.0
     assert logs[-1]["compression"] > logs[0]["compression"]
+
+
+def test_the_logged_compression_is_the_one_the_target_refers_to(run):
+    """Issue 34, item 1: ``compression`` is the TT layers' (what target_compression means), so a
+    run that met its target logs it; the whole model's has its own name."""
+    model = run["model"]
+    last = [h for h in run["trainer"].state.log_history if "loss" in h][-1]
+    assert last["compression"] == pytest.approx(_tt_compression(model), rel=1e-6)
+    assert last["compression"] >= 0.95 * TARGET
+    assert last["model_compression"] == pytest.approx(comera.compression_ratio(model), rel=1e-6)
+    assert last["model_compression"] < last["compression"]  # the dense embeddings count there
+
+
+def test_save_model_writes_what_comera_reads_and_hf_refuses(run, tmp_path):
+    """Issue 34, item 5: ``trainer.save_model()`` of a converted model is read back by
+    comera.from_pretrained as it was, and refused by HuggingFace's own from_pretrained (which
+    would otherwise build dense layers with fresh random weights)."""
+    model, folder = run["model"], tmp_path / "final"
+    run["trainer"].save_model(str(folder))
+    loaded = comera.from_pretrained(folder, GPT2LMHeadModel)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    with pytest.raises(RuntimeError, match="mismatch"):
+        GPT2LMHeadModel.from_pretrained(folder)
+
+
+def test_a_late_start_at_max_steps_is_a_warning_when_training_begins(tmp_path):
+    """Issue 34, item 6: the late stage cannot run; the callback says so up front (and again at
+    the end), and training ends without starting a stage that has no steps."""
+    trainer = _trainer(_model(), tmp_path, steps=2, late_start=2)
+    with pytest.warns(UserWarning, match="late_start=2 is at or past the trainer's max_steps=2"):
+        trainer.train()
+
+
+def test_resuming_with_another_target_after_the_late_stage_began_is_refused(run, tmp_path):
+    """Issue 34, item 7: checkpoint-4 was saved in the late stage, aimed at 4x; a callback asking
+    for 8x cannot change that stage's target, so the resume is refused, naming both values."""
+    trainer = _trainer(_model(seed=1), tmp_path, target_compression=8.0)
+    with pytest.raises(comera.ConfigError, match=r"target_compression 4\.0 -> 8\.0"):
+        trainer.train(resume_from_checkpoint=str(run["out"] / "checkpoint-4"))
 
 
 def test_resume_from_a_truncated_checkpoint_is_exact(run):

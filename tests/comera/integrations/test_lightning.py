@@ -47,12 +47,17 @@ def _data():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
 
 
-def _trainer(out) -> pl.Trainer:
+def _trainer(out, **callback) -> pl.Trainer:
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1,
                                                filename="{epoch}")
+    callback = {"target_compression": TARGET, "late_start": LATE_START, **callback}
     return pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False,
                       enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[CoMERACallback(TARGET, LATE_START), checkpoints])
+                      callbacks=[CoMERACallback(**callback), checkpoints])
+
+
+def _callback(trainer: pl.Trainer) -> CoMERACallback:
+    return next(c for c in trainer.callbacks if isinstance(c, CoMERACallback))
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +84,61 @@ def test_metrics_hold_the_objective_size_compression_and_ranks(run):
         assert f"comera/{key}" in metrics, key
     assert float(metrics["comera/late_stage"]) == 1.0
     assert float(metrics["comera/size"]) == comera.model_size(run["module"])
+
+
+def test_the_logged_compression_is_the_one_the_target_refers_to(run):
+    """Issue 34, item 1: ``comera/compression`` is the TT layers' (what target_compression
+    means); the whole model's is ``comera/model_compression``."""
+    metrics, module = run["trainer"].callback_metrics, run["module"]
+    tt = comera.compression_ratio(module, only=comera.GatedLayer)
+    assert float(metrics["comera/compression"]) == pytest.approx(tt, rel=1e-5)
+    assert float(metrics["comera/compression"]) >= 0.95 * TARGET
+    whole = float(metrics["comera/model_compression"])
+    assert whole == pytest.approx(comera.compression_ratio(module), rel=1e-5)
+    assert whole < 0.95 * TARGET  # the dense second layer counts there
+
+
+def test_a_late_start_at_max_steps_is_a_warning_when_training_begins(tmp_path):
+    """Issue 34, item 6: the late stage cannot run: said when training begins and when it ends,
+    and no stage without steps is started."""
+    trainer = _trainer(tmp_path, late_start=STEPS)
+    with pytest.warns(UserWarning) as seen:
+        trainer.fit(Regression(), _data())
+    said = [str(w.message) for w in seen]
+    assert any(f"late_start={STEPS} is at or past the trainer's max_steps={STEPS}" in m
+               for m in said), said
+    assert any("the late stage never began" in m for m in said), said
+    assert _callback(trainer).driver.controller.stage == "early"
+
+
+def test_an_unreachable_target_is_a_warning_when_training_begins_and_when_it_ends(tmp_path):
+    """Issue 34, item 6: 1000x is beyond the layer's rank-1 floor: said up front, and the end
+    names the compression reached."""
+    trainer = _trainer(tmp_path, target_compression=1000)
+    with pytest.warns(UserWarning) as seen:
+        trainer.fit(Regression(), _data())
+    said = [str(w.message) for w in seen]
+    assert any("target_compression=1000 is beyond reach" in m for m in said), said
+    assert any("short of target_compression=1000" in m for m in said), said
+
+
+def test_resuming_with_another_target_after_the_late_stage_began_is_refused(run, tmp_path):
+    """Issue 34, item 7: epoch=3 (step 4) is in the late stage aimed at 4x: asking for 8x on
+    resume is refused, naming the saved and the new value."""
+    with pytest.raises(comera.ConfigError, match=r"target_compression 4\.0 -> 8"):
+        _trainer(tmp_path, target_compression=8).fit(
+            Regression(seed=1), _data(), ckpt_path=str(run["out"] / "epoch=3.ckpt"))
+
+
+def test_resuming_with_another_late_start_before_the_late_stage_applies_it_and_says_so(
+        run, tmp_path):
+    """Issue 34, item 7: epoch=0 (step 1) is in the early stage: the new late_start applies,
+    and a warning names the change."""
+    trainer = _trainer(tmp_path, late_start=5)
+    with pytest.warns(UserWarning, match="late_start 3 -> 5.*the new values apply"):
+        trainer.fit(Regression(seed=1), _data(), ckpt_path=str(run["out"] / "epoch=0.ckpt"))
+    controller = _callback(trainer).driver.controller
+    assert controller.stage == "late" and controller.late_start[0] == 5
 
 
 def test_resume_from_a_truncated_checkpoint_is_exact(run):

@@ -243,7 +243,7 @@ def test_newer_version(trained):
 def test_empty_file_and_whole_pickled_model(tmp_path):
     path = tmp_path / "empty.pt"
     path.write_bytes(b"")
-    _expect_rejected(path, r"truncated, corrupt or not a torch file \(EOFError\)")
+    _expect_rejected(path, r"not a torch file \(NotATorchFileError: not a torch file: it is empty")
     torch.save(Net(), path)  # a whole model: pickled classes, never unpickled here
     _expect_rejected(path, r"holds pickled Python objects "
                      r"\(tests\.comera\.surgery\.test_checkpoint\.Net\)")
@@ -378,3 +378,50 @@ def test_extra_must_be_plain_data(trained, tmp_path):
 def test_save_into_a_missing_directory(trained, tmp_path):
     with pytest.raises(CheckpointError, match="does not exist; create it first"):
         save_checkpoint(tmp_path / "no" / "x.pt", trained["model"])
+
+
+def test_an_einsum_layer_loads_only_into_a_model_that_has_one(tmp_path):
+    """Issue 34, item 9: a checkpoint holding a declared einsum layer, loaded into a plain
+    nn.Linear model, says the model lacks that layer kind (it used to put the file's network
+    in its place, whatever it costs to run); into a model declaring it, it loads."""
+    def declared(rank: int) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(comera.GatedLinear.from_eq(
+            "b i j, i a, a j k -> b k", bonds="a", sizes={"i": 4, "j": 8, "k": 16}, ranks=rank))
+
+    model = declared(8)
+    save_checkpoint(tmp_path / "e.pt", model)
+    plain = nn.Sequential(nn.Linear(32, 16))
+    with pytest.raises(CheckpointError, match=r"0: the checkpoint holds a declared einsum layer "
+                                              r"\(format 'einsum'\).*the model lacks it"):
+        load_checkpoint(tmp_path / "e.pt", plain)
+    assert type(plain[0]) is nn.Linear
+    target = declared(2)
+    load_checkpoint(tmp_path / "e.pt", target)
+    x = torch.randn(3, 32)
+    assert torch.equal(target(x), model(x))
+
+
+def test_swapped_arguments_say_the_order_and_touch_nothing(tmp_path):
+    """Issue 34, item 13: save_checkpoint(model, path), convert_("model.pt") and
+    save_pretrained(folder, model) gave raw Python errors; each now says which argument is
+    which, before anything is read or written."""
+    model = nn.Sequential(comera.TTLinear(16, 16, (4, 4), (4, 4), 2))
+    path, folder = tmp_path / "run.pt", tmp_path / "folder"
+    calls = [
+        (lambda: save_checkpoint(model, path), r"save_checkpoint: model is a PosixPath .*"
+                                               r"save_checkpoint\(path, model"),
+        (lambda: save_checkpoint(path, model, model), "optimizer"),
+        (lambda: load_checkpoint(model, path), r"load_checkpoint: model is a PosixPath"),
+        (lambda: comera.convert_("model.pt"), r"convert_: model is a str \('model\.pt'\)"),
+        (lambda: comera.save_pretrained(folder, model), r"save_pretrained: model is a "
+                                                        r"PosixPath.*save_pretrained\(model, "
+                                                        r"directory\)"),
+        (lambda: comera.save_pretrained(model, model), r"directory is a Sequential"),
+        (lambda: comera.from_pretrained(model, folder), r"from_pretrained: directory is a "
+                                                        r"Sequential"),
+    ]
+    for call, said in calls:
+        with pytest.raises((comera.ConfigError, CheckpointError), match=said):
+            call()
+    assert list(tmp_path.iterdir()) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 import comera
 from comera import ConvertConfig, TTEmbedding, TTLinear, TTMLinear
+from comera.formats.bond_ranks import FullRankWarning
 
 F64 = torch.float64
 
@@ -286,7 +288,28 @@ def test_a_nan_weight_is_refused_naming_the_layer_before_any_swap():
     assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear  # nothing was swapped
 
 
-def test_target_compression_ignores_rank_patterns():
+@pytest.mark.parametrize("ranks", [4, {"nothing.*": 2}])
+def test_ranks_and_a_target_compression_together_are_refused(ranks):
+    """Issue 34, item 13: both used to be taken, the target silently winning."""
     model = nn.Sequential(nn.Linear(64, 64, dtype=F64))
-    report = comera.convert_(model, ranks={"nothing.*": 2}, target_compression=4.0)
-    assert report.after <= report.before / 4.0 + 64  # the bias is not compressed
+    with pytest.raises(comera.ConfigError, match=r"ranks=.* and target_compression=10.*give one"):
+        comera.convert_(model, ranks=ranks, target_compression=10)
+    assert type(model[0]) is nn.Linear
+    report = comera.convert_(model, target_compression=4.0)  # the target alone: it decides
+    assert report.after <= report.before / 4.0  # the bias counted on both sides
+
+
+def test_a_layer_asked_for_more_rank_than_it_holds_warns_as_convert_does():
+    """Issue 34, item 13: GatedLinear(ranks=10000) clipped silently where convert_ warns."""
+    with pytest.warns(FullRankWarning, match=r"TTLinear: ranks=10000 reaches the full rank"):
+        TTLinear(16, 16, (4, 4), (4, 4), 10000)
+    with pytest.warns(FullRankWarning, match=r"GatedLinear: ranks=10000 .* tucker layout"):
+        comera.GatedLinear(16, 16, "tucker", ranks=10000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TTLinear(16, 16, (4, 4), (4, 4), 3)  # below the caps: nothing to say
+    model = nn.Sequential(nn.Linear(16, 16))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        comera.convert_(model, ranks=10000, d=2)
+    assert len(said) == 1 and "reaches the full rank of 1 layer" in str(said[0].message)

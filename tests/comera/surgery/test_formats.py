@@ -123,8 +123,9 @@ def test_target_compression_picks_the_largest_rank_under_budget_in_every_format(
         report = comera.convert_(model, target_compression=target, format=fmt, d=2)
     fmt_ = get_format(fmt)
     for r in report.layers:
-        layout = model.get_submodule(r.name).layout
-        budget = r.shape[0] * r.shape[1] / target
+        layout, bias = model.get_submodule(r.name).layout, model.get_submodule(r.name).bias
+        kept = bias.numel() if bias is not None else 0  # on both sides, as compression_ratio
+        budget = (r.shape[0] * r.shape[1] + kept) / target - kept
         rank = max(layout.bond_sizes)
         if layout.parameters_at(layout.bond_sizes) > budget:  # even rank 1 is above: said
             assert rank == 1 and any(f"{r.name} ({fmt}:" in str(w.message) and
@@ -193,14 +194,20 @@ def test_an_attention_layer_round_trips_through_a_folder(fmt, in_proj, tmp_path)
         assert torch.equal(loaded(x), model(x))
 
 
-def test_a_declared_network_saves_and_loads_into_a_dense_model(tmp_path):
-    """A layer of a format without layouts from modes (a declared einsum network) round-trips
-    through a checkpoint and a folder into the dense model; its layout is checked as a layout
-    (a bond on no core is refused), not against the format."""
-    torch.manual_seed(0)
+def _declared_mlp(bond: int) -> MLP:
     model = MLP()
-    model.fc1 = comera.GatedLinear.from_layout(TOY.layout((4, 6), (4, 4), 2), "declared-test",
+    model.fc1 = comera.GatedLinear.from_layout(TOY.layout((4, 6), (4, 4), bond), "declared-test",
                                                dtype=F64)
+    return model
+
+
+def test_a_declared_network_saves_and_loads_into_a_model_that_has_it(tmp_path):
+    """A layer of a format without layouts from modes (a declared einsum network) round-trips
+    through a checkpoint and a folder into a model holding that layer at other bonds (resized
+    on load); its layout is checked as a layout (a bond on no core is refused), not against
+    the format."""
+    torch.manual_seed(0)
+    model = _declared_mlp(2)
     x = torch.randn(3, 24, dtype=F64)
     with torch.no_grad():
         y = model(x)
@@ -208,7 +215,7 @@ def test_a_declared_network_saves_and_loads_into_a_dense_model(tmp_path):
     comera.save_pretrained(model, tmp_path / "folder")
     for load in (lambda m: comera.load_checkpoint(tmp_path / "run.pt", m),
                  lambda m: comera.from_pretrained(tmp_path / "folder", m)):
-        target = MLP()
+        target = _declared_mlp(3)
         load(target)
         assert target.fc1.format.name == "declared-test"
         with torch.no_grad():
@@ -217,7 +224,23 @@ def test_a_declared_network_saves_and_loads_into_a_dense_model(tmp_path):
     payload["layers"]["fc1"]["layout"]["bonds"] = ["a", "e", "zz"]
     payload["checksum"] = checkpoint._checksum(payload)
     with pytest.raises(comera.CheckpointError, match="layout that does not parse"):
-        comera.load_checkpoint(payload, MLP())
+        comera.load_checkpoint(payload, _declared_mlp(2))
+
+
+def test_a_declared_network_is_refused_by_a_model_that_lacks_it(tmp_path):
+    """Issue 34, item 9: a record of a declared network (a structure from the file alone) does
+    not take the place of a plain nn.Linear: loading says the model lacks that layer kind and
+    how to build it, and changes nothing."""
+    comera.save_checkpoint(tmp_path / "run.pt", _declared_mlp(2))
+    comera.save_pretrained(_declared_mlp(2), tmp_path / "folder")
+    for load in (lambda m: comera.load_checkpoint(tmp_path / "run.pt", m),
+                 lambda m: comera.from_pretrained(tmp_path / "folder", m)):
+        target = MLP()
+        with pytest.raises(comera.CheckpointError,
+                           match=r"fc1: the checkpoint holds a declared network layer \(format "
+                                 r"'declared-test'\).*model lacks it.*GatedLinear\.from_eq"):
+            load(target)
+        assert type(target.fc1) is nn.Linear
 
 
 def test_modes_for_a_format_without_modes_are_refused_before_any_swap():

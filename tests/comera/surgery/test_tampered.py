@@ -116,6 +116,39 @@ EDITS = {
 }
 
 
+# issue 34, item 8: every numeric field of both record kinds, out of its range (the layer's
+# own rules: tau in [0, 1), sizes whole and at most int32, padding inside the table, flags bool)
+RANGES = {
+    ("0", "tau"): [1e300, 1.0, -1e-9, float("nan"), float("inf"), True, "0.01"],
+    ("2", "tau"): [1e300, 1.0, -1.0],
+    ("2", "padding_idx"): [64, -65, 2**40, 1.5, True],
+    ("2", "in_features"): [0, -1, 2**40, 64.0],
+    ("2", "out_features"): [0, 2**31, 7],
+    ("2", "in_modes"): [[0, 64], [2**40], [4.0, 16]],
+    ("2", "bonds"): [[1, -3, 1], [1, 2**33, 1], [1, 3.5, 1]],
+    ("2", "merge_pairs"): [2, "yes"],
+    ("0", "bias"): [1, "true"],
+}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    pytest.param(field, value, id=f"{field[0]}.{field[1]}={value!r}")
+    for field, values in RANGES.items() for value in values])
+def test_every_numeric_field_of_a_record_is_range_checked(tmp_path, field, value):
+    """A record edited to a value out of its field's range (checksum recomputed) is refused
+    before anything is built; ``tau=1e300`` used to load and silently zero the layer."""
+    comera.save_pretrained(_model(), tmp_path)
+    _rewrite_records(tmp_path, _set(["layers", *field], value))
+    with pytest.raises(comera.CheckpointError, match=r"damaged or was edited|does not match"):
+        comera.from_pretrained(tmp_path, _fresh())
+
+
+def test_a_tau_in_range_loads_as_recorded(tmp_path):
+    comera.save_pretrained(_model(), tmp_path)
+    _rewrite_records(tmp_path, _set(["layers", "0", "tau"], 0.5))
+    assert comera.from_pretrained(tmp_path, _fresh())[0].tau == 0.5
+
+
 def test_the_legacy_record_of_the_edits_is_the_one_main_wrote(tmp_path):
     """The legacy edits start from a record that loads: only their change is refused."""
     comera.save_pretrained(_model(), tmp_path)
