@@ -89,7 +89,9 @@ def label(method: str) -> str:
     """A method's name in tables and plots."""
     if method in FIXED:
         return FIXED[method]
-    return f"{get_format(method).title} at a uniform rank"
+    fmt, _, parametrization = method.partition(":")
+    extra = f" ({parametrization} parametrization)" if parametrization else ""
+    return f"{get_format(fmt).title} at a uniform rank{extra}"
 
 
 def upgrade(row: dict) -> dict:
