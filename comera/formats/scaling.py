@@ -109,19 +109,20 @@ def orthogonal_cores(layout: Layout, scaling: CoreScaling, generator=None,
     return cores
 
 
-def balance_gauge(cores: Sequence[Tensor], scaling: CoreScaling) -> list[Tensor]:
-    """The same weight with its scalar gauge spread: core k times a power of two ``c_k``,
-    ``prod(c_k) = 1`` (exact), so that each core's root-mean-square over its balanced std is
-    as even as powers of two allow. A decomposition (TT-SVD, SVD...) leaves every core
-    orthonormal but the one holding the singular values; spread, each core moves at the
-    relative rate the multipliers were chosen for."""
+def balance_gauge(cores: Sequence[Tensor], multipliers: Sequence[float]) -> list[Tensor]:
+    """The same weight with its scalar gauge spread: core k (as the network reads it) times a
+    power of two ``c_k``, ``prod(c_k) = 1`` (exact), so that the stored values
+    ``c_k * core_k / multiplier_k`` have root-mean-squares as even as powers of two allow.
+    Adam moves a stored entry by about the learning rate, so even stored scales are even
+    relative updates. A decomposition (TT-SVD, SVD...) leaves every core orthonormal but the one
+    holding the singular values; spread, no core moves far faster than the others."""
     n = len(cores)
     logs = []
-    for core, std in zip(cores, scaling.stds, strict=True):
+    for core, multiplier in zip(cores, multipliers, strict=True):
         rms = float(core.detach().double().pow(2).mean().sqrt()) if core.numel() else 0.0
         if not rms > 0 or not math.isfinite(rms):
             return list(cores)  # a zero or non-finite core: nothing to spread
-        logs.append(math.log2(rms / std))
+        logs.append(math.log2(rms / multiplier))
     mean = sum(logs) / n
     wanted = [mean - x for x in logs]
     shifts = [round(w) for w in wanted]

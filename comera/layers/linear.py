@@ -689,9 +689,7 @@ def load_cores_(layer: GatedLayer, cores: Sequence[Tensor], bias: Tensor | None)
         raise ConfigError(f"{len(cores)} cores for a layer of {len(layer.cores)}; a "
                           "decomposition gives one core per core of the layout.")
     if layer.parametrization != "plain":
-        sizes = {bond: int(cores[c].shape[axis])
-                 for bond, (c, axis) in zip(layer.layout.bonds, layer.gate_folds(), strict=True)}
-        cores = balance_gauge(cores, core_scaling(layer.layout.resized(sizes)))
+        cores = balance_gauge(cores, layer.core_scale_values)
         cores = [c / s if s != 1.0 else c for c, s in zip(cores, layer._scales, strict=True)]
     with torch.no_grad():
         for k, core in enumerate(cores):
