@@ -10,7 +10,13 @@ rate, the slowest barely learns). :func:`update_sizes` measures both around one 
     print(sizes)            # per layer: ||dW|| / ||W|| and ||dG_k|| / ||G_k|| per core
 
 Dense ``nn.Linear`` layers are measured too (their weight is their only "core"), so a
-converted model and its dense original can be compared step for step.
+converted model and its dense original can be compared step for step. Inside a training loop
+you do not own (HuggingFace ``Trainer``, Lightning, the engine), :class:`UpdateSizeLog` measures
+every k-th optimizer step through torch's global optimizer step hooks::
+
+    with comera.UpdateSizeLog(model, every=10) as log:
+        trainer.train()
+    log.steps          # [(step, UpdateSizes), ...]
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from torch import Tensor, nn
 from comera.errors import ConfigError
 from comera.layers.linear import GatedLayer
 
-__all__ = ["LayerUpdate", "UpdateSizes", "update_sizes"]
+__all__ = ["LayerUpdate", "UpdateSizeLog", "UpdateSizes", "update_sizes"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,10 @@ def update_sizes(model: nn.Module, step: Callable[[], object]) -> UpdateSizes:
         raise ConfigError("the model has no gated layer and no nn.Linear to measure.")
     before = {name: _snapshot(m) for name, m in layers}
     step()
+    return _compare(layers, before)
+
+
+def _compare(layers: list[tuple[str, nn.Module]], before: dict) -> UpdateSizes:
     out = {}
     for name, module in layers:
         w0, cores0 = before[name]
@@ -105,3 +115,50 @@ def update_sizes(model: nn.Module, step: Callable[[], object]) -> UpdateSizes:
                                 tuple(_relative(b, a) for a, b in zip(cores0, cores1,
                                                                       strict=True)))
     return UpdateSizes(out)
+
+
+class UpdateSizeLog:
+    """Measure :func:`update_sizes` of ``model`` at every ``every``-th optimizer step (the
+    first included) while the context is open, whatever loop steps the optimizer: torch's
+    global optimizer step hooks snapshot the layers before a measured step and compare after.
+    Every optimizer's steps count (one optimizer per model is the usual case)."""
+
+    def __init__(self, model: nn.Module, every: int = 1):
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"UpdateSizeLog takes the model (an nn.Module), got "
+                              f"{type(model).__name__}.")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"every={every!r}; measure every k-th step with an int k >= 1.")
+        self.layers = _measured(model)
+        if not self.layers:
+            raise ConfigError("the model has no gated layer and no nn.Linear to measure.")
+        self.every = every
+        self.steps: list[tuple[int, UpdateSizes]] = []
+        self._count = 0
+        self._before: dict | None = None
+        self._handles: list = []
+
+    def _pre(self, optimizer, args, kwargs) -> None:
+        if self._count % self.every == 0:
+            self._before = {name: _snapshot(m) for name, m in self.layers}
+
+    def _post(self, optimizer, args, kwargs) -> None:
+        if self._before is not None:
+            self.steps.append((self._count, _compare(self.layers, self._before)))
+            self._before = None
+        self._count += 1
+
+    def __enter__(self) -> UpdateSizeLog:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self._handles = [register_optimizer_step_pre_hook(self._pre),
+                         register_optimizer_step_post_hook(self._post)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
