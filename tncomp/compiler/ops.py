@@ -6,6 +6,7 @@ each into a small closure once, so a cached plan runs as a tight loop over torch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
@@ -75,6 +76,48 @@ class Permute:
 
     def describe(self) -> str:
         return f"permute {self.shape} by {self.perm}"
+
+    @property
+    def swap(self) -> Swap | None:
+        """The copy as a swap of two blocks (:func:`as_swap`), or None."""
+        return as_swap(self.shape, self.perm)
+
+
+@dataclass(frozen=True, slots=True)
+class Swap:
+    """A permute copy as one swap of two blocks: ``(lead, x, y, trail) -> (lead, y, x, trail)``
+    (sizes in elements). With ``trail == 1`` it is ``lead`` 2-D transposes of ``(x, y)``, which
+    the executors run blocked; the axes a permute moves together are merged first."""
+
+    lead: int
+    x: int
+    y: int
+    trail: int
+
+
+def as_swap(shape: Sequence[int], perm: Sequence[int]) -> Swap | None:
+    """``permute(perm)`` of a contiguous tensor of ``shape`` as a :class:`Swap`, or None when
+    it moves more than two blocks (or none: a plain copy). Size-1 axes are ignored, and axes
+    that stay adjacent and in order are merged into one block."""
+    kept = [a for a in range(len(shape)) if shape[a] != 1]
+    pos = {a: k for k, a in enumerate(kept)}
+    groups: list[list[int]] = []  # blocks of source axes, in output order
+    for a in perm:
+        if shape[a] == 1:
+            continue
+        if groups and pos[groups[-1][-1]] + 1 == pos[a]:
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    order = sorted(range(len(groups)), key=lambda g: pos[groups[g][0]])  # source order
+    rank = {g: k for k, g in enumerate(order)}
+    out = [rank[g] for g in range(len(groups))]  # output position -> source block
+    moved = [k for k, g in enumerate(out) if g != k]
+    if len(moved) != 2 or out[moved[0]] != moved[1] or moved[1] != moved[0] + 1:
+        return None
+    size = [math.prod(shape[a] for a in groups[order[k]]) for k in range(len(groups))]
+    lo = moved[0]
+    return Swap(math.prod(size[:lo]), size[lo], size[lo + 1], math.prod(size[lo + 2:]))
 
 
 @dataclass(frozen=True, slots=True)

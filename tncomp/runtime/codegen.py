@@ -20,6 +20,7 @@ from tncomp.compiler.ops import Expand, MatMul, MatView, Op, Permute, Reshape, S
 from tncomp.compiler.plan import Plan
 from tncomp.errors import ExecutionError
 from tncomp.runtime.buffers import MIN_POOLED_BYTES, BufferPool, alias, pooling_available
+from tncomp.runtime.transpose import permute_into
 
 THIN_COLS = 32  # a CPU GEMM with this few output columns (and more rows) ...
 THIN_MIN_INNER = 128  # ... and at least this long an inner size is run transposed ...
@@ -102,6 +103,7 @@ class _Emitter:
         self.exits = {plan.output_slot, *(s for s in plan.grad_slots if s is not None)}
         self.conjugate = False  # set while emitting the backward of a complex plan
         self.fused = 0
+        self.constants: dict[str, object] = {}  # names the generated code reads
 
     def view(self, v: MatView) -> str:
         text = f"v{v.slot}"
@@ -143,9 +145,18 @@ class _Emitter:
                 out = f", out=_pool{op.dst}.take()"
             return f"v{op.dst} = torch.{fn}({self.view(op.lhs)}, {self.view(op.rhs)}{out})"
         if isinstance(op, Permute):
-            self.shapes[op.dst] = tuple(op.shape[p] for p in op.perm)
-            return (f"v{op.dst} = {self.reshape(op.src, op.shape)}.permute({op.perm!r})"
-                    ".contiguous()")
+            shape = tuple(op.shape[p] for p in op.perm)
+            self.shapes[op.dst] = shape
+            if not (self.pool and self.device.type == "cpu"):  # autograd, vmap, CUDA
+                return (f"v{op.dst} = {self.reshape(op.src, op.shape)}.permute({op.perm!r})"
+                        ".contiguous()")
+            out = f"v{op.src}.new_empty({shape!r})"
+            if math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES:
+                self.pools[op.dst] = BufferPool(shape, self.dtype, self.device)
+                out = f"_pool{op.dst}.take()"
+            self.constants[f"_swap{op.dst}"] = op.swap
+            return (f"v{op.dst} = _permute_into({out}, v{op.src}, {op.shape!r}, {op.perm!r}, "
+                    f"_swap{op.dst})")
         if isinstance(op, Reshape):
             self.shapes[op.dst] = op.shape
             if op.dst in self.exits and op.src in self.pools:
@@ -252,7 +263,8 @@ def generate(plan: Plan, operand_shapes, dtype: torch.dtype = torch.float32,
             f"{type(exc).__name__} while executing {which} step {step} ({what}) of {name}: {exc}"
         ) from exc
 
-    namespace = {"torch": torch, "_fail": fail, "_alias": alias, "_fused_rows": fused_rows}
+    namespace = {"torch": torch, "_fail": fail, "_alias": alias, "_fused_rows": fused_rows,
+                 "_permute_into": permute_into, **emit.constants}
     namespace.update({f"_pool{slot}": p for slot, p in emit.pools.items()})
     filename = f"<tncomp {name} {id(plan):x}>"
     exec(compile(source, filename, "exec"), namespace)
