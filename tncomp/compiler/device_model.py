@@ -99,7 +99,7 @@ class DeviceModel:
         if isinstance(op, MatMul) and self.gemm_dims:
             m, k = op.lhs.rows_cols
             n = op.rhs.rows_cols[1]
-            batch = op.lhs.shape[0] if len(op.lhs.shape) == 3 else 1
+            batch = op.lhs.batch
             return self.matmul_floor(m, n, k, batch, op.nbytes)
         return self.floor_time(op.flops, op.nbytes)
 

@@ -13,18 +13,38 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True, slots=True)
 class MatView:
-    """A slot seen as a (batched) matrix: ``slots[slot].reshape(shape)``, transposed if ``t``."""
+    """A slot seen as a (batched) matrix: ``slots[slot].reshape(shape)``, transposed if ``t``.
+
+    ``shape`` is in storage order. A 3-D view has its batch axis at ``batch_axis``: 0 for
+    ``(batch, rows, cols)``, 1 for ``(rows, batch, cols)``, a strided batch read as
+    ``reshape(shape).permute(1, 0, 2)`` (the matrices keep a unit stride, so BLAS reads them
+    in place: a value whose batch indices sit between its row and column indices needs no
+    copy)."""
 
     slot: int
     shape: tuple[int, ...]
     t: bool
+    batch_axis: int = 0
 
     def flipped(self) -> MatView:
-        return MatView(self.slot, self.shape, not self.t)
+        return MatView(self.slot, self.shape, not self.t, self.batch_axis)
+
+    @property
+    def batch(self) -> int:
+        """The number of matrices (1 for a 2-D view)."""
+        return self.shape[self.batch_axis] if len(self.shape) == 3 else 1
+
+    @property
+    def stored(self) -> tuple[int, int]:
+        """(rows, cols) of each matrix in storage order, before the transpose flag."""
+        if len(self.shape) == 3 and self.batch_axis == 1:
+            return self.shape[0], self.shape[2]
+        r, c = self.shape[-2:]
+        return r, c
 
     @property
     def rows_cols(self) -> tuple[int, int]:
-        r, c = self.shape[-2:]
+        r, c = self.stored
         return (c, r) if self.t else (r, c)
 
 
@@ -44,6 +64,16 @@ class MatMul:
     note: str = ""
     transposed: bool = False
 
+    @classmethod
+    def of(cls, dst: int, lhs: MatView, rhs: MatView, itemsize: int, note: str = "") -> MatMul:
+        """``lhs @ rhs`` into slot ``dst``, its FLOPs (2 per multiply-add) and the bytes its
+        operands and result take."""
+        m, k = lhs.rows_cols
+        n = rhs.rows_cols[1]
+        nb = lhs.batch
+        return cls(dst, lhs, rhs, 2 * nb * m * k * n, nb * (m * k + k * n + m * n) * itemsize,
+                   note)
+
     @property
     def reads(self) -> tuple[int, ...]:
         return (self.lhs.slot, self.rhs.slot)
@@ -52,8 +82,10 @@ class MatMul:
         m, k = self.lhs.rows_cols
         n = self.rhs.rows_cols[1]
         kind = "bmm" if len(self.lhs.shape) == 3 else "gemm"
-        batch = f"{self.lhs.shape[0]}x " if kind == "bmm" else ""
-        ta, tb = ("T" if v.t else "N" for v in (self.lhs, self.rhs))
+        batch = f"{self.lhs.batch}x " if kind == "bmm" else ""
+        # N/T: the BLAS transpose flag; s: a strided batch (read in place, see MatView)
+        ta, tb = (("T" if v.t else "N") + ("s" if v.batch_axis else "")
+                  for v in (self.lhs, self.rhs))
         how = " as (B^T A^T)^T" if self.transposed else ""
         return f"{kind} {batch}({m}x{k})@({k}x{n}) {ta}{tb}{how}"
 

@@ -25,6 +25,7 @@ import opt_einsum
 from tncomp.compiler.budget import Budget, OutOfBudget
 from tncomp.compiler.chain import chain_trees
 from tncomp.compiler.device_model import DeviceModel
+from tncomp.compiler.layouts import layout_greedy
 from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.plan import Plan, lower, slot_elements
 from tncomp.compiler.problem import Problem, Tree
@@ -35,6 +36,7 @@ log = logging.getLogger("tncomp.compiler.search")
 EXACT_OPTIMAL_LIMIT = 5  # opt_einsum 'optimal' up to this many operands ('dp' is as exact)
 EXACT_DP_LIMIT = 16  # opt_einsum 'dp' up to this many; cotengra beyond
 OUTER_DP_LIMIT = 10  # 'dp' searches outer products up to this many operands (3^n subsets)
+LAYOUT_GREEDY_LIMIT = 64  # layout_greedy (O(n^3) pair scores) up to this many operands
 COTENGRA_MAX_S = 0.5  # cotengra's share of the budget (its greedy trials, then it stops)
 
 
@@ -101,6 +103,8 @@ def candidate_trees(problem: Problem, structured: bool = True,
     else:
         add(_cotengra_path(inputs, output, sizes, min(budget.remaining(), COTENGRA_MAX_S)))
     add(opt_einsum.paths.greedy(inputs, output, sizes))  # cheap: always a candidate
+    if n <= LAYOUT_GREEDY_LIMIT:
+        keep(layout_greedy(problem))  # the same, but avoiding copies
     keep(_sequential(n))
     return found
 

@@ -109,6 +109,8 @@ class _Emitter:
         text = f"v{v.slot}"
         if self.shapes.get(v.slot) != v.shape:
             text += f".reshape({v.shape!r})"
+        if v.batch_axis:  # a strided batch: (rows, batch, cols) -> (batch, rows, cols)
+            text += ".permute(1, 0, 2)"
         if self.conjugate and v.slot < self.plan.dy_slot:  # d(AB): dY B^H, A^H dY
             text += ".conj()"
         return f"{text}.mT" if v.t else text
@@ -125,7 +127,7 @@ class _Emitter:
             fn = "bmm" if batched else "mm"
             m = op.lhs.rows_cols[0]
             n = op.rhs.rows_cols[1]
-            shape = ((op.lhs.shape[0],) if batched else ()) + (m, n)
+            shape = ((op.lhs.batch,) if batched else ()) + (m, n)
             self.shapes[op.dst] = shape
             pooled = self.pool and math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES
             if runs_transposed(op, self.device):  # C = (B^T A^T)^T: same values, fast layout
