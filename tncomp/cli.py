@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import warnings
@@ -318,6 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so the interpreter's last flush into a closed pipe
+    raises nothing (Python's recipe for ``| head``)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor (a test's captured stdout)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -325,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("default")
         try:
             code = args.run(args)
+            sys.stdout.flush()  # a reader that stopped reading (| head) shows up here
+        except BrokenPipeError:  # ... and is no error of ours: stop quietly
+            _silence_stdout()
+            return 0
         except TncompError as exc:  # the error alone: one line
             message = " ".join(str(exc).split())  # one line, whatever the message holds
             print(f"tncomp: error: {message}", file=sys.stderr)

@@ -93,6 +93,14 @@ class Plan:
         return sum(elements[s] for s in self.saved) * self.itemsize
 
     @property
+    def peak_bytes(self) -> int:
+        """The most bytes of values the plan holds at once, forward then backward: its
+        intermediates, its output and the gradients it makes (the operands and dY, which the
+        caller holds, not counted; a view shares its source's storage). What a memory limit
+        is checked against before anything is allocated."""
+        return peak_elements(self) * self.itemsize
+
+    @property
     def recompute_ops(self) -> tuple[Op, ...]:
         """The forward steps the backward replays to rebuild the ``recomputed`` slots."""
         return tuple(op for op in self.backward if op.dst < self.dy_slot)
@@ -144,21 +152,46 @@ def _costs_time(op: Op) -> bool:
     return not isinstance(op, Reshape)
 
 
+def result_elements(op: Op) -> int:
+    """Elements of the value ``op`` makes (a reshape: its source's, seen anew)."""
+    if isinstance(op, MatMul):
+        return op.lhs.batch * op.lhs.rows_cols[0] * op.rhs.rows_cols[1]
+    if isinstance(op, Sum):
+        return math.prod(s for k, s in enumerate(op.shape) if k not in op.dims)
+    return math.prod(op.shape)
+
+
 def slot_elements(plan: Plan) -> dict[int, int]:
     """Elements of every value the forward steps make, by slot."""
-    out: dict[int, int] = {}
-    for op in plan.forward:
-        if isinstance(op, MatMul):
-            rows = op.lhs.rows_cols[0]
-            cols = op.rhs.rows_cols[1]
-            out[op.dst] = op.lhs.batch * rows * cols
-        elif isinstance(op, Sum):
-            out[op.dst] = math.prod(s for k, s in enumerate(op.shape) if k not in op.dims)
-        elif isinstance(op, Permute | Reshape):
-            out[op.dst] = math.prod(op.shape)
-        else:  # an Expand only appears in backward passes
-            out[op.dst] = math.prod(op.shape)
-    return out
+    return {op.dst: result_elements(op) for op in plan.forward}
+
+
+def peak_elements(plan: Plan) -> int:
+    """The most elements live at once while ``plan`` runs (see :attr:`Plan.peak_bytes`)."""
+    owner: dict[int, int | None] = {}  # slot -> the slot whose storage it uses
+    refs: dict[int, int] = {}
+    size: dict[int, int] = {}
+    live = peak = 0
+    for ops, frees in ((plan.forward, plan.forward_frees),
+                       (plan.backward, plan.backward_frees)):
+        for op, free in zip(ops, frees, strict=True):
+            if isinstance(op, Reshape):  # a view: the source's storage, one more user
+                base = owner.get(op.src)
+                owner[op.dst] = base
+                if base is not None:
+                    refs[base] += 1
+            else:
+                owner[op.dst], refs[op.dst] = op.dst, 1
+                size[op.dst] = result_elements(op)
+                live += size[op.dst]
+                peak = max(peak, live)
+            for slot in free:
+                base = owner.pop(slot, None)
+                if base is not None:
+                    refs[base] -= 1
+                    if not refs[base]:
+                        live -= size[base]
+    return peak
 
 
 @dataclass

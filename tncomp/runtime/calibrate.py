@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os  # noqa: F401  (tests/test_api.py patches tncomp.runtime.calibrate.os.replace)
+import os  # (tests/test_api.py also patches tncomp.runtime.calibrate.os.replace)
 import time
 from collections.abc import Callable
 from dataclasses import asdict, fields
@@ -37,6 +37,19 @@ _TABLE = ("gemm_dims", "gemm_rates")
 GEMM_GRID = (8, 32, 128, 512, 4096)  # m, n and k of the measured GEMMs: thin (TT ranks) to wide
 GEMM_GRID_CUDA = (8, 32, 128, 512, 4096, 16384)
 MAX_GRID_FLOPS = 2 * 512 * 512 * 4096  # larger grid points run at the square GEMM's rate
+
+
+def device_memory(device: torch.device | str) -> int | None:
+    """Bytes of memory ``device`` has (the machine's for the CPU), or None when unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        try:
+            return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (AttributeError, OSError, ValueError):  # not a POSIX system
+            return None
+    return None
 
 
 def calibration_path(device: torch.device | str) -> Path:

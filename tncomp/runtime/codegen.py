@@ -181,7 +181,10 @@ class _Emitter:
             return f"v{op.dst} = {self.reshape(op.src, op.shape)}"
         if isinstance(op, Sum):
             self.shapes[op.dst] = tuple(s for k, s in enumerate(op.shape) if k not in op.dims)
-            return f"v{op.dst} = {self.reshape(op.src, op.shape)}.sum({op.dims!r})"
+            # integers stay in the operands' dtype (torch.sum would promote them to int64)
+            keep = "" if self.dtype.is_floating_point or self.dtype.is_complex else \
+                f", dtype={self.dtype}"
+            return f"v{op.dst} = {self.reshape(op.src, op.shape)}.sum({op.dims!r}{keep})"
         if isinstance(op, Expand):
             self.shapes[op.dst] = op.shape
             return (f"v{op.dst} = {self.reshape(op.src, op.view)}.expand({op.shape!r})"
