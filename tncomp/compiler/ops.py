@@ -114,12 +114,27 @@ class Permute:
         """The copy as a swap of two blocks (:func:`as_swap`), or None."""
         return as_swap(self.shape, self.perm)
 
+    @property
+    def kind(self) -> str:
+        """How fast the copy can run: ``"runs"`` (it moves contiguous runs of at least
+        :data:`LONG_RUN` elements: near a plain copy), ``"transpose"`` (a swap the executors run
+        as blocked 2-D transposes) or ``"gather"`` (short runs read far apart)."""
+        if inner_run(self.shape, self.perm) >= LONG_RUN:
+            return "runs"
+        return "transpose" if blocked(self.swap) else "gather"
+
+
+LONG_RUN = 64  # a copy moving runs of this many elements reads and writes whole cache lines
+MIN_TRANSPOSE = 64 * 64  # a smaller swap is copied as is (torch's 2-D fast path starts at 60^2)
+MAX_LOOP = 512  # a swap of more 2-D transposes than this is copied as is (the loop would cost)
+
 
 @dataclass(frozen=True, slots=True)
 class Swap:
     """A permute copy as one swap of two blocks: ``(lead, x, y, trail) -> (lead, y, x, trail)``
     (sizes in elements). With ``trail == 1`` it is ``lead`` 2-D transposes of ``(x, y)``, which
-    the executors run blocked; the axes a permute moves together are merged first."""
+    the CPU executor runs blocked (:func:`blocked`); the axes a permute moves together are
+    merged first."""
 
     lead: int
     x: int
@@ -127,10 +142,16 @@ class Swap:
     trail: int
 
 
-def as_swap(shape: Sequence[int], perm: Sequence[int]) -> Swap | None:
-    """``permute(perm)`` of a contiguous tensor of ``shape`` as a :class:`Swap`, or None when
-    it moves more than two blocks (or none: a plain copy). Size-1 axes are ignored, and axes
-    that stay adjacent and in order are merged into one block."""
+def blocked(swap: Swap | None) -> bool:
+    """Whether the CPU executor runs this swap as 2-D transposes (torch's blocked copy) rather
+    than one plain copy: no trailing run, blocks large enough to gain, few enough to loop."""
+    return (swap is not None and swap.trail == 1 and swap.x * swap.y >= MIN_TRANSPOSE
+            and swap.lead <= MAX_LOOP)
+
+
+def _blocks(shape: Sequence[int], perm: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The permute's blocks (axes that stay adjacent and in order, size-1 axes dropped): for
+    each output position its block's source rank, and each source block's size."""
     kept = [a for a in range(len(shape)) if shape[a] != 1]
     pos = {a: k for k, a in enumerate(kept)}
     groups: list[list[int]] = []  # blocks of source axes, in output order
@@ -143,11 +164,28 @@ def as_swap(shape: Sequence[int], perm: Sequence[int]) -> Swap | None:
             groups.append([a])
     order = sorted(range(len(groups)), key=lambda g: pos[groups[g][0]])  # source order
     rank = {g: k for k, g in enumerate(order)}
-    out = [rank[g] for g in range(len(groups))]  # output position -> source block
+    sizes = [math.prod(shape[a] for a in groups[g]) for g in order]
+    return [rank[g] for g in range(len(groups))], sizes
+
+
+def inner_run(shape: Sequence[int], perm: Sequence[int]) -> int:
+    """Elements the copy ``permute(perm)`` of a contiguous ``shape`` moves contiguously: the
+    innermost block's size when it stays innermost, else 1."""
+    out, sizes = _blocks(shape, perm)
+    if not out:
+        return 1
+    last = len(sizes) - 1
+    return sizes[last] if out[-1] == last else 1
+
+
+def as_swap(shape: Sequence[int], perm: Sequence[int]) -> Swap | None:
+    """``permute(perm)`` of a contiguous tensor of ``shape`` as a :class:`Swap`, or None when
+    it moves more than two blocks (or none: a plain copy). Size-1 axes are ignored, and axes
+    that stay adjacent and in order are merged into one block."""
+    out, size = _blocks(shape, perm)
     moved = [k for k, g in enumerate(out) if g != k]
     if len(moved) != 2 or out[moved[0]] != moved[1] or moved[1] != moved[0] + 1:
         return None
-    size = [math.prod(shape[a] for a in groups[order[k]]) for k in range(len(groups))]
     lo = moved[0]
     return Swap(math.prod(size[:lo]), size[lo], size[lo + 1], math.prod(size[lo + 2:]))
 

@@ -128,13 +128,31 @@ class Plan:
         ops = (*self.forward, *self.backward) if backward else self.forward
         return sum(model.step_floor(op) for op in ops)
 
-    def table(self) -> str:
-        """The steps as a readable table: pass, step, what it computes, FLOPs, bytes."""
-        rows = [("pass", "#", "step", "note", "MFLOP", "MB")]
-        for name, ops in (("fwd", self.forward), ("bwd", self.backward)):
+    def table(self, model: DeviceModel | None = None,
+              measured: tuple[Sequence[float], Sequence[float]] | None = None) -> str:
+        """The steps as a readable table: pass, step, what it computes, FLOPs, bytes; with a
+        ``model``, each step's roofline floor (:meth:`DeviceModel.step_floor`); with
+        ``measured`` (seconds of each forward and backward step), the time each took and its
+        ratio to the floor, so the gap shows where it is."""
+        head = ["pass", "#", "step", "note", "MFLOP", "MB"]
+        if model is not None:
+            head.append("floor ms")
+        if measured is not None:
+            head += ["ms", "x floor"] if model is not None else ["ms"]
+        rows = [tuple(head)]
+        for name, ops, times in (("fwd", self.forward, measured[0] if measured else None),
+                                 ("bwd", self.backward, measured[1] if measured else None)):
             for k, op in enumerate(ops):
-                rows.append((name, str(k), op.describe(), op.note,
-                             f"{op.flops / 1e6:.2f}", f"{op.nbytes / 1e6:.2f}"))
+                row = [name, str(k), op.describe(), op.note, f"{op.flops / 1e6:.2f}",
+                       f"{op.nbytes / 1e6:.2f}"]
+                floor = model.step_floor(op) if model is not None else None
+                if floor is not None:
+                    row.append(f"{floor * 1e3:.3f}")
+                if times is not None:
+                    row.append(f"{times[k] * 1e3:.3f}")
+                    if floor is not None:
+                        row.append(f"{times[k] / floor:.1f}" if floor > 0 else "-")
+                rows.append(tuple(row))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) if c < 4 else v.rjust(w) for c, (v, w) in
                            enumerate(zip(r, widths, strict=True))) for r in rows]
@@ -146,6 +164,24 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Median seconds of each forward and backward step of one plan, and of the whole
+    forward + backward run without per-step clock reads (``total``), as
+    :func:`tncomp.runtime.profile.measure_plan` measures them."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    total: float
+    repeats: int
+    threads: int
+
+    @property
+    def steps_total(self) -> float:
+        """The per-step medians summed (close to :attr:`total`, plus the clock reads)."""
+        return sum(self.forward) + sum(self.backward)
 
 
 def _costs_time(op: Op) -> bool:

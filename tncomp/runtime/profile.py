@@ -14,32 +14,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from tncomp.compiler.plan import Plan
+from tncomp.compiler.plan import Measured, Plan
 from tncomp.runtime.calibrate import median_time
 from tncomp.runtime.codegen import generate
 
 REPEATS = 7
-
-
-@dataclass(frozen=True)
-class Measured:
-    """Median seconds of each forward and backward step of one plan, and of the whole
-    forward + backward run without per-step clock reads (``total``)."""
-
-    forward: tuple[float, ...]
-    backward: tuple[float, ...]
-    total: float
-    repeats: int
-    threads: int
-
-    @property
-    def steps_total(self) -> float:
-        """The per-step medians summed (close to :attr:`total`, plus the clock reads)."""
-        return sum(self.forward) + sum(self.backward)
 
 
 def measure_plan(plan: Plan, shapes: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32,

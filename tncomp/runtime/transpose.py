@@ -12,22 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from tncomp.compiler.ops import Swap
-
-MIN_TRANSPOSE = 64 * 64  # smaller blocks: torch's plain copy (the fast path starts at 60 x 60)
-MAX_LOOP = 512  # more 2-D transposes than this: one plain copy (Python's loop would cost more)
-
-
-def blocked(swap: Swap | None) -> bool:
-    """Whether :func:`permute_into` runs this swap as 2-D transposes (else a plain copy)."""
-    return (swap is not None and swap.trail == 1 and swap.x * swap.y >= MIN_TRANSPOSE
-            and swap.lead <= MAX_LOOP)
+from tncomp.compiler.ops import Swap, blocked
 
 
 def permute_into(out: torch.Tensor, src: torch.Tensor, shape: tuple[int, ...],
                  perm: tuple[int, ...], swap: Swap | None) -> torch.Tensor:
     """``out`` (contiguous) filled with ``src.reshape(shape).permute(perm)``: as ``swap.lead``
-    blocked 2-D transposes when :func:`blocked`, else one copy."""
+    blocked 2-D transposes when :func:`~tncomp.compiler.ops.blocked`, else one copy."""
     if blocked(swap):
         s = src.reshape(swap.lead, swap.x, swap.y)  # (lead, x, y)
         o = out.view(swap.lead, swap.y, swap.x)  # (lead, y, x)

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from tncomp.compiler.ops import as_swap
-from tncomp.runtime.transpose import blocked, permute_into
+from tncomp.compiler.ops import as_swap, blocked
+from tncomp.runtime.transpose import permute_into
 
 SHAPES = [(64, 12, 8, 8), (8, 12, 16, 64), (3, 70, 1, 80), (2, 3, 4, 5), (130, 70)]
 
