@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from tncomp.compiler.ops import MatMul, Op, Permute
 
+SLOW_COPY_BYTES = 1 << 20  # a copy moving more than this leaves the cache: its kind slows it
+
 
 @dataclass(frozen=True, slots=True)
 class DeviceModel:
@@ -97,9 +99,10 @@ class DeviceModel:
         """Modelled seconds of one plan step: a GEMM at the rate of its shape
         (:meth:`matmul_time`), a permute copy at bandwidth slowed by its kind
         (:attr:`~tncomp.compiler.ops.Permute.kind`: ``transpose_slowdown``,
-        ``gather_slowdown``), any other step by :meth:`op_time`."""
+        ``gather_slowdown``; a copy of at most :data:`SLOW_COPY_BYTES`, in cache, at bandwidth),
+        any other step by :meth:`op_time`."""
         floor = self.step_floor(op)
-        if isinstance(op, Permute):
+        if isinstance(op, Permute) and op.nbytes > SLOW_COPY_BYTES:
             kind = op.kind
             floor *= (self.transpose_slowdown if kind == "transpose" else
                       self.gather_slowdown if kind == "gather" else 1.0)
