@@ -155,10 +155,11 @@ SMALL = [("tucker", lambda: tucker((3, 2, 2), (2, 3, 2), 2)),
          ("btt-rank2", lambda: btt((3, 2, 2), (2, 3, 2), 2))]
 
 
+@pytest.mark.parametrize("memory", ["fast", "min"])
 @pytest.mark.parametrize(("name", "build"), SMALL, ids=[s[0] for s in SMALL])
-def test_strided_batch_plans_give_einsums_values_and_gradients(name, build):
+def test_strided_batch_plans_give_einsums_values_and_gradients(name, build, memory):
     net = build()
-    compiled = tncomp.compile(net, disk_cache=False)
+    compiled = tncomp.compile(net, disk_cache=False, memory=memory)
     for batch in (1, 5, 300):
         ts = operands(net, batch, requires_grad=True)
         y = compiled(*ts)
