@@ -44,12 +44,9 @@ from comera.experiments.results import machine
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, format_names, get_format
 from comera.layers.linear import GatedLinear
-<<<<<<< HEAD
 from comera.ranks.budget import largest_rank, layout_size
-=======
 from tncomp.runtime.calibrate import calibrate
 from tncomp.runtime.profile import measure_plan
->>>>>>> compiler
 
 IN_MODES, OUT_MODES = (12, 8, 8), (12, 16, 16)  # 768 x 3072, as in bench_tt_linear
 COMPRESSION = 50
