@@ -8,25 +8,23 @@ pictures (matplotlib, imported only when a picture is drawn).
 This module only re-exports what users call. The compiler's intermediate forms stay importable
 from their modules: ``Problem``, ``problem_for`` and ``Tree`` from :mod:`tncomp.compiler.problem`,
 ``Costs`` and ``tree_costs`` from :mod:`tncomp.compiler.cost`, ``Plan`` and ``lower`` from
-:mod:`tncomp.compiler.plan`.
+:mod:`tncomp.compiler.plan`. What a package building its own layers on tncomp needs besides
+(mode and rank rules, the autocast rule) is :mod:`tncomp.extend`.
 """
 
 from tncomp import errors
 from tncomp.api import CompiledNetwork, cache_info, clear_cache, compile, contract
-from tncomp.compiler.builders import (
-    check_modes,
-    from_eq,
-    resolve_ranks,
-    stack_siblings,
-    tt_linear,
-    ttm_embedding,
-    ttm_linear,
-)
+from tncomp.compiler.builders import from_eq, stack_siblings, tt_linear, ttm_embedding, ttm_linear
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Dim, Network, Role, TensorSpec, make_network
-from tncomp.compiler.memory import check_memory
+
+# The extension interface (tncomp.extend), importable from here for one release:
+from tncomp.extend import autocast_cast as autocast_cast
+from tncomp.extend import autocast_dtype as autocast_dtype
+from tncomp.extend import check_memory as check_memory
+from tncomp.extend import check_modes as check_modes
+from tncomp.extend import resolve_ranks as resolve_ranks
 from tncomp.inspection import cost_curves, draw_network, drawing_of, inspect, plot_costs
-from tncomp.runtime.library import autocast_cast, autocast_dtype
 from tncomp.views.report import describe_tree
 
 __version__ = "0.1.0"
@@ -38,11 +36,7 @@ __all__ = [
     "Network",
     "Role",
     "TensorSpec",
-    "autocast_cast",
-    "autocast_dtype",
     "cache_info",
-    "check_memory",
-    "check_modes",
     "clear_cache",
     "compile",
     "contract",
@@ -55,7 +49,6 @@ __all__ = [
     "inspect",
     "make_network",
     "plot_costs",
-    "resolve_ranks",
     "stack_siblings",
     "tt_linear",
     "ttm_embedding",

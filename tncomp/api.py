@@ -21,7 +21,7 @@ import torch
 from tncomp.compiler.cache import DiskCache, LRUCache, default_cache_dir
 from tncomp.compiler.device_model import CPU_DEFAULT, CUDA_DEFAULT, DeviceModel
 from tncomp.compiler.ir import Network, bind_sizes
-from tncomp.compiler.memory import check_memory
+from tncomp.compiler.memory import check_memory, memory_limit_setting
 from tncomp.compiler.plan import Plan
 from tncomp.compiler.planner import OPTIMIZE_CHOICES, Options, Planner, binding_key
 from tncomp.compiler.problem import Tree
@@ -31,6 +31,7 @@ from tncomp.runtime.autograd import ContractFunction, Runner
 from tncomp.runtime.codegen import generate
 from tncomp.runtime.library import (
     autocast_operands,
+    check_dtype,
     check_operands,
     empty_result,
     is_empty,
@@ -51,6 +52,7 @@ _autocast_on = torch._C._is_any_autocast_enabled
 _transforms_on = torch._C._are_functorch_transforms_active
 _compiling = torch.compiler.is_compiling
 
+MEMORY_FRACTION = 0.5  # the default memory limit of a plan: this share of the device's memory
 _RUNNERS = LRUCache(maxsize=512)  # process-wide: identical networks share plans
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # compiled networks, so clear_cache reaches them
 
@@ -218,7 +220,19 @@ class CompiledNetwork:
         where = f"cpu/{torch.get_num_threads()}" if device.type == "cpu" else device.type
         return self._planner.plan_for(sizes, needs_grad, dtype.itemsize, model,
                                       dtype_name=str(dtype), device_type=where,
-                                      timer=timer, orient=orient)
+                                      timer=timer, orient=orient,
+                                      memory_limit=self.memory_limit(device))
+
+    def memory_limit(self, device: torch.device | str) -> int | None:
+        """The most bytes a plan on ``device`` may hold at once (:attr:`Plan.peak_bytes`):
+        ``compile``'s ``memory_limit``, else ``$TNCOMP_MEMORY_LIMIT`` (read at compile time),
+        else :data:`MEMORY_FRACTION` of the device's memory (None when unknown: no limit)."""
+        if self.options.memory_limit is not None:
+            return self.options.memory_limit
+        from tncomp.runtime.calibrate import device_memory
+
+        total = device_memory(device)
+        return None if total is None else int(MEMORY_FRACTION * total)
 
     def tree_for(self, sizes, needs_grad, itemsize: int, model: DeviceModel) -> Tree:
         """The contraction tree used at these bound sizes: read from the batch regime table
@@ -264,6 +278,7 @@ def compile(
     disk_cache: bool | str | os.PathLike = True,
     pool_buffers: bool = True,
     memory: str | int = "fast",
+    memory_limit: int | None = None,
 ) -> CompiledNetwork:
     """Compile ``net`` into a callable ``(*operands) -> output`` with a planned backward pass.
 
@@ -280,6 +295,10 @@ def compile(
     the operands), ``"balanced"`` drops the saves whose recomputation costs little modelled
     time (at most 10% more in all), and an int is a budget in bytes for the saved
     intermediates at each binding (``"min"`` is the floor). See ``Plan.saved_bytes``.
+    ``memory_limit``: the most bytes a plan may hold at once (``Plan.peak_bytes``: its
+    intermediates, output and gradients); default ``$TNCOMP_MEMORY_LIMIT``, else half of the
+    device's memory. A binding whose every plan needs more (after trying ``memory="min"``)
+    raises :class:`~tncomp.errors.MemoryLimitError` before anything is allocated.
     """
     if not isinstance(net, Network):
         raise TncompError(
@@ -287,13 +306,14 @@ def compile(
             f"{type(net).__name__}."
         )
     options, model, directory = _settings(optimize, autotune, cuda_graphs, model, disk_cache,
-                                          pool_buffers, memory)
+                                          pool_buffers, memory, memory_limit)
     return CompiledNetwork(net, options, model, _disk(directory))
 
 
 def _settings(optimize: str = "auto", autotune: bool = False, cuda_graphs: bool = False,
               model: DeviceModel | None = None, disk_cache: bool | str | os.PathLike = True,
               pool_buffers: bool = True, memory: str | int = "fast",
+              memory_limit: int | None = None,
               ) -> tuple[Options, DeviceModel | None, Path | None]:
     """``compile``'s keywords checked: the options, the model, the disk-cache directory."""
     if not isinstance(optimize, str) or optimize not in OPTIMIZE_CHOICES:
@@ -305,8 +325,9 @@ def _settings(optimize: str = "auto", autotune: bool = False, cuda_graphs: bool 
             "default."
         )
     memory = check_memory(memory)
-    return (Options(optimize, bool(autotune), bool(cuda_graphs), bool(pool_buffers), memory),
-            model, _disk_directory(disk_cache))
+    limit = memory_limit_setting(memory_limit, os.environ)
+    return (Options(optimize, bool(autotune), bool(cuda_graphs), bool(pool_buffers), memory,
+                    limit), model, _disk_directory(disk_cache))
 
 
 def _disk_directory(disk_cache: bool | str | os.PathLike | None) -> Path | None:
@@ -466,10 +487,9 @@ def _empty_contract(eq: str, tensors: tuple, shapes: tuple) -> torch.Tensor:
         if t.dtype != dtype or t.device != device:
             raise DtypeError(f"operand {k} is {t.dtype} on {t.device} but operand 0 is {dtype} "
                              f"on {device}; pass all operands with one dtype and device.")
-    if not (dtype.is_floating_point or dtype.is_complex):
-        raise DtypeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
+    check_dtype(dtype, device)
     return torch.einsum(eq, *tensors)
 
 
 _COMPILE_KEYWORDS = ("optimize", "autotune", "cuda_graphs", "model", "disk_cache",
-                     "pool_buffers", "memory")
+                     "pool_buffers", "memory", "memory_limit")

@@ -1,7 +1,8 @@
 """The ``tncomp`` command: inspect a layer's costs and plans, draw them, manage the plan cache.
 
-Commands: inspect (costs, regimes, plans), draw (a picture of the network and its contraction
-tree), plot-costs (FLOPs and modelled time against the batch size), calibrate, cache.
+Commands: inspect (costs, regimes, plans, each step's roofline floor; --measure times the
+steps), draw (a picture of the network and its contraction tree), plot-costs (FLOPs and
+modelled time against the batch size), calibrate, cache.
 
 SPEC forms:
   tt:768x3072:modes=12,8,8|12,16,16:rank=30      CoMERA TT layer (rank: max, or r1,r2,...)
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import warnings
@@ -222,7 +224,7 @@ def _cmd_inspect(args) -> int:
 
     memory = _memory(args.memory)  # before parsing the SPEC: a bad value fails fast
     net = parse_spec(args.spec)
-    print(inspect(net, batch=args.batch, memory=memory or "fast"))
+    print(inspect(net, batch=args.batch, measure=args.measure, memory=memory or "fast"))
     return 0
 
 
@@ -291,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", default=None, metavar="MODE",
                    help="what the forward keeps for the backward: fast (all), balanced, min "
                         "(recompute all), or a budget in bytes")
+    p.add_argument("--measure", action="store_true",
+                   help="run the plan (random float32 CPU operands) and show each step's time "
+                        "beside its roofline floor")
     p.set_defaults(run=_cmd_inspect)
     p = sub.add_parser("draw", help="picture of the network and its forward contraction tree")
     p.add_argument("spec", help="layer SPEC (see tncomp --help)")
@@ -318,6 +323,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so the interpreter's last flush into a closed pipe
+    raises nothing (Python's recipe for ``| head``)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor (a test's captured stdout)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -325,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("default")
         try:
             code = args.run(args)
+            sys.stdout.flush()  # a reader that stopped reading (| head) shows up here
+        except BrokenPipeError:  # ... and is no error of ours: stop quietly
+            _silence_stdout()
+            return 0
         except TncompError as exc:  # the error alone: one line
             message = " ".join(str(exc).split())  # one line, whatever the message holds
             print(f"tncomp: error: {message}", file=sys.stderr)

@@ -29,6 +29,12 @@ class PlanError(TncompError, RuntimeError):
     """No valid contraction plan could be built for a network."""
 
 
+class MemoryLimitError(PlanError, MemoryError):
+    """No plan of a network fits the memory limit (``compile(..., memory_limit=...)``,
+    ``$TNCOMP_MEMORY_LIMIT``, by default half of the device's memory): refused before anything
+    is allocated. Also a :class:`PlanError` and a ``MemoryError``."""
+
+
 class ExecutionError(TncompError, RuntimeError):
     """A plan failed while executing; the message names the step."""
 

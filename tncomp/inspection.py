@@ -36,9 +36,13 @@ def _compiled(net_or_compiled: Any, where: str) -> CompiledNetwork:
                              f"a compiled one, got {type(net_or_compiled).__name__}.")
 
 
-def inspect(net: Network, batch: int | None = None, **compile_options) -> str:
-    """The cost/regime/plan report of ``net`` as text (what ``tncomp inspect`` prints); with
-    ``memory=`` (a ``compile`` option) it shows what that mode saves and what it recomputes."""
+def inspect(net: Network, batch: int | None = None, *, measure: bool = False,
+            **compile_options) -> str:
+    """The cost/regime/plan report of ``net`` as text (what ``tncomp inspect`` prints), each
+    step of the plan with its roofline floor; with ``memory=`` (a ``compile`` option) it shows
+    what that mode saves and what it recomputes. ``measure`` runs the plan on random float32
+    CPU operands and shows the time each step took beside its floor
+    (:func:`tncomp.runtime.profile.measure_plan`)."""
     compiled = net if isinstance(net, CompiledNetwork) else compile(net, **compile_options)
     network = compiled.network
     batch = report.shown_batch(network, batch)
@@ -50,8 +54,14 @@ def inspect(net: Network, batch: int | None = None, **compile_options) -> str:
              else None)
     saving_all = lower(problem_for(network, sizes), plan.tree, needs_grad, plan.itemsize,
                        model=model)
+    measured = None
+    if measure:
+        from tncomp.runtime.profile import measure_plan
+
+        shapes = [tuple(sizes[i] for i in t.indices) for t in network.operands]
+        measured = measure_plan(plan, shapes)
     return report.report(network, plan, model, batch, table, compiled.options.memory,
-                         saving_all.saved_bytes)
+                         saving_all.saved_bytes, measured)
 
 
 def drawing_of(net_or_compiled: Any, batch: int | None = None) -> NetworkDrawing:

@@ -15,6 +15,13 @@ LLaMA-1B MLP shape, 2048x8192 at 8,192 tokens (modes (8, 16, 16) x (16, 16, 32),
 bf16 runs every method on bf16 inputs and weights (as a bf16 model would). The backward gets a
 contiguous dY, as a next layer would hand it. Time: CUDA events, median of the repeats after
 warm-up; memory: ``torch.cuda.max_memory_allocated`` during one call (the operands included).
+
+Then the formats whose CPU plans issue 32 rebuilt (Tucker, BTT; TT beside them) at the formats
+benchmark's 768x3072 layer, ~50x fewer parameters, 4,096 rows, fp32: tncomp eager, tncomp with
+CUDA graphs, dense. Every tncomp case also records its plan's roofline floor under the device's
+calibrated model (``tncomp.runtime.calibrate.calibrate``, measured at the start of the part:
+each step's FLOPs at the square-GEMM rate or its bytes at the copy bandwidth, whichever is
+slower) and its permute-copy bytes.
 """
 
 from __future__ import annotations
@@ -36,12 +43,19 @@ from benchmarks.gpu.common import (
     time_ms,
 )
 from benchmarks.lib.baselines import dense_linear, hand_derived_comera, make_cores
+from tncomp.runtime.calibrate import calibrate
 
 CASES = (  # (label, in_modes, out_modes, max rank, rows)
     ("768x3072 r30", (12, 8, 8), (12, 16, 16), 30, (128, 4096)),
     ("llama1b 2048x8192 r128", (8, 16, 16), (16, 16, 32), 128, (8192,)),
 )
 SMOKE_CASES = (("64x128 r4", (4, 4, 4), (4, 4, 8), 4, (16,)),)
+FORMAT_CASES = (  # (format, in_modes, out_modes, rank, rows): ~50x at 768x3072
+    ("tucker", (12, 8, 8), (12, 16, 16), 6, 4096),
+    ("btt", (12, 8, 8), (12, 16, 16), 1, 4096),
+    ("tt", (12, 8, 8), (12, 16, 16), 40, 4096),
+)
+SMOKE_FORMAT_CASES = (("tucker", (2, 2, 2), (2, 2, 4), 2, 16), ("btt", (2, 2, 2), (2, 2, 4), 1, 16))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 METHODS = ("tncomp", "tncomp_cuda_graphs", "torch_compile", "hand", "dense")
 
@@ -82,6 +96,44 @@ def methods_for(in_modes, out_modes, rank: int, rows: int, dtype: torch.dtype,
     return fns, sizes
 
 
+def plan_facts(compiled: tncomp.CompiledNetwork, operands, model) -> dict:
+    """The plan a call with ``operands`` runs: its roofline floor under ``model`` (ms), its
+    permute-copy bytes (MB) and its tree."""
+    with torch.enable_grad():
+        plan = compiled.plan_of(*operands)
+    return {"floor_ms": plan.floor_time(model) * 1e3, "copy_mb": plan.copy_bytes / 1e6,
+            "tree": tncomp.describe_tree(compiled.network, plan.tree)}
+
+
+def format_methods(fmt: str, in_modes, out_modes, rank: int, rows: int, device: str, model
+                   ) -> tuple[dict[str, Callable[[], object]], dict]:
+    """fwd+bwd of one format's layer (random cores, fp32) through tncomp eager and CUDA
+    graphs, and of dense, with the plan's floor and copies."""
+    from comera.formats.registry import get_format
+
+    layout = get_format(fmt).layout(in_modes, out_modes, rank)
+    network = layout.network()
+    sizes = {**dict(layout.sizes), "b": rows}
+    gen = torch.Generator().manual_seed(1)
+    operands = [torch.randn(tuple(sizes[i] for i in t.indices), generator=gen).mul_(0.3)
+                .to(device).requires_grad_() for t in network.operands]
+    dy = torch.randn(tuple(sizes[i] for i in network.output.indices), generator=gen).to(device)
+    eager = tncomp.compile(network, disk_cache=False, model=model)
+    fns: dict[str, Callable[[], object]] = {"tncomp": lambda: eager(*operands).backward(dy)}
+    if device.startswith("cuda"):
+        graphed = tncomp.compile(network, disk_cache=False, model=model, cuda_graphs=True)
+        fns["tncomp_cuda_graphs"] = lambda: graphed(*operands).backward(dy)
+    n_in, n_out = math.prod(in_modes), math.prod(out_modes)
+    x = torch.randn(rows, n_in, generator=gen).to(device).requires_grad_()
+    dense = dense_linear(n_in, n_out, device=device)
+    fns["dense"] = lambda: dense.run(x, dy.reshape(rows, n_out))
+    params = layout.parameters_at(layout.bond_sizes)
+    facts = {"format": fmt, "rows": rows, "ranks": list(layout.bond_sizes), "params": params,
+             "dense_params": n_in * n_out, "param_ratio": n_in * n_out / params,
+             **plan_facts(eager, operands, model)}
+    return fns, facts
+
+
 def measure(fns: dict[str, Callable[[], object]], device: str, repeats: int,
             warmup: int) -> dict[str, dict]:
     """Per method: time and peak memory, or the error it raised (the others still run)."""
@@ -116,6 +168,7 @@ def run(writer: PartWriter, deadline: Deadline, args) -> None:
                                                                 else CASES)
             for rows in all_rows]
     quick = tuple(m for m in METHODS if m != "torch_compile")
+    model = calibrate(device, save=False)
     for name, in_modes, out_modes, rank, rows, dname in plan:
 
         def case(in_modes=in_modes, out_modes=out_modes, rank=rank, rows=rows,
@@ -126,6 +179,20 @@ def run(writer: PartWriter, deadline: Deadline, args) -> None:
             return {**sizes, "dtype": dname, "methods": methods, **ratios(methods)}
 
         guarded(writer, deadline, name, 5 if args.smoke else 12, case)
+    for fmt, in_modes, out_modes, rank, rows in (SMOKE_FORMAT_CASES if args.smoke
+                                                 else FORMAT_CASES):
+
+        def format_case(fmt=fmt, in_modes=in_modes, out_modes=out_modes, rank=rank,
+                        rows=rows) -> dict:
+            fns, facts = format_methods(fmt, in_modes, out_modes, rank, rows, device, model)
+            methods = measure(fns, device, repeats, warmup)
+            over = {m: s["ms"] / facts["floor_ms"] for m, s in methods.items()
+                    if "ms" in s and m != "dense"}
+            return {**facts, "dtype": "fp32", "methods": methods, "over_floor": over,
+                    "model": model.source, **ratios(methods)}
+
+        guarded(writer, deadline, f"format {fmt} B={rows} fp32", 5 if args.smoke else 10,
+                format_case)
     done = {c["case"] for c in writer.payload["cases"]}
     for name, in_modes, out_modes, rank, rows, dname in plan:
         if name not in done:

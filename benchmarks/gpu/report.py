@@ -92,8 +92,9 @@ def part_markdown(name: str, part: dict[str, Any]) -> str:
         rows = [[c["case"], f"{c['param_ratio']:.1f}x"] + [
             f"{_f(c['methods'][m].get('ms'))} ms / {_f(c['methods'][m].get('peak_mib'), 0)} MiB"
             if m in c["methods"] and "ms" in c["methods"][m] else "error" if m in c["methods"]
-            else "-" for m in methods] for c in cases]
-        lines.append(markdown_table(["case", "fewer params", *methods], rows))
+            else "-" for m in methods] + [_f(c.get("floor_ms"))] for c in cases]
+        lines.append(markdown_table(["case", "fewer params", *methods, "tncomp floor ms"],
+                                    rows))
         lines += [f"- error in {c['case']} {m}: {s['error']}" for c in cases
                   for m, s in c["methods"].items() if "error" in s]
     elif name in ("step", "dlrm") and cases:

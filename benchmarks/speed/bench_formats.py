@@ -4,9 +4,17 @@ For each format of :func:`comera.formats.registry.format_names` the largest unif
 cores fit ``768 * 3072 / 50`` parameters is chosen; its ``GatedLinear`` (gates folded in, no
 bias) and a dense ``nn.Linear`` (no bias) run forward + backward side by side in one process,
 timed round-robin (median of repeats after warm-up, with the spread of the per-round ratios
-against dense), at B=4096 and B=128. Reports parameters,
-ranks, the plan's FLOPs, time, and measured peak memory. Writes
-benchmarks/results/formats_cpu.{json,md}.
+against dense), at B=4096 and B=128. The backward gets a contiguous dY, as a next layer hands
+it (a ``.sum()`` loss hands a stride-0 one, which costs a copy of its own).
+
+The device model is measured first, in this process at its thread count (``tncomp calibrate``:
+the GEMM rate of a square GEMM, the bandwidth of a plain copy, the slowdowns of a transpose and
+a gather); layers plan with it. Each plan's roofline floor sums, over its steps, the step's
+FLOPs at that GEMM rate or its bytes at that bandwidth, whichever is slower; the table sets the
+measured time beside it, and the JSON holds each step's measured time beside its floor
+(:func:`tncomp.runtime.profile.measure_plan`), so the gap shows where it is. Reports
+parameters, ranks, the plan's FLOPs and copy bytes, time, floor and measured peak memory.
+Writes benchmarks/results/formats_cpu.{json,md}.
 
     python -m benchmarks.speed.bench_formats            # full
     python -m benchmarks.speed.bench_formats --quick    # fewer repeats
@@ -37,6 +45,8 @@ from comera.formats.layout import Layout
 from comera.formats.registry import Format, format_names, get_format
 from comera.layers.linear import GatedLinear
 from comera.ranks.budget import largest_rank, layout_size
+from tncomp.runtime.calibrate import calibrate
+from tncomp.runtime.profile import measure_plan
 
 IN_MODES, OUT_MODES = (12, 8, 8), (12, 16, 16)  # 768 x 3072, as in bench_tt_linear
 COMPRESSION = 50
@@ -54,18 +64,24 @@ def layout_at_budget(fmt: Format, budget: int) -> Layout:
     return fmt.layout(in_modes, out_modes, rank)
 
 
-def run_batch(batch: int, repeats: int, warmup: int) -> list[dict]:
-    """One row per format (and dense) at ``batch``, all timed in one interleaved loop."""
+def run_batch(batch: int, repeats: int, warmup: int, model: tncomp.DeviceModel,
+              step_repeats: int) -> list[dict]:
+    """One row per format (and dense) at ``batch``, all timed in one interleaved loop; each
+    format's plan (under ``model``) with its floor and per-step times."""
     torch.manual_seed(0)
     n_in, n_out = 768, 3072
     budget = n_in * n_out // COMPRESSION
     x = torch.randn(batch, n_in, requires_grad=True)
-    dy = torch.randn(batch, n_out)
+    dy = torch.randn(batch, n_out)  # contiguous, as a next layer hands it
     dense = dense_linear(n_in, n_out)
     methods = {"dense": lambda: dense.run(x, dy)}
     memory_fns = dict(methods)
-    info = {"dense": {"params": n_in * n_out, "gates": 0, "ranks": None, "plan_flops": 3 * 2 * batch
-                      * n_in * n_out, "tree": "x @ W"}}
+    dense_flops = 3 * 2 * batch * n_in * n_out
+    dense_floor = max(dense_flops / model.gemm_flops_per_s,
+                      3 * 4 * (batch * n_in + n_in * n_out + batch * n_out) / model.bytes_per_s)
+    info = {"dense": {"params": n_in * n_out, "gates": 0, "ranks": None,
+                      "plan_flops": dense_flops, "tree": "x @ W", "floor_ms": dense_floor * 1e3,
+                      "copy_mb": 0.0}}
     for name in format_names():
         fmt = get_format(name)
         if not fmt.from_modes:  # a declared format has no layout of its own
@@ -76,6 +92,8 @@ def run_batch(batch: int, repeats: int, warmup: int) -> list[dict]:
         rank = max(layout.bond_sizes)  # the uniform int rank (capped per bond as chosen)
         layer = GatedLinear(n_in, n_out, format=name, ranks=rank, bias=False, **modes)
         assert layer.layout == layout, (layer.layout, layout)
+        layer.compile_options["model"] = model  # plan with this machine's measured numbers
+        layer.build_compiled()
         unpooled = copy.deepcopy(layer)
         unpooled.compile_options["pool_buffers"] = False
         unpooled.build_compiled()
@@ -84,19 +102,39 @@ def run_batch(batch: int, repeats: int, warmup: int) -> list[dict]:
         net = layer.compiled().network
         sizes = {**{i: s for i, s in net.sizes if isinstance(s, int)}, "b": batch}
         plan = layer.compiled().plan_for(sizes, (True,) * len(net.operands))
+        shapes = [tuple(sizes[i] for i in t.indices) for t in net.operands]
         info[name] = {"params": layout.parameters_at(layout.bond_sizes),
                       "gates": sum(layout.bond_sizes), "ranks": list(layout.bond_sizes),
                       "title": fmt.title,
                       "plan_flops": plan.forward_flops + plan.backward_flops,
-                      "tree": tncomp.describe_tree(net, plan.tree)}
+                      "tree": tncomp.describe_tree(net, plan.tree),
+                      "floor_ms": plan.floor_time(model) * 1e3,
+                      "copy_mb": plan.copy_bytes / 1e6,
+                      "steps": step_rows(plan, measure_plan(plan, shapes, repeats=step_repeats),
+                                         model)}
     times = interleaved_times(methods, repeats, warmup)
     peaks = {name: peak_allocated_bytes(fn) for name, fn in memory_fns.items()}
     rows = []
     for name, ts in times.items():
+        ms = statistics.median(ts) * 1e3
         rows.append({"format": name, "batch": batch, **info[name],
                      "compression": n_in * n_out / info[name]["params"],
-                     "ms": statistics.median(ts) * 1e3, "peak_mb": peaks[name] / 2**20,
+                     "ms": ms, "over_floor": ms / info[name]["floor_ms"],
+                     "peak_mb": peaks[name] / 2**20,
                      "vs_dense": ratio_spread(times["dense"], ts)})
+    return rows
+
+
+def step_rows(plan, measured, model: tncomp.DeviceModel) -> list[dict]:
+    """Every step of ``plan``: what it computes, its FLOPs and bytes, its floor under
+    ``model`` and its measured median time."""
+    rows = []
+    for which, ops, times in (("fwd", plan.forward, measured.forward),
+                              ("bwd", plan.backward, measured.backward)):
+        for k, (op, t) in enumerate(zip(ops, times, strict=True)):
+            rows.append({"pass": which, "step": k, "op": op.describe(), "note": op.note,
+                         "mflop": op.flops / 1e6, "mb": op.nbytes / 1e6,
+                         "floor_ms": model.step_floor(op) * 1e3, "ms": t * 1e3})
     return rows
 
 
@@ -113,18 +151,33 @@ def main(argv=None) -> int:
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats {args.repeats}; give at least 1")
     batches = BATCHES[1:] if args.smoke else BATCHES
+    model = tncomp.DeviceModel() if args.smoke else calibrate("cpu", save=False)
+    print(f"device model ({model.source}): GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, "
+          f"bandwidth {model.bytes_per_s / 1e9:.1f} GB/s")
     results = []
     for batch in batches:
         repeats = args.repeats or (1 if args.smoke else 3 if args.quick
                                    else 9 if batch > 1000 else 25)
-        rows = run_batch(batch, repeats, warmup=1 if args.smoke or args.quick else 3)
+        rows = run_batch(batch, repeats, 1 if args.smoke or args.quick else 3, model,
+                         1 if args.smoke else 3 if args.quick else 7)
         results += rows
         for r in rows:
             print(f"B={batch} {r['format']:>8}: {r['params']:>8} params "
                   f"({r['compression']:.1f}x), {r['ms']:.2f} ms "
-                  f"({spread_text(r['vs_dense'])} dense), peak {r['peak_mb']:.1f} MiB")
+                  f"({spread_text(r['vs_dense'])} dense), {r['over_floor']:.1f}x its floor "
+                  f"{r['floor_ms']:.2f} ms, peak {r['peak_mb']:.1f} MiB")
     payload = {"machine": machine(), "device": "CPU",
                "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
+               "model": {"source": model.source, "gemm_gflops": model.gemm_flops_per_s / 1e9,
+                         "bandwidth_gbs": model.bytes_per_s / 1e9,
+                         "transpose_slowdown": model.transpose_slowdown,
+                         "gather_slowdown": model.gather_slowdown},
+               "note_floor": "floor_ms: the plan's roofline, each step's FLOPs at the measured "
+                             "square-GEMM rate or its bytes at the measured copy bandwidth, "
+                             "whichever is slower (dense: the same for its three GEMMs); "
+                             "over_floor: measured ms / floor_ms; steps: each step's floor "
+                             "and measured median (the plan alone, per-step clock reads)",
+               "note_dy": "the backward gets a contiguous dY, as a next layer hands it",
                "layer": {"in_features": 768, "out_features": 3072, "in_modes": IN_MODES,
                          "out_modes": OUT_MODES, "compression_target": COMPRESSION},
                "note_spread": "vs_dense: dense time over the format's (above 1: faster than "
@@ -139,9 +192,10 @@ def render_markdown(payload: dict) -> str:
     """The results as one markdown table, a row per (format, batch)."""
     rows = [[r["format"], r["batch"], r["params"], f"{r['compression']:.1f}x",
              "-" if r["ranks"] is None else ",".join(map(str, r["ranks"])),
-             f"{r['plan_flops'] / 1e9:.2f}", f"{r['ms']:.2f}", spread_text(r["vs_dense"]),
+             f"{r['plan_flops'] / 1e9:.2f}", f"{r['copy_mb']:.1f}", f"{r['ms']:.2f}",
+             f"{r['floor_ms']:.2f}", f"{r['over_floor']:.1f}x", spread_text(r["vs_dense"]),
              f"{r['peak_mb']:.1f}"] for r in payload["results"]]
-    m, layer = payload["machine"], payload["layer"]
+    m, layer, model = payload["machine"], payload["layer"], payload["model"]
     return "\n".join([
         f"# Weight formats at ~{layer['compression_target']}x, forward + backward "
         f"({payload['device']})",
@@ -152,10 +206,15 @@ def render_markdown(payload: dict) -> str:
         f"{m['cpu']} ({m['cores']} cores), {m['threads']} threads, commit {m['commit']}, "
         f"{m['date']}; {payload['mode']} mode. Median of interleaved repeats after warm-up; "
         "speed-up over dense with the quartiles and range of its per-round ratios; ratios "
-        "within one run.",
+        "within one run. The backward gets a contiguous dY. Plans use the device model "
+        f"measured at the start ({model['source']}: GEMM {model['gemm_gflops']:.1f} GFLOP/s, "
+        f"bandwidth {model['bandwidth_gbs']:.1f} GB/s); the floor is each step's FLOPs at "
+        "that GEMM rate or its bytes at that bandwidth, whichever is slower, summed (the JSON "
+        "has every step's floor and measured time).",
         "",
         markdown_table(["format", "B", "params", "compression", "ranks", "GFLOP fwd+bwd",
-                        "ms", "speed-up vs dense", "peak MiB"], rows),
+                        "copy MB", "ms", "floor ms", "time / floor", "speed-up vs dense",
+                        "peak MiB"], rows),
     ])
 
 

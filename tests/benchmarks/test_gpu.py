@@ -228,5 +228,9 @@ def test_a_part_runs_on_the_cpu_with_only_the_gpu_machines_packages(tmp_path, pa
     assert saved["cases"]
     if part == "layer":
         for case in saved["cases"]:
-            assert set(case["methods"]) == {"tncomp", "torch_compile", "hand", "dense"}
+            formats = case["case"].startswith("format ")
+            assert set(case["methods"]) == ({"tncomp", "dense"} if formats else
+                                            {"tncomp", "torch_compile", "hand", "dense"})
             assert all("ms" in m for m in case["methods"].values()), case["methods"]
+        assert {c["format"] for c in saved["cases"] if "format" in c} == {"tucker", "btt"}
+        assert all(c["floor_ms"] > 0 for c in saved["cases"] if "format" in c)

@@ -156,7 +156,9 @@ def test_calibration_round_trips_and_leaves_no_temp_file(cache_dir):
     path = save_calibration(model, "cpu")
     assert path == cache_dir / "calibration-cpu.json" == calibration_path(torch.device("cpu"))
     assert json.loads(path.read_text()) == {"gemm_flops_per_s": 3.5e11, "bytes_per_s": 2.25e10,
-                                            "step_overhead_s": 7e-6, "source": model.source}
+                                            "step_overhead_s": 7e-6, "source": model.source,
+                                            "transpose_slowdown": model.transpose_slowdown,
+                                            "gather_slowdown": model.gather_slowdown}
     assert load_calibration("cpu") == model
     assert tncomp.api.model_for("cpu") == model  # what compile plans with
     assert load_calibration("cuda") is None  # one file per device type
@@ -218,6 +220,8 @@ def test_readers_never_see_a_half_written_calibration(cache_dir):
     '{"gemm_flops_per_s": 0, "bytes_per_s": 1e9, "step_overhead_s": 1e-6}',
     '{"gemm_flops_per_s": 1e9, "bytes_per_s": 1e9}',
     '{"gemm_flops_per_s": 1e9, "bytes_per_s": 1e9, "step_overhead_s": 1e-6, "extra": 1}',
+    '{"gemm_flops_per_s": 1e9, "bytes_per_s": 1e9, "step_overhead_s": 1e-6, '
+    '"gather_slowdown": -2}',
 ])
 def test_a_malformed_calibration_is_ignored_with_a_warning(cache_dir, content, caplog):
     cache_dir.mkdir()

@@ -120,3 +120,16 @@ def test_json_spec_keys_are_checked(tmp_path):
     with pytest.warns(RankClipWarning, match="rank=99"):
         parse_spec(str(spec))
 
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
+    """``tncomp inspect SPEC | head`` printed a BrokenPipeError traceback (issue 34, item 12):
+    the pipe is closed before the report is written, as ``| head -0`` does."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TNCOMP_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "tncomp.cli", "inspect", SPEC],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, env=env)
+    proc.stdout.close()  # the reader is gone before the first byte
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == 0, stderr
+    assert stderr == ""

@@ -26,6 +26,7 @@ from opt_einsum.testing import build_shapes, rand_equation
 import tncomp
 from tests.helpers.tn import F64
 from tncomp.compiler.einsum import parse_eq
+from tncomp.errors import DtypeError
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 
@@ -145,6 +146,29 @@ def test_contract_equals_torch_einsum_forward_and_gradients(eq, shapes, one_thre
     for g, r in zip(torch.autograd.grad(y, ts, dy), torch.autograd.grad(ry, refs, dy),
                     strict=True):
         torch.testing.assert_close(g, r, **TOL)
+
+
+@pytest.mark.parametrize(("eq", "shapes"), list(_params()))
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_integer_operands_give_einsums_exact_values(eq, shapes, dtype, one_thread):
+    """Integer operands contract exactly (issue 34, item 13: contract refused the int64
+    operands torch.einsum takes), in the operands' dtype throughout: int64 gives einsum's very
+    result; for narrower integers einsum promotes some sums to int64 (and then refuses to mix
+    them), contract keeps the operands' dtype and the same values."""
+    gen = torch.Generator().manual_seed(len(eq))
+    ts = [torch.randint(-3, 4, s, generator=gen, dtype=dtype) for s in shapes]
+    expected = torch.einsum(eq, *[t.long() for t in ts])
+    y = tncomp.contract(eq, *ts, disk_cache=False)
+    assert y.dtype == dtype and not y.requires_grad
+    assert torch.equal(y.long(), expected)
+    if dtype == torch.int64:
+        assert torch.equal(y, torch.einsum(eq, *ts))
+
+
+def test_bool_operands_are_refused_with_the_reason():
+    a = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(DtypeError, match="torch multiplies no bool matrices"):
+        tncomp.contract("ij,jk->ik", a, a.T)
 
 
 def test_the_list_is_opt_einsums_and_holds_what_was_refused():

@@ -253,11 +253,28 @@ def test_mixed_dtypes():
         f(torch.randn(2, 3), torch.randn(3, 4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
-def test_non_floating_dtype(dtype):
+def test_bool_dtype_is_refused():
     f = _compiled_matmul()
-    with pytest.raises(SizeError, match=f"dtype {dtype}; use a floating dtype"):
-        f(torch.ones(2, 3, dtype=dtype), torch.ones(3, 4, dtype=dtype))
+    with pytest.raises(SizeError, match=r"dtype torch\.bool; torch multiplies no bool matrices"):
+        f(torch.ones(2, 3, dtype=torch.bool), torch.ones(3, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_integer_dtypes_contract_exactly_without_gradients(dtype):
+    f = _compiled_matmul()
+    a = torch.arange(6, dtype=dtype).reshape(2, 3)
+    b = torch.arange(12, dtype=dtype).reshape(3, 4)
+    y = f(a, b)
+    assert y.dtype == dtype and torch.equal(y, a @ b) and not y.requires_grad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_integer_dtypes_on_cuda_are_refused_as_torch_refuses_them():
+    f = _compiled_matmul()
+    a = torch.ones(2, 3, dtype=torch.int64, device="cuda")
+    with pytest.raises(SizeError, match="integer matrix products on the CPU only"):
+        f(a, torch.ones(3, 4, dtype=torch.int64, device="cuda"))
 
 
 @pytest.mark.parametrize("bad", ["list", "float", "numpy"])

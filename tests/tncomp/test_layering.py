@@ -3,7 +3,7 @@
 Allowed direction of imports (a module may import its own layer and the layers below it):
 
     face      tncomp/__init__.py, api.py,          -> anything in tncomp
-              inspection.py, cli.py
+              inspection.py, cli.py, extend.py
     runtime   tncomp/runtime/*                      -> runtime, compiler, base
     views     tncomp/views/*                        -> views, compiler, base
     compiler  tncomp/compiler/*                     -> compiler, base
@@ -27,7 +27,7 @@ from tests.helpers import ROOT
 from tests.helpers.imports import imports, package_modules
 
 PACKAGE = ROOT / "tncomp"
-FACE = {"tncomp", "tncomp.api", "tncomp.inspection", "tncomp.cli"}
+FACE = {"tncomp", "tncomp.api", "tncomp.inspection", "tncomp.cli", "tncomp.extend"}
 BASE = {"tncomp.errors", "tncomp.files"}
 ALLOWED = {  # layer -> the layers it may import
     "base": {"base"},

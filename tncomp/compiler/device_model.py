@@ -1,9 +1,11 @@
 """A device cost model: GEMM rates, memory bandwidth and a fixed cost per step.
 
 FLOP-optimal is not time-optimal: a permute copy or a thin GEMM costs bandwidth, and every step
-costs dispatch time. Plans are scored by ``sum(max(flops / rate, bytes / bandwidth) + overhead)``;
-the *floor* of a plan drops the per-step overhead. ``tncomp.runtime.calibrate`` measures the
-numbers.
+costs dispatch time. Plans are scored by ``sum(max(flops / rate, bytes / bandwidth) + overhead)``,
+a permute copy's bandwidth slowed by how it reads (a transpose, or a gather of short runs: no
+CPU copy of those runs near a plain copy's speed). The *floor* of a step is its roofline:
+``max(flops / rate, bytes / bandwidth)``, the rate of its GEMM shape when the model has a table,
+with no overhead and no slowdown. ``tncomp.runtime.calibrate`` measures the numbers.
 
 The GEMM rate depends on the shape: a thin GEMM (an inner or outer size of 8-64, the TT rank)
 runs far below the rate of a large square one (measured on a 2-core AVX2 CPU: 2048^3 at 60-85
@@ -17,7 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tncomp.compiler.ops import MatMul, Op
+from tncomp.compiler.ops import MatMul, Op, Permute
+
+SLOW_COPY_BYTES = 1 << 20  # a copy moving more than this leaves the cache: its kind slows it
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,8 @@ class DeviceModel:
     source: str = "default (not calibrated)"
     gemm_dims: tuple[int, ...] = ()
     gemm_rates: tuple[float, ...] = ()
+    transpose_slowdown: float = 6.0  # a blocked 2-D transpose against a plain copy
+    gather_slowdown: float = 30.0  # a copy of short runs read far apart against a plain copy
 
     def __post_init__(self) -> None:
         d = len(self.gemm_dims)
@@ -91,15 +97,23 @@ class DeviceModel:
 
     def step_time(self, op: Op) -> float:
         """Modelled seconds of one plan step: a GEMM at the rate of its shape
-        (:meth:`matmul_time`), any other step by :meth:`op_time`."""
-        return self.step_floor(op) + self.step_overhead_s
+        (:meth:`matmul_time`), a permute copy at bandwidth slowed by its kind
+        (:attr:`~tncomp.compiler.ops.Permute.kind`: ``transpose_slowdown``,
+        ``gather_slowdown``; a copy of at most :data:`SLOW_COPY_BYTES`, in cache, at bandwidth),
+        any other step by :meth:`op_time`."""
+        floor = self.step_floor(op)
+        if isinstance(op, Permute) and op.nbytes > SLOW_COPY_BYTES:
+            kind = op.kind
+            floor *= (self.transpose_slowdown if kind == "transpose" else
+                      self.gather_slowdown if kind == "gather" else 1.0)
+        return floor + self.step_overhead_s
 
     def step_floor(self, op: Op) -> float:
         """:meth:`step_time` without the per-step overhead."""
         if isinstance(op, MatMul) and self.gemm_dims:
             m, k = op.lhs.rows_cols
             n = op.rhs.rows_cols[1]
-            batch = op.lhs.shape[0] if len(op.lhs.shape) == 3 else 1
+            batch = op.lhs.batch
             return self.matmul_floor(m, n, k, batch, op.nbytes)
         return self.floor_time(op.flops, op.nbytes)
 
@@ -118,4 +132,5 @@ def _bracket(grid: tuple[int, ...], x: float) -> tuple[tuple[int, float], tuple[
 
 
 CPU_DEFAULT = DeviceModel()
-CUDA_DEFAULT = DeviceModel(50e12, 2e12, 8e-6, "default CUDA (not calibrated)")
+CUDA_DEFAULT = DeviceModel(50e12, 2e12, 8e-6, "default CUDA (not calibrated)",
+                           transpose_slowdown=2.0, gather_slowdown=4.0)

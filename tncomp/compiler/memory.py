@@ -25,7 +25,7 @@ in ``"min"`` where another wins in ``"fast"``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from tncomp.compiler.device_model import DeviceModel
@@ -50,6 +50,32 @@ def check_memory(memory: object) -> Memory:
         f"memory={memory!r}; choose one of {', '.join(repr(c) for c in MEMORY_CHOICES)}, or a "
         "budget in bytes for the saved intermediates (an int >= 0)."
     )
+
+
+MEMORY_LIMIT_ENV = "TNCOMP_MEMORY_LIMIT"  # bytes: the memory limit of every plan
+
+
+def check_memory_limit(value: object, where: str = "memory_limit") -> int | None:
+    """``value`` as a memory limit (an int of bytes >= 1, or None for the default), else an
+    :class:`OptionError` naming it (``where``: the option or variable it came from)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise OptionError(
+        f"{where}={value!r}; give the most bytes a plan may hold at once as an int >= 1 (e.g. "
+        "8 * 2**30), or None for the default (half of the device's memory)."
+    )
+
+
+def memory_limit_setting(option: int | None, environ: Mapping[str, str]) -> int | None:
+    """The memory limit ``compile`` plans under: ``option``, else ``$TNCOMP_MEMORY_LIMIT``
+    (an int of bytes), else None (the device's default, known when a call binds a device)."""
+    if option is not None:
+        return check_memory_limit(option)
+    text = environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if not text:
+        return None
+    value: object = int(text) if text.isascii() and text.isdigit() else text
+    return check_memory_limit(value, f"${MEMORY_LIMIT_ENV}")
 
 
 def describe_memory(memory: Memory) -> str:

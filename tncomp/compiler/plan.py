@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from tncomp.compiler.budget import Budget
 from tncomp.compiler.cost import adjoint_nodes
 from tncomp.compiler.device_model import DeviceModel
+from tncomp.compiler.layouts import matrix_view, pair, permute_op
 from tncomp.compiler.ops import Expand, MatMul, MatView, Op, Permute, Reshape, Sum
+from tncomp.compiler.orient import orientations
 from tncomp.compiler.problem import Problem, Tree
 from tncomp.errors import PlanError
 
@@ -91,6 +93,14 @@ class Plan:
         return sum(elements[s] for s in self.saved) * self.itemsize
 
     @property
+    def peak_bytes(self) -> int:
+        """The most bytes of values the plan holds at once, forward then backward: its
+        intermediates, its output and the gradients it makes (the operands and dY, which the
+        caller holds, not counted; a view shares its source's storage). What a memory limit
+        is checked against before anything is allocated."""
+        return peak_elements(self) * self.itemsize
+
+    @property
     def recompute_ops(self) -> tuple[Op, ...]:
         """The forward steps the backward replays to rebuild the ``recomputed`` slots."""
         return tuple(op for op in self.backward if op.dst < self.dy_slot)
@@ -118,13 +128,31 @@ class Plan:
         ops = (*self.forward, *self.backward) if backward else self.forward
         return sum(model.step_floor(op) for op in ops)
 
-    def table(self) -> str:
-        """The steps as a readable table: pass, step, what it computes, FLOPs, bytes."""
-        rows = [("pass", "#", "step", "note", "MFLOP", "MB")]
-        for name, ops in (("fwd", self.forward), ("bwd", self.backward)):
+    def table(self, model: DeviceModel | None = None,
+              measured: tuple[Sequence[float], Sequence[float]] | None = None) -> str:
+        """The steps as a readable table: pass, step, what it computes, FLOPs, bytes; with a
+        ``model``, each step's roofline floor (:meth:`DeviceModel.step_floor`); with
+        ``measured`` (seconds of each forward and backward step), the time each took and its
+        ratio to the floor, so the gap shows where it is."""
+        head = ["pass", "#", "step", "note", "MFLOP", "MB"]
+        if model is not None:
+            head.append("floor ms")
+        if measured is not None:
+            head += ["ms", "x floor"] if model is not None else ["ms"]
+        rows = [tuple(head)]
+        for name, ops, times in (("fwd", self.forward, measured[0] if measured else None),
+                                 ("bwd", self.backward, measured[1] if measured else None)):
             for k, op in enumerate(ops):
-                rows.append((name, str(k), op.describe(), op.note,
-                             f"{op.flops / 1e6:.2f}", f"{op.nbytes / 1e6:.2f}"))
+                row = [name, str(k), op.describe(), op.note, f"{op.flops / 1e6:.2f}",
+                       f"{op.nbytes / 1e6:.2f}"]
+                floor = model.step_floor(op) if model is not None else None
+                if floor is not None:
+                    row.append(f"{floor * 1e3:.3f}")
+                if times is not None:
+                    row.append(f"{times[k] * 1e3:.3f}")
+                    if floor is not None:
+                        row.append(f"{times[k] / floor:.1f}" if floor > 0 else "-")
+                rows.append(tuple(row))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) if c < 4 else v.rjust(w) for c, (v, w) in
                            enumerate(zip(r, widths, strict=True))) for r in rows]
@@ -138,25 +166,68 @@ class Plan:
         return self.table()
 
 
+@dataclass(frozen=True)
+class Measured:
+    """Median seconds of each forward and backward step of one plan, and of the whole
+    forward + backward run without per-step clock reads (``total``), as
+    :func:`tncomp.runtime.profile.measure_plan` measures them."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    total: float
+    repeats: int
+    threads: int
+
+    @property
+    def steps_total(self) -> float:
+        """The per-step medians summed (close to :attr:`total`, plus the clock reads)."""
+        return sum(self.forward) + sum(self.backward)
+
+
 def _costs_time(op: Op) -> bool:
     return not isinstance(op, Reshape)
 
 
+def result_elements(op: Op) -> int:
+    """Elements of the value ``op`` makes (a reshape: its source's, seen anew)."""
+    if isinstance(op, MatMul):
+        return op.lhs.batch * op.lhs.rows_cols[0] * op.rhs.rows_cols[1]
+    if isinstance(op, Sum):
+        return math.prod(s for k, s in enumerate(op.shape) if k not in op.dims)
+    return math.prod(op.shape)
+
+
 def slot_elements(plan: Plan) -> dict[int, int]:
     """Elements of every value the forward steps make, by slot."""
-    out: dict[int, int] = {}
-    for op in plan.forward:
-        if isinstance(op, MatMul):
-            rows = op.lhs.rows_cols[0]
-            cols = op.rhs.rows_cols[1]
-            out[op.dst] = (op.lhs.shape[0] if len(op.lhs.shape) == 3 else 1) * rows * cols
-        elif isinstance(op, Sum):
-            out[op.dst] = math.prod(s for k, s in enumerate(op.shape) if k not in op.dims)
-        elif isinstance(op, Permute | Reshape):
-            out[op.dst] = math.prod(op.shape)
-        else:  # an Expand only appears in backward passes
-            out[op.dst] = math.prod(op.shape)
-    return out
+    return {op.dst: result_elements(op) for op in plan.forward}
+
+
+def peak_elements(plan: Plan) -> int:
+    """The most elements live at once while ``plan`` runs (see :attr:`Plan.peak_bytes`)."""
+    owner: dict[int, int | None] = {}  # slot -> the slot whose storage it uses
+    refs: dict[int, int] = {}
+    size: dict[int, int] = {}
+    live = peak = 0
+    for ops, frees in ((plan.forward, plan.forward_frees),
+                       (plan.backward, plan.backward_frees)):
+        for op, free in zip(ops, frees, strict=True):
+            if isinstance(op, Reshape):  # a view: the source's storage, one more user
+                base = owner.get(op.src)
+                owner[op.dst] = base
+                if base is not None:
+                    refs[base] += 1
+            else:
+                owner[op.dst], refs[op.dst] = op.dst, 1
+                size[op.dst] = result_elements(op)
+                live += size[op.dst]
+                peak = max(peak, live)
+            for slot in free:
+                base = owner.pop(slot, None)
+                if base is not None:
+                    refs[base] -= 1
+                    if not refs[base]:
+                        live -= size[base]
+    return peak
 
 
 @dataclass
@@ -167,9 +238,9 @@ class _Value:
 
 @dataclass
 class _Operand:
-    view: MatView  # the (batched) matrix view of the storage
-    permuted: Permute | None  # the copy made for it, if any
+    view: MatView  # the (batched) matrix view of the storage (or of its copy)
     free_order: tuple[str, ...]  # its free indices, in storage order
+    adjoint_layout: tuple[str, ...]  # the layout its adjoint GEMM writes
 
 
 @dataclass
@@ -177,20 +248,8 @@ class _StepRecord:
     a: _Operand
     b: _Operand
     swapped: bool
-    out_shape: tuple[int, ...]  # storage shape of the result (batched matrix)
-
-
-def _split(layout, batch, free, contr):
-    """(batch order, free order, contracted order, free_first) if the layout groups, else None."""
-    nb = len(batch)
-    if set(layout[:nb]) != batch:
-        return None
-    rest = layout[nb:]
-    if set(rest[: len(free)]) == free:
-        return layout[:nb], rest[: len(free)], rest[len(free):], True
-    if set(rest[: len(contr)]) == contr:
-        return layout[:nb], rest[len(contr):], rest[: len(contr)], False
-    return None
+    batch: tuple[str, ...]  # the batch order of the step's GEMM
+    layout: tuple[str, ...]  # the result's layout: (batch, free of a, free of b), or swapped
 
 
 class _Lowering:
@@ -221,11 +280,11 @@ class _Lowering:
         return tuple(i for i in indices if self.sizes[i] != 1)
 
     def permute(self, ops: list, value: _Value, target: tuple[str, ...], note: str) -> _Value:
-        perm = tuple(value.layout.index(i) for i in target)
-        op = Permute(self.slot(), value.slot, self.shape(value.layout), perm,
-                     2 * self.vol(target) * self.itemsize, note)
+        op = permute_op(self.slot(), value.slot, value.layout, target, self.sizes,
+                        self.itemsize, note)
         ops.append(op)
-        self.layouts[op.dst] = target
+        if ops is self.fwd:
+            self.layouts[op.dst] = target
         return _Value(op.dst, target)
 
     def leaf(self, k: int) -> _Value:
@@ -241,73 +300,55 @@ class _Lowering:
             return _Value(op.dst, self.nonunit(kept))
         return _Value(k, self.nonunit(kept))
 
-    def operand(self, value: _Value, batch, free, contr, bo, ko, is_left: bool, note) -> _Operand:
-        split = _split(value.layout, set(batch), set(free), set(contr))
-        copy = None
-        if split is not None and split[0] == bo and split[2] == ko:
-            _, fo, _, free_first = split
-            stored = value
-        else:
-            fo = tuple(i for i in value.layout if i in free)
-            free_first = is_left
-            target = (*bo, *fo, *ko) if is_left else (*bo, *ko, *fo)
-            stored = self.permute(self.fwd, value, target, note)
-            copy = self.fwd[-1]
-        nb, nf, nk = self.vol(bo), self.vol(fo), self.vol(ko)
-        rows_cols = (nf, nk) if free_first else (nk, nf)
-        shape = ((nb,) if bo else ()) + rows_cols
-        # Left operand's logical matrix is (free, contr); the right one's is (contr, free).
-        t = (not free_first) if is_left else free_first
-        return _Operand(MatView(stored.slot, shape, t), copy, tuple(fo))
+    def operand(self, value: _Value, bo, fo, ko, copy: bool, is_left: bool, note) -> _Operand:
+        """``value`` as the GEMM's left ``(bo; fo x ko)`` or right ``(bo; ko x fo)`` matrix:
+        a view of its storage, or (``copy``) of a permuted copy."""
+        rows, cols = (fo, ko) if is_left else (ko, fo)  # the logical matrix
+        stored = value
+        if copy:
+            stored = self.permute(self.fwd, value, (*bo, *rows, *cols), note)
+        view = matrix_view(stored.slot, stored.layout, self.sizes, bo, rows, cols)
+        if view is None:
+            raise PlanError(f"{note}: layout {stored.layout} has no matrix view (internal).")
+        # the adjoint is written (batch, rows, cols) in the storage's order of rows and cols
+        matrix = tuple(i for i in stored.layout if i not in bo)
+        return _Operand(view, tuple(fo), (*bo, *matrix))
 
     def contract(self, a: _Value, b: _Value, kept: tuple[str, ...], swap: bool, k: int):
         kept_set = set(self.nonunit(kept))
         ia, ib = set(a.layout), set(b.layout)
-        batch = ia & ib & kept_set
-        contr = (ia & ib) - kept_set
-        fa, fb = ia - ib, ib - ia
-        if not (fa <= kept_set and fb <= kept_set):
+        if not (ia - ib <= kept_set and ib - ia <= kept_set):
             raise PlanError(f"step {k}: an index of one operand only is not kept (internal).")
-        sa = _split(a.layout, batch, fa, contr)
-        sb = _split(b.layout, batch, fb, contr)
-        options = []
-        if sa:
-            options.append((sa[0], sa[2]))
-        if sb:
-            options.append((sb[0], sb[2]))
-        options.append((tuple(i for i in a.layout if i in batch),
-                        tuple(i for i in a.layout if i in contr)))
-
-        def copies(opt):
-            bo, ko = opt
-            cost = 0
-            for s, v in ((sa, a), (sb, b)):
-                if not (s and s[0] == bo and s[2] == ko):
-                    cost += self.vol(v.layout)
-            return cost
-
-        bo, ko = min(options, key=copies)
-        oa = self.operand(a, batch, fa, contr, bo, ko, True, f"step {k}: lay out left operand")
-        ob = self.operand(b, batch, fb, contr, bo, ko, False, f"step {k}: lay out right operand")
-        fo_a, fo_b = oa.free_order, ob.free_order
-        m, kk = oa.view.rows_cols
-        n = ob.view.rows_cols[1]
-        nb = self.vol(bo)
+        how = pair(a.layout, b.layout, kept_set, self.sizes)
+        bo, ko = how.bo, how.ko
+        oa = self.operand(a, bo, how.fo_a, ko, how.copy_a, True,
+                          f"step {k}: lay out left operand")
+        ob = self.operand(b, bo, how.fo_b, ko, how.copy_b, False,
+                          f"step {k}: lay out right operand")
+        straight, swapped = how.result_layouts()
         if swap:
-            lhs, rhs, layout = ob.view.flipped(), oa.view.flipped(), (*bo, *fo_b, *fo_a)
-            out_shape = ((nb,) if bo else ()) + (n, m)
+            lhs, rhs, layout = ob.view.flipped(), oa.view.flipped(), swapped
         else:
-            lhs, rhs, layout = oa.view, ob.view, (*bo, *fo_a, *fo_b)
-            out_shape = ((nb,) if bo else ()) + (m, n)
-        flops = 2 * nb * m * kk * n
-        nbytes = (nb * (m * kk + kk * n + m * n)) * self.itemsize
-        op = MatMul(self.slot(), lhs, rhs, flops, nbytes, f"step {k}: node {self.n + k}")
+            lhs, rhs, layout = oa.view, ob.view, straight
+        op = MatMul.of(self.slot(), lhs, rhs, self.itemsize, f"step {k}: node {self.n + k}")
         self.fwd.append(op)
         self.layouts[op.dst] = layout
-        return _Value(op.dst, layout), _StepRecord(oa, ob, swap, out_shape)
+        return _Value(op.dst, layout), _StepRecord(oa, ob, swap, tuple(bo), layout)
 
-    def adjoint_of(self, rec_op: _Operand, other: _Operand, d_out: MatView, left: bool, note):
-        """Emit the GEMM making the adjoint of one operand in its storage orientation."""
+    def d_out(self, d: _Value, rec: _StepRecord, note: str) -> MatView:
+        """The adjoint of a step's result as the matrix ``(batch; free of a x free of b)``: a
+        view of ``d`` where its layout allows one, else of a copy in the result's layout."""
+        fo_a, fo_b = rec.a.free_order, rec.b.free_order
+        view = matrix_view(d.slot, d.layout, self.sizes, rec.batch, fo_a, fo_b)
+        if view is None:
+            d = self.permute(self.bwd, d, rec.layout, note)
+            view = matrix_view(d.slot, d.layout, self.sizes, rec.batch, fo_a, fo_b)
+        return view
+
+    def adjoint_of(self, rec_op: _Operand, other: _Operand, d_out: MatView, left: bool,
+                   note) -> _Value:
+        """Emit the GEMM making the adjoint of one operand in its storage orientation (its
+        batch first: :attr:`_Operand.adjoint_layout`)."""
         view = rec_op.view
         stored_t = view.t
         if left:  # dA_log = dOut_log @ B_log^T
@@ -320,22 +361,9 @@ class _Lowering:
                 lhs, rhs = other.view.flipped(), d_out
             else:
                 lhs, rhs = d_out.flipped(), other.view
-        m, kk = lhs.rows_cols
-        n = rhs.rows_cols[1]
-        nb = view.shape[0] if len(view.shape) == 3 else 1
-        op = MatMul(self.slot(), lhs, rhs, 2 * nb * m * kk * n,
-                    nb * (m * kk + kk * n + m * n) * self.itemsize, note)
+        op = MatMul.of(self.slot(), lhs, rhs, self.itemsize, note)
         self.bwd.append(op)
-        slot = op.dst
-        if rec_op.permuted is not None:  # undo the forward copy
-            p = rec_op.permuted
-            inverse = tuple(p.perm.index(j) for j in range(len(p.perm)))
-            permuted_shape = tuple(p.shape[j] for j in p.perm)
-            back = Permute(self.slot(), slot, permuted_shape, inverse, p.nbytes,
-                           note + " (unpermute)")
-            self.bwd.append(back)
-            slot = back.dst
-        return slot
+        return _Value(op.dst, rec_op.adjoint_layout)
 
     def run(self, swaps: Sequence[bool]) -> Plan:
         p, tree = self.p, self.tree
@@ -357,24 +385,22 @@ class _Lowering:
         self.fwd.append(final)
         self.layouts[final.dst] = out_layout
 
-        # Backward: the reversed tree.
+        # Backward: the reversed tree. Each adjoint keeps the layout its GEMM wrote; a step
+        # reads its result's adjoint in place when that layout allows (dY, say, read as a
+        # strided batch), else through a copy in the result's layout.
         adj = adjoint_nodes(tree, self.needs_grad)
         dy_slot = self.slot()
         grad_slots: list[int | None] = [None] * n
-        adjoint: dict[int, int] = {}
+        adjoint: dict[int, _Value] = {}
         if any(self.needs_grad):
-            d_root = _Value(dy_slot, out_layout)
-            if values[tree.root].layout != out_layout:  # (an operand root was copied as is)
-                d_root = self.permute(self.bwd, d_root, values[tree.root].layout, "dY layout")
-            adjoint[tree.root] = d_root.slot
+            adjoint[tree.root] = _Value(dy_slot, out_layout)
         for k in reversed(range(len(tree.steps))):
             a, b = tree.steps[k]
             node = n + k
             if node not in adjoint:
                 continue
             rec = records[k]
-            d_shape = rec.out_shape
-            d_out = MatView(adjoint[node], d_shape, rec.swapped)
+            d_out = self.d_out(adjoint[node], rec, f"grad of node {node} (layout)")
             if adj[a]:
                 adjoint[a] = self.adjoint_of(rec.a, rec.b, d_out, True, f"grad of node {a}")
             if adj[b]:
@@ -386,13 +412,17 @@ class _Lowering:
             full = self.shape(term)
             if k not in adjoint:  # a network of one operand: the output adjoint is its own
                 raise PlanError("internal: missing adjoint for operand")
+            grad = adjoint[k]
+            if grad.layout != values[k].layout:  # (its forward read went through a copy)
+                grad = self.permute(self.bwd, grad, values[k].layout,
+                                    f"grad of operand {k} (layout)")
             kept = p.leaf_kept[k]
             if any(i not in kept and self.sizes[i] != 1 for i in term):
                 view = tuple(self.sizes[i] if i in kept else 1 for i in term)
-                op = Expand(self.slot(), adjoint[k], view, full, self.vol(term) * self.itemsize,
+                op = Expand(self.slot(), grad.slot, view, full, self.vol(term) * self.itemsize,
                             f"grad of operand {k}")
             else:
-                op = Reshape(self.slot(), adjoint[k], full, f"grad of operand {k}")
+                op = Reshape(self.slot(), grad.slot, full, f"grad of operand {k}")
             self.bwd.append(op)
             grad_slots[k] = op.dst
         return self.finish(final.dst, output_shape, dy_slot, tuple(grad_slots), tuple(swaps))
@@ -439,11 +469,12 @@ def lower(
 ) -> Plan:
     """Lower ``tree`` over the bound ``problem`` into a :class:`Plan`.
 
-    ``swaps[k]`` picks the orientation of step k's result; by default each is chosen (two sweeps
-    of coordinate descent) to minimise the modelled forward+backward time. Each trial of the
-    descent lowers the whole tree again, so on a tree of more than :data:`BUDGETED_STEPS` steps
-    a spent ``budget`` stops it early with the best orientations found so far (smaller trees,
-    every TT layer among them, always finish: their plans do not depend on the machine's load).
+    ``swaps[k]`` picks the orientation of step k's result; by default the dynamic program of
+    :mod:`~tncomp.compiler.orient` chooses them, then one sweep of coordinate descent over the
+    whole plan's modelled forward+backward time polishes its choice. Each trial of the sweep
+    lowers the whole tree again, so on a tree of more than :data:`BUDGETED_STEPS` steps a spent
+    ``budget`` stops it early (smaller trees, every TT layer among them, always finish: their
+    plans do not depend on the machine's load).
     """
     for i, s in problem.size_dict.items():
         if not isinstance(s, int):
@@ -456,22 +487,20 @@ def lower(
         return _Lowering(problem, tree, needs_grad, itemsize).run(list(swaps))
     model = model or DeviceModel()
 
-    def score(sw) -> float:
-        return _Lowering(problem, tree, needs_grad, itemsize).run(sw).modelled_time(model)
+    def run(sw) -> Plan:
+        return _Lowering(problem, tree, needs_grad, itemsize).run(sw)
 
-    best = [False] * n_steps
-    best_score = score(best)
-    for _ in range(2):
-        improved = False
-        for k in range(n_steps):
-            if budget is not None and n_steps > BUDGETED_STEPS and budget.spent:
-                log.debug("lower: orientation search stopped by the budget at step %d", k)
-                return _Lowering(problem, tree, needs_grad, itemsize).run(best)
-            trial = list(best)
-            trial[k] = not trial[k]
-            s = score(trial)
-            if s < best_score - 1e-12:
-                best, best_score, improved = trial, s, True
-        if not improved:
+    best = list(orientations(problem, tree, needs_grad, itemsize, model))
+    plan = run(best)
+    best_score = plan.modelled_time(model)
+    for k in range(n_steps):
+        if budget is not None and n_steps > BUDGETED_STEPS and budget.spent:
+            log.debug("lower: orientation polish stopped by the budget at step %d", k)
             break
-    return _Lowering(problem, tree, needs_grad, itemsize).run(best)
+        trial = list(best)
+        trial[k] = not trial[k]
+        candidate = run(trial)
+        score = candidate.modelled_time(model)
+        if score < best_score - 1e-12:
+            best, best_score, plan = trial, score, candidate
+    return plan

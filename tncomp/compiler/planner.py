@@ -19,7 +19,7 @@ from tncomp.compiler.cache import DiskCache
 from tncomp.compiler.cost import tree_costs
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Network, bind_dims, structural_key
-from tncomp.compiler.memory import Memory, apply_memory
+from tncomp.compiler.memory import MEMORY_LIMIT_ENV, Memory, apply_memory
 from tncomp.compiler.ops import transpose_gemms
 from tncomp.compiler.plan import Plan, lower
 from tncomp.compiler.problem import Problem, Tree, problem_for
@@ -30,7 +30,7 @@ from tncomp.compiler.regimes import (
     regimes_to_payload,
 )
 from tncomp.compiler.search import candidate_trees, choose_plan, implausible
-from tncomp.errors import CacheError, TncompError
+from tncomp.errors import CacheError, MemoryLimitError, TncompError
 
 log = logging.getLogger("tncomp.compiler.planner")
 
@@ -52,6 +52,7 @@ class Options:
     cuda_graphs: bool = False
     pool_buffers: bool = True
     memory: Memory = "fast"  # see tncomp.compiler.memory
+    memory_limit: int | None = None  # bytes a plan may hold at once (None: the device's default)
 
     @property
     def memory_part(self) -> tuple:
@@ -119,21 +120,52 @@ class Planner:
     # -- planning -------------------------------------------------------------------------------
     def plan_for(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], itemsize: int,
                  model: DeviceModel, *, dtype_name: str = "float32", device_type: str = "cpu",
-                 timer: Timer | None = None, orient: Orienter | None = None) -> Plan:
+                 timer: Timer | None = None, orient: Orienter | None = None,
+                 memory_limit: int | None = None) -> Plan:
         """The plan at these bound sizes: the tree of :meth:`tree_for` (or, with ``autotune``
         and a ``timer``, the measured fastest of the best candidates, its heaviest GEMMs in the
         orientation ``orient`` measured fastest) lowered with its backward, under the memory
-        mode. A plan the search already lowered is reused, not lowered again."""
+        mode. A plan the search already lowered is reused, not lowered again.
+
+        ``memory_limit`` (bytes): a plan whose :attr:`~Plan.peak_bytes` exceeds it is replaced
+        by the fastest candidate that fits (under the memory mode, then ``"min"``), and when
+        none does a :class:`~tncomp.errors.MemoryLimitError` says so before anything runs."""
         needs_grad = tuple(bool(g) for g in needs_grad)
         problem = problem_for(self.network, sizes)
         tree, plan = self._choose(problem, sizes, needs_grad, itemsize, model)
         if self.options.autotune and timer is not None:
             key = self.autotune_key(sizes, needs_grad, dtype_name, device_type)
-            return self._autotuned(key, problem, sizes, needs_grad, itemsize, model,
+            plan = self._autotuned(key, problem, sizes, needs_grad, itemsize, model,
                                    tree, plan, timer, orient)
-        if plan is None:
+        elif plan is None:
             plan = self._lower(problem, tree, needs_grad, itemsize, model)
+        if memory_limit is not None and plan.peak_bytes > memory_limit:
+            plan = self._within(problem, sizes, plan, needs_grad, itemsize, model, memory_limit)
         return plan
+
+    def _within(self, problem: Problem, sizes: Mapping[str, int], plan: Plan,
+                needs_grad: tuple[bool, ...], itemsize: int, model: DeviceModel,
+                limit: int) -> Plan:
+        """The fastest candidate plan whose peak fits ``limit`` (under the memory mode, then
+        recomputing everything), else a :class:`MemoryLimitError` naming the sizes."""
+        trees = candidate_trees(problem)
+        least = plan
+        for memory in dict.fromkeys((self.options.memory, "min")):
+            for candidate in choose_plan(problem, needs_grad, itemsize, model, trees,
+                                         memory).plans:
+                if candidate.peak_bytes <= limit:
+                    log.debug("memory limit %d: a plan of peak %d bytes (memory=%r) replaces "
+                              "one of %d", limit, candidate.peak_bytes, memory, plan.peak_bytes)
+                    return candidate
+                least = min(least, candidate, key=lambda p: p.peak_bytes)
+        bound = ", ".join(f"{i}={sizes[i]}" for i in self._canonical if i in sizes)
+        raise MemoryLimitError(
+            f"every plan of this network ({len(self.network.operands)} tensors; {bound}) needs "
+            f"more memory than the limit of {_bytes(limit)}: the chosen one "
+            f"{_bytes(plan.peak_bytes)} at its peak, the leanest of {len(trees)} candidate "
+            f"trees {_bytes(least.peak_bytes)} even with memory='min' (every intermediate "
+            "recomputed). Shrink the network (smaller bonds or batch), or raise the limit with "
+            f"compile(..., memory_limit=BYTES) or ${MEMORY_LIMIT_ENV}.")
 
     def _lower(self, problem: Problem, tree: Tree, needs_grad: tuple[bool, ...], itemsize: int,
                model: DeviceModel) -> Plan:
@@ -274,6 +306,14 @@ def _trusted(tree: Tree, problem: Problem, needs_grad: Sequence[bool], itemsize:
     if reason is not None:
         raise CacheError(f"a stored tree is far worse than greedy: {reason}")
     return tree
+
+
+def _bytes(n: int) -> str:
+    """A byte count as a message shows it: ``4.00 GiB (4294967296 bytes)``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit} ({n} bytes)"
+    return f"{n} bytes"
 
 
 def _transposed(plan: Plan, fwd: Sequence[int], bwd: Sequence[int]) -> Plan:

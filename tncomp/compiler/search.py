@@ -25,6 +25,7 @@ import opt_einsum
 from tncomp.compiler.budget import Budget, OutOfBudget
 from tncomp.compiler.chain import chain_trees
 from tncomp.compiler.device_model import DeviceModel
+from tncomp.compiler.layouts import layout_greedy
 from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.plan import Plan, lower, slot_elements
 from tncomp.compiler.problem import Problem, Tree
@@ -35,6 +36,7 @@ log = logging.getLogger("tncomp.compiler.search")
 EXACT_OPTIMAL_LIMIT = 5  # opt_einsum 'optimal' up to this many operands ('dp' is as exact)
 EXACT_DP_LIMIT = 16  # opt_einsum 'dp' up to this many; cotengra beyond
 OUTER_DP_LIMIT = 10  # 'dp' searches outer products up to this many operands (3^n subsets)
+LAYOUT_GREEDY_LIMIT = 64  # layout_greedy (O(n^3) pair scores) up to this many operands
 COTENGRA_MAX_S = 0.5  # cotengra's share of the budget (its greedy trials, then it stops)
 
 
@@ -101,6 +103,8 @@ def candidate_trees(problem: Problem, structured: bool = True,
     else:
         add(_cotengra_path(inputs, output, sizes, min(budget.remaining(), COTENGRA_MAX_S)))
     add(opt_einsum.paths.greedy(inputs, output, sizes))  # cheap: always a candidate
+    if n <= LAYOUT_GREEDY_LIMIT:
+        keep(layout_greedy(problem))  # the same, but avoiding copies
     keep(_sequential(n))
     return found
 
@@ -171,6 +175,8 @@ def choose_plan(
                           memory, model) for tree in trees]
     scored = [(plan.modelled_time(model, backward=any(needs_grad)), plan)
               for plan, ok in zip(plans, sound(plans, problem), strict=True) if ok]
+    if not scored:
+        raise PlanError(f"none of {len(plans)} candidate trees could be scored (internal).")
     scored.sort(key=lambda sp: sp[0])
     log.debug("scored %d candidate trees; best %.3g s", len(scored), scored[0][0])
     return Choice(scored[0][1], tuple((p.tree, t) for t, p in scored),
@@ -208,13 +214,19 @@ def largest_operand(problem: Problem) -> int:
 
 
 def sound(plans: Sequence[Plan], problem: Problem) -> list[bool]:
-    """Which of several plans of one problem are not :func:`far_worse` than the least of them
-    (at least one always is): whatever a device model (or a planted calibration) says, a
-    tree needing 16x the FLOPs or memory of another candidate is not chosen."""
+    """Which of several plans of one problem are not :func:`far_worse` than the least of them:
+    whatever a device model (or a planted calibration) says, a tree needing 16x the FLOPs or
+    memory of another candidate is not chosen. When every one is (the fewest FLOPs and the
+    least memory far apart), those that no other beats on both count as sound: at least one
+    always does."""
     feet = [footprint(p) for p in plans]
     best = (min(f for f, _ in feet), min(s for _, s in feet))
     floor = largest_operand(problem)
-    return [far_worse(f, best, floor) is None for f in feet]
+    ok = [far_worse(f, best, floor) is None for f in feet]
+    if not any(ok):  # the least FLOPs and the least memory come at a far cost of each other:
+        # keep the candidates no other beats on both
+        ok = [not any(g[0] <= f[0] and g[1] <= f[1] and g != f for g in feet) for f in feet]
+    return ok
 
 
 def implausible(problem: Problem, tree: Tree, needs_grad: Sequence[bool],

@@ -54,9 +54,11 @@ def time_plans(plans: Sequence[Plan], shapes: Sequence[tuple[int, ...]], dtype: 
 
 
 def _matrix(view: MatView, dtype, device) -> torch.Tensor:
-    """A random operand stored as ``view`` reads it: ``view.shape`` contiguous, transposed if
-    ``view.t``."""
+    """A random operand stored as ``view`` reads it: ``view.shape`` contiguous, its batch axis
+    moved first, transposed if ``view.t``."""
     stored = torch.randn(view.shape, dtype=dtype, device=device)
+    if view.batch_axis:  # a strided batch
+        stored = stored.permute(1, 0, 2)
     return stored.mT if view.t else stored
 
 

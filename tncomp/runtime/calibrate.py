@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os  # noqa: F401  (tests/test_api.py patches tncomp.runtime.calibrate.os.replace)
+import os  # (tests/test_api.py also patches tncomp.runtime.calibrate.os.replace)
 import time
 from collections.abc import Callable
 from dataclasses import asdict, fields
@@ -34,9 +34,23 @@ log = logging.getLogger("tncomp.runtime.calibrate")
 
 _RATES = ("gemm_flops_per_s", "bytes_per_s", "step_overhead_s")
 _TABLE = ("gemm_dims", "gemm_rates")
+_SLOWDOWNS = ("transpose_slowdown", "gather_slowdown")
 GEMM_GRID = (8, 32, 128, 512, 4096)  # m, n and k of the measured GEMMs: thin (TT ranks) to wide
 GEMM_GRID_CUDA = (8, 32, 128, 512, 4096, 16384)
 MAX_GRID_FLOPS = 2 * 512 * 512 * 4096  # larger grid points run at the square GEMM's rate
+
+
+def device_memory(device: torch.device | str) -> int | None:
+    """Bytes of memory ``device`` has (the machine's for the CPU), or None when unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        try:
+            return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (AttributeError, OSError, ValueError):  # not a POSIX system
+            return None
+    return None
 
 
 def calibration_path(device: torch.device | str) -> Path:
@@ -58,6 +72,7 @@ def load_calibration(device: torch.device | str) -> DeviceModel | None:
     ok = (isinstance(data, dict) and set(data) <= names and set(_RATES) <= set(data)
           and all(_positive(data[k]) for k in _RATES)
           and isinstance(data.get("source", ""), str))
+    ok = ok and all(_positive(data[k]) for k in _SLOWDOWNS if k in data)
     if ok and any(k in data for k in _TABLE):
         ok = (all(isinstance(data.get(k), list) for k in _TABLE)
               and all(isinstance(v, int) and _positive(v) for v in data["gemm_dims"])
@@ -152,7 +167,8 @@ def gemm_table(device: torch.device, dtype: torch.dtype, sync: Callable[[], obje
 
 def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
               save: bool = True, shapes: bool = False) -> DeviceModel:
-    """Time a square GEMM, a large copy, a tiny op and (``shapes``) the GEMM grid of
+    """Time a square GEMM, a large copy, a 2-D transpose and a gather of the same bytes (their
+    slowdowns against the copy), a tiny op and (``shapes``) the GEMM grid of
     :func:`gemm_table`; store and return the model.
 
     ``shapes`` is off by default: the table predicts a plan's time better (768x3072 TT layer,
@@ -169,6 +185,13 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     big = torch.empty(32 * 2**20 // 4, device=device, dtype=torch.float32).normal_()  # 32 MiB
     dst = torch.empty_like(big)
     bw = 2 * big.numel() * 4 / median_time(lambda: dst.copy_(big), 7, sync)
+    copy_s = 2 * big.numel() * 4 / bw
+    matrix = big.view(2048, -1)  # (2048, 4096): a blocked 2-D transpose
+    transposed = torch.empty(matrix.t().shape, device=device)  # contiguous (empty_like is not)
+    transpose = median_time(lambda: transposed.copy_(matrix.t()), 5, sync) / copy_s
+    cube = big.view(8, 32, -1)  # (8, 32, 32768): runs of one element read far apart
+    gathered = torch.empty(cube.permute(2, 1, 0).shape, device=device)
+    gather = median_time(lambda: gathered.copy_(cube.permute(2, 1, 0)), 3, sync) / copy_s
     tiny = torch.randn(4, 4, device=device, dtype=dtype)  # (4, 4)
     overhead = median_time(lambda: torch.mm(tiny, tiny), 50, sync)
     dims: tuple[int, ...] = ()
@@ -178,7 +201,8 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
         rates = gemm_table(device, dtype, sync, gemm, overhead, dims,
                            MAX_GRID_FLOPS if device.type == "cpu" else 64 * MAX_GRID_FLOPS)
     model = DeviceModel(gemm, bw, overhead, f"calibrated on {device.type} ({dtype}, "
-                        f"{torch.get_num_threads()} threads)", dims, rates)
+                        f"{torch.get_num_threads()} threads)", dims, rates,
+                        max(transpose, 1.0), max(gather, 1.0))
     if save:
         save_calibration(model, device)
     return model

@@ -20,10 +20,12 @@ from tncomp.compiler.ops import Expand, MatMul, MatView, Op, Permute, Reshape, S
 from tncomp.compiler.plan import Plan
 from tncomp.errors import ExecutionError
 from tncomp.runtime.buffers import MIN_POOLED_BYTES, BufferPool, alias, pooling_available
+from tncomp.runtime.transpose import permute_into
 
 THIN_COLS = 32  # a CPU GEMM with this few output columns (and more rows) ...
 THIN_MIN_INNER = 128  # ... and at least this long an inner size is run transposed ...
 THIN_ALIGNED_MIN_ROWS = 1024  # ... unless A B / A B^T, columns a multiple of 8, rows this many
+REDUCTION_MAX_OUT = 0.05  # a GEMM of two transposed operands with an output this small
 FUSE_MIN_BYTES = 4 << 20  # a shared GEMM operand this large (out of cache) ...
 FUSE_MAX_THIN = 64  # ... read by two GEMMs with outputs this thin ...
 FUSE_BLOCK = 256  # ... is read once, in blocks of this many rows (fused_rows)
@@ -49,9 +51,22 @@ def thin_transposed(op: MatMul, device: torch.device) -> bool:
     return weight_grad or n % 8 != 0 or m < THIN_ALIGNED_MIN_ROWS
 
 
+def reduction_transposed(op: MatMul, device: torch.device) -> bool:
+    """A CPU GEMM ``C = A^T B^T`` (both operands transposed) whose output is small against its
+    inputs (at most ``REDUCTION_MAX_OUT`` of them: a weight gradient summing over the batch)
+    runs as ``(B A)^T``, both operands read as stored. MKL reads a long inner size through two
+    transposed operands at a small fraction of its rate (docs/formats.md has the figures)."""
+    if device.type != "cpu" or not (op.lhs.t and op.rhs.t):
+        return False
+    m, k = op.lhs.rows_cols
+    n = op.rhs.rows_cols[1]
+    return m * n <= REDUCTION_MAX_OUT * k * (m + n)
+
+
 def runs_transposed(op: MatMul, device: torch.device) -> bool:
-    """Whether codegen emits ``op`` as ``(rhs^T @ lhs^T)^T``: marked so, or by the thin rule."""
-    return op.transposed or thin_transposed(op, device)
+    """Whether codegen emits ``op`` as ``(rhs^T @ lhs^T)^T``: marked so, or by the thin or the
+    reduction rule."""
+    return op.transposed or thin_transposed(op, device) or reduction_transposed(op, device)
 
 
 def fused_rows(v: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
@@ -102,11 +117,15 @@ class _Emitter:
         self.exits = {plan.output_slot, *(s for s in plan.grad_slots if s is not None)}
         self.conjugate = False  # set while emitting the backward of a complex plan
         self.fused = 0
+        self.constants: dict[str, object] = {}  # names the generated code reads
+        self.timed = False  # call _mark(pass, step) after every step (tncomp.runtime.profile)
 
     def view(self, v: MatView) -> str:
         text = f"v{v.slot}"
         if self.shapes.get(v.slot) != v.shape:
             text += f".reshape({v.shape!r})"
+        if v.batch_axis:  # a strided batch: (rows, batch, cols) -> (batch, rows, cols)
+            text += ".permute(1, 0, 2)"
         if self.conjugate and v.slot < self.plan.dy_slot:  # d(AB): dY B^H, A^H dY
             text += ".conj()"
         return f"{text}.mT" if v.t else text
@@ -123,7 +142,7 @@ class _Emitter:
             fn = "bmm" if batched else "mm"
             m = op.lhs.rows_cols[0]
             n = op.rhs.rows_cols[1]
-            shape = ((op.lhs.shape[0],) if batched else ()) + (m, n)
+            shape = ((op.lhs.batch,) if batched else ()) + (m, n)
             self.shapes[op.dst] = shape
             pooled = self.pool and math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES
             if runs_transposed(op, self.device):  # C = (B^T A^T)^T: same values, fast layout
@@ -143,9 +162,18 @@ class _Emitter:
                 out = f", out=_pool{op.dst}.take()"
             return f"v{op.dst} = torch.{fn}({self.view(op.lhs)}, {self.view(op.rhs)}{out})"
         if isinstance(op, Permute):
-            self.shapes[op.dst] = tuple(op.shape[p] for p in op.perm)
-            return (f"v{op.dst} = {self.reshape(op.src, op.shape)}.permute({op.perm!r})"
-                    ".contiguous()")
+            shape = tuple(op.shape[p] for p in op.perm)
+            self.shapes[op.dst] = shape
+            if not (self.pool and self.device.type == "cpu"):  # autograd, vmap, CUDA
+                return (f"v{op.dst} = {self.reshape(op.src, op.shape)}.permute({op.perm!r})"
+                        ".contiguous()")
+            out = f"v{op.src}.new_empty({shape!r})"
+            if math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES:
+                self.pools[op.dst] = BufferPool(shape, self.dtype, self.device)
+                out = f"_pool{op.dst}.take()"
+            self.constants[f"_swap{op.dst}"] = op.swap
+            return (f"v{op.dst} = _permute_into({out}, v{op.src}, {op.shape!r}, {op.perm!r}, "
+                    f"_swap{op.dst})")
         if isinstance(op, Reshape):
             self.shapes[op.dst] = op.shape
             if op.dst in self.exits and op.src in self.pools:
@@ -153,7 +181,10 @@ class _Emitter:
             return f"v{op.dst} = {self.reshape(op.src, op.shape)}"
         if isinstance(op, Sum):
             self.shapes[op.dst] = tuple(s for k, s in enumerate(op.shape) if k not in op.dims)
-            return f"v{op.dst} = {self.reshape(op.src, op.shape)}.sum({op.dims!r})"
+            # integers stay in the operands' dtype (torch.sum would promote them to int64)
+            keep = "" if self.dtype.is_floating_point or self.dtype.is_complex else \
+                f", dtype={self.dtype}"
+            return f"v{op.dst} = {self.reshape(op.src, op.shape)}.sum({op.dims!r}{keep})"
         if isinstance(op, Expand):
             self.shapes[op.dst] = op.shape
             return (f"v{op.dst} = {self.reshape(op.src, op.view)}.expand({op.shape!r})"
@@ -195,8 +226,8 @@ class _Emitter:
         return (f"v{p.dst}, v{q.dst} = _fused_rows({self.view(p.lhs)}, {self.view(p.rhs)}, "
                 f"{self.view(q.lhs)})")
 
-    def body(self, ops, frees) -> list[str]:
-        lines = []
+    def body(self, ops, frees, which: int = 0) -> list[str]:
+        lines = [f"        _mark({which}, -1)"] if self.timed else []
         pairs = self.fusable(ops)
         done = {k + 1 for k in pairs}
         for k, (op, free) in enumerate(zip(ops, frees, strict=True)):
@@ -215,6 +246,8 @@ class _Emitter:
             self.conjugate = conjugate
             if free:
                 lines.append(f"        del {', '.join(f'v{s}' for s in free)}")
+            if self.timed:
+                lines.append(f"        _mark({which}, {k})")
         return lines or ["        pass"]
 
 
@@ -224,9 +257,14 @@ def _tuple(names: list[str]) -> str:
 
 def generate(plan: Plan, operand_shapes, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu", name: str = "plan",
-             pool: bool = True) -> GeneratedCode:
-    """Render and compile ``plan`` into ``forward(*operands)`` and ``backward(...)``."""
+             pool: bool = True, mark: Callable[[int, int], None] | None = None,
+             ) -> GeneratedCode:
+    """Render and compile ``plan`` into ``forward(*operands)`` and ``backward(...)``.
+
+    ``mark``: called as ``mark(pass, -1)`` when a pass (0 forward, 1 backward) starts and
+    ``mark(pass, k)`` after its step k (the per-step timer of :mod:`tncomp.runtime.profile`)."""
     emit = _Emitter(plan, [tuple(s) for s in operand_shapes], dtype, torch.device(device), pool)
+    emit.timed = mark is not None
     n = plan.n_operands
     args = [f"v{k}" for k in range(n)]
     saved = [f"v{s}" for s in plan.saved]
@@ -240,7 +278,7 @@ def generate(plan: Plan, operand_shapes, dtype: torch.dtype = torch.float32,
            f"    {_tuple(saved)} = saved" if saved else "    pass",
            "    step = -1", "    try:"]
     emit.conjugate = dtype.is_complex
-    bwd += emit.body(plan.backward, plan.backward_frees)
+    bwd += emit.body(plan.backward, plan.backward_frees, 1)
     bwd += ["    except Exception as exc:", "        _fail(exc, 'backward', step)",
             f"    return {_tuple(grads)}"]
     source = "\n".join([*fwd, "", *bwd]) + "\n"
@@ -252,7 +290,8 @@ def generate(plan: Plan, operand_shapes, dtype: torch.dtype = torch.float32,
             f"{type(exc).__name__} while executing {which} step {step} ({what}) of {name}: {exc}"
         ) from exc
 
-    namespace = {"torch": torch, "_fail": fail, "_alias": alias, "_fused_rows": fused_rows}
+    namespace = {"torch": torch, "_fail": fail, "_alias": alias, "_fused_rows": fused_rows,
+                 "_permute_into": permute_into, "_mark": mark, **emit.constants}
     namespace.update({f"_pool{slot}": p for slot, p in emit.pools.items()})
     filename = f"<tncomp {name} {id(plan):x}>"
     exec(compile(source, filename, "exec"), namespace)

@@ -81,8 +81,22 @@ def check_operands(net, operands: Sequence) -> None:
                 "with one dtype (cast with .to(dtype)), or call inside torch.autocast, which "
                 "casts them to its dtype."
             )
-    if not dtype.is_floating_point and not dtype.is_complex:
-        raise DtypeError(f"operands have dtype {dtype}; use a floating dtype such as float32.")
+    check_dtype(dtype, device)
+
+
+def check_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """A :class:`DtypeError` unless tncomp (and torch's einsum) contract ``dtype`` on
+    ``device``: floating and complex dtypes anywhere, integers on the CPU (exact results, no
+    gradients), as ``torch.einsum``; never bool, which torch's matrix products refuse."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return
+    if dtype == torch.bool:
+        raise DtypeError(f"operands have dtype {dtype}; torch multiplies no bool matrices (nor "
+                         "does torch.einsum): cast to an integer or floating dtype.")
+    if device.type != "cpu":
+        raise DtypeError(f"operands have dtype {dtype} on {device}; torch has integer matrix "
+                         "products on the CPU only (torch.einsum refuses them there too): use "
+                         "a floating dtype, or CPU tensors.")
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

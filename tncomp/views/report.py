@@ -14,7 +14,7 @@ from tncomp.compiler.cost import Costs, tree_costs
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Network, Role
 from tncomp.compiler.memory import Memory, describe_memory, saved_formula
-from tncomp.compiler.plan import Plan
+from tncomp.compiler.plan import Measured, Plan
 from tncomp.compiler.problem import Tree, problem_for
 from tncomp.compiler.regimes import RegimeTable
 
@@ -113,11 +113,12 @@ def memory_lines(net: Network, plan: Plan, model: DeviceModel, at: str, memory: 
 
 def report(net: Network, plan: Plan, model: DeviceModel, batch: int,
            table: RegimeTable | None = None, memory: Memory = "fast",
-           saved_by_tree: int | None = None) -> str:
+           saved_by_tree: int | None = None, measured: Measured | None = None) -> str:
     """The full report of ``net``: the costs of ``plan``'s tree as formulas, the regime
     ``table`` (for one symbolic size), what ``plan`` saves for the backward under ``memory``
     (``saved_by_tree``: what its tree saves in ``"fast"``, default ``plan``'s), ``plan``
-    (bound at ``batch``) timed by ``model``, and the dense layer it stands for."""
+    (bound at ``batch``) with each step's roofline floor under ``model`` (and, ``measured``, the
+    time each step took), and the dense layer it stands for."""
     needs_grad, itemsize = plan.needs_grad, plan.itemsize
     lines = ["== network ==", str(net), ""]
     dims = net.dims
@@ -138,10 +139,20 @@ def report(net: Network, plan: Plan, model: DeviceModel, batch: int,
     if any(needs_grad):
         lines += memory_lines(net, plan, model, at, memory,
                               plan.saved_bytes if saved_by_tree is None else saved_by_tree)
-    lines += [f"== plan at {at} ==", plan.table(),
-              f"modelled time {plan.modelled_time(model) * 1e3:.3f} ms, floor "
-              f"{plan.floor_time(model) * 1e3:.3f} ms ({model.source}: "
-              f"{_si(model.gemm_flops_per_s, 'FLOP/s')}, {_si(model.bytes_per_s, 'B/s')})", ""]
+    floor = plan.floor_time(model)
+    lines += [f"== plan at {at} ==",
+              plan.table(model, (measured.forward, measured.backward) if measured else None),
+              f"roofline floor {floor * 1e3:.3f} ms, modelled time "
+              f"{plan.modelled_time(model) * 1e3:.3f} ms ({model.source}: "
+              f"{_si(model.gemm_flops_per_s, 'FLOP/s')}, {_si(model.bytes_per_s, 'B/s')}; the "
+              "floor of a step: its FLOPs at the GEMM rate or its bytes at bandwidth, whichever "
+              "is slower)"]
+    if measured is not None:
+        lines.append(f"measured {measured.total * 1e3:.3f} ms, {measured.total / floor:.1f}x the "
+                     f"floor (median of {measured.repeats} runs, {measured.threads} threads; "
+                     f"steps timed one by one: {measured.steps_total * 1e3:.3f} ms; two GEMMs "
+                     "run fused, reading one large operand once, show as the first step)")
+    lines.append("")
     dense = dense_equivalent(net)
     if dense is not None:
         bound_dense = dense.total_flops.subs({d.symbol: batch for d in dims}) if dims else \

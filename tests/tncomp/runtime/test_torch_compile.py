@@ -149,3 +149,22 @@ def test_autocast_inside_compiled_function_matches_eager_autocast(one_thread):
     (wx,) = torch.autograd.grad(want.float().sum(), ts[1])
     assert gx.dtype == torch.float32
     torch.testing.assert_close(gx, wx)
+
+
+@pytest.mark.parametrize("which", ["tucker", "btt"])
+def test_strided_batch_plans_compile_whole_and_equal_einsum(which, one_thread):
+    """The layout-aware plans (strided-batch GEMMs, adjoints read in place) under
+    ``torch.compile(fullgraph=True)``: one graph, einsum's values and gradients (float64)."""
+    from tests.tncomp.compiler.test_layouts import btt, tucker
+
+    net = tucker((3, 2, 2), (2, 3, 2), 2) if which == "tucker" else btt((3, 2, 2), (2, 3, 2), 2)
+    f = compile_net(net)
+    compiled = torch.compile(lambda *ts: f(*ts), fullgraph=True, backend="aot_eager")
+    ts = operands(net, 300, requires_grad=True)
+    y = compiled(*ts)
+    expected = reference(net, ts)
+    torch.testing.assert_close(y, expected)
+    dy = torch.randn_like(y)
+    for got, want in zip(torch.autograd.grad(y, ts, dy), torch.autograd.grad(expected, ts, dy),
+                         strict=True):
+        torch.testing.assert_close(got, want)

@@ -11,6 +11,7 @@ import re
 import pytest
 
 import tncomp
+from tests.helpers.tn import bind
 from tncomp.views.report import versus
 
 
@@ -37,3 +38,26 @@ def test_a_plan_with_more_flops_than_dense_says_more():
     assert plan > dense
     assert re.search(r"\([0-9.]+x more\)$", line), line
     assert "fewer)" not in line
+
+
+def test_every_step_shows_its_roofline_floor_and_measured_time_beside_it():
+    """Issue 32: ``tncomp inspect`` shows the roofline floor of each step (FLOPs at the GEMM
+    rate or bytes at bandwidth, whichever binds), and with measure=True the time each took."""
+    net = tncomp.tt_linear([4, 8], [8, 4], 4)
+    model = tncomp.DeviceModel(1e9, 1e9, 1e-6, "test model")
+    compiled = tncomp.compile(net, model=model, disk_cache=False)
+    text = tncomp.inspect(compiled, batch=64)
+    plan_part = text[text.index("== plan at"):]
+    header = plan_part.splitlines()[1]
+    assert "floor ms" in header and "x floor" not in header
+    plan = compiled.plan_for(bind(net, 64), (True,) * 5)
+    floor = plan.floor_time(model)
+    assert f"roofline floor {floor * 1e3:.3f} ms" in text
+    first = plan.forward[0]
+    row = next(line for line in plan_part.splitlines() if line.startswith("fwd   0"))
+    assert row.split()[-1] == f"{model.step_floor(first) * 1e3:.3f}"
+    measured = tncomp.inspect(compiled, batch=64, measure=True)
+    header = measured[measured.index("== plan at"):].splitlines()[1]
+    assert header.split()[-3:] == ["ms", "x", "floor"]
+    assert re.search(r"measured \d+\.\d+ ms, \d+\.\dx the floor \(median of 7 runs",
+                     measured)
