@@ -96,7 +96,7 @@ def _check_plain_module(module: nn.Module, spec: Mapping[str, Any]) -> str | Non
     """Why the unconverted ``module`` cannot be replaced by the recorded layer (None if it can)."""
     kind = KINDS[spec["kind"]]
     if not isinstance(module, kind.dense):
-        dense = sorted(k.dense.__name__ for k in KINDS.values())
+        dense = sorted({k.dense.__name__ for k in KINDS.values()})
         return (f"the model has a {type(module).__name__}, the checkpoint a {spec['kind']} "
                 f"(which takes the place of an nn.{kind.dense.__name__}); expected a gated layer "
                 f"or one of nn.{', nn.'.join(dense)}")
