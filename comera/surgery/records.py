@@ -378,5 +378,5 @@ def read_records(layers: Any, state: Mapping[str, Any], where: str) -> dict[str,
     return read
 
 
-__all__ = ["KINDS", "LEGACY", "RecordKind", "build_layer", "builds_from_modes", "kind_of",
-           "layer_spec", "layout_problem", "read_records", "record_problem", "upgrade"]
+__all__ = ["KINDS", "LEGACY", "TABLE_KEYS", "RecordKind", "build_layer", "builds_from_modes",
+           "kind_of", "layer_spec", "layout_problem", "read_records", "record_problem", "upgrade"]
