@@ -2,6 +2,7 @@
 
     comera train transformer --quick           # dense vs CoMERA, summary table and plots
     comera train dlrm --quick --nproc 2        # data-parallel over 2 processes (gloo)
+    comera train dlrm --quick --format tucker  # the CoMERA run's layers in another format
     comera train mlm --quick --resume          # continue from the run's last checkpoint
     comera convert model.pt -o model_tt.pt --set ranks=16
     comera report runs/latest/checkpoints/comera.pt
@@ -46,6 +47,8 @@ FLAGS = {"target_compression": "--target-compression", "steps_early": "--steps",
          "steps_late": "--late-steps", "batch_size": "--batch-size",
          "checkpoint_every": "--checkpoint-every", "seed": "--seed", "eval_every": "--eval-every",
          "lr": "--lr", "lam": "--lam", "lr_gates": "--lr-gates", "threads": "--threads"}
+# EngineConfig field -> the option that sets it, for the options that always give a value
+SET_ALWAYS = {"device": "--device", "format": "--format"}
 
 
 def _engine_config(args, exp) -> Any:
@@ -54,7 +57,8 @@ def _engine_config(args, exp) -> Any:
                                "on_nonfinite": args.on_nonfinite,
                                "precision": args.precision, "compile": args.compile,
                                "memory": args.memory,
-                               "checkpoint_blocks": args.checkpoint_blocks, "fsdp": args.fsdp}
+                               "checkpoint_blocks": args.checkpoint_blocks, "fsdp": args.fsdp,
+                               "format": args.format}
     for field_name, flag in FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
@@ -68,7 +72,7 @@ def _engine_config(args, exp) -> Any:
 def _with_flags(exc: ConfigError) -> ConfigError:
     """The engine names its settings; say which option sets each one it names."""
     text = str(exc)
-    named = [f"{flag} sets {name}" for name, flag in {**FLAGS, "device": "--device"}.items()
+    named = [f"{flag} sets {name}" for name, flag in {**FLAGS, **SET_ALWAYS}.items()
              if re.search(rf"\b{name}=", text)]
     return ConfigError(f"{text} ({'; '.join(named)})" if named else text)
 
@@ -376,6 +380,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from comera.experiments.registry import EXPERIMENTS  # the one list of models
+    from comera.formats.registry import DENSE, layer_formats  # the one list of formats
 
     parser = _Parser(prog="comera", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -386,8 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=f"one of: {', '.join(EXPERIMENTS)}")
     p.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
     p.add_argument("--stage", choices=["early", "late", "both"], default="both")
+    p.add_argument("--format", choices=[f for f in layer_formats() if f != DENSE], default="tt",
+                   help="the CoMERA run's layer kind, a registered format (its tables in the "
+                        "format's table format: tt's are ttm); the dense run stays dense "
+                        "(default: tt)")
     p.add_argument("--target-compression", type=float, default=None,
-                   help="late stage: TT layers' dense size / TT size to reach")
+                   help="late stage: gated layers' dense size / compressed size to reach")
     p.add_argument("--steps", type=int, default=None, help="early-stage steps (>= 1)")
     p.add_argument("--late-steps", type=int, default=None, help="late-stage steps")
     p.add_argument("--batch-size", type=int, default=None, help="global batch size")

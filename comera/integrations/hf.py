@@ -19,7 +19,8 @@ changed settings is refused after the late stage began and warned about before.
 Saving: the callback makes the model's ``save_pretrained`` (called by ``trainer.save_model()``
 and by every checkpoint) also write :func:`comera.save_pretrained`'s files, so
 ``comera.from_pretrained(folder, cls)`` reads any saved folder, and mark each TT layer in
-HuggingFace's weights with a zero-size ``<layer>.weight``, so HuggingFace's own
+HuggingFace's weights (safetensors or a transformers 4.x ``.bin``, any variant, sharded or not)
+with a zero-size ``<layer>.weight``, so HuggingFace's own
 ``from_pretrained`` refuses the folder (a size mismatch naming the layer) instead of building
 dense layers with fresh random weights. ``resume_from_checkpoint`` restores a truncated model
 exactly from HuggingFace's files (its TT layers take the saved bonds as they load, see
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,8 @@ from comera.integrations.bonds import SENTINEL, follow_saved_bonds_
 from comera.integrations.schedule import StageCallback, has_tt_layers
 from comera.ranks.size import gated_layers
 from comera.surgery.pretrained import save_pretrained
+from comera.torchfile import read_torch_file, write_torch_file
+from tncomp.files import atomic_write_bytes, atomic_write_text
 
 try:
     from transformers import TrainerCallback
@@ -156,32 +160,61 @@ def saves_comera_files_(model: Any) -> None:
         model.save_pretrained = ComeraSavePretrained(model)
 
 
+# the weights HuggingFace's save_pretrained writes (safetensors, or a .bin from transformers 4.x
+# with save_safetensors=False; ``.<variant>`` before the extension with variant=...), whole or
+# as shards listed by an index
+HF_WEIGHTS = re.compile(r"(model(\.[^.]+)?\.safetensors|pytorch_model(\.[^.]+)?\.bin)")
+HF_INDEX = re.compile(r"(model\.safetensors|pytorch_model\.bin)\.index(\.[^.]+)?\.json")
+
+
+def _weights_files(folder: str | os.PathLike) -> list[tuple[Path, Path | None]]:
+    """Each set of weights HuggingFace wrote in ``folder``: ``(file, None)`` for a whole file,
+    ``(first shard, index)`` for a sharded one (comera's own files are not among them)."""
+    folder = Path(folder)
+    found: list[tuple[Path, Path | None]] = []
+    for path in sorted(folder.iterdir()):
+        if HF_INDEX.fullmatch(path.name):
+            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+            if shards:
+                found.append((folder / shards[0], path))
+        elif HF_WEIGHTS.fullmatch(path.name):
+            found.append((path, None))
+    return [(target, index) for target, index in found if target.is_file()]
+
+
 def mark_checkpoint(folder: str | os.PathLike, layers: list[str]) -> None:
-    """Add a zero-size ``<layer>.weight`` for each TT layer to a ``Trainer`` checkpoint's
-    safetensors weights, so HuggingFace's ``from_pretrained`` refuses the folder (a size
-    mismatch) rather than re-initialising those layers; ``resume_from_checkpoint`` drops them
-    again (:mod:`comera.integrations.bonds`)."""
-    import safetensors.torch
+    """Add a zero-size ``<layer>.weight`` for each TT layer to every set of weights HuggingFace
+    wrote in ``folder`` (:func:`_weights_files`: safetensors or .bin, any variant, sharded or
+    not), so HuggingFace's ``from_pretrained`` refuses the folder (a size mismatch) rather than
+    re-initialising those layers; ``resume_from_checkpoint`` drops them again
+    (:mod:`comera.integrations.bonds`)."""
+    if not layers:
+        return
+    for target, index in _weights_files(folder):
+        _add_markers(target, layers)
+        if index is not None:  # sharded: the markers went into the first shard
+            record = json.loads(index.read_text())
+            for name in layers:
+                record["weight_map"].setdefault(f"{name}.{SENTINEL}", target.name)
+            atomic_write_text(index, json.dumps(record, indent=2))
+
+
+def _add_markers(target: Path, layers: list[str]) -> None:
+    """The weights file ``target`` with a zero-size ``<layer>.weight`` for each of ``layers``."""
     import torch
+
+    if target.suffix == ".bin":  # a torch.save of the state dict
+        tensors = read_torch_file(target)
+        for name in layers:
+            tensors.setdefault(f"{name}.{SENTINEL}", torch.empty(0))
+        write_torch_file(target, tensors)
+        return
+    import safetensors.torch
     from safetensors import safe_open
 
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():  # sharded: the markers go into the first shard
-        record = json.loads(index.read_text())
-        target = folder / sorted(set(record["weight_map"].values()))[0]
-    else:
-        target = folder / "model.safetensors"
-        record = None
-    if not target.is_file() or not layers:
-        return
     with safe_open(str(target), framework="pt") as f:
         metadata = f.metadata() or {"format": "pt"}
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
     for name in layers:
         tensors.setdefault(f"{name}.{SENTINEL}", torch.empty(0))
-    safetensors.torch.save_file(tensors, str(target), metadata=metadata)
-    if record is not None:
-        for name in layers:
-            record["weight_map"].setdefault(f"{name}.{SENTINEL}", target.name)
-        index.write_text(json.dumps(record, indent=2))
+    atomic_write_bytes(target, safetensors.torch.save(tensors, metadata=metadata))

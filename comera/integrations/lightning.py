@@ -11,7 +11,8 @@ stage truncates (with the optimizer state) and lands on the compression target. 
 its own loss; the callback logs ``comera/objective``, ``comera/size``, ``comera/compression``
 (the TT layers', which ``target_compression`` refers to), ``comera/model_compression`` (the
 whole model's), ``comera/rank_total`` and ``comera/late_stage``. A target the run cannot reach
-is a warning (when training begins if it is known then, else when it ends); resuming with
+is a warning (when training begins if it is known then, else when it ends; the run's steps are
+``max_steps``, or what ``max_epochs`` come to when only epochs limit it); resuming with
 changed settings is refused after the late stage began and warned about before. Checkpoints
 keep the TT layers; ``fit(..., ckpt_path=...)`` resumes a truncated model exactly (the
 controller's state and the settings are the callback's state), while
@@ -21,6 +22,7 @@ truncated weights (strict loading) rather than loading part of them. One optimiz
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from comera.errors import ConfigError
@@ -29,11 +31,28 @@ from comera.integrations.schedule import StageCallback, has_tt_layers
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
 except ImportError as exc:  # pragma: no cover - the lightning extra is missing
     raise ImportError("comera.integrations.lightning needs lightning: pip install -e "
                       "'.[lightning]' in the comera checkout.") from exc
 
 __all__ = ["CoMERACallback"]
+
+
+def _total_steps(trainer: Any) -> int | None:
+    """The optimizer steps ``trainer``'s run ends at: ``max_steps``, or what ``max_epochs``
+    (and the batches per epoch, gradient accumulation, ``limit_train_batches``) come to when
+    only epochs limit it; None when unknown (an endless run, a loader without a length, an
+    accumulation that changes between epochs)."""
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        return int(trainer.max_steps)
+    try:
+        estimated = trainer.estimated_stepping_batches  # Lightning's own count of the steps
+    except MisconfigurationException:  # e.g. accumulation that changes between epochs
+        return None
+    if isinstance(estimated, int | float) and math.isfinite(estimated) and estimated >= 1:
+        return int(estimated)
+    return None
 
 
 class CoMERACallback(StageCallback, pl.Callback):
@@ -54,10 +73,9 @@ class CoMERACallback(StageCallback, pl.Callback):
         if len(trainer.optimizers) != 1:
             raise ConfigError(f"CoMERACallback drives one optimizer; configure_optimizers "
                               f"returned {len(trainer.optimizers)}.")
-        max_steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         saved = self._saved or {}
-        self.begin_training(pl_module, trainer.optimizers[0], max_steps, trainer.global_step,
-                            saved.get("controller"), saved.get("settings"))
+        self.begin_training(pl_module, trainer.optimizers[0], _total_steps(trainer),
+                            trainer.global_step, saved.get("controller"), saved.get("settings"))
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         """Remember the micro-batch's plain loss (the late stage decides on it)."""

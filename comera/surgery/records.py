@@ -3,8 +3,11 @@ how a layer is rebuilt from one.
 
 A record is plain data (it goes into JSON). A linear layer of any format:
 ``{"kind": "GatedLinear", "format": name, "layout": Layout.to_dict(), "bias": bool, "tau": x}``;
-a TT embedding table: ``{"kind": "TTEmbedding", "in_features", "out_features", "in_modes",
-"out_modes", "bonds", "tau", "bias", "padding_idx", "merge_pairs"}``. Records written before the
+a TT-matrix embedding table: ``{"kind": "TTEmbedding", "in_features", "out_features",
+"in_modes", "out_modes", "bonds", "tau", "bias", "padding_idx", "merge_pairs"}``; a table in any
+other format that holds one: ``{"kind": "GatedEmbedding", "format": name, "layout":
+Layout.to_dict(), "num_embeddings": rows, "padding_idx": row or null, "tau": x}`` (the layout's
+inputs are the padded rows, its outputs the dim). Records written before the
 format protocol (kinds ``"TTLinear"`` / ``"TTMLinear"``: modes and chain bonds) are read as
 GatedLinear records of format ``tt`` / ``ttm`` (:func:`upgrade`).
 
@@ -26,9 +29,9 @@ from torch import Tensor, nn
 
 from comera.errors import CheckpointError, ConfigError
 from comera.formats.layout import Layout
-from comera.formats.registry import format_names, get_format
+from comera.formats.registry import format_names, get_format, table_formats
 from comera.layers.classes import linear_class
-from comera.layers.embedding import TTEmbedding
+from comera.layers.embedding import GatedEmbedding, TTEmbedding
 from comera.layers.linear import GatedLayer, GatedLinear, check_tau
 
 MAX_FEATURES = 2**31 - 1  # a record's sizes and bonds: int32, checked before anything is built
@@ -49,14 +52,18 @@ def _modes(value: Any) -> bool:
             and all(_whole(m) for m in value))
 
 
-def _tau_bias_problem(spec: Mapping[str, Any]) -> str | None:
+def _tau_problem(spec: Mapping[str, Any]) -> str | None:
     try:
         check_tau(spec["tau"])  # the layers' one rule: in [0, 1)
     except ConfigError as exc:
         return f"has {exc}"
+    return None
+
+
+def _tau_bias_problem(spec: Mapping[str, Any]) -> str | None:
     if not isinstance(spec["bias"], bool):
         return f"has bias={spec['bias']!r}; expected true or false"
-    return None
+    return _tau_problem(spec)
 
 
 # -- the kinds ------------------------------------------------------------------------------------
@@ -121,19 +128,29 @@ def layout_problem(fmt_name: str, layout: Layout) -> str | None:
     return None
 
 
-def _linear_problem(spec: Mapping[str, Any]) -> str | None:
-    missing = [k for k in ("format", "layout", "bias", "tau") if k not in spec]
+def _format_layout(spec: Mapping[str, Any], keys: tuple[str, ...], formats: tuple[str, ...],
+                   held: str) -> tuple[Layout | None, str | None]:
+    """A format-and-layout record's layout, or what is wrong with it: a key of ``keys``
+    missing, a format outside ``formats`` (``held``: what the error says they are), a layout
+    that does not parse or that the format does not build (:func:`layout_problem`)."""
+    missing = [k for k in keys if k not in spec]
     if missing:
-        return f"lacks {', '.join(missing)}"
-    if spec["format"] not in format_names():
-        return f"has format {spec['format']!r}; this comera knows {', '.join(format_names())}"
+        return None, f"lacks {', '.join(missing)}"
+    if spec["format"] not in formats:
+        return None, f"has format {spec['format']!r}; {held} {', '.join(formats)}"
     if not isinstance(spec["layout"], Mapping):
-        return f"has a layout of type {type(spec['layout']).__name__}, not a mapping"
+        return None, f"has a layout of type {type(spec['layout']).__name__}, not a mapping"
     try:
         layout = Layout.from_dict(spec["layout"])
     except ConfigError as exc:
-        return f"has a layout that does not parse ({exc})"
-    return layout_problem(spec["format"], layout) or _tau_bias_problem(spec)
+        return None, f"has a layout that does not parse ({exc})"
+    return layout, layout_problem(spec["format"], layout)
+
+
+def _linear_problem(spec: Mapping[str, Any]) -> str | None:
+    _, why = _format_layout(spec, ("format", "layout", "bias", "tau"), format_names(),
+                            "this comera knows")
+    return why or _tau_bias_problem(spec)
 
 
 def _linear_build(spec: Mapping[str, Any], factory: dict) -> GatedLayer:
@@ -192,21 +209,76 @@ def _embedding_build(spec: Mapping[str, Any], factory: dict) -> GatedLayer:
                        float(spec["tau"]), merge_pairs=bool(spec["merge_pairs"]), **factory)
 
 
-def _embedding_fits(module: nn.Module, spec: Mapping[str, Any]) -> str | None:
-    if module.padding_idx != spec["padding_idx"]:
-        return (f"padding_idx={module.padding_idx} in the model, {spec['padding_idx']} in the "
-                "checkpoint")
-    mine = (module.num_embeddings, module.embedding_dim, spec["bias"])
-    theirs = (spec["in_features"], spec["out_features"], spec["bias"])
+def _table_fits(module: nn.Module, rows: int, dim: int, padding_idx: int | None) -> str | None:
+    """Why the ``nn.Embedding`` ``module`` cannot be replaced by a recorded table of ``rows`` x
+    ``dim`` with ``padding_idx`` (None when it can)."""
+    if module.padding_idx != padding_idx:
+        return f"padding_idx={module.padding_idx} in the model, {padding_idx} in the checkpoint"
+    mine, theirs = (module.num_embeddings, module.embedding_dim), (rows, dim)
     if mine != theirs:
-        return f"(in, out, bias) are {mine} in the model, {theirs} in the checkpoint"
+        return f"(rows, dim) are {mine} in the model, {theirs} in the checkpoint"
     return None
+
+
+def _embedding_fits(module: nn.Module, spec: Mapping[str, Any]) -> str | None:
+    return _table_fits(module, spec["in_features"], spec["out_features"], spec["padding_idx"])
+
+
+# -- tables in any format that holds one (GatedEmbedding) --------------------------------------
+TABLE_KEYS = ("format", "layout", "num_embeddings", "padding_idx", "tau")
+
+
+def _table_write(layer: GatedEmbedding) -> dict[str, Any]:
+    return {"kind": "GatedEmbedding", "format": layer.format.name,
+            "layout": layer.layout.to_dict(), "num_embeddings": int(layer.num_embeddings),
+            "padding_idx": layer.padding_idx, "tau": float(layer.tau)}
+
+
+def _table_problem(spec: Mapping[str, Any]) -> str | None:
+    """What is wrong with a GatedEmbedding record: the keys, a format that holds tables, a
+    layout that format builds for a table at those bond sizes (a format without modes: rows
+    and dim as its single modes), rows the layout covers, a padding row among them, tau."""
+    layout, why = _format_layout(spec, TABLE_KEYS, table_formats(),
+                                 "the formats that hold tables are")
+    if why is not None:
+        return why
+    rows = spec["num_embeddings"]
+    if not _whole(rows) or rows > layout.in_features:
+        return (f"has num_embeddings={rows!r}; expected a whole number in [1, "
+                f"{layout.in_features}] (the rows its layout covers)")
+    if not get_format(spec["format"]).uses_modes and (
+            layout.in_modes != (rows,) or len(layout.out_modes) != 1):
+        return (f"has a layout of modes {layout.in_modes} x {layout.out_modes}; the "
+                f"{spec['format']} format holds a table of {rows} rows as one mode each side")
+    padding = spec["padding_idx"]
+    if padding is not None and not _whole(padding, 0, rows - 1):
+        return f"has padding_idx={padding!r}; expected null or a whole number in [0, {rows})"
+    return _tau_problem(spec)
+
+
+def _table_build(spec: Mapping[str, Any], factory: dict) -> GatedLayer:
+    layout = Layout.from_dict(spec["layout"])
+    modes = ((layout.in_modes, layout.out_modes) if get_format(spec["format"]).uses_modes
+             else (None, None))
+    return GatedEmbedding(spec["num_embeddings"], layout.out_features, *modes,
+                          list(layout.bond_sizes), spec["padding_idx"], float(spec["tau"]),
+                          format=spec["format"], **factory)
+
+
+def _table_record_fits(module: nn.Module, spec: Mapping[str, Any]) -> str | None:
+    dim = Layout.from_dict(spec["layout"]).out_features
+    return _table_fits(module, spec["num_embeddings"], dim, spec["padding_idx"])
 
 
 KINDS: dict[str, RecordKind] = {
     "TTEmbedding": RecordKind("TTEmbedding", lambda m: isinstance(m, TTEmbedding),
                               _embedding_write, _legacy_problem, _embedding_build, nn.Embedding,
                               _embedding_fits, "embedding"),
+    "GatedEmbedding": RecordKind("GatedEmbedding",
+                                 lambda m: isinstance(m, GatedEmbedding)
+                                 and not isinstance(m, TTEmbedding),
+                                 _table_write, _table_problem, _table_build, nn.Embedding,
+                                 _table_record_fits, "embedding"),
     "GatedLinear": RecordKind("GatedLinear", lambda m: isinstance(m, GatedLinear),
                               _linear_write, _linear_problem, _linear_build, nn.Linear,
                               _linear_fits, "linear"),
@@ -311,5 +383,5 @@ def read_records(layers: Any, state: Mapping[str, Any], where: str) -> dict[str,
     return read
 
 
-__all__ = ["KINDS", "LEGACY", "RecordKind", "build_layer", "builds_from_modes", "kind_of",
-           "layer_spec", "layout_problem", "read_records", "record_problem", "upgrade"]
+__all__ = ["KINDS", "LEGACY", "TABLE_KEYS", "RecordKind", "build_layer", "builds_from_modes",
+           "kind_of", "layer_spec", "layout_problem", "read_records", "record_problem", "upgrade"]

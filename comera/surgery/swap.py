@@ -73,9 +73,10 @@ def _describe(layout: Layout) -> str:
 def _check_gated(module: GatedLayer, spec: Mapping[str, Any]) -> str | None:
     """Why the gated ``module`` cannot take the recorded layer ``spec`` (None when it can):
     the same kind, format, layout up to its bond sizes, bias and padding."""
-    if kind_of(module).name != spec["kind"]:
-        return f"the model has a {type(module).__name__}, the checkpoint a {spec['kind']}"
     theirs = build_layer(spec, torch.empty(0, device="meta"))
+    if kind_of(module).name != spec["kind"]:
+        return (f"the model has a {type(module).__name__} (format {module.format.name}), the "
+                f"checkpoint a {spec['kind']} (format {theirs.format.name})")
     if module.format.name != theirs.format.name:
         return (f"the model's layer has format {module.format.name}, the checkpoint's "
                 f"{theirs.format.name}")
@@ -96,7 +97,7 @@ def _check_plain_module(module: nn.Module, spec: Mapping[str, Any]) -> str | Non
     """Why the unconverted ``module`` cannot be replaced by the recorded layer (None if it can)."""
     kind = KINDS[spec["kind"]]
     if not isinstance(module, kind.dense):
-        dense = sorted(k.dense.__name__ for k in KINDS.values())
+        dense = sorted({k.dense.__name__ for k in KINDS.values()})
         return (f"the model has a {type(module).__name__}, the checkpoint a {spec['kind']} "
                 f"(which takes the place of an nn.{kind.dense.__name__}); expected a gated layer "
                 f"or one of nn.{', nn.'.join(dense)}")

@@ -1,7 +1,8 @@
 """Figure helpers shared by the pictures: matplotlib on demand, output paths, a bare Agg figure.
 
-Matplotlib is optional (``pip install 'tncomp[plot]'``) and imported only when a picture is
-made, on a bare ``Figure`` with the Agg canvas: no pyplot, no backend switch, no global state.
+Matplotlib is optional (``pip install -e '.[plot]'`` in the checkout) and imported only when a
+picture is made, on a bare ``Figure`` with the Agg canvas: no pyplot, no backend switch, no
+global state.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def require_matplotlib() -> tuple[type, type]:
         missing = exc.name or "matplotlib"
         raise PlotDependencyError(
             f"pictures need matplotlib, which could not be imported (no {missing!r}); install "
-            "it with: pip install 'tncomp[plot]'"
+            "it with: pip install -e '.[plot]' in the tncomp checkout (or pip install matplotlib)"
         ) from None
     return Figure, FigureCanvasAgg
 

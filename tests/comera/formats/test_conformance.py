@@ -362,21 +362,66 @@ def test_convert_takes_embeddings_to_the_formats_table(table_fmt):
         torch.testing.assert_close(model(IDS), expected, rtol=1e-8, atol=1e-9)
 
 
-def test_table_checkpoint(table_fmt, tmp_path):
-    """TT-matrix tables round-trip; a table of another format is refused by the records
-    (surgery/records.py knows TTEmbedding only), with an error naming it, before anything is
-    written."""
-    model = nn.Sequential(_table(table_fmt, seed=2))
+def _saved_table(fmt: str) -> nn.Sequential:
+    """A table pruned, truncated (bonds smaller than a fresh table's) and of a tau other than
+    the default: what loading must restore."""
+    model = nn.Sequential(_table(fmt, seed=2))
+    with torch.no_grad():
+        model[0].gates[0][-1] = 0.0
+    comera.truncate_(model)
+    model[0].tau = 0.25
+    return model
+
+
+def _check_loaded(loaded: nn.Module, saved: nn.Module) -> None:
+    assert type(loaded[0]) is type(saved[0])
+    assert loaded[0].format.name == saved[0].format.name and loaded[0].tau == saved[0].tau
+    assert loaded[0].bond_sizes == saved[0].bond_sizes
+    assert loaded[0].padding_idx == PAD and not loaded(IDS)[IDS == PAD].any()
+    assert torch.equal(loaded(IDS), saved(IDS))
+
+
+def test_table_checkpoint_round_trip(table_fmt, tmp_path):
+    """A table of every format round-trips through a checkpoint: into a fresh model (its
+    table resized to the saved bonds) and into the unconverted model (its nn.Embedding
+    replaced by the saved table), outputs identical."""
+    model = _saved_table(table_fmt)
     path = tmp_path / "m.pt"
-    if not isinstance(model[0], comera.TTEmbedding):
-        with pytest.raises(comera.CheckpointError, match="GatedEmbedding"):
-            comera.save_checkpoint(path, model)
-        assert not path.exists()
-        return
     comera.save_checkpoint(path, model)
+    assert [r["kind"] for r in comera.read_checkpoint(path).layers.values()] == [
+        "TTEmbedding" if isinstance(model[0], comera.TTEmbedding) else "GatedEmbedding"]
     fresh = nn.Sequential(_table(table_fmt, seed=3))
+    assert fresh[0].bond_sizes != model[0].bond_sizes
     comera.load_checkpoint(path, fresh)
-    torch.testing.assert_close(fresh(IDS), model(IDS))
+    _check_loaded(fresh, model)
+    dense = nn.Sequential(nn.Embedding(ROWS, DIM, padding_idx=PAD, dtype=torch.float64))
+    comera.load_checkpoint(path, dense)
+    _check_loaded(dense, model)
+
+
+def test_table_save_pretrained_round_trip(table_fmt, tmp_path):
+    pytest.importorskip("safetensors")
+    model = _saved_table(table_fmt)
+    comera.save_pretrained(model, tmp_path)
+    for target in (nn.Sequential(_table(table_fmt, seed=3)),
+                   nn.Sequential(nn.Embedding(ROWS, DIM, padding_idx=PAD, dtype=torch.float64))):
+        _check_loaded(comera.from_pretrained(tmp_path, target), model)
+
+
+def test_a_table_checkpoint_refuses_a_model_of_another_table(table_fmt, tmp_path):
+    """Checked before anything changes: other rows, another padding row, another format."""
+    path = tmp_path / "m.pt"
+    comera.save_checkpoint(path, _saved_table(table_fmt))
+    other = next(f for f in TABLES if table_format(f) != table_format(table_fmt))
+    for model, needle in (
+            (nn.Sequential(nn.Embedding(ROWS + 1, DIM, padding_idx=PAD)), r"\(rows, dim\)"),
+            (nn.Sequential(nn.Embedding(ROWS, DIM, padding_idx=PAD + 1)), "padding_idx"),
+            (nn.Sequential(_table(other)), "the model has a|format")):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(comera.CheckpointError, match=needle):
+            comera.load_checkpoint(path, model)
+        assert model.state_dict().keys() == before.keys()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_table_autocast_keeps_the_tables_dtype_and_compile_matches_eager(table_fmt):

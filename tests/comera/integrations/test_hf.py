@@ -164,3 +164,55 @@ def test_a_model_without_tt_layers_is_refused(tmp_path):
 def test_bad_schedules_are_refused(kwargs):
     with pytest.raises(comera.ConfigError):
         CoMERACallback(**kwargs)
+
+
+# -- weights HuggingFace writes under other names: .bin (transformers 4.x with
+# save_safetensors=False / safe_serialization=False) and variants (model.<variant>.safetensors)
+def _as_bin(folder) -> None:
+    """Rewrite a checkpoint folder's weights as transformers 4.x writes them with
+    ``save_safetensors=False`` (transformers 5, installed here, writes safetensors only):
+    ``pytorch_model.bin``, a torch.save of the state dict, in place of ``model.safetensors``."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "model.safetensors")
+    torch.save({k: v for k, v in tensors.items() if v.numel()}, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+
+
+def test_a_checkpoint_saved_as_bin_is_marked_refused_by_hf_and_resumes_exactly(run, tmp_path):
+    """A Trainer checkpoint whose weights are a .bin gets the markers too (on_save): HF's own
+    from_pretrained refuses it instead of re-initialising the TT layers densely, and
+    resume_from_checkpoint still resumes the truncated model exactly."""
+    import shutil
+
+    folder = tmp_path / "checkpoint-4"
+    shutil.copytree(run["out"] / "checkpoint-4", folder)
+    _as_bin(folder)
+    callback = next(c for c in run["trainer"].callback_handler.callbacks
+                    if isinstance(c, CoMERACallback))
+    state = transformers.TrainerState(global_step=4)
+    callback.on_save(TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True),
+                     state, None, model=run["model"])
+    saved = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    names = [name for name, _ in comera.gated_layers(run["model"])]
+    assert all(saved[f"{n}.weight"].numel() == 0 for n in names)
+    with pytest.raises(RuntimeError, match="mismatch"):
+        GPT2LMHeadModel.from_pretrained(folder)
+    fresh = _model(seed=1)
+    _trainer(fresh, tmp_path / "again").train(resume_from_checkpoint=str(folder))
+    ref, got = run["model"].state_dict(), fresh.state_dict()
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_save_pretrained_of_a_variant_is_marked(run, tmp_path):
+    """``model.save_pretrained(folder, variant=...)`` writes model.<variant>.safetensors: marked
+    as model.safetensors is, so HF's from_pretrained(folder, variant=...) refuses it."""
+    model = run["model"]
+    model.save_pretrained(tmp_path, variant="v2")
+    assert (tmp_path / "model.v2.safetensors").is_file()
+    with pytest.raises(RuntimeError, match="mismatch"):
+        GPT2LMHeadModel.from_pretrained(tmp_path, variant="v2")
+    loaded = comera.from_pretrained(tmp_path, GPT2LMHeadModel)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)

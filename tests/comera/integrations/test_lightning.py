@@ -47,12 +47,13 @@ def _data():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
 
 
-def _trainer(out, **callback) -> pl.Trainer:
+def _trainer(out, limit: dict | None = None, **callback) -> pl.Trainer:
+    """A trainer of STEPS optimizer steps (``limit``: other Trainer limits, e.g. max_epochs)."""
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1,
                                                filename="{epoch}")
     callback = {"target_compression": TARGET, "late_start": LATE_START, **callback}
-    return pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False,
+    return pl.Trainer(**(limit or {"max_steps": STEPS}), accelerator="cpu", devices=1,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[CoMERACallback(**callback), checkpoints])
 
 
@@ -109,6 +110,31 @@ def test_a_late_start_at_max_steps_is_a_warning_when_training_begins(tmp_path):
                for m in said), said
     assert any("the late stage never began" in m for m in said), said
     assert _callback(trainer).driver.controller.stage == "early"
+
+
+def test_a_run_limited_by_max_epochs_alone_is_checked_when_training_begins(tmp_path):
+    """A Trainer with max_epochs and no max_steps (max_steps=-1): its optimizer steps are known
+    when training begins (one batch an epoch here), so a late_start past them is said then,
+    as with max_steps."""
+    trainer = _trainer(tmp_path, {"max_epochs": STEPS}, late_start=STEPS)
+    with pytest.warns(UserWarning) as seen:
+        trainer.fit(Regression(), _data())
+    said = [str(w.message) for w in seen]
+    assert trainer.max_steps == -1 and trainer.global_step == STEPS
+    assert any(f"late_start={STEPS} is at or past the trainer's max_steps={STEPS}" in m
+               for m in said), said
+    assert _callback(trainer).driver.controller.stage == "early"
+
+
+def test_a_run_limited_by_max_epochs_alone_lands_its_late_stage(tmp_path):
+    """Without late_steps, the late stage takes the rest of the epochs' steps (it used to stop
+    the run with "max_steps (None) leaves no late steps")."""
+    module = Regression()
+    trainer = _trainer(tmp_path, {"max_epochs": STEPS})
+    trainer.fit(module, _data())
+    controller = _callback(trainer).driver.controller
+    assert controller.stage == "late" and controller.steps == STEPS
+    assert comera.compression_ratio(module, only=comera.GatedLayer) >= 0.95 * TARGET
 
 
 def test_an_unreachable_target_is_a_warning_when_training_begins_and_when_it_ends(tmp_path):

@@ -116,3 +116,21 @@ def test_from_pretrained_into_a_built_model_and_refusals(tmp_path):
     with pytest.raises(comera.CheckpointError, match="checksum"):
         comera.from_pretrained(tmp_path / "tt", target)
     assert not any(True for _ in comera.gated_layers(target))
+
+
+def test_a_bert_with_tables_of_another_format_round_trips(tmp_path):
+    """BERT's embedding tables converted to Tucker tables (GatedEmbedding records) load back
+    from the folder by the class alone, logits equal."""
+    torch.manual_seed(0)
+    model = _bert().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        comera.convert_(model, comera.ConvertConfig(format="tucker", ranks=4, embedding=True,
+                                                    exclude=("classifier",)))
+    tables = [m for m in model.modules() if isinstance(m, comera.GatedEmbedding)]
+    assert len(tables) == 3 and all(t.format.name == "tucker" for t in tables)
+    comera.save_pretrained(model, tmp_path)
+    loaded = comera.from_pretrained(tmp_path, transformers.BertForSequenceClassification)
+    assert type(loaded.bert.embeddings.word_embeddings) is comera.GatedEmbedding
+    ids = torch.randint(0, VOCAB, (2, 8))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)

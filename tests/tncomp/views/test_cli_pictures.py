@@ -168,12 +168,13 @@ def test_draw_refuses_what_is_not_a_network(tmp_path):
 def test_missing_matplotlib_is_one_clear_error(tmp_path, monkeypatch, capsys):
     for mod in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, mod, None)  # import of it now raises ImportError
-    with pytest.raises(PlotDependencyError, match=r"pip install 'tncomp\[plot\]'") as info:
+    needle = r"pip install -e '\.\[plot\]' in the tncomp checkout"
+    with pytest.raises(PlotDependencyError, match=needle) as info:
         draw_network(tncomp.from_eq("ab,bc->ac", (3, 4), (4, 5)), tmp_path / "x.png")
     assert isinstance(info.value, ImportError)
     assert main(["plot-costs", TT_SPEC, "-o", str(tmp_path / "c.png")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "pip install 'tncomp[plot]'" in err
+    assert err.count("\n") == 1 and "pip install -e '.[plot]'" in err
 
 
 # -- plot_costs / cost_curves ------------------------------------------------------------------
@@ -358,7 +359,7 @@ def test_subprocess_without_matplotlib(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, "draw", TT_SPEC, "-o", "n.png"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and "pip install 'tncomp[plot]'" in done.stderr
+    assert done.stderr.count("\n") == 1 and "pip install -e '.[plot]'" in done.stderr
 
 
 def test_a_picture_replaces_a_planted_link_instead_of_writing_through_it(tmp_path):
