@@ -16,7 +16,7 @@
 - ``"comera"``: CoMERA as the frontiers run it: the TT model at ``max_rank``, ``early`` steps of
   the early stage (loss + lam R), rounded exactly; then per target the late stage from there on
   the next batches (``steps - early`` steps, a fresh optimizer, loss target 0: its step budget
-  prunes to the target along the schedule).
+  prunes to the target along the schedule). ``"comera:plain"``: the same, its TT layers plain.
 - ``"spectrum"``: the TT model at ``max_rank`` trained ``decide`` steps (lam 0), then per target
   the spectrum allocation (:func:`comera.ranks.allocate.allocate`) and a fresh model at the chosen
   ranks trained all ``steps``, as the fixed rank is.
@@ -55,7 +55,8 @@ def method_names() -> tuple[str, ...]:
     """Every method a study may run: the special ones, every layer format, and every layer
     format at each parametrization (``"tt:plain"``)."""
     formats = [f for f in layer_formats() if f != DENSE]
-    return (*SPECIAL, *formats, *(f"{f}:{p}" for f in formats for p in PARAMETRIZATIONS))
+    scaled = (*formats, "comera")
+    return (*SPECIAL, *formats, *(f"{f}:{p}" for f in scaled for p in PARAMETRIZATIONS))
 
 
 @dataclass(frozen=True)
@@ -153,13 +154,15 @@ class Study:
         dense = dense_linear_size(self.shapes())  # against the wide dense model it stands for
         return out | {"linear_dense": dense, "compression": dense / out["linear_params"]}
 
-    def comera(self, targets, seed: int, lr: float, method: str = "comera") -> list[dict]:
+    def comera(self, targets, seed: int, lr: float, method: str = "comera",
+               parametrization: str | None = None) -> list[dict]:
         """The early model (its own row, ``method + " early"``), then one late stage per
-        target."""
+        target; its TT layers at ``parametrization`` (default: the task's)."""
         late = self.steps - self.early
         name = _name(f"{method}-early", None, seed, lr)
+        sizes = {} if parametrization is None else {"parametrization": parametrization}
         early, record = self.run(name, "tt", self.config_for(seed, lr, self.early, lam=self.lam),
-                                 lambda: self.task.build("tt", self.max_rank))
+                                 lambda: self.task.build("tt", self.max_rank, **sizes))
         round_(early)  # exact: frees slices a rank-1 neighbour makes useless
         rows = [row(self.task, early, record, seed=seed, method=f"{method} early", target=None,
                     lr=lr)]
@@ -209,9 +212,11 @@ class Study:
         if name == "early":
             return [self.early_stage(t, seed, lr) for t in targets]
         fmt, _, parametrization = name.partition(":")
-        get_format(fmt)  # names the choices when unknown
         if parametrization:
             check_parametrization(parametrization)
+        if fmt == "comera":
+            return self.comera(targets, seed, lr, name, parametrization or None)
+        get_format(fmt)  # names the choices when unknown
         return [r for t in targets
                 if (r := self.fixed(fmt, t, seed, lr, name, parametrization or None)) is not None]
 
