@@ -49,6 +49,7 @@ from comera.training.trainers import (
     make_optimizer,
     param_groups,
 )
+from comera.training.update_sizes import UpdateSizeLog, UpdateSizes, update_sizes
 
 __all__ = [
     "BoolMaskDropout",
@@ -84,6 +85,8 @@ __all__ = [
     "TTMultiheadAttention",
     "TrainingStopped",
     "TruncationReport",
+    "UpdateSizeLog",
+    "UpdateSizes",
     "clear_moments_",
     "compression_ratio",
     "convert_",
@@ -107,4 +110,5 @@ __all__ = [
     "suggest_padded_size",
     "truncate_",
     "tt_modules",
+    "update_sizes",
 ]

@@ -53,6 +53,7 @@ class LMTaskConfig:
     d_ff: int = 512
     n_layers: int = 2
     rank: int = 32  # max TT rank of the block linear layers
+    parametrization: str = "balanced"  # how the block layers scale their cores
     dropout: float = 0.0
     eval_limit: int | None = 512  # rows of val/test scored (a fixed spread-out subset)
     eval_batch_size: int = 128
@@ -81,7 +82,7 @@ class LMTaskConfig:
         return CausalLMConfig(
             vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
             n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout, linear=format,
-            rank=self.rank if rank is None else rank)
+            rank=self.rank if rank is None else rank, parametrization=self.parametrization)
 
 
 def next_token_targets(ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -54,6 +54,7 @@ class MLMTaskConfig:
     # max TT rank of the token table and the vocabulary projection: the quick run's loss is
     # far more sensitive to this rank than to ``rank``
     embedding_rank: int = 64
+    parametrization: str = "balanced"  # how the gated linear layers scale their cores
     tt_embedding: bool = True
     dropout: float = 0.1
     mask_prob: float = 0.15
@@ -83,7 +84,8 @@ class MLMTaskConfig:
             n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout,
             tt=format != DENSE, linear_format=format if format != DENSE else "tt",
             tt_embedding=self.tt_embedding, rank=self.rank, embedding_rank=self.embedding_rank,
-            attn_modes=None, ffn_in_modes=None, ffn_out_modes=None, embedding_modes=None)
+            attn_modes=None, ffn_in_modes=None, ffn_out_modes=None, embedding_modes=None,
+            parametrization=self.parametrization)
 
 
 def step_epochs(stream: IndexStream, step: int, rank: int = 0, world: int = 1) -> Tensor:
@@ -130,7 +132,7 @@ class MLMTask(Task):
             return model
         for name, layer in self.block_linears(model):
             new = linear_layer(format, layer.in_features, layer.out_features, rank,
-                               tau=model.cfg.tau)
+                               tau=model.cfg.tau, parametrization=model.cfg.parametrization)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, new)
         return model

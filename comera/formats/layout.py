@@ -161,6 +161,38 @@ class Layout:
                             for k, _ in carriers) if len(carriers) == 2 else None)
         return tuple(caps)
 
+    def core_roles(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]:
+        """Per core, its axes as ``(block, fan_in, fan_out)``: the core read as one layer of the
+        flow from x to y.
+
+        The cores are applied one at a time, each time the first (in layout order) that touches
+        what has been computed so far. A core's fan-in axes are the indices it sums away
+        (present already and needed by no later core nor by y, or carried by it alone); its
+        fan-out axes bring in indices a later core or y reads; block axes (present before and
+        needed after: BTT's blocks, a CP hyperedge) are in neither."""
+        present = set(self.inputs)
+        todo = list(range(len(self.cores)))
+        roles: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
+        while todo:
+            k = next((k for k in todo if present.intersection(self.cores[k])), todo[0])
+            todo.remove(k)
+            later = {i for j in todo for i in self.cores[j]} | set(self.outputs)
+            core = self.cores[k]
+            fan_in = tuple(a for a, i in enumerate(core) if i not in later)
+            fan_out = tuple(a for a, i in enumerate(core) if i not in present and i in later)
+            block = tuple(a for a in range(len(core)) if a not in fan_in and a not in fan_out)
+            present = (present | set(core)) - {core[a] for a in fan_in}
+            roles[k] = (block, fan_in, fan_out)
+        return tuple(roles[k] for k in range(len(self.cores)))
+
+    def core_fans(self) -> tuple[tuple[int, int], ...]:
+        """Per core, ``(fan_in, fan_out)``: the sizes of its :meth:`core_roles` axes. The
+        fan-ins multiply to ``in_features`` times the internal sizes, so cores of variance
+        ``g_k / fan_in_k`` give W the variance ``prod(g_k) / in_features``."""
+        shapes = self.core_shapes
+        return tuple((math.prod(shapes[k][a] for a in ins), math.prod(shapes[k][a] for a in outs))
+                     for k, (_, ins, outs) in enumerate(self.core_roles()))
+
     # -- records --------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """Plain lists and ints (what checkpoints and ``save_pretrained`` records store)."""

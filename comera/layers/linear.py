@@ -27,6 +27,12 @@ from comera.formats.einsum import layout_from_eq
 from comera.formats.factorize import factorize, factorize_pair
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, get_format
+from comera.formats.scaling import (
+    balance_gauge,
+    check_parametrization,
+    core_scaling,
+    orthogonal_cores,
+)
 from comera.formats.ttsvd import tt_to_matrix, ttm_to_matrix
 from tncomp import autocast_cast, autocast_dtype, check_modes
 from tncomp import check_memory as _check_tncomp_memory
@@ -139,6 +145,11 @@ class GatedLayer(nn.Module):
         self.gates = nn.ParameterList(
             [nn.Parameter(torch.ones(size, **factory)) for size in layout.bond_sizes])
         self.bias = nn.Parameter(torch.zeros(layout.out_features, **factory)) if bias else None
+        # The forward reads core k as _scales[k] * cores[k] (powers of two). Scales other than
+        # one live in the buffer "core_scales" too, so checkpoints carry what their cores mean.
+        self._scales = (1.0,) * len(layout.cores)
+        self.parametrization = "plain"
+        self._register_load_state_dict_pre_hook(_adopt_saved_scales, with_module=True)
         self._compiled_for: tuple | None = None
         self._compiled = None
         # Options for tncomp.compile, e.g. {"cuda_graphs": True} to replay the contraction
@@ -243,10 +254,34 @@ class GatedLayer(nn.Module):
         """Per gate, the ``(core, axis)`` it folds into: the first core carrying its bond."""
         return self._folds
 
+    def set_core_scales_(self, scales: Sequence[float]) -> None:
+        """Make the forward read core k as ``scales[k] * cores[k]`` (the stored values are not
+        changed: rescale them yourself to keep the function)."""
+        scales = tuple(float(s) for s in scales)
+        if len(scales) != len(self.cores) or not all(s > 0 and math.isfinite(s)
+                                                     for s in scales):
+            raise ConfigError(f"core_scales {scales} for a layer of {len(self.cores)} cores; "
+                              "give one finite number > 0 per core.")
+        self._scales = scales
+        self._buffers.pop("core_scales", None)
+        if any(s != 1.0 for s in scales):
+            self.register_buffer("core_scales", torch.tensor(
+                scales, dtype=torch.float32, device=self.cores[0].device))
+
+    @property
+    def core_scale_values(self) -> tuple[float, ...]:
+        """The forward multiplier of each stored core (ones: the plain parametrization)."""
+        return self._scales
+
+    def effective_cores(self) -> list[Tensor]:
+        """The cores as the network reads them: each stored core times its scale (gates not
+        folded in)."""
+        return [c * s if s != 1.0 else c for c, s in zip(self.cores, self._scales, strict=True)]
+
     def gated_cores(self) -> list[Tensor]:
-        """Cores with each gate folded into the first core that carries its bond (for a chain:
-        the right bond of the core before it)."""
-        out = list(self.cores)
+        """Effective cores (:meth:`effective_cores`) with each gate folded into the first core
+        that carries its bond (for a chain: the right bond of the core before it)."""
+        out = self.effective_cores()
         for gate, (c, axis) in zip(self.effective_gates(), self._folds, strict=True):
             out[c] = out[c] * broadcast_along(gate, axis, out[c].dim())
         return out
@@ -355,6 +390,10 @@ class GatedLayer(nn.Module):
         super().__setstate__(state)
         if "_layout" not in self.__dict__:  # pickled before layers had a layout: a TT chain
             self._adopt_chain_layout_()
+        if "_scales" not in self.__dict__:  # pickled before the parametrizations: plain
+            self._scales = (1.0,) * len(self.cores)
+            self.parametrization = "plain"
+            self._register_load_state_dict_pre_hook(_adopt_saved_scales, with_module=True)
         self.build_compiled()
 
     def _adopt_chain_layout_(self) -> None:
@@ -374,6 +413,26 @@ class GatedLayer(nn.Module):
         state["_compiled"] = None
         state["_compiled_for"] = None
         return state
+
+    def reset_cores_(self) -> None:
+        """Draw the cores anew as the layer's parametrization initialises them (balanced:
+        semi-orthogonal cores at their fan-in scales; plain: one Gaussian scale), gates of one,
+        bias zero. Cores on the meta device hold no values: nothing to draw."""
+        if self.parametrization == "plain":
+            self._gaussian_init_()
+            return
+        if self.cores[0].is_meta:
+            return
+        layout = self.layout
+        cores = orthogonal_cores(layout, core_scaling(layout), dtype=self.cores[0].dtype,
+                                 device=self.cores[0].device)
+        with torch.no_grad():
+            for core, value, scale in zip(self.cores, cores, self._scales, strict=True):
+                core.copy_(value / scale)
+            for gate in self.gates:
+                gate.fill_(1.0)
+            if self.bias is not None:
+                self.bias.zero_()
 
     def _gaussian_init_(self) -> None:
         """Gaussian cores scaled so the dense weight has variance about 1/(fan_in + fan_out):
@@ -396,7 +455,27 @@ class GatedLayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"in_modes={self.in_modes}, out_modes={self.out_modes}, ranks={self.ranks}, "
-                f"bias={self.bias is not None}, tau={self.tau}")
+                f"bias={self.bias is not None}, tau={self.tau}, "
+                f"parametrization={self.parametrization!r}")
+
+
+def _adopt_saved_scales(module: GatedLayer, state_dict, prefix, local_metadata, strict,
+                        missing_keys, unexpected_keys, error_msgs) -> None:
+    """Loading a state dict: the layer takes the saved cores' scales with them (ones when the
+    state dict predates the parametrizations), so the loaded weight is exactly the saved one."""
+    saved = state_dict.get(prefix + "core_scales")
+    if saved is None:  # plain cores (or a state dict from before the parametrizations)
+        scales = (1.0,) * len(module.cores)
+    elif saved.dim() != 1 or saved.numel() != len(module.cores):
+        return  # load_state_dict reports the mismatch
+    else:
+        scales = tuple(float(v) for v in saved.tolist())
+        if not all(s > 0 and math.isfinite(s) for s in scales):
+            raise ConfigError(f"{prefix}core_scales holds {list(scales)}; a core's scale is a "
+                              "finite number > 0 (the state dict is damaged).")
+    module.set_core_scales_(scales)
+    if all(s == 1.0 for s in scales):
+        module.parametrization = "plain"
 
 
 #: The name of :class:`GatedLayer` before every format shared it; kept for one release.
@@ -439,7 +518,8 @@ class GatedLinear(GatedLayer):
                  ranks: Ranks = 16, in_modes: Sequence[int] | None = None,
                  out_modes: Sequence[int] | None = None, bias: bool = True,
                  tau: float = DEFAULT_TAU, d: int = 3, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, memory: str | int = "fast"):
+                 device: torch.device | str | None = None, memory: str | int = "fast",
+                 parametrization: str = "balanced"):
         check_features("in_features", in_features)
         check_features("out_features", out_features)
         fmt = get_format(format)
@@ -456,32 +536,38 @@ class GatedLinear(GatedLayer):
             in_modes, out_modes = (in_features,), (out_features,)
         layout = fmt.layout(tuple(in_modes), tuple(out_modes), ranks)
         warn_full_rank(fmt, layout, ranks, type(self).__name__)  # as convert_ warns
-        self._setup(layout, fmt, bias, tau, dtype, device, memory)
+        self._setup(layout, fmt, bias, tau, dtype, device, memory, parametrization)
 
     def _check_mode_counts(self, in_modes: tuple[int, ...], out_modes: tuple[int, ...]) -> None:
         """A subclass's own rule on the numbers of modes (nothing by default)."""
 
     def _setup(self, layout: Layout, fmt: Format, bias: bool, tau: float, dtype, device,
-               memory) -> None:
+               memory, parametrization: str = "balanced") -> None:
+        check_parametrization(parametrization)
         if self.fixed_format is not None and fmt.name != self.fixed_format:
             raise ConfigError(f"{type(self).__name__} is the {self.fixed_format!r} format, got "
                               f"format {fmt.name!r}; use GatedLinear for other formats.")
         self.in_features = layout.in_features
         self.out_features = layout.out_features
         GatedLayer.__init__(self, layout, fmt, bias, tau, dtype, device, memory)
-        self._gaussian_init_()
+        if parametrization == "balanced":
+            self.set_core_scales_(core_scaling(layout).multipliers)
+        self.parametrization = parametrization
+        self.reset_cores_()
         self.build_compiled()
 
     @classmethod
     def from_layout(cls, layout: Layout, format: Format | str, bias: bool = True,
                     tau: float = DEFAULT_TAU, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None,
-                    memory: str | int = "fast") -> GatedLinear:
+                    memory: str | int = "fast",
+                    parametrization: str = "balanced") -> GatedLinear:
         """A layer of ``layout`` in ``format`` (a registered name or a Format), randomly
-        initialised: how records (checkpoints, pretrained folders) rebuild a layer."""
+        initialised: how records (checkpoints, pretrained folders) rebuild a layer (loading
+        its state dict then adopts the saved cores' scales)."""
         fmt = get_format(format)
         layer = cls.__new__(cls)
-        layer._setup(layout, fmt, bias, tau, dtype, device, memory)
+        layer._setup(layout, fmt, bias, tau, dtype, device, memory, parametrization)
         return layer
 
     @classmethod
@@ -489,7 +575,7 @@ class GatedLinear(GatedLayer):
                 ranks: int | Mapping[str, int] | None = 16, bias: bool = True,
                 tau: float = DEFAULT_TAU, dtype: torch.dtype | None = None,
                 device: torch.device | str | None = None,
-                memory: str | int = "fast") -> GatedLinear:
+                memory: str | int = "fast", parametrization: str = "balanced") -> GatedLinear:
         """A layer whose weight is the network an einsum declares, with rank gates on ``bonds``:
         ``GatedLinear.from_eq("b i j, i a, a j k -> b k", bonds="a", sizes={"i": 4, "j": 8,
         "k": 16}, ranks=8)`` maps x (B, 32) to y (B, 16) through cores (i, a) and (a, j, k).
@@ -497,13 +583,14 @@ class GatedLinear(GatedLayer):
         :func:`comera.formats.einsum.layout_from_eq`'s. Randomly initialised (format "einsum"),
         so a researcher tries a structure without writing a class."""
         return cls.from_layout(layout_from_eq(eq, bonds, sizes, ranks), "einsum", bias, tau,
-                               dtype, device, memory)
+                               dtype, device, memory, parametrization)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, format: Format | str = "tt", ranks: Ranks = 16,
                     in_modes: Sequence[int] | None = None,
                     out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
-                    d: int = 3, memory: str | int = "fast") -> GatedLinear:
+                    d: int = 3, memory: str | int = "fast",
+                    parametrization: str = "balanced") -> GatedLinear:
         """A layer initialised from a trained ``nn.Linear`` by the format's decomposition (exact
         at full rank where the format's is; bonds shrink to what it found), or randomly where
         the format has none (the bias is copied either way)."""
@@ -511,7 +598,7 @@ class GatedLinear(GatedLayer):
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, format, ranks, in_modes, out_modes,
                     linear.bias is not None, tau, d, dtype=w.dtype, device=w.device,
-                    memory=memory)
+                    memory=memory, parametrization=parametrization)
         layer.load_weight_(w.detach().T, linear.bias)
         return layer
 
@@ -545,9 +632,9 @@ class _ChainLinear(GatedLinear):
                  in_modes: Sequence[int] | None = None, out_modes: Sequence[int] | None = None,
                  ranks: Ranks = 16, bias: bool = True, tau: float = DEFAULT_TAU, d: int = 3,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 memory: str | int = "fast"):
+                 memory: str | int = "fast", parametrization: str = "balanced"):
         super().__init__(in_features, out_features, self.fixed_format, ranks, in_modes,
-                         out_modes, bias, tau, d, dtype, device, memory)
+                         out_modes, bias, tau, d, dtype, device, memory, parametrization)
 
     def _check_mode_counts(self, in_modes: tuple[int, ...], out_modes: tuple[int, ...]) -> None:
         if len(in_modes) != len(out_modes):
@@ -561,13 +648,13 @@ class _ChainLinear(GatedLinear):
     def from_linear(cls, linear: nn.Linear, ranks: Ranks = 16,
                     in_modes: Sequence[int] | None = None,
                     out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
-                    d: int = 3, memory: str | int = "fast"):
+                    d: int = 3, memory: str | int = "fast", parametrization: str = "balanced"):
         """A layer initialised by TT-SVD of a trained ``nn.Linear`` (exact at full rank)."""
         _check_linear(linear)
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, in_modes, out_modes, ranks,
                     linear.bias is not None, tau, d, dtype=w.dtype, device=w.device,
-                    memory=memory)
+                    memory=memory, parametrization=parametrization)
         layer.load_weight_(w.detach().T, linear.bias)
         return layer
 
@@ -593,11 +680,17 @@ class TTMLinear(_ChainLinear):
 
 
 def load_cores_(layer: GatedLayer, cores: Sequence[Tensor], bias: Tensor | None) -> None:
-    """Copy decomposed cores (whose bonds may be smaller than the layer's: the decomposition
-    found a lower exact rank) into ``layer``; each gate takes its bond's new size (ones)."""
+    """Copy decomposed cores (as the network reads them; their bonds may be smaller than the
+    layer's: the decomposition found a lower exact rank) into ``layer``; each gate takes its
+    bond's new size (ones). A balanced layer first spreads the cores' scalar gauge evenly
+    (:func:`~comera.formats.scaling.balance_gauge`) and stores each core over its scale; both
+    are powers of two, so the weight is exactly the decomposition's."""
     if len(cores) != len(layer.cores):
         raise ConfigError(f"{len(cores)} cores for a layer of {len(layer.cores)}; a "
                           "decomposition gives one core per core of the layout.")
+    if layer.parametrization != "plain":
+        cores = balance_gauge(cores, layer.core_scale_values)
+        cores = [c / s if s != 1.0 else c for c, s in zip(cores, layer._scales, strict=True)]
     with torch.no_grad():
         for k, core in enumerate(cores):
             target = layer.cores[k]

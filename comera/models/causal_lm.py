@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.formats.registry import check_layer_format
+from comera.formats.scaling import check_parametrization
 from comera.layers.linear import DEFAULT_TAU
 from comera.models.transformer import check_token_ids, linear_layer
 
@@ -42,9 +43,11 @@ class CausalLMConfig:
     rank: int = 32  # the format's max rank
     tt_order: int = 3  # modes per side of a TT layer
     tau: float = DEFAULT_TAU
+    parametrization: str = "balanced"  # how gated layers scale their cores (formats.scaling)
 
     def __post_init__(self) -> None:
         check_layer_format(self.linear, "linear")
+        check_parametrization(self.parametrization)
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "rank",
                      "tt_order"):
             value = getattr(self, name)
@@ -61,7 +64,7 @@ def block_linear(cfg: CausalLMConfig, n_in: int, n_out: int) -> nn.Module:
     """One block linear layer of the kind ``cfg.linear``, without a bias (as Llama): every
     parameter of a compressed layer is then a weight parameter."""
     return linear_layer(cfg.linear, n_in, n_out, cfg.rank, bias=False, tau=cfg.tau,
-                        d=cfg.tt_order)
+                        d=cfg.tt_order, parametrization=cfg.parametrization)
 
 
 class CausalSelfAttention(nn.Module):

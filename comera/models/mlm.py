@@ -66,7 +66,8 @@ class MaskedLM(nn.Module):
         if cfg.tt:
             padded = suggest_padded_size(cfg.vocab_size, _VOCAB_MODES)
             self.decoder = linear_layer(cfg.linear_format, d, padded, cfg.embedding_rank,
-                                        tau=cfg.tau, d=_VOCAB_MODES)
+                                        tau=cfg.tau, d=_VOCAB_MODES,
+                                        parametrization=cfg.parametrization)
         else:
             self.decoder = nn.Linear(d, cfg.vocab_size)
         self._init_embeddings_()

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.formats.registry import DENSE, check_layer_format, get_format
+from comera.formats.scaling import check_parametrization
 from comera.layers.embedding import gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLinear, TTLinear
 from comera.layers.siblings import Siblings
@@ -69,8 +70,10 @@ class TransformerConfig:
     # with tt: the layers' format (any format of format_names(); the token table takes the
     # format's table, e.g. TT's a TT-matrix one)
     linear_format: str = "tt"
+    parametrization: str = "balanced"  # how gated layers scale their cores (formats.scaling)
 
     def __post_init__(self) -> None:
+        check_parametrization(self.parametrization)
         fmt = get_format(self.linear_format)  # names the choices when unknown
         if not fmt.from_modes:
             raise ConfigError(f"linear_format={self.linear_format!r} is a declared network; "
@@ -91,11 +94,13 @@ class TransformerConfig:
 
 
 def linear_layer(format: str, n_in: int, n_out: int, rank: int, modes=None, *,
-                 bias: bool = True, tau: float = DEFAULT_TAU, d: int = 3) -> nn.Module:
+                 bias: bool = True, tau: float = DEFAULT_TAU, d: int = 3,
+                 parametrization: str = "balanced") -> nn.Module:
     """One linear layer of the kind ``format``: ``nn.Linear`` for ``"dense"``, ``TTLinear`` for
     ``"tt"`` (the class TT checkpoints hold), else a ``GatedLinear`` in that format at max rank
     ``rank``. ``modes``: (in_modes, out_modes) for a format that uses modes, used when they
-    multiply to the sizes (else factorised, ``d`` a side)."""
+    multiply to the sizes (else factorised, ``d`` a side). ``parametrization``: how a gated
+    layer scales its cores (:mod:`comera.formats.scaling`)."""
     if check_layer_format(format) == DENSE:
         return nn.Linear(n_in, n_out, bias=bias)
     if modes is not None and (math.prod(modes[0]) != n_in or math.prod(modes[1]) != n_out):
@@ -103,8 +108,10 @@ def linear_layer(format: str, n_in: int, n_out: int, rank: int, modes=None, *,
     if modes is None or not get_format(format).uses_modes:
         modes = (None, None)
     if format == "tt":
-        return TTLinear(n_in, n_out, *modes, rank, bias=bias, tau=tau, d=d)
-    return GatedLinear(n_in, n_out, format, rank, *modes, bias=bias, tau=tau, d=d)
+        return TTLinear(n_in, n_out, *modes, rank, bias=bias, tau=tau, d=d,
+                        parametrization=parametrization)
+    return GatedLinear(n_in, n_out, format, rank, *modes, bias=bias, tau=tau, d=d,
+                       parametrization=parametrization)
 
 
 def token_table(cfg: TransformerConfig, pad_id: int) -> nn.Module:
@@ -124,7 +131,7 @@ def token_table(cfg: TransformerConfig, pad_id: int) -> nn.Module:
 def linear(cfg: TransformerConfig, n_in: int, n_out: int, modes) -> nn.Module:
     """A linear layer of the model: its format (or dense) and rank, from ``cfg``."""
     return linear_layer(cfg.linear_format if cfg.tt else DENSE, n_in, n_out, cfg.rank, modes,
-                        tau=cfg.tau)
+                        tau=cfg.tau, parametrization=cfg.parametrization)
 
 
 class SelfAttention(nn.Module):

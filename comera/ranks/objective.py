@@ -243,7 +243,7 @@ def _saliency(layer, k: int) -> Tensor:
     (a chain's: ``|d_i| * |G_k[..., i]| * |G_{k+1}[i, ...]|``), detached."""
     score = layer.gates[k].detach().abs()
     for c, axis in layer.layout.carriers(layer.layout.bonds[k]):
-        score = score * _slice_norms(layer.cores[c].detach(), axis)
+        score = score * _slice_norms(layer.cores[c].detach(), axis) * layer.core_scale_values[c]
     return score
 
 

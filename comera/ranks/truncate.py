@@ -182,7 +182,7 @@ def live_cores(layer: GatedLayer) -> list[Tensor]:
         for c, axis in layout.carriers(bond):
             on_core[c].append((axis, k))
     cores = []
-    for c, core in enumerate(layer.cores):
+    for c, core in enumerate(layer.effective_cores()):
         t = core.detach().double()
         for axis, k in sorted(on_core[c]):
             t = t.index_select(axis, live[k])
@@ -222,9 +222,10 @@ def round_layer_(layer: GatedLayer, optimizer=None) -> bool:
             for k in range(n):
                 cores[k] = cores[k] * (common * before[k] / after[k])
         shrank = False
-        for k, core in enumerate(layer.cores):
+        for k, (core, scale) in enumerate(zip(layer.cores, layer.core_scale_values,
+                                              strict=True)):
             core.zero_()
-            core[tuple(slice(0, d) for d in cores[k].shape)] = cores[k].to(core.dtype)
+            core[tuple(slice(0, d) for d in cores[k].shape)] = (cores[k] / scale).to(core.dtype)
         for k, (gate, (c, axis)) in enumerate(zip(layer.gates, layer.gate_folds(),
                                                   strict=True)):
             rank = cores[c].shape[axis]

@@ -91,7 +91,8 @@ def _linear(fmt: str, in_features: int, out_features: int, modes, rank: int, bia
     with warnings.catch_warnings():  # convert_ names every such layer in one warning
         warnings.simplefilter("ignore", FullRankWarning)
         return cls(in_features, out_features, ranks=rank, in_modes=modes[0], out_modes=modes[1],
-                   bias=bias, tau=config.tau, d=config.d, memory=config.memory, **own, **factory)
+                   bias=bias, tau=config.tau, d=config.d, memory=config.memory,
+                   parametrization=config.parametrization, **own, **factory)
 
 
 def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:

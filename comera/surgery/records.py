@@ -369,8 +369,13 @@ def read_records(layers: Any, state: Mapping[str, Any], where: str) -> dict[str,
         for key, expected in meta.state_dict().items():
             full = f"{name}.{key}" if name else key
             got = state.get(full)
+            if key == "core_scales" and got is None:
+                continue  # cores saved with the plain parametrization (or before it existed)
             if not isinstance(got, Tensor):
                 raise refuse(f"needs the tensor {full}, which the file lacks")
+            if key == "core_scales" and not bool(
+                    (torch.isfinite(got) & (got > 0)).all()) if got.numel() else False:
+                raise refuse(f"holds core scales {got.tolist()}; each is a finite number > 0")
             if tuple(got.shape) != tuple(expected.shape):
                 raise refuse(f"gives {full} the shape {tuple(expected.shape)}, but the file "
                              f"holds {tuple(got.shape)}")

@@ -71,19 +71,27 @@ class Spec:
 
 
 def task_config(config_class, args):
-    """The task's quick config at ``--max-rank``; with ``--smoke`` a tiny model (d_model 16, one
-    block, 16 tokens, 8 evaluation rows)."""
+    """The task's quick config at ``--max-rank`` (``--d-model`` / ``--d-ff`` wider, the FFN at
+    4 d_model unless given); with ``--smoke`` a tiny model (d_model 16, one block, 16 tokens, 8
+    evaluation rows)."""
     if args.smoke:
         return config_class(seq_len=16, vocab_size=64, d_model=16, n_heads=2, d_ff=32,
                             n_layers=1, rank=args.max_rank, eval_limit=8)
-    return config_class(rank=args.max_rank)
+    sizes = {}
+    if args.d_model:
+        sizes = {"d_model": args.d_model, "d_ff": args.d_ff or 4 * args.d_model}
+    elif args.d_ff:
+        sizes = {"d_ff": args.d_ff}
+    return config_class(rank=args.max_rank, **sizes)
 
 
 def label(method: str) -> str:
     """A method's name in tables and plots."""
     if method in FIXED:
         return FIXED[method]
-    return f"{get_format(method).title} at a uniform rank"
+    fmt, _, parametrization = method.partition(":")
+    extra = f" ({parametrization} parametrization)" if parametrization else ""
+    return f"{get_format(fmt).title} at a uniform rank{extra}"
 
 
 def upgrade(row: dict) -> dict:
@@ -251,6 +259,10 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=d["eval_every"])
     p.add_argument("--max-rank", type=int, default=d["max_rank"],
                    help="CoMERA's starting TT rank")
+    p.add_argument("--d-model", type=int, default=None,
+                   help="the model's width (default: the task's quick config)")
+    p.add_argument("--d-ff", type=int, default=None,
+                   help="the FFN's width (default: 4 d_model with --d-model)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--root", type=Path, default=None,
                    help="a folder of .py files to read instead of the standard library")
@@ -274,6 +286,8 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
         p.error(f"--decide {args.decide}: give a step count in (0, early + late)")
     if not 0 < args.early < args.early + args.late:
         p.error(f"--early {args.early} --late {args.late}: give both at least 1")
+    if any(v is not None and v < 1 for v in (args.d_model, args.d_ff)):
+        p.error(f"--d-model {args.d_model} --d-ff {args.d_ff}: both at least 1")
     if args.threads < 1 or args.eval_every < 1:
         p.error(f"--threads {args.threads} --eval-every {args.eval_every}: both at least 1")
     if any(t <= 1 for t in args.targets) or any(lr <= 0 for lr in args.lrs):

@@ -6,13 +6,17 @@
   parameters (:meth:`Study.uniform_rank`: :func:`comera.ranks.budget.largest_rank` over the
   layouts of the task's model), trained at that rank without the rank objective (lam 0, no late
   stage), all ``steps``. No row where not even rank 1 fits.
+- a format with a parametrization, ``"tt:plain"``: the same with the layers' cores scaled as
+  before issue 30 (:mod:`comera.formats.scaling`), the layers the frontier improves on.
 - ``"narrow"``: the same architecture, dense, with a smaller d_model (a multiple of the heads, the
-  FFN's ratio kept) and then d_ff filling the budget: the largest whose block layers hold at
-  most dense / target parameters (:func:`narrow_sizes`), all ``steps``.
+  FFN's ratio kept) and then d_ff filling the budget: the largest whose whole model holds at
+  most as many parameters as the compressed model at the target (dense / target in the block
+  layers, the rest as the task's model has it; :func:`narrow_sizes`), all ``steps``. Its
+  token table shrinks with d_model too, so its block layers get more than dense / target.
 - ``"comera"``: CoMERA as the frontiers run it: the TT model at ``max_rank``, ``early`` steps of
   the early stage (loss + lam R), rounded exactly; then per target the late stage from there on
   the next batches (``steps - early`` steps, a fresh optimizer, loss target 0: its step budget
-  prunes to the target along the schedule).
+  prunes to the target along the schedule). ``"comera:plain"``: the same, its TT layers plain.
 - ``"spectrum"``: the TT model at ``max_rank`` trained ``decide`` steps (lam 0), then per target
   the spectrum allocation (:func:`comera.ranks.allocate.allocate`) and a fresh model at the chosen
   ranks trained all ``steps``, as the fixed rank is.
@@ -37,6 +41,7 @@ from benchmarks.studies.harness.runs import layer_shapes, row, train
 from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.formats.registry import DENSE, get_format, layer_formats
+from comera.formats.scaling import PARAMETRIZATIONS, check_parametrization
 from comera.ranks.allocate import allocate, rebuild_at_
 from comera.ranks.budget import dense_linear_size, largest_rank, layout_size, size_target
 from comera.ranks.truncate import round_
@@ -47,8 +52,11 @@ __all__ = ["SPECIAL", "Study", "method_names", "narrow_sizes"]
 
 
 def method_names() -> tuple[str, ...]:
-    """Every method a study may run: the special ones and every layer format."""
-    return (*SPECIAL, *(f for f in layer_formats() if f != DENSE))
+    """Every method a study may run: the special ones, every layer format, and every layer
+    format at each parametrization (``"tt:plain"``)."""
+    formats = [f for f in layer_formats() if f != DENSE]
+    scaled = (*formats, "comera")
+    return (*SPECIAL, *formats, *(f"{f}:{p}" for f in scaled for p in PARAMETRIZATIONS))
 
 
 @dataclass(frozen=True)
@@ -116,19 +124,28 @@ class Study:
         return row(self.task, model, record, seed=seed, method="dense", target=None, lr=lr)
 
     def fixed(self, fmt: str, target: float, seed: int, lr: float,
-              method: str | None = None) -> dict | None:
-        """``fmt`` at the largest uniform rank within the target (None when rank 1 is over)."""
+              method: str | None = None, parametrization: str | None = None) -> dict | None:
+        """``fmt`` at the largest uniform rank within the target (None when rank 1 is over),
+        its layers at ``parametrization`` (default: the task's)."""
         rank = self.uniform_rank(fmt, target)
         if rank < 1:
             return None
-        name = _name(fmt, target, seed, lr)
+        sizes = {} if parametrization is None else {"parametrization": parametrization}
+        name = _name(method or fmt, target, seed, lr)
         model, record = self.run(name, fmt, self.config_for(seed, lr, self.steps),
-                                 lambda: self.task.build(fmt, rank))
+                                 lambda: self.task.build(fmt, rank, **sizes))
         return row(self.task, model, record, seed=seed, method=method or fmt, target=target,
                    lr=lr, rank=rank, format=fmt)
 
+    def whole_budget(self, target: float) -> float:
+        """Parameters of the whole compressed model at ``target``: the dense model's, with its
+        block layers at dense / target."""
+        with torch.random.fork_rng(devices=[]):
+            total = sum(p.numel() for p in self.task.build(DENSE).parameters())
+        return total - dense_linear_size(self.shapes()) + self.budget(target)
+
     def narrow(self, target: float, seed: int, lr: float) -> dict:
-        sizes = narrow_sizes(self.task, self.budget(target))
+        sizes = narrow_sizes(self.task, self.whole_budget(target), whole=True)
         model, record = self.run(_name("narrow", target, seed, lr), DENSE,
                                  self.config_for(seed, lr, self.steps),
                                  lambda: self.task.build(DENSE, **sizes))
@@ -137,13 +154,15 @@ class Study:
         dense = dense_linear_size(self.shapes())  # against the wide dense model it stands for
         return out | {"linear_dense": dense, "compression": dense / out["linear_params"]}
 
-    def comera(self, targets, seed: int, lr: float, method: str = "comera") -> list[dict]:
+    def comera(self, targets, seed: int, lr: float, method: str = "comera",
+               parametrization: str | None = None) -> list[dict]:
         """The early model (its own row, ``method + " early"``), then one late stage per
-        target."""
+        target; its TT layers at ``parametrization`` (default: the task's)."""
         late = self.steps - self.early
         name = _name(f"{method}-early", None, seed, lr)
+        sizes = {} if parametrization is None else {"parametrization": parametrization}
         early, record = self.run(name, "tt", self.config_for(seed, lr, self.early, lam=self.lam),
-                                 lambda: self.task.build("tt", self.max_rank))
+                                 lambda: self.task.build("tt", self.max_rank, **sizes))
         round_(early)  # exact: frees slices a rank-1 neighbour makes useless
         rows = [row(self.task, early, record, seed=seed, method=f"{method} early", target=None,
                     lr=lr)]
@@ -192,8 +211,14 @@ class Study:
             return [self.narrow(t, seed, lr) for t in targets]
         if name == "early":
             return [self.early_stage(t, seed, lr) for t in targets]
-        get_format(name)  # names the choices when unknown
-        return [r for t in targets if (r := self.fixed(name, t, seed, lr)) is not None]
+        fmt, _, parametrization = name.partition(":")
+        if parametrization:
+            check_parametrization(parametrization)
+        if fmt == "comera":
+            return self.comera(targets, seed, lr, name, parametrization or None)
+        get_format(fmt)  # names the choices when unknown
+        return [r for t in targets
+                if (r := self.fixed(fmt, t, seed, lr, name, parametrization or None)) is not None]
 
 
 def _name(method: str, target: float | None, seed: int, lr: float) -> str:
@@ -202,24 +227,41 @@ def _name(method: str, target: float | None, seed: int, lr: float) -> str:
     return f"{method}{at}-s{seed}-lr{lr:g}"
 
 
-def narrow_sizes(task, budget: float) -> dict[str, int]:
+def narrow_sizes(task, budget: float, whole: bool = False) -> dict[str, int]:
     """``d_model`` and ``d_ff`` of the narrower dense model: the largest d_model (a multiple of
-    the heads, d_ff at the task's ratio) whose block layers fit ``budget``, then the largest
-    d_ff that still fits (the same architecture, as many block parameters as the budget
-    allows). ``task.config`` has d_model, d_ff, n_heads and n_layers."""
+    the heads, d_ff at the task's ratio) that fits ``budget``, then the largest d_ff that still
+    fits (the same architecture, as many parameters as the budget allows). ``budget`` counts
+    the block layers' parameters, or with ``whole`` the whole model's (token table, norms and
+    all: what a user compares). ``task.config`` has d_model, d_ff, n_heads and n_layers."""
     c = task.config
     with torch.random.fork_rng(devices=[]):
         bias = any(b for _, _, b in layer_shapes(task.block_linears(task.build(DENSE))))
+        rest = _rest_sizes(task) if whole else (lambda d: 0)
     ratio = c.d_ff / c.d_model
 
     def size(d: int, f: int) -> int:  # per block: q, k, v, o (d x d), ffn_in, ffn_out
-        return c.n_layers * (4 * (d * d + bias * d) + (d * f + bias * f) + (f * d + bias * d))
+        return rest(d) + c.n_layers * (4 * (d * d + bias * d) + (d * f + bias * f)
+                                       + (f * d + bias * d))
 
     d = max((k * c.n_heads for k in range(1, c.d_model // c.n_heads + 1)
              if size(k * c.n_heads, max(1, round(k * c.n_heads * ratio))) <= budget), default=0)
     if d == 0:
         raise ConfigError(f"a budget of {budget:.0f} block parameters is below the narrowest "
                           f"dense model (d_model {c.n_heads}); choose a smaller target.")
-    f = math.floor((budget / c.n_layers - 4 * (d * d + bias * d) - bias * d) / (2 * d + bias))
+    f = math.floor(((budget - rest(d)) / c.n_layers - 4 * (d * d + bias * d) - bias * d)
+                   / (2 * d + bias))
     assert size(d, f) <= budget < size(d, f + 1)
     return {"d_model": d, "d_ff": f}
+
+
+def _rest_sizes(task):
+    """d_model -> parameters of the task's dense model outside its block layers (token and
+    position tables, norms: linear in d_model, read off two built models)."""
+    def rest(d: int) -> int:
+        model = task.build(DENSE, d_model=d, d_ff=d)
+        blocks = sum(p.numel() for _, m in task.block_linears(model) for p in m.parameters())
+        return sum(p.numel() for p in model.parameters()) - blocks
+
+    step = task.config.n_heads
+    low, high = rest(step), rest(2 * step)
+    return lambda d: low + (high - low) * (d - step) // step

@@ -68,7 +68,7 @@ def check_pruned_slices_leave(layer, prune: dict[int, list[int]], gen: torch.Gen
             layer.gates[k][slices] = 0.5 * layer.tau
     x = torch.randn(3, layer.in_features, generator=gen, dtype=torch.float64)
     y = layer(x)
-    cores = [c.detach().clone() for c in layer.cores]
+    cores = [c.detach().clone() for c in layer.effective_cores()]
     for k, bond in enumerate(layer.layout.bonds):
         gate = layer.gates[k].detach().clone()
         c, axis = layer.layout.carriers(bond)[0]

@@ -47,7 +47,7 @@ def _live_weight(layer: GatedLinear) -> torch.Tensor:
     layout = layer.layout
     live = {b: m.nonzero().flatten() for b, m in zip(layout.bonds, layer.gate_masks(),
                                                      strict=True)}
-    cores = [c.detach().clone() for c in layer.cores]
+    cores = [c.detach().clone() for c in layer.effective_cores()]
     for bond, gate in zip(layout.bonds, layer.gates, strict=True):
         for n, (c, axis) in enumerate(layout.carriers(bond)):
             cores[c] = cores[c].index_select(axis, live[bond])

@@ -73,7 +73,7 @@ def test_a_gate_at_or_below_tau_removes_its_slice_from_every_carrier():
         layer.gates[0][2] = 0.5 * layer.tau  # hyperedge a, slice 2
         layer.gates[2][0] = -0.5 * layer.tau  # ring link c, slice 0
         y = layer(x)
-        cores = [c.clone() for c in layer.cores]
+        cores = [c.clone() for c in layer.effective_cores()]
         cores[0][:, :, 2] = 0  # dropping the slice from its first carrier zeroes every term
         cores[0][0] = 0
         layer.gates[0][2] = 1.0

@@ -5,7 +5,8 @@ saliency, pruning with rounding, rounding, spectrum allocation, truncation with 
 ``from_linear`` / ``from_embedding`` and the captured step's size on small float32 layers, and
 returns every tensor it saw. ``data/tt_reference.pt`` holds what it returned on main before the
 layers became generic over a format's layout (commit c57ff6a); ``test_tt_bit_identity`` checks
-that it still returns the same bits. Regenerate only for an intended numerical change:
+that it still returns the same bits (the layers built with ``parametrization="plain"``, what
+every layer was before issue 30). Regenerate only for an intended numerical change:
 ``PYTHONPATH=$PWD python -m tests.comera.layers.tt_reference``.
 """
 
@@ -28,8 +29,8 @@ FIXTURE = Path(__file__).parent / "data" / "tt_reference.pt"
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.a = TTLinear(12, 20, (2, 2, 3), (2, 2, 5), ranks=4)
-        self.b = TTMLinear(20, 6, (4, 5), (3, 2), ranks=5)
+        self.a = TTLinear(12, 20, (2, 2, 3), (2, 2, 5), ranks=4, parametrization="plain")
+        self.b = TTMLinear(20, 6, (4, 5), (3, 2), ranks=5, parametrization="plain")
         self.emb = TTEmbedding(50, 12, ranks=3)
 
     def forward(self, x, ids):
@@ -135,7 +136,8 @@ def _compute() -> dict[str, torch.Tensor]:
 
     # siblings: q, k, v of different ranks stacked into one contraction (zero-padded bonds)
     torch.manual_seed(5)
-    qkv = [TTLinear(12, 12, (3, 4), (4, 3), ranks=r) for r in (4, 3, 2)]
+    qkv = [TTLinear(12, 12, (3, 4), (4, 3), ranks=r, parametrization="plain")
+           for r in (4, 3, 2)]
     xs = torch.randn(3, 12)
     ys = Siblings()(qkv, xs)
     sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
@@ -147,9 +149,12 @@ def _compute() -> dict[str, torch.Tensor]:
     # initialisation from dense weights
     torch.manual_seed(4)
     linear = nn.Linear(12, 20)
-    _record(out, "from_linear.tt", TTLinear.from_linear(linear, ranks=3))
-    _record(out, "from_linear.ttm", TTMLinear.from_linear(linear, ranks=3))
-    _record(out, "from_linear.full", TTLinear.from_linear(linear, ranks=64))
+    _record(out, "from_linear.tt", TTLinear.from_linear(linear, ranks=3,
+                                                           parametrization="plain"))
+    _record(out, "from_linear.ttm", TTMLinear.from_linear(linear, ranks=3,
+                                                             parametrization="plain"))
+    _record(out, "from_linear.full", TTLinear.from_linear(linear, ranks=64,
+                                                             parametrization="plain"))
     table = nn.Embedding(50, 12)
     _record(out, "from_embedding", TTEmbedding.from_embedding(table, ranks=3))
     return out

@@ -78,7 +78,7 @@ def test_saliency_multiplies_the_slice_norms_of_every_carrier():
     layer = _toy()
     with torch.no_grad():
         layer.gates[0].copy_(torch.tensor([0.5, -2.0, 1.0], dtype=F64))
-    a, b, c = (core.detach() for core in layer.cores)
+    a, b, c = (core.detach() for core in layer.effective_cores())
     want = (layer.gates[0].detach().abs() * a.movedim(2, 0).reshape(3, -1).norm(dim=1)
             * b.movedim(1, 0).reshape(3, -1).norm(dim=1)
             * c.movedim(3, 0).reshape(3, -1).norm(dim=1))

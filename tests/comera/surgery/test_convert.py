@@ -227,6 +227,7 @@ BAD_FIELDS = [
     ("modes", [(4, 4)]), ("modes", {"fc": (4, 4)}),
     ("modes", {"fc": ([4, 0], [4, 4])}),
     ("attention_in_proj", "fused"), ("memory", "tiny"), ("memory", -1),
+    ("parametrization", "mup"), ("parametrization", None),
 ]
 
 

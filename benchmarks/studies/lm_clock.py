@@ -1,0 +1,127 @@
+"""One training step (forward, backward, AdamW step) of the language-model frontier's models,
+side by side in one process: the clock the frontier's wall-clock curves are drawn with.
+
+    python -m benchmarks.studies.lm_clock                  # d_model 256, 4x / 8x / 16x
+    python -m benchmarks.studies.lm_clock --smoke --out /tmp/lm_clock
+
+The causal LM of ``benchmarks/studies/lm_frontier.py`` (d_model ``--d-model``, FFN 4x, two
+blocks, 64 tokens, batch 16): dense, and per target the narrower dense model of the same size
+and every format at its largest uniform rank (the frontier's methods, built by its harness).
+Each model takes its steps round-robin with the others (:func:`benchmarks.lib.harness.
+interleaved_times`), on the frontier's batches; the table gives the median step and its ratio
+to dense with the spread of the per-round ratios. A training run's own clock is only as quiet as
+the machine it ran on; this one is measured in one process on a quiet machine, and the
+frontier's "loss against wall-clock" curves are the steps times these medians.
+
+Writes ``benchmarks/results/lm_clock_cpu.{json,md}`` (a study's companion, so it lives with the
+studies: it builds the frontier's models through their harness).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+from benchmarks.lib.harness import (
+    interleaved_times,
+    markdown_table,
+    publish,
+    ratio_spread,
+    spread_text,
+    start_run,
+)
+from benchmarks.studies.harness.methods import Study, narrow_sizes
+from comera.experiments.engine import EngineConfig
+from comera.experiments.lm_task import LMTask, LMTaskConfig
+from comera.experiments.results import machine
+from comera.experiments.task import IndexStream
+from comera.formats.registry import DENSE
+
+FORMATS = ("tt", "ttm", "btt", "lowrank")
+
+
+def models(task: LMTask, targets) -> dict[str, torch.nn.Module]:
+    """Dense, and per target the narrower dense model and every format at its uniform rank."""
+    study = Study(task, EngineConfig(), Path("/tmp/unused"), steps=1)
+    torch.manual_seed(0)
+    out = {"dense": task.build(DENSE)}
+    for target in targets:
+        sizes = narrow_sizes(task, study.whole_budget(target), whole=True)
+        out[f"narrow {target:g}x"] = task.build(DENSE, **sizes)
+        for fmt in FORMATS:
+            rank = study.uniform_rank(fmt, target)
+            if rank >= 1:
+                out[f"{fmt} {target:g}x"] = task.build(fmt, rank)
+    return out
+
+
+def stepper(task: LMTask, model: torch.nn.Module, batch_size: int):
+    """One AdamW step of ``model`` on the next of the frontier's batches."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    stream = IndexStream(task.train_size(), batch_size, 0)
+    state = {"step": 0}
+
+    def step() -> None:
+        loss = task.loss(model, task.step_batch(stream, state["step"]))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        state["step"] += 1
+
+    return step
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--targets", type=float, nargs="+", default=[4, 8, 16])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's own, the cores)")
+    p.add_argument("--smoke", action="store_true", help="a tiny model, few repeats")
+    p.add_argument("--root", type=Path, default=None)
+    p.add_argument("--out", default="lm_clock_cpu",
+                   help="results name under benchmarks/results/ or a path stem")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.batch < 1 or any(t <= 1 for t in args.targets):
+        p.error("--repeats and --batch at least 1, --targets above 1")
+    start_run(p, args.threads)
+    if args.smoke:
+        config = LMTaskConfig(seq_len=16, vocab_size=64, d_model=16, n_heads=2, d_ff=64,
+                              n_layers=1, eval_limit=8)
+        args.repeats, args.targets = 3, [2.0]
+    else:
+        config = LMTaskConfig(d_model=args.d_model, d_ff=4 * args.d_model)
+    task = LMTask(config, root=args.root)
+    built = models(task, args.targets)
+    times = interleaved_times({name: stepper(task, m, args.batch) for name, m in built.items()},
+                              args.repeats, warmup=5)
+    results = {}
+    for name, ts in times.items():
+        spread = ratio_spread(ts, times["dense"])
+        results[name] = {"ms": 1000 * statistics.median(ts), "vs_dense": spread,
+                         "params": sum(p.numel() for p in built[name].parameters())}
+    payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
+               "d_model": config.d_model, "batch": args.batch, "seq_len": config.seq_len,
+               "repeats": args.repeats, "results": results}
+    rows = [[name, r["params"], f"{r['ms']:.1f}", spread_text(r["vs_dense"])]
+            for name, r in results.items()]
+    m = payload["machine"]
+    markdown = (f"# One training step of the LM frontier's models (d_model {config.d_model}, "
+                f"batch {args.batch} x {config.seq_len} tokens)\n\n"
+                + markdown_table(["model", "parameters", "median step (ms)",
+                                  "time / dense (spread)"], rows)
+                + f"\n\nForward, backward and an AdamW step; interleaved, {args.repeats} "
+                f"rounds after 5 warm-up steps. {m['cpu']}, torch {m['torch']}, "
+                f"{m['threads']} thread(s). Command: `python -m benchmarks.studies.lm_clock"
+                f"{' --smoke' if args.smoke else ''}`.\n")
+    return publish(args.out, payload, markdown)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
