@@ -15,9 +15,10 @@ from torch import Tensor
 
 import tncomp
 from comera.errors import ConfigError, tncomp_errors_as_config
+from comera.formats.calibrated import calibrated_decomposition, unfolding_spectra
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
-from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm
+from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, paired_modes
 
 
 def chain_layout(inputs: tuple[str, ...], outputs: tuple[str, ...],
@@ -38,7 +39,7 @@ def chain_bonds(layout: Layout) -> tuple[int, ...]:
 class TT(Format):
     """CoMERA's TT format: all input modes, then all output modes, one core each."""
 
-    name, title, exact_decomposition = "tt", "TT", True
+    name, title, exact_decomposition, calibrates = "tt", "TT", True, True
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         modes = tuple(in_modes) + tuple(out_modes)
@@ -52,8 +53,15 @@ class TT(Format):
     def network(self, layout: Layout) -> tncomp.Network:
         return tncomp.tt_linear(layout.in_modes, layout.out_modes, chain_bonds(layout))
 
-    def decompose(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+    def decompose(self, weight: Tensor, layout: Layout,
+                  gram: Tensor | None = None) -> list[Tensor]:
+        if gram is not None:
+            return calibrated_decomposition(self, weight, layout, gram)
         return matrix_to_tt(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
+
+    def spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
+        modes = (*layout.in_modes, *layout.out_modes)
+        return unfolding_spectra(weight.reshape(modes), range(1, len(modes)))
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_chain(cores)
@@ -62,7 +70,7 @@ class TT(Format):
 class TTM(Format):
     """The interleaved TT-matrix format: core k carries input mode k and output mode k."""
 
-    name, title, exact_decomposition = "ttm", "TT-matrix", True
+    name, title, exact_decomposition, calibrates = "ttm", "TT-matrix", True, True
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         if len(in_modes) != len(out_modes):
@@ -81,8 +89,16 @@ class TTM(Format):
     def network(self, layout: Layout) -> tncomp.Network:
         return tncomp.ttm_linear(layout.in_modes, layout.out_modes, chain_bonds(layout))
 
-    def decompose(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+    def decompose(self, weight: Tensor, layout: Layout,
+                  gram: Tensor | None = None) -> list[Tensor]:
+        if gram is not None:
+            return calibrated_decomposition(self, weight, layout, gram)
         return matrix_to_ttm(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
+
+    def spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
+        d = len(layout.in_modes)
+        merged = paired_modes(weight, layout.in_modes, layout.out_modes)
+        return unfolding_spectra(merged, range(1, d))
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_chain(cores)

@@ -13,6 +13,8 @@ from comera.formats.registry import format_names, get_format
 from comera.layers.linear import DEFAULT_TAU, check_memory
 
 IN_PROJ = ("split", "packed")
+ALLOCATIONS = ("uniform", "global")
+DEFAULT_DAMPING = 1e-2
 
 
 @dataclass(frozen=True)
@@ -21,8 +23,16 @@ class ConvertConfig:
 
     include / exclude: fnmatch patterns over qualified module names ("*" matches all).
     ranks: a max rank for every layer, or {pattern: max rank}, first match wins.
-    target_compression: instead of ranks, the largest uniform max rank per layer whose TT size
-    is at most dense / target (per layer).
+    target_compression: instead of ranks, a size target: dense / target parameters.
+    allocation: how a size target is spent. "uniform": per layer, the largest uniform max rank
+    whose size is at most the layer's dense size / target. "global": one budget for all the
+    linear layers converted (their dense weights / target_compression, or ``target_size``
+    parameters), spent bond slice by bond slice where the most truncation error goes per
+    parameter (of the output error, with calibration); see :mod:`comera.ranks.budget`.
+    target_size: with allocation="global", the budget as a number of parameters of the linear
+    layers' cores (instead of target_compression).
+    damping: with calibration, the fraction of the input second moments' mean diagonal added
+    to their diagonal before whitening (regularises directions the inputs rarely visit).
     """
 
     include: Sequence[str] = ("*",)
@@ -43,6 +53,9 @@ class ConvertConfig:
     # what the TT layers keep for the backward (tncomp's memory option, GatedLayer.memory):
     # "fast", "balanced", "min" or a byte budget per layer call
     memory: str | int = "fast"
+    allocation: str = "uniform"
+    target_size: int | None = None
+    damping: float = DEFAULT_DAMPING
 
     def __post_init__(self) -> None:
         for key in ("include", "exclude"):
@@ -87,8 +100,30 @@ class ConvertConfig:
             raise ConfigError(f"attention_in_proj={self.attention_in_proj!r}; choose one of "
                               f"{', '.join(IN_PROJ)}.")
         check_memory(self.memory)
+        self._check_allocation()
         if not (self.linear or self.embedding):
             raise ConfigError("linear and embedding are both False: nothing would be converted.")
+
+    def _check_allocation(self) -> None:
+        if not isinstance(self.allocation, str) or self.allocation not in ALLOCATIONS:
+            raise ConfigError(f"allocation={self.allocation!r}; choose one of "
+                              f"{', '.join(ALLOCATIONS)}.")
+        if self.target_size is not None:
+            if not _is_rank(self.target_size):
+                raise ConfigError(f"target_size={self.target_size!r}; it is a number of "
+                                  "parameters, an int >= 1 (or None: use target_compression).")
+            if self.allocation != "global" or self.target_compression is not None:
+                raise ConfigError(f"target_size={self.target_size} is the budget of "
+                                  "allocation='global' (set allocation='global' and leave "
+                                  "target_compression=None); a uniform allocation takes "
+                                  "target_compression.")
+        if self.allocation == "global" and self.target_compression is None and (
+                self.target_size is None):
+            raise ConfigError("allocation='global' spends a size budget across the layers: set "
+                              "target_compression (e.g. 2) or target_size (parameters).")
+        if not (_is_number(self.damping) and 0 < self.damping < 1e3):
+            raise ConfigError(f"damping={self.damping!r}; it is a finite number > 0 (a fraction "
+                              f"of the mean input second moment; default {DEFAULT_DAMPING}).")
 
     def rank_for(self, name: str) -> int:
         """The max rank for the layer named ``name``: ``ranks`` itself, or the value of the first
@@ -148,4 +183,4 @@ def _is_modes(value: object) -> bool:
                     and all(_is_rank(m) for m in side) for side in value))
 
 
-__all__ = ["IN_PROJ", "ConvertConfig"]
+__all__ = ["ALLOCATIONS", "IN_PROJ", "ConvertConfig"]

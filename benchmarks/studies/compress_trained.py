@@ -1,0 +1,385 @@
+r"""Compress a trained model (issue 31): calibrated decompositions and one global rank budget,
+against today's per-layer uniform target, on the project's causal LM and masked LM.
+
+    python -m benchmarks.studies.compress_trained pretrain --task lm
+    python -m benchmarks.studies.compress_trained compress --task lm --formats tt lowrank ttm \
+        --targets 1.5 2 3 4 --seeds 0 1 2 --tag lm-before
+    python -m benchmarks.studies.compress_trained compress --task lm --formats tt lowrank \
+        --targets 2 --seeds 0 1 2 --finetune 200 --tag lm-ft
+    python -m benchmarks.studies.compress_trained report
+
+``pretrain`` trains the quick dense model of the task (``comera train lm|mlm --quick`` sizes)
+through the engine (:func:`comera.experiments.engine.train_model`) for ``--steps`` steps and
+keeps it, with its validation curve, under ``--cache`` (default ``runs/compress_trained``): a
+function of the command and its seed, trained once. ``compress`` loads it and, per format, target
+and calibration seed, converts the block linear layers (``include=["blocks.*"]``) five ways:
+
+- ``uniform/plain``: ``convert_`` as before issue 31, every layer at its own target;
+- ``uniform/calibrated``: the same ranks, decomposed on the calibration inputs;
+- ``global/plain``: one budget (the uniform arm's parameter count) spent on the bond slices of
+  most weight energy per parameter;
+- ``global/calibrated``: one budget, whitened spectra, calibrated decompositions;
+- ``global/calibrated+gates``: global/calibrated at ``--gate-headroom`` times the budget, then
+  CoMERA's late stage (rank gates, ``comera.LateStage``) on the calibration rows for
+  ``--gate-steps`` steps, landing on the budget.
+
+Calibration: ``--calib-rows`` training rows drawn with the seed (batches of 32). Scores: the
+task's validation loss and perplexity right after compression and, with ``--finetune N``, after
+N steps of training through the engine (the same steps, batches and learning rate for every arm;
+at most 10% of the pretraining steps). Rows go to ``<out>/runs/<tag>.json``; ``report`` merges
+every runs file into ``summary.md``, ``summary.json`` and ``perplexity.png``.
+
+``hf`` proves the dict-input path: a GPT-2 built from a config (random init, trained briefly
+in-process through the engine), calibrated with ``{"input_ids": ...}`` batches. ``gpt2-124m``
+converts a 124M-parameter GPT-2-sized config with calibration and records the peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import resource
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import comera
+from benchmarks.lib.harness import RESULTS
+from comera.experiments.engine import EngineConfig, train_model
+from comera.experiments.lm_task import LMTask, LMTaskConfig
+from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
+from comera.experiments.results import machine
+from comera.experiments.task import Task
+
+OUT = RESULTS / "compress_trained"
+CACHE = Path("runs/compress_trained")
+ARMS = ("uniform/plain", "uniform/calibrated", "global/plain", "global/calibrated",
+        "global/calibrated+gates")
+CALIB_BATCH = 32
+
+
+# -- tasks ----------------------------------------------------------------------------------------
+def make_task(name: str, smoke: bool = False, root: Path | None = None) -> Task:
+    """The quick LM or MLM task (``smoke``: a tiny model on a tiny corpus, for tests)."""
+    if name == "lm":
+        config = LMTaskConfig()
+        if smoke:
+            config = replace(config, seq_len=16, vocab_size=64, d_model=16, n_heads=2, d_ff=32,
+                             n_layers=1, eval_limit=8)
+        return LMTask(config, root=root)
+    if name == "mlm":
+        config = MLMTaskConfig()
+        if smoke:
+            config = replace(config, seq_len=16, vocab_size=64, d_model=16, n_heads=2, d_ff=32,
+                             n_layers=1, eval_limit=8, embedding_rank=4)
+        return MLMTask(config, root=root)
+    raise SystemExit(f"--task {name!r}: choose lm or mlm")
+
+
+def model_input(task: Task, rows: Tensor) -> Tensor:
+    """What the model's forward takes for training rows ``rows``: the LM reads all but the last
+    token; the MLM reads the rows with epoch-0 BERT masks."""
+    if isinstance(task, LMTask):
+        return rows[:, :-1]
+    indices = torch.arange(rows.shape[0])
+    return task.masking(rows, indices, 0, task.config.seed)[0]
+
+
+def calibration_rows(task: Task, seed: int, count: int) -> Tensor:
+    """``count`` training-row indices drawn with ``seed`` (the calibration set of that seed)."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    return torch.randperm(task.train_size(), generator=gen)[:count]
+
+
+def calibration_batches(task: Task, indices: Tensor) -> list[Tensor]:
+    """The model inputs of the rows at ``indices``, in batches of :data:`CALIB_BATCH`."""
+    rows = task.train.ids[indices]
+    return [model_input(task, chunk) for chunk in rows.split(CALIB_BATCH)]
+
+
+class ForEngine(Task):
+    """``task`` as the engine trains it: with ``model``, the engine trains a copy of that model
+    (a compressed one) instead of building one; with ``rows``, only those training rows (the
+    gates' calibration set). The LM task's ``step_batch`` predates the engine's data-parallel
+    arguments, so batches are collated here from the engine's index stream."""
+
+    def __init__(self, task: Task, model: nn.Module | None = None, rows: Tensor | None = None):
+        self.task, self.model, self.rows = task, model, rows
+        self.name, self.metric = task.name, task.metric
+        self.higher_is_better = task.higher_is_better
+
+    def build_model(self, tt: bool) -> nn.Module:
+        return self.task.build_model(tt) if self.model is None else copy.deepcopy(self.model)
+
+    def train_size(self) -> int:
+        return self.task.train_size() if self.rows is None else int(self.rows.numel())
+
+    def batch(self, indices: Tensor):
+        return self.task.batch(indices if self.rows is None else self.rows[indices])
+
+    def step_batch(self, stream, step: int, rank: int = 0, world: int = 1):
+        if self.rows is None and isinstance(self.task, MLMTask):  # masks follow the epoch
+            return self.task.step_batch(stream, step, rank, world)
+        indices = stream.shard(step, rank, world)
+        if self.rows is not None and isinstance(self.task, MLMTask):
+            return self.task.batch(self.rows[indices], stream.epochs(step, rank, world))
+        return self.batch(indices)
+
+    def loss(self, model: nn.Module, batch) -> Tensor:
+        return self.task.loss(model, batch)
+
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
+        return self.task.evaluate(model, split)
+
+
+# -- pretraining ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pretrain:
+    """How the dense model is trained once (its key names the cached file)."""
+
+    task: str
+    steps: int = 4000
+    batch: int = 32
+    lr: float = 1e-3
+    warmup: int = 100
+    seed: int = 0
+    eval_every: int = 250
+    smoke: bool = False
+
+    def key(self) -> str:
+        text = json.dumps(asdict(self), sort_keys=True)
+        return f"{self.task}-dense-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
+def pretrained(spec: Pretrain, cache: Path, root: Path | None = None,
+               train: bool = True) -> tuple[nn.Module, dict[str, Any]]:
+    """The dense model of ``spec`` and its record (validation curve, command), trained through
+    the engine on the first call and read from ``cache`` after."""
+    path = cache / f"{spec.key()}.pt"
+    if path.is_file():
+        saved = torch.load(path, weights_only=False)
+        return saved["model"], saved["info"]
+    if not train:
+        raise SystemExit(f"{path} does not exist: run `python -m benchmarks.studies."
+                         f"compress_trained pretrain --task {spec.task}` first")
+    task = make_task(spec.task, spec.smoke, root)
+    config = EngineConfig(steps_early=spec.steps, steps_late=0, stage="early",
+                          batch_size=spec.batch, lr=spec.lr, warmup=spec.warmup,
+                          eval_every=spec.eval_every, seed=spec.seed, threads=1,
+                          max_grad_norm=1.0)
+    start = time.time()
+    with tempfile.TemporaryDirectory() as out:
+        model, record = train_model(ForEngine(task), "dense", False, config, Path(out))
+    model.eval()
+    info = {"spec": asdict(spec), "seconds": round(time.time() - start, 1),
+            "val_curve": record.val_curve, "stage_ends": record.stage_ends,
+            "machine": machine(), "command": _command()}
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model, "info": info}, tmp)
+    tmp.replace(path)
+    return model, info
+
+
+def _command() -> str:
+    return "python -m benchmarks.studies.compress_trained " + shlex.join(sys.argv[1:])
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (MiB; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cmd_pretrain(args) -> int:
+    spec = Pretrain(args.task, args.steps, args.batch, args.lr, args.warmup, args.seed,
+                    args.eval_every, args.smoke)
+    _, info = pretrained(spec, args.cache, args.root)
+    for step, scores in info["val_curve"]:
+        print(f"step {step:5d}: val loss {scores['loss']:.4f} perplexity "
+              f"{scores.get('perplexity', math.exp(scores['loss'])):.2f}")
+    print(f"{spec.key()}: {info['seconds']}s")
+    return 0
+
+
+# -- compression arms -----------------------------------------------------------------------------
+def convert_arm(dense: nn.Module, fmt: str, arm: str, target: float, budget: int | None,
+                batches: list[Tensor] | None) -> tuple[nn.Module, comera.ConversionReport]:
+    """A copy of ``dense`` with its block linear layers converted as ``arm`` says
+    ("uniform|global" / "plain|calibrated"); the global arms spend ``budget`` core parameters."""
+    allocation, how = arm.split("+")[0].split("/")
+    model = copy.deepcopy(dense)
+    options = ({"target_compression": target} if allocation == "uniform"
+               else {"allocation": "global", "target_size": budget})
+    config = comera.ConvertConfig(include=["blocks.*"], format=fmt, **options)
+    report = comera.convert_(model, config, calibration=batches if how == "calibrated" else None)
+    model.eval()
+    return model, report
+
+
+def core_params(model: nn.Module) -> int:
+    """Parameters of the gated layers' cores at their stored ranks (biases excluded)."""
+    return sum(m.layout.parameters_at(m.bond_sizes) for _, m in comera.gated_layers(model))
+
+
+def linear_sizes(model: nn.Module) -> tuple[int, int]:
+    """(parameters, dense parameters) of the gated layers, biases included."""
+    return (comera.model_size(model, only=comera.GatedLayer),
+            comera.dense_size(model, only=comera.GatedLayer))
+
+
+def engine_run(task: Task, model: nn.Module, config: EngineConfig,
+               rows: Tensor | None = None) -> nn.Module:
+    """``model`` trained by the engine as ``config`` says (on ``rows`` only, if given)."""
+    with tempfile.TemporaryDirectory() as out:
+        trained, _ = train_model(ForEngine(task, model, rows), "comera", True, config, Path(out))
+    return trained.eval()
+
+
+def refine_with_gates(task: Task, model: nn.Module, rows: Tensor, target_size: int, args,
+                      seed: int) -> nn.Module:
+    """CoMERA's late stage on the calibration rows: from ``model`` (converted with headroom) to
+    ``target_size`` parameters of its gated layers (biases included) in ``--gate-steps``."""
+    _, dense = linear_sizes(model)
+    config = EngineConfig(steps_early=1, steps_late=args.gate_steps, stage="late", lam=0.0,
+                          batch_size=min(CALIB_BATCH, rows.numel()), lr=args.ft_lr,
+                          lr_gates=args.gate_lr, target_compression=dense / target_size,
+                          eval_every=args.gate_steps + 1, seed=seed, threads=1)
+    return engine_run(task, model, config, rows)
+
+
+def finetune(task: Task, model: nn.Module, steps: int, args, seed: int) -> nn.Module:
+    """``steps`` of plain training (lam 0, gates held) through the engine, every arm alike."""
+    config = EngineConfig(steps_early=steps, steps_late=0, stage="early", lam=0.0,
+                          batch_size=args.batch, lr=args.ft_lr, lr_gates=1e-12,
+                          warmup=min(args.warmup, steps), eval_every=steps + 1, seed=seed,
+                          threads=1)
+    return engine_run(task, model, config)
+
+
+def score(task: Task, model: nn.Module) -> dict[str, float]:
+    model.eval()
+    with torch.no_grad():
+        return task.evaluate(model, "val")
+
+
+def cmd_compress(args) -> int:
+    task = make_task(args.task, args.smoke, args.root)
+    spec = Pretrain(args.task, args.steps, args.batch, args.lr, args.warmup, 0, args.eval_every,
+                    args.smoke)
+    dense, info = pretrained(spec, args.cache, args.root, train=args.smoke)
+    own = args.out / "runs" / f"{args.tag}.json"
+    own.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"tag": args.tag, "task": args.task, "data": task.describe(),
+               "pretrain": {k: v for k, v in info.items() if k != "stage_ends"},
+               "dense": score(task, dense), "machine": machine(), "command": _command(),
+               "settings": {k: str(v) if isinstance(v, Path) else v
+                            for k, v in vars(args).items() if k != "run"}, "rows": []}
+    rows = payload["rows"]
+
+    def save() -> None:
+        tmp = own.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=1, default=str))
+        tmp.replace(own)
+
+    save()
+    for fmt in args.formats:
+        for target in args.targets:
+            base, _ = convert_arm(dense, fmt, "uniform/plain", target, None, None)
+            budget = core_params(base)
+            for seed in args.seeds:
+                chosen = calibration_rows(task, seed, args.calib_rows)
+                batches = calibration_batches(task, chosen)
+                for arm in args.arms:
+                    if "calibrated" not in arm and not args.finetune and seed != args.seeds[0]:
+                        continue  # a plain arm before fine-tuning does not depend on the seed
+                    start = time.time()
+                    torch.manual_seed(seed)
+                    if arm.endswith("+gates"):
+                        model, report = convert_arm(dense, fmt, arm, target,
+                                                    int(budget * args.gate_headroom), batches)
+                        goal = budget + sum(m.bias.numel() for _, m in comera.gated_layers(model)
+                                            if m.bias is not None)
+                        model = refine_with_gates(task, model, chosen, goal, args, seed)
+                    else:
+                        model, report = convert_arm(dense, fmt, arm, target, budget, batches)
+                    params, dense_params = linear_sizes(model)
+                    row = {"format": fmt, "target": target, "arm": arm, "seed": seed,
+                           "params": params, "dense_params": dense_params,
+                           "compression": dense_params / params, "budget": budget,
+                           "calib_rows": args.calib_rows,
+                           "ranks": {n: list(m.ranks) for n, m in comera.gated_layers(model)},
+                           "errors": {r.name: r.error for r in report.layers},
+                           "before": score(task, model)}
+                    if args.finetune:
+                        tuned = finetune(task, model, args.finetune, args, seed)
+                        row["after"] = score(task, tuned)
+                        row["finetune"] = args.finetune
+                    row["seconds"] = round(time.time() - start, 1)
+                    rows.append(row)
+                    save()
+                    after = (f", after {row['after']['perplexity']:.2f}" if "after" in row
+                             else "")
+                    print(f"{args.task} {fmt} {target:g}x {arm} seed {seed}: "
+                          f"{row['compression']:.2f}x, val ppl {row['before']['perplexity']:.2f}"
+                          f"{after} ({row['seconds']:.0f}s)", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    pre = sub.add_parser("pretrain", help="train the dense model once (cached)")
+    for q in (pre,):
+        q.add_argument("--task", choices=("lm", "mlm"), required=True)
+        q.add_argument("--steps", type=int, default=4000)
+        q.add_argument("--batch", type=int, default=32)
+        q.add_argument("--lr", type=float, default=1e-3)
+        q.add_argument("--warmup", type=int, default=100)
+        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--eval-every", type=int, default=250)
+        q.add_argument("--cache", type=Path, default=CACHE)
+        q.add_argument("--root", type=Path, default=None)
+        q.add_argument("--smoke", action="store_true")
+    pre.set_defaults(run=cmd_pretrain)
+    com = sub.add_parser("compress", help="convert the pretrained model every way, score it")
+    for q in (com,):
+        q.add_argument("--task", choices=("lm", "mlm"), required=True)
+        q.add_argument("--steps", type=int, default=4000, help="the pretraining to load")
+        q.add_argument("--batch", type=int, default=32)
+        q.add_argument("--lr", type=float, default=1e-3, help="the pretraining to load")
+        q.add_argument("--warmup", type=int, default=100)
+        q.add_argument("--eval-every", type=int, default=250)
+        q.add_argument("--cache", type=Path, default=CACHE)
+        q.add_argument("--root", type=Path, default=None)
+        q.add_argument("--smoke", action="store_true")
+    com.add_argument("--formats", nargs="+", default=["tt", "lowrank", "ttm"])
+    com.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0, 4.0])
+    com.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    com.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    com.add_argument("--calib-rows", type=int, default=256)
+    com.add_argument("--finetune", type=int, default=0, help="fine-tune steps after (0: none)")
+    com.add_argument("--ft-lr", type=float, default=3e-4)
+    com.add_argument("--gate-steps", type=int, default=40)
+    com.add_argument("--gate-lr", type=float, default=1e-2)
+    com.add_argument("--gate-headroom", type=float, default=1.25)
+    com.add_argument("--tag", default="run")
+    com.add_argument("--out", type=Path, default=OUT)
+    com.set_defaults(run=cmd_compress)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
