@@ -378,11 +378,37 @@ def _check_output(path: Path, flag: str) -> None:
                           f"(mkdir -p {folder}).")
 
 
+def _calibration_batches(path: str | None) -> list | None:
+    """The batches of ``--calibration``: a torch file (read without running code) holding a list
+    or tuple of batches, or one batch (a tensor or a dict of keyword arguments)."""
+    from torch import Tensor
+
+    if path is None:
+        return None
+    source = Path(path)
+    if not source.is_file():
+        raise ComeraError(f"--calibration {source}: no such file; save a list of input batches "
+                          "with torch.save([x1, x2, ...], path).")
+    kind, data = _peek(source)
+    if kind != "data":
+        raise ComeraError(f"--calibration {source} is not a torch file of tensors "
+                          f"({data if kind == 'unreadable' else 'it pickles ' + data}); save a "
+                          "list of input batches with torch.save([x1, x2, ...], path).")
+    batches = [data] if isinstance(data, Tensor | Mapping) else data
+    if not isinstance(batches, list | tuple) or not batches:
+        what = "no batches" if isinstance(batches, list | tuple) else type(data).__name__
+        raise ComeraError(f"--calibration {source} holds {what}; save a non-empty list of input "
+                          "batches (tensors, or dicts of keyword arguments) with "
+                          "torch.save([x1, x2, ...], path).")
+    return list(batches)
+
+
 def _cmd_convert(args, argv) -> int:
     import torch
     from torch import nn
 
     import comera
+    from comera.data.progress import progress_bar
 
     if not args.model.strip():
         raise ComeraError("model file '': give the file of torch.save(model, path), e.g. "
@@ -394,6 +420,7 @@ def _cmd_convert(args, argv) -> int:
     out = Path(args.output)
     _check_output(out, "-o")
     config = _convert_config(args)
+    batches = _calibration_batches(args.calibration)
     kind, what = _peek(source)
     if kind == "unreadable":
         raise ComeraError(f"{source} is not a torch file ({what}); save the model with "
@@ -409,7 +436,12 @@ def _cmd_convert(args, argv) -> int:
     if not isinstance(model, nn.Module):
         raise ComeraError(f"{source} holds a {type(model).__name__}, not an nn.Module; save the "
                           "module itself with torch.save(model, path).")
-    report = comera.convert_(model, config)
+    if batches is None:
+        report = comera.convert_(model, config)
+    else:
+        with progress_bar("calibration", len(batches)) as advance:
+            report = comera.convert_(model, config, calibration=batches,
+                                     progress=lambda _done: advance(1))
     print(report)
     comera.save_checkpoint(out, model, converted_from=str(source))
     print(f"\nwrote {out} (load it into the original architecture with "
@@ -514,6 +546,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="one ConvertConfig field, e.g. ranks=16, format=ttm or "
                    "target_compression=20")
+    p.add_argument("--calibration", metavar="BATCHES",
+                   help="a torch file of input batches (a list of tensors, or of dicts of "
+                   "keyword arguments): linear layers are decomposed to minimise the error of "
+                   "their outputs on these inputs")
     p.set_defaults(run=_cmd_convert)
 
     p = sub.add_parser("report", help="per-layer ranks, sizes and compression of a checkpoint")
