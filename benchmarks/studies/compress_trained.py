@@ -335,6 +335,165 @@ def cmd_compress(args) -> int:
     return 0
 
 
+# -- the report -----------------------------------------------------------------------------------
+def merge(out: Path) -> dict:
+    """Every ``runs/*.json`` under ``out``: rows (tagged with their task), per task its dense
+    scores and pretraining, and the commands."""
+    runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    rows = [{"task": r["task"], **row} for r in runs for row in r["rows"]]
+    tasks = {r["task"]: {"dense": r["dense"], "data": r["data"], "pretrain": r["pretrain"]}
+             for r in runs}
+    return {"rows": rows, "tasks": tasks,
+            "runs": [{k: r[k] for k in ("tag", "task", "command", "machine")} for r in runs]}
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(
+        values) > 1 else 0.0
+    return mean, sd
+
+
+def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["task"], row["format"], row["target"], row["arm"]), []).append(row)
+    return groups
+
+
+def summarise(result: dict) -> str:
+    """The tables (validation perplexity before and after fine-tuning, mean ± sd over seeds,
+    change against uniform/plain) per task, the targets' check, the machine and commands."""
+    groups = _groups(result["rows"])
+    lines = []
+    for task, info in sorted(result["tasks"].items()):
+        dense = info["dense"]
+        pre = info["pretrain"]
+        curve = ", ".join(f"{step}: {scores['loss']:.3f}" for step, scores in pre["val_curve"])
+        lines += [f"### {task.upper()}: dense validation perplexity {dense['perplexity']:.2f} "
+                  f"(loss {dense['loss']:.4f})", "",
+                  f"Pretrained dense through the engine, {pre['spec']['steps']} steps of batch "
+                  f"{pre['spec']['batch']}, lr {pre['spec']['lr']} ({pre['seconds']:.0f} s); "
+                  f"validation loss by step: {curve}.", "",
+                  "| format | target | arm | seeds | compression | val ppl before | vs "
+                  "uniform/plain | val ppl after fine-tune | vs uniform/plain |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        keys = sorted(k for k in groups if k[0] == task)
+        for _, fmt, target, arm in sorted(keys, key=lambda k: (k[1], k[2], ARMS.index(k[3]))):
+            rows = groups[task, fmt, target, arm]
+            base = groups.get((task, fmt, target, "uniform/plain"), [])
+            cells = []
+            for when in ("before", "after"):
+                values = [r[when]["perplexity"] for r in rows if when in r]
+                ref = [r[when]["perplexity"] for r in base if when in r]
+                if not values:
+                    cells += ["-", "-"]
+                    continue
+                mean, sd = _mean_sd(values)
+                cells.append(f"{mean:.2f} ± {sd:.2f}")
+                cells.append(f"{mean / _mean_sd(ref)[0] - 1:+.1%}" if ref else "-")
+            comp = sum(r["compression"] for r in rows) / len(rows)
+            seeds = ",".join(str(r["seed"]) for r in rows)
+            lines.append(f"| {fmt} | {target:g}x | {arm} | {seeds} | {comp:.2f}x | "
+                         + " | ".join(cells) + " |")
+        lines.append("")
+    lines += targets_text(groups)
+    if result["runs"]:
+        m = result["runs"][-1]["machine"]
+        lines += ["", f"Machine: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s), "
+                  f"commit {m.get('commit', '?')}; commands:", ""]
+        lines += [f"    {r['command']}" for r in result["runs"]]
+    return "\n".join(lines)
+
+
+def targets_text(groups: dict[tuple, list[dict]]) -> list[str]:
+    """Issue 31's targets at 2x, in tt and lowrank, per task: global/calibrated at least 15%
+    lower perplexity than uniform/plain before fine-tuning, and lower after fine-tuning by more
+    than the seeds' spread."""
+    lines = ["Targets at 2x (global/calibrated against uniform/plain):", ""]
+    for task, fmt in sorted({(k[0], k[1]) for k in groups if k[1] in ("tt", "lowrank")}):
+        ours = groups.get((task, fmt, 2.0, "global/calibrated"), [])
+        base = groups.get((task, fmt, 2.0, "uniform/plain"), [])
+        if not ours or not base:
+            continue
+        text = [f"- {task} {fmt}:"]
+        before = _mean_sd([r["before"]["perplexity"] for r in ours])[0]
+        ref = _mean_sd([r["before"]["perplexity"] for r in base])[0]
+        cut = 1 - before / ref
+        text.append(f"before fine-tuning {before:.2f} vs {ref:.2f} ({cut:.1%} lower; target "
+                    f"15%: {'met' if cut >= 0.15 else 'not met'})")
+        ours_after = [r["after"]["perplexity"] for r in ours if "after" in r]
+        base_after = [r["after"]["perplexity"] for r in base if "after" in r]
+        if ours_after and base_after:
+            (a, sa), (b, sb) = _mean_sd(ours_after), _mean_sd(base_after)
+            spread = max(sa, sb)
+            text.append(f"after fine-tuning {a:.2f} ± {sa:.2f} vs {b:.2f} ± {sb:.2f} (gap "
+                        f"{b - a:.2f}, spread {spread:.2f}: "
+                        f"{'met' if b - a > spread else 'not met'})")
+        lines.append(" ".join(text[:1]) + " " + "; ".join(text[1:]) + ".")
+    return lines
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Validation perplexity against compression, one panel per task and format, one line per
+    arm: filled markers right after compression, hollow after the fine-tune (means over
+    seeds). False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _groups(result["rows"])
+    panels = sorted({(k[0], k[1]) for k in groups})
+    if not panels:
+        return False
+    tasks = sorted({t for t, _ in panels})
+    formats = sorted({f for _, f in panels})
+    fig, axes = plt.subplots(len(tasks), len(formats), figsize=(4.2 * len(formats),
+                                                                3.4 * len(tasks)), squeeze=False)
+    colours = dict(zip(ARMS, ("tab:grey", "tab:blue", "tab:orange", "tab:red", "tab:purple"),
+                       strict=True))
+    for (task, fmt), ax in ((p, axes[tasks.index(p[0])][formats.index(p[1])]) for p in panels):
+        for arm in ARMS:
+            points = sorted((k[2], rows) for k, rows in groups.items()
+                            if k[:2] == (task, fmt) and k[3] == arm)
+            if not points:
+                continue
+            for when, style in (("before", "-o"), ("after", "--o")):
+                xy = [(sum(r["compression"] for r in rows) / len(rows),
+                       _mean_sd([r[when]["perplexity"] for r in rows if when in r])[0])
+                      for _, rows in points if any(when in r for r in rows)]
+                if xy:
+                    ax.plot(*zip(*xy, strict=True), style, color=colours[arm], ms=4,
+                            mfc=colours[arm] if when == "before" else "none",
+                            label=arm if when == "before" else None)
+        dense = result["tasks"][task]["dense"]["perplexity"]
+        ax.axhline(dense, color="k", lw=0.8, ls=":")
+        ax.set_yscale("log")
+        ax.set_title(f"{task} {fmt}", fontsize=9)
+        ax.set_xlabel("compression of the block linear layers", fontsize=8)
+        ax.set_ylabel("validation perplexity", fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Compressing a trained model: filled = right after, hollow = after the "
+                 "fine-tune, dotted = dense", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def cmd_report(args) -> int:
+    result = merge(args.out)
+    (args.out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    text = summarise(result)
+    (args.out / "summary.md").write_text(text + "\n")
+    plot(result, args.out / "perplexity.png")
+    print(text)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -376,6 +535,9 @@ def main(argv=None) -> int:
     com.add_argument("--tag", default="run")
     com.add_argument("--out", type=Path, default=OUT)
     com.set_defaults(run=cmd_compress)
+    rep = sub.add_parser("report", help="merge every runs file into summary.md and the plot")
+    rep.add_argument("--out", type=Path, default=OUT)
+    rep.set_defaults(run=cmd_report)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     return args.run(args)

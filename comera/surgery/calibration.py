@@ -2,8 +2,9 @@
 
 ``convert_(model, config, calibration=batches)`` runs the model (eval mode, no gradients) on each
 batch with forward hooks on the modules it is about to convert, and accumulates per layer
-``X^T X`` and the row count ``n`` in float64, so a calibrated decomposition
-(:mod:`comera.formats.calibrated`) minimises the error of the layer's output on those inputs.
+``X^T X`` and the row count ``n`` in float64 (each batch's product in float32, or float64 for
+float64 inputs), so a calibrated decomposition (:mod:`comera.formats.calibrated`) minimises
+the error of the layer's output on those inputs.
 Memory is independent of the number of batches: ``in_features^2 * 8`` bytes per layer (a
 768-wide layer: 4.5 MiB; 3072-wide: 72 MiB), plus one batch's activations.
 
@@ -62,14 +63,16 @@ class _Accumulator:
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ConfigError(f"calibration: layer {self.name!r} received an input of shape "
                               f"{shape}; it takes (..., {width or 'features'}).")
-        rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)  # (n, in)
+        rows = x.detach().reshape(-1, x.shape[-1])  # (n, in)
+        if rows.dtype != torch.float64:  # each batch's product in float32, the sum in float64
+            rows = rows.to(torch.float32)
         if not bool(torch.isfinite(rows).all()):
             raise ConfigError(f"calibration: the inputs of layer {self.name!r} hold NaN or "
                               "infinite values; check the calibration batches (and the model's "
                               "earlier layers).")
         if self.sum is None:
-            self.sum = rows.new_zeros(rows.shape[1], rows.shape[1])
-        self.sum.addmm_(rows.T, rows)
+            self.sum = rows.new_zeros(rows.shape[1], rows.shape[1], dtype=torch.float64)
+        self.sum += (rows.T @ rows).to(torch.float64)
         self.rows += rows.shape[0]
 
     def stats(self) -> InputStats:
