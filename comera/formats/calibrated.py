@@ -11,12 +11,15 @@ Eckart-Young, and exact at full rank.
 A tensor format splits the input side into modes, and ``S^{-T}`` (dense over every input mode)
 does not fold into one core. Two steps, both exact at full rank:
 
-1. **Kronecker whitening.** ``C`` is approximated by ``C_1 ⊗ ... ⊗ C_d``, one factor per input
-   mode (the partial traces of ``C``), with Cholesky factors ``S_k``. Mode k of the weight
-   tensor is whitened by ``S_k^T``, the format decomposes the result, and ``S_k^{-T}`` folds into
-   the one core that carries input mode k. With one input mode (low-rank) this is the full
-   whitening; it is exact whenever ``C`` is such a product. Formats that carry an input mode on
-   several cores (block TT) start from their plain decomposition instead.
+1. **A start**, the one of least output error among the plain decomposition, the format's own
+   calibrated starts (TT: the whitened weight split at the bond between the input and the output
+   cores, :func:`comera.formats.tt.split_whitened`) and the **Kronecker whitening**: ``C`` is
+   approximated by ``C_1 ⊗ ... ⊗ C_d``, one factor per input mode (the partial traces of
+   ``C``), with Cholesky factors ``S_k``; mode k of the weight tensor is whitened by ``S_k^T``,
+   the format decomposes the result, and ``S_k^{-T}`` folds into the one core that carries input
+   mode k. With one input mode (low-rank) this is the full whitening; it is exact whenever ``C``
+   is such a product. Formats that carry an input mode on several cores (block TT) have no such
+   start.
 2. **Refit.** Sweeps over the cores, each minimising the exact output error (``C`` itself, not
    its Kronecker approximation) over that core by conjugate gradients from its current value: a
    core's error is a convex quadratic, so the error never grows, and an exact start stays exact.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -37,9 +41,9 @@ from torch import Tensor
 from comera.errors import ConfigError
 from comera.formats.layout import Layout
 
-__all__ = ["REFIT_FLOPS", "calibrated_decomposition", "check_gram", "damped", "mode_grams",
-           "mode_product", "output_error", "refit", "unfolding_spectra", "whiten_input_modes",
-           "whitened_weight", "whitening"]
+__all__ = ["REFIT_FLOPS", "calibrated_decomposition", "check_gram", "damped", "kronecker_start",
+           "mode_grams", "mode_product", "output_error", "refit", "unfolding_spectra",
+           "whiten_input_modes", "whitened_weight", "whitening"]
 
 #: The most floating-point work :func:`refit` spends on one layer by default (its sweeps are
 #: cut to fit): each conjugate-gradient step multiplies the gram by the dense weight.
@@ -199,28 +203,46 @@ def _solve_core(cores: list[Tensor], k: int, layout: Layout, w: Tensor, c: Tenso
     return x
 
 
-def calibrated_decomposition(fmt, weight: Tensor, layout: Layout, gram: Tensor,
-                             sweeps: int = REFIT_SWEEPS) -> list[Tensor]:
-    """Cores of ``fmt`` at ``layout``'s bond sizes (or smaller) for ``weight`` (in x out) that
-    minimise the output error on inputs of second moments ``gram`` (already damped, see
-    :func:`damped`): the Kronecker-whitened decomposition folded back, then :func:`refit`.
-    ``fmt.decompose(weight, layout)`` is the plain decomposition it starts from. Cores come back
-    in ``weight``'s dtype."""
-    gram = check_gram(gram, layout.in_features)
-    w = weight.detach().to(torch.float64)
+def kronecker_start(fmt, weight: Tensor, layout: Layout, gram: Tensor) -> list[Tensor] | None:
+    """``fmt``'s plain decomposition of the Kronecker-whitened weight with each ``S_k^{-T}``
+    folded into the core carrying input mode k (float64); None when an input mode sits on
+    several cores."""
     carriers = _input_carriers(layout)
     if carriers is None:
-        cores = fmt.decompose(w, layout)
-    else:
-        factors = [whitening(g) for g in mode_grams(gram, layout.in_modes)]
-        cores = fmt.decompose(whiten_input_modes(w, layout.in_modes, factors), layout)
-        inverse = [torch.linalg.solve_triangular(s, torch.eye(s.shape[0], dtype=s.dtype),
-                                                 upper=False).T for s in factors]  # S_k^{-T}
-        cores = list(cores)
-        for (core, axis), s_inv_t in zip(carriers, inverse, strict=True):
-            cores[core] = mode_product(cores[core].to(torch.float64), s_inv_t, axis)
-    fitted_layout = layout.resized(_bond_sizes(cores, layout))
-    cores = refit(cores, fitted_layout, w, gram, sweeps)
+        return None
+    factors = [whitening(g) for g in mode_grams(gram, layout.in_modes)]
+    cores = list(fmt.decompose(whiten_input_modes(weight, layout.in_modes, factors), layout))
+    for (core, axis), s in zip(carriers, factors, strict=True):
+        s_inv_t = torch.linalg.solve_triangular(s, torch.eye(s.shape[0], dtype=s.dtype),
+                                                upper=False).T  # S_k^{-T}
+        cores[core] = mode_product(cores[core].to(torch.float64), s_inv_t, axis)
+    return cores
+
+
+def calibrated_decomposition(fmt, weight: Tensor, layout: Layout, gram: Tensor,
+                             sweeps: int = REFIT_SWEEPS, starts: Sequence = ()) -> list[Tensor]:
+    """Cores of ``fmt`` at ``layout``'s bond sizes (or smaller) for ``weight`` (in x out) that
+    minimise the output error on inputs of second moments ``gram`` (already damped, see
+    :func:`damped`). Candidate starts: the plain decomposition (``fmt.decompose(weight,
+    layout)``), the Kronecker-whitened one (:func:`kronecker_start`) and any a format adds in
+    ``starts`` (callables ``(weight, layout, gram) -> cores``, float64); the one of least output
+    error is refitted (:func:`refit`). So the result is never worse on these inputs than the
+    plain decomposition. Cores come back in ``weight``'s dtype."""
+    gram = check_gram(gram, layout.in_features)
+    w = weight.detach().to(torch.float64)
+    best, best_error = None, math.inf
+    plain = lambda w, layout, _gram: fmt.decompose(w, layout)  # noqa: E731
+    for start in (plain, partial(kronecker_start, fmt), *starts):
+        cores = start(w, layout, gram)
+        if cores is None:
+            continue
+        cores = [c.to(torch.float64) for c in cores]
+        at = layout.resized(_bond_sizes(cores, layout))
+        error = output_error(w, at.dense(cores), gram)
+        if error < best_error:
+            best, best_error = (cores, at), error
+    cores, at = best
+    cores = refit(cores, at, w, gram, sweeps)
     return [c.to(weight.dtype).contiguous() for c in cores]
 
 

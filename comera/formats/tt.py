@@ -15,10 +15,10 @@ from torch import Tensor
 
 import tncomp
 from comera.errors import ConfigError, tncomp_errors_as_config
-from comera.formats.calibrated import calibrated_decomposition, unfolding_spectra
+from comera.formats.calibrated import calibrated_decomposition, unfolding_spectra, whitening
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
-from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, paired_modes
+from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, paired_modes, tt_svd
 
 
 def chain_layout(inputs: tuple[str, ...], outputs: tuple[str, ...],
@@ -56,7 +56,8 @@ class TT(Format):
     def decompose(self, weight: Tensor, layout: Layout,
                   gram: Tensor | None = None) -> list[Tensor]:
         if gram is not None:
-            return calibrated_decomposition(self, weight, layout, gram)
+            return calibrated_decomposition(self, weight, layout, gram,
+                                            starts=(split_whitened,))
         return matrix_to_tt(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
 
     def spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
@@ -102,6 +103,27 @@ class TTM(Format):
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_chain(cores)
+
+
+def split_whitened(weight: Tensor, layout: Layout, gram: Tensor) -> list[Tensor]:
+    """A calibrated start of a TT layer (float64): every input mode sits left of the middle
+    bond, so the input cores together are one (in x r) factor ``L`` and the full whitening
+    applies there. TT-SVD of ``S^T W`` (``gram = S S^T``) gives the output cores and ``S^T L``;
+    ``L = S^{-T} (S^T L)`` is then split into the input cores by a TT-SVD at the layout's input
+    bonds. Exact when those bonds are full (the middle bond is SVD-LLM's truncation then)."""
+    s = whitening(gram)  # (in, in), lower
+    w = weight.detach().to(torch.float64)
+    ranks = list(layout.bond_sizes)
+    d = len(layout.in_modes)
+    cores = tt_svd((s.T @ w).reshape(*layout.in_modes, *layout.out_modes), ranks)
+    left = cores[0].reshape(-1, cores[0].shape[-1])  # S^T L: (n_1, r_1), then merged on
+    for core in cores[1:d]:
+        left = (left @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
+    left = torch.linalg.solve_triangular(s.T, left, upper=True)  # L = S^{-T} S^T L: (in, r_d)
+    middle = left.shape[1]
+    split = tt_svd(left.reshape(*layout.in_modes, middle), [*ranks[:d - 1], middle])
+    last = torch.tensordot(split[-2], split[-1][..., 0], dims=1)  # (r_{d-1}, n_d, r_d)
+    return [*split[:-2], last, *cores[d:]]
 
 
 def round_chain(cores: list[Tensor], rtol: float = 1e-7) -> list[Tensor]:

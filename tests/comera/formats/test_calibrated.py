@@ -191,3 +191,18 @@ def test_lowrank_truncation_error_is_the_discarded_spectrum(layer):
     layout = fmt.layout((IN,), (OUT,), 6)
     approx = layout.dense(fmt.decompose(weight, layout))
     assert float((weight - approx).norm()) == pytest.approx(float(s[6:].norm()), rel=1e-10)
+
+
+def test_tt_with_full_side_bonds_reaches_the_lowrank_optimum(layer):
+    """A TT whose bonds other than the middle one are full is a rank-r factorisation at the
+    middle bond: its calibrated start (the split-whitened TT-SVD) reaches SVD-LLM's optimum."""
+    weight, gram = layer
+    gram = damped(gram, 1e-10)
+    tt, low = get_format("tt"), get_format("lowrank")
+    rank = 5
+    layout = tt.layout(*MODES["tt"], [2, 6, rank, 15, 5])
+    cores = tt.decompose(weight, layout, gram)
+    optimum = low.decompose(weight, low.layout((IN,), (OUT,), rank), gram)
+    ours = output_error(weight, _dense(tt, cores, layout), gram)
+    best = output_error(weight, optimum[0] @ optimum[1], gram)
+    assert ours == pytest.approx(best, rel=1e-7)
