@@ -11,8 +11,9 @@ the root of the discarded energies summed over bonds (TT-SVD, HOSVD; exact for o
 share of its layer's energy (``sigma_r^2 / ||W||^2``: a relative error, so layers of different
 scales compare) per parameter it costs is largest, until no slice fits the budget. A slice costs
 what the cores carrying its bond grow by (:meth:`Layout.slice_costs`, which changes as the
-neighbouring bonds grow), and a bond never exceeds what its spectrum holds or its cores allow
-(:meth:`Layout.bond_caps`). Unlike :func:`comera.ranks.allocate.allocate`, which reads a built
+neighbouring bonds grow), a bond never exceeds what its spectrum holds or its cores allow
+(:meth:`Layout.bond_caps`), and no layer grows past its dense size (``in x out``: beyond it the
+factors would hold more than the matrix they stand for). Unlike :func:`comera.ranks.allocate.allocate`, which reads a built
 model's TT chains, this works on weights before any layer exists, for every format with spectra.
 """
 
@@ -91,6 +92,8 @@ def allocate_budget(layers: Sequence[LayerSpectra], budget: float) -> BudgetAllo
         total = max((sum(e) for e in energy), default=0.0)
         shares.append([[v / total if total > 0 else 0.0 for v in e] for e in energy])
     sizes = [[1] * len(s.layout.bonds) for s in layers]
+    own = [s.layout.parameters_at(r) for s, r in zip(layers, sizes, strict=True)]
+    limits = [s.layout.in_features * s.layout.out_features for s in layers]
     versions = [0] * len(layers)
     size = floor
     heap: list[tuple[float, int, int, int, int]] = []
@@ -101,7 +104,8 @@ def allocate_budget(layers: Sequence[LayerSpectra], budget: float) -> BudgetAllo
         caps = layout.bond_caps(sizes[i])
         for b, (cost, cap) in enumerate(zip(costs, caps, strict=True)):
             r = sizes[i][b]
-            if r >= len(shares[i][b]) or (cap is not None and r >= cap):
+            if (r >= len(shares[i][b]) or (cap is not None and r >= cap)
+                    or own[i] + cost > limits[i]):
                 continue
             # highest share per parameter first; ties: earlier layer, earlier bond
             heapq.heappush(heap, (-shares[i][b][r] / cost, i, b, versions[i], cost))
@@ -114,6 +118,7 @@ def allocate_budget(layers: Sequence[LayerSpectra], budget: float) -> BudgetAllo
             continue  # stale (the layer changed since), or it no longer fits (it never will)
         sizes[i][b] += 1
         size += cost
+        own[i] += cost
         versions[i] += 1
         push(i)
     ranks = {s.name: tuple(r) for s, r in zip(layers, sizes, strict=True)}

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from comera.errors import ConfigError
 from comera.formats.calibrated import damped, output_error, whitened_weight
-from comera.formats.registry import Format, get_format
+from comera.formats.registry import Format, format_names, get_format
 from comera.layers.linear import load_cores_
 from comera.ranks.budget import BudgetAllocation, LayerSpectra, allocate_budget
 from comera.surgery.calibration import InputStats
@@ -45,8 +45,7 @@ def check_global(names: Sequence[str], config: ConvertConfig) -> None:
     for name in names:
         fmt = get_format(config.format_for(name))
         if not has_spectra(fmt):
-            with_spectra = sorted(n for n in ("tt", "ttm", "tucker", "lowrank")
-                                  if has_spectra(get_format(n)))
+            with_spectra = [n for n in format_names() if has_spectra(get_format(n))]
             raise ConfigError(f"allocation='global' reads each layer's bond spectra; layer "
                               f"{name!r} is in the {fmt.name!r} format, which has none. Use "
                               f"one of {', '.join(with_spectra)} for it, or "

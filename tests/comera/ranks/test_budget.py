@@ -107,3 +107,18 @@ def test_spectra_must_match_the_bonds():
     layout = get_format("tt").layout((2, 2), (2, 2), 2)
     with pytest.raises(ConfigError, match="3 bonds"):
         LayerSpectra("x", layout, (torch.ones(2),))
+
+
+def test_no_layer_grows_past_its_dense_size():
+    """A TT layer at full rank holds more than its matrix: a generous budget stops each layer at
+    its dense size instead."""
+    fmt = get_format("tt")
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for name in ("a", "b"):
+        layout = fmt.layout((4, 4), (4, 4), 1)
+        weight = torch.randn(16, 16, generator=gen, dtype=F64)
+        layers.append(LayerSpectra(name, layout, fmt.spectra(weight, layout)))
+    result = allocate_budget(layers, 10**6)
+    for s in layers:
+        assert s.layout.parameters_at(result.ranks[s.name]) <= 256
