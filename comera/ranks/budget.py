@@ -13,8 +13,9 @@ scales compare) per parameter it costs is largest, until no slice fits the budge
 what the cores carrying its bond grow by (:meth:`Layout.slice_costs`, which changes as the
 neighbouring bonds grow), a bond never exceeds what its spectrum holds or its cores allow
 (:meth:`Layout.bond_caps`), and no layer grows past its dense size (``in x out``: beyond it the
-factors would hold more than the matrix they stand for). Unlike :func:`comera.ranks.allocate.allocate`, which reads a built
-model's TT chains, this works on weights before any layer exists, for every format with spectra.
+factors would hold more than the matrix they stand for). Unlike
+:func:`comera.ranks.allocate.allocate`, which reads a built model's TT chains, this works on
+weights before any layer exists, for every format with spectra.
 """
 
 from __future__ import annotations
