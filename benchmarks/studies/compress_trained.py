@@ -335,12 +335,76 @@ def cmd_compress(args) -> int:
     return 0
 
 
+# -- which calibrated start -----------------------------------------------------------------------
+def cmd_starts(args) -> int:
+    """Per format, the mean relative output error of the pretrained model's block linear layers
+    (on one calibration set, at the uniform rank of ``--target``) for each start of the
+    calibrated decomposition and after the refit: the measurement behind
+    :mod:`comera.formats.calibrated`'s choices."""
+    from comera.formats.calibrated import damped, kronecker_start, output_error, refit
+    from comera.formats.registry import get_format
+    from comera.formats.tt import split_whitened
+    from comera.surgery.calibration import collect_input_stats
+
+    task = make_task(args.task, args.smoke, args.root)
+    spec = Pretrain(args.task, args.steps, args.batch, args.lr, args.warmup, 0, args.eval_every,
+                    args.smoke)
+    dense, _ = pretrained(spec, args.cache, args.root, train=args.smoke)
+    batches = calibration_batches(task, calibration_rows(task, 0, args.calib_rows))
+    linears = dict(task.block_linears(dense))
+    stats, _ = collect_input_stats(dense, linears, batches)
+    lines = [f"Relative output error of the {args.task} model's {len(linears)} block linear "
+             f"layers at {args.target:g}x (uniform rank per layer), mean over layers; "
+             f"calibration: {args.calib_rows} training rows, damping "
+             f"{comera.ConvertConfig().damping}.", "",
+             "| format | plain | Kronecker start | split start (TT) | best start | + refit "
+             f"({args.sweeps} sweeps) |", "|---|---|---|---|---|---|"]
+    for name in args.formats:
+        fmt = get_format(name)
+        sums: dict[str, float] = {}
+        for layer_name, layer in linears.items():
+            model = nn.Sequential(copy.deepcopy(layer))
+            comera.convert_(model, comera.ConvertConfig(format=name,
+                                                        target_compression=args.target))
+            layout = model[0].layout
+            w = layer.weight.detach().T.to(torch.float64)
+            gram = damped(stats[layer_name].gram, comera.ConvertConfig().damping)
+            raw = stats[layer_name].gram
+            scale = output_error(w, torch.zeros_like(w), raw)
+            starts = {"plain": fmt.decompose(w, layout),
+                      "kron": kronecker_start(fmt, w, layout, gram),
+                      "split": split_whitened(w, layout, gram) if name == "tt" else None}
+            errors = {k: output_error(w, layout.dense(c), raw) / scale
+                      for k, c in starts.items() if c is not None}
+            best = min(errors, key=errors.get)
+            fitted = refit(starts[best], layout, w, gram, args.sweeps)
+            errors["best"] = errors[best]
+            errors["refit"] = output_error(w, layout.dense(fitted), raw) / scale
+            for k, v in errors.items():
+                sums[k] = sums.get(k, 0.0) + v / len(linears)
+        cells = [f"{sums[k]:.4f}" if k in sums else "-"
+                 for k in ("plain", "kron", "split", "best", "refit")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", f"    {_command()}"]
+    text = "\n".join(lines)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"starts_{args.task}.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
 # -- the report -----------------------------------------------------------------------------------
 def merge(out: Path) -> dict:
-    """Every ``runs/*.json`` under ``out``: rows (tagged with their task), per task its dense
-    scores and pretraining, and the commands."""
+    """Every ``runs/*.json`` under ``out``: rows (tagged with their task; one per task, format,
+    target, arm and seed: a later run's row adds its scores, e.g. after fine-tuning, to an
+    earlier one's), per task its dense scores and pretraining, and the commands."""
     runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
-    rows = [{"task": r["task"], **row} for r in runs for row in r["rows"]]
+    merged: dict[tuple, dict] = {}
+    for r in runs:
+        for row in r["rows"]:
+            key = (r["task"], row["format"], row["target"], row["arm"], row["seed"])
+            merged[key] = {**merged.get(key, {}), "task": r["task"], **row}
+    rows = list(merged.values())
     tasks = {r["task"]: {"dense": r["dense"], "data": r["data"], "pretrain": r["pretrain"]}
              for r in runs}
     return {"rows": rows, "tasks": tasks,
@@ -494,34 +558,31 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _model_options(q: argparse.ArgumentParser, pretrain: bool) -> None:
+    """The options naming the pretrained model (``pretrain``: also those that train it)."""
+    q.add_argument("--task", choices=("lm", "mlm"), required=True)
+    q.add_argument("--steps", type=int, default=4000, help="pretraining steps")
+    q.add_argument("--batch", type=int, default=32)
+    q.add_argument("--lr", type=float, default=1e-3, help="pretraining learning rate")
+    q.add_argument("--warmup", type=int, default=100)
+    if pretrain:
+        q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--eval-every", type=int, default=250)
+    q.add_argument("--cache", type=Path, default=CACHE)
+    q.add_argument("--root", type=Path, default=None,
+                   help="a folder of .py files to read instead of the standard library")
+    q.add_argument("--smoke", action="store_true", help="a tiny model, for tests")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     pre = sub.add_parser("pretrain", help="train the dense model once (cached)")
-    for q in (pre,):
-        q.add_argument("--task", choices=("lm", "mlm"), required=True)
-        q.add_argument("--steps", type=int, default=4000)
-        q.add_argument("--batch", type=int, default=32)
-        q.add_argument("--lr", type=float, default=1e-3)
-        q.add_argument("--warmup", type=int, default=100)
-        q.add_argument("--seed", type=int, default=0)
-        q.add_argument("--eval-every", type=int, default=250)
-        q.add_argument("--cache", type=Path, default=CACHE)
-        q.add_argument("--root", type=Path, default=None)
-        q.add_argument("--smoke", action="store_true")
+    _model_options(pre, pretrain=True)
     pre.set_defaults(run=cmd_pretrain)
     com = sub.add_parser("compress", help="convert the pretrained model every way, score it")
-    for q in (com,):
-        q.add_argument("--task", choices=("lm", "mlm"), required=True)
-        q.add_argument("--steps", type=int, default=4000, help="the pretraining to load")
-        q.add_argument("--batch", type=int, default=32)
-        q.add_argument("--lr", type=float, default=1e-3, help="the pretraining to load")
-        q.add_argument("--warmup", type=int, default=100)
-        q.add_argument("--eval-every", type=int, default=250)
-        q.add_argument("--cache", type=Path, default=CACHE)
-        q.add_argument("--root", type=Path, default=None)
-        q.add_argument("--smoke", action="store_true")
+    _model_options(com, pretrain=False)
     com.add_argument("--formats", nargs="+", default=["tt", "lowrank", "ttm"])
     com.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0, 4.0])
     com.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -535,6 +596,14 @@ def main(argv=None) -> int:
     com.add_argument("--tag", default="run")
     com.add_argument("--out", type=Path, default=OUT)
     com.set_defaults(run=cmd_compress)
+    sta = sub.add_parser("starts", help="output error of each calibrated start, per format")
+    _model_options(sta, pretrain=False)
+    sta.add_argument("--formats", nargs="+", default=["tt", "ttm", "lowrank", "tucker"])
+    sta.add_argument("--target", type=float, default=2.0)
+    sta.add_argument("--sweeps", type=int, default=2)
+    sta.add_argument("--calib-rows", type=int, default=256)
+    sta.add_argument("--out", type=Path, default=OUT)
+    sta.set_defaults(run=cmd_starts)
     rep = sub.add_parser("report", help="merge every runs file into summary.md and the plot")
     rep.add_argument("--out", type=Path, default=OUT)
     rep.set_defaults(run=cmd_report)

@@ -51,6 +51,10 @@ def test_smoke_run_writes_every_arm(root, tmp_path, name):
     for row in result["rows"]:  # the global arms spend at most what the uniform arm holds
         assert row["params"] <= uniform[row["format"]] * 1.02
     assert list((tmp_path / "cache").glob("*.pt")) == cached  # the pretrained model is reused
+    assert study.main(["starts", *common, "--formats", "tt", "lowrank", "--calib-rows", "16",
+                       "--out", str(out)]) == 0
+    table = (out / f"starts_{name}.md").read_text()
+    assert "| tt |" in table and "| lowrank |" in table
     assert study.main(["report", "--out", str(out)]) == 0
     text = (out / "summary.md").read_text()
     assert "uniform/plain" in text and "global/calibrated" in text
