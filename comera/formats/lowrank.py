@@ -17,7 +17,7 @@ from torch import Tensor
 import tncomp
 from comera.errors import tncomp_errors_as_config
 from comera.formats.bond_ranks import resolve_bond_ranks
-from comera.formats.calibrated import calibrated_decomposition
+from comera.formats.calibrated import calibrated_decomposition, whitened_weight
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 
@@ -56,7 +56,10 @@ class LowRank(Format):
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_lowrank(cores)
 
-    def spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
+    def spectra(self, weight: Tensor, layout: Layout,
+                gram: Tensor | None = None) -> tuple[Tensor, ...]:
+        if gram is not None:
+            weight = whitened_weight(weight, layout, gram)
         return (torch.linalg.svdvals(weight.detach().to(torch.float64)),)
 
 

@@ -58,10 +58,13 @@ class Format:
         ``calibrates``; :mod:`comera.formats.calibrated`)."""
         return None
 
-    def spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...] | None:
+    def spectra(self, weight: Tensor, layout: Layout,
+                gram: Tensor | None = None) -> tuple[Tensor, ...] | None:
         """Per bond (gate order), the singular values (float64, descending) whose squares are
-        what cutting that bond of ``weight``'s decomposition discards, slice by slice; None when
-        the format has no such spectra (global rank allocation then refuses it)."""
+        what cutting that bond of ``weight``'s decomposition discards, slice by slice; with
+        ``gram`` (damped input second moments), of the whitened weight, so the squares are
+        output-error energies. None when the format has no such spectra (global rank allocation
+        then refuses it)."""
         return None
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor] | None:

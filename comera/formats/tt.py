@@ -15,7 +15,13 @@ from torch import Tensor
 
 import tncomp
 from comera.errors import ConfigError, tncomp_errors_as_config
-from comera.formats.calibrated import calibrated_decomposition, unfolding_spectra, whitening
+from comera.formats.calibrated import (
+    calibrated_decomposition,
+    check_gram,
+    unfolding_spectra,
+    whitened_weight,
+    whitening,
+)
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, paired_modes, tt_svd
@@ -60,9 +66,20 @@ class TT(Format):
                                             starts=(split_whitened,))
         return matrix_to_tt(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
 
-    def spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
+    def spectra(self, weight: Tensor, layout: Layout,
+                gram: Tensor | None = None) -> tuple[Tensor, ...]:
+        """The unfoldings' singular values. With ``gram``: a bond from the middle one on has
+        every input mode on its left, so its unfolding of the fully whitened ``S^T W`` gives
+        the output-error energies exactly; the bonds among the input modes read the
+        Kronecker-whitened weight."""
         modes = (*layout.in_modes, *layout.out_modes)
-        return unfolding_spectra(weight.reshape(modes), range(1, len(modes)))
+        if gram is None:
+            return unfolding_spectra(weight.reshape(modes), range(1, len(modes)))
+        d = len(layout.in_modes)
+        inner = unfolding_spectra(whitened_weight(weight, layout, gram).reshape(modes),
+                                  range(1, d))
+        full = whitening(check_gram(gram, layout.in_features)).T @ weight.to(torch.float64)
+        return inner + unfolding_spectra(full.reshape(modes), range(d, len(modes)))
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_chain(cores)
@@ -96,7 +113,10 @@ class TTM(Format):
             return calibrated_decomposition(self, weight, layout, gram)
         return matrix_to_ttm(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
 
-    def spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
+    def spectra(self, weight: Tensor, layout: Layout,
+                gram: Tensor | None = None) -> tuple[Tensor, ...]:
+        if gram is not None:
+            weight = whitened_weight(weight, layout, gram)
         d = len(layout.in_modes)
         merged = paired_modes(weight, layout.in_modes, layout.out_modes)
         return unfolding_spectra(merged, range(1, d))

@@ -18,7 +18,7 @@ from torch import Tensor
 import tncomp
 from comera.errors import tncomp_errors_as_config
 from comera.formats.bond_ranks import resolve_bond_ranks
-from comera.formats.calibrated import calibrated_decomposition, mode_product
+from comera.formats.calibrated import calibrated_decomposition, mode_product, whitened_weight
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 
@@ -58,9 +58,12 @@ class Tucker(Format):
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_tucker(cores)
 
-    def spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
+    def spectra(self, weight: Tensor, layout: Layout,
+                gram: Tensor | None = None) -> tuple[Tensor, ...]:
         """Per mode, the singular values of the weight tensor's mode-k unfolding (what HOSVD
-        truncates there)."""
+        truncates there); with ``gram``, of the Kronecker-whitened weight."""
+        if gram is not None:
+            weight = whitened_weight(weight, layout, gram)
         tensor = weight.detach().to(torch.float64).reshape(*layout.in_modes, *layout.out_modes)
         return tuple(torch.linalg.svdvals(tensor.movedim(k, 0).reshape(tensor.shape[k], -1))
                      for k in range(tensor.dim()))

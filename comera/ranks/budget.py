@@ -90,8 +90,9 @@ def allocate_budget(layers: Sequence[LayerSpectra], budget: float) -> BudgetAllo
     shares = []  # per layer, per bond: each slice's share of the layer's energy (floats)
     for s in layers:
         energy = [[float(v) ** 2 for v in spectrum] for spectrum in s.spectra]
-        total = max((sum(e) for e in energy), default=0.0)
-        shares.append([[v / total if total > 0 else 0.0 for v in e] for e in energy])
+        # every unfolding of one tensor holds its whole energy; a bond's own total also holds
+        # when a format reads different bonds from differently whitened weights
+        shares.append([[v / sum(e) if sum(e) > 0 else 0.0 for v in e] for e in energy])
     sizes = [[1] * len(s.layout.bonds) for s in layers]
     own = [s.layout.parameters_at(r) for s, r in zip(layers, sizes, strict=True)]
     limits = [s.layout.in_features * s.layout.out_features for s in layers]

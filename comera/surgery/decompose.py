@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from comera.errors import ConfigError
-from comera.formats.calibrated import damped, output_error, whitened_weight
+from comera.formats.calibrated import damped, output_error
 from comera.formats.registry import Format, format_names, get_format
 from comera.layers.linear import load_cores_
 from comera.ranks.budget import BudgetAllocation, LayerSpectra, allocate_budget
@@ -66,9 +66,8 @@ def allocate_parts(parts: Sequence[Part], grams: Mapping[str, Tensor],
     layers = []
     for p in parts:
         fmt, layout = get_format(p.format), p.layer.layout
-        weight = (whitened_weight(p.weight, layout, grams[p.name]) if p.name in grams
-                  else p.weight.detach().to(torch.float64))
-        layers.append(LayerSpectra(p.name, layout, tuple(fmt.spectra(weight, layout))))
+        spectra = fmt.spectra(p.weight.detach().to(torch.float64), layout, grams.get(p.name))
+        layers.append(LayerSpectra(p.name, layout, tuple(spectra)))
     budget = (config.target_size if config.target_size is not None
               else sum(p.weight.numel() for p in parts) / config.target_compression)
     return allocate_budget(layers, budget)
