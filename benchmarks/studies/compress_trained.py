@@ -60,6 +60,7 @@ from comera.experiments.lm_task import LMTask, LMTaskConfig
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 from comera.experiments.results import machine
 from comera.experiments.task import Task
+from comera.surgery.config import DEFAULT_DAMPING
 
 OUT = RESULTS / "compress_trained"
 CACHE = Path("runs/compress_trained")
@@ -213,14 +214,15 @@ def cmd_pretrain(args) -> int:
 
 # -- compression arms -----------------------------------------------------------------------------
 def convert_arm(dense: nn.Module, fmt: str, arm: str, target: float, budget: int | None,
-                batches: list[Tensor] | None) -> tuple[nn.Module, comera.ConversionReport]:
+                batches: list[Tensor] | None, damping: float = DEFAULT_DAMPING
+                ) -> tuple[nn.Module, comera.ConversionReport]:
     """A copy of ``dense`` with its block linear layers converted as ``arm`` says
     ("uniform|global" / "plain|calibrated"); the global arms spend ``budget`` core parameters."""
     allocation, how = arm.split("+")[0].split("/")
     model = copy.deepcopy(dense)
     options = ({"target_compression": target} if allocation == "uniform"
                else {"allocation": "global", "target_size": budget})
-    config = comera.ConvertConfig(include=["blocks.*"], format=fmt, **options)
+    config = comera.ConvertConfig(include=["blocks.*"], format=fmt, damping=damping, **options)
     report = comera.convert_(model, config, calibration=batches if how == "calibrated" else None)
     model.eval()
     return model, report
@@ -306,12 +308,14 @@ def cmd_compress(args) -> int:
                     torch.manual_seed(seed)
                     if arm.endswith("+gates"):
                         model, report = convert_arm(dense, fmt, arm, target,
-                                                    int(budget * args.gate_headroom), batches)
+                                                    int(budget * args.gate_headroom), batches,
+                                                    args.damping)
                         goal = budget + sum(m.bias.numel() for _, m in comera.gated_layers(model)
                                             if m.bias is not None)
                         model = refine_with_gates(task, model, chosen, goal, args, seed)
                     else:
-                        model, report = convert_arm(dense, fmt, arm, target, budget, batches)
+                        model, report = convert_arm(dense, fmt, arm, target, budget, batches,
+                                                    args.damping)
                     params, dense_params = linear_sizes(model)
                     row = {"format": fmt, "target": target, "arm": arm, "seed": seed,
                            "params": params, "dense_params": dense_params,
@@ -588,6 +592,7 @@ def main(argv=None) -> int:
     com.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     com.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     com.add_argument("--calib-rows", type=int, default=256)
+    com.add_argument("--damping", type=float, default=DEFAULT_DAMPING)
     com.add_argument("--finetune", type=int, default=0, help="fine-tune steps after (0: none)")
     com.add_argument("--ft-lr", type=float, default=3e-4)
     com.add_argument("--gate-steps", type=int, default=40)
