@@ -217,22 +217,23 @@ def _candidates(model: nn.Module, converters: tuple[Converter, ...]):
     return found
 
 
-def _calibration_taps(chosen: list[tuple[str, nn.Module, Converter]],
-                      config: ConvertConfig) -> dict[str, nn.Module]:
-    """Per linear layer to calibrate, the module whose forward receives its input: the module
-    itself, or for an nn.MultiheadAttention's projections the attention (its ``out_proj`` is
-    never called as a module: no statistics)."""
-    taps: dict[str, nn.Module] = {}
+def _linear_parts(chosen: list[tuple[str, nn.Module, Converter]],
+                  config: ConvertConfig) -> dict[str, nn.Module | None]:
+    """Every linear layer the conversion makes, with the module whose forward receives its
+    input: the module itself, or for an nn.MultiheadAttention's projections the attention
+    (None for its ``out_proj``, never called as a module: no statistics)."""
+    parts: dict[str, nn.Module | None] = {}
     for name, module, converter in chosen:
         if converter.switch != "linear":
             continue
         if isinstance(module, nn.MultiheadAttention):
             packed = config.attention_in_proj == "packed"
             for part in ("in_proj",) if packed else IN_PARTS:
-                taps[f"{name}.{part}"] = module
+                parts[f"{name}.{part}"] = module
+            parts[f"{name}.out_proj"] = None
         else:
-            taps[name] = module
-    return taps
+            parts[name] = module
+    return parts
 
 
 def convert_(
@@ -271,8 +272,9 @@ def convert_(
     _check_finite(chosen, tied)
     for name, module, converter in chosen:  # every refusal before the first swap
         converter.check(name, module, config)
-    taps = _calibration_taps(chosen, config)
-    check_global(list(taps), config)
+    linear = _linear_parts(chosen, config)
+    check_global(list(linear), config)
+    taps = {name: module for name, module in linear.items() if module is not None}
     stats: dict[str, InputStats] = {}
     batches = 0
     if calibration is not None:

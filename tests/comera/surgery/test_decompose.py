@@ -183,3 +183,13 @@ def test_huggingface_model_takes_dict_batches():
                                  calibration=batches)
     assert report.batches == 2 and all(r.calibrated for r in report.layers)
     assert torch.isfinite(model(ids).logits).all()
+
+
+def test_global_checks_the_attention_out_proj_format_too():
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    state, types = _state(model), [type(m) for m in model.modules()]
+    config = ConvertConfig(allocation="global", target_compression=2,
+                           format={"self_attn.out_proj": "tr", "*": "tt"})
+    with pytest.raises(ConfigError, match=r"self_attn\.out_proj"):
+        comera.convert_(model, config)
+    _unchanged(model, state, types)
