@@ -52,21 +52,24 @@ def check_global(names: Sequence[str], config: ConvertConfig) -> None:
                               "allocation='uniform'.")
 
 
-def _grams(parts: Sequence[Part], stats: Mapping[str, InputStats],
-           config: ConvertConfig) -> dict[str, Tensor]:
-    """The damped gram of each part with statistics whose format calibrates."""
-    return {p.name: damped(stats[p.name].gram, config.damping) for p in parts
-            if p.name in stats and get_format(p.format).calibrates}
+def _gram(part: Part, stats: Mapping[str, InputStats], config: ConvertConfig) -> Tensor | None:
+    """The damped gram of ``part`` when it has statistics and its format calibrates (a copy made
+    when needed: one layer's at a time, not a second set of every layer's)."""
+    if part.name not in stats or not get_format(part.format).calibrates:
+        return None
+    return damped(stats[part.name].gram, config.damping)
 
 
-def allocate_parts(parts: Sequence[Part], grams: Mapping[str, Tensor],
+def allocate_parts(parts: Sequence[Part], stats: Mapping[str, InputStats],
                    config: ConvertConfig) -> BudgetAllocation:
     """One budget over ``parts`` (their dense weights / target_compression, or target_size),
-    spent on the bond slices of most (whitened, where a gram is given) energy per parameter."""
+    spent on the bond slices of most (whitened, where statistics are given) energy per
+    parameter."""
     layers = []
     for p in parts:
         fmt, layout = get_format(p.format), p.layer.layout
-        spectra = fmt.spectra(p.weight.detach().to(torch.float64), layout, grams.get(p.name))
+        spectra = fmt.spectra(p.weight.detach().to(torch.float64), layout,
+                              _gram(p, stats, config))
         layers.append(LayerSpectra(p.name, layout, tuple(spectra)))
     budget = (config.target_size if config.target_size is not None
               else sum(p.weight.numel() for p in parts) / config.target_compression)
@@ -82,15 +85,14 @@ def redecompose_(parts: Sequence[Part], stats: Mapping[str, InputStats],
     if config.allocation == "global" and not linear:
         raise ConfigError("allocation='global' spends its budget over linear layers, and none "
                           "is converted; use allocation='uniform' for embedding tables.")
-    grams = _grams(linear, stats, config)
-    allocation = allocate_parts(linear, grams, config) if config.allocation == "global" else None
+    allocation = allocate_parts(linear, stats, config) if config.allocation == "global" else None
     for p in linear:
-        layer, fmt = p.layer, get_format(p.format)
+        layer, fmt, gram = p.layer, get_format(p.format), _gram(p, stats, config)
         if allocation is not None:
             layer.resize_bonds_(allocation.ranks[p.name])
-        elif p.name not in grams:
+        elif gram is None:
             continue  # the converter's plain decomposition at the uniform rank stands
-        cores = fmt.decompose(p.weight, layer.layout, grams.get(p.name))
+        cores = fmt.decompose(p.weight, layer.layout, gram)
         if cores is not None:
             load_cores_(layer, cores, p.bias)
     return allocation
