@@ -4,12 +4,16 @@ parameter, wherever they are.
 Each layer to compress comes with its layout (modes, cores, bonds) and, per bond, the singular
 values of its weight unfolded at that bond (``Format.spectra``; of the *whitened* weight for a
 calibrated conversion, so the squares are output-error energies). Keeping ``r`` slices of a bond
-discards the energy of its singular values past ``r``, and the decomposition's error is at most
-the root of the discarded energies summed over bonds (TT-SVD, HOSVD; exact for one bond).
+discards the energy of its singular values past ``r``, and the decomposition's squared relative
+error ``e`` is at most the discarded shares of the energy summed over bonds (TT-SVD, HOSVD;
+exact for one bond). Shares, not energies: layers of different scales compare.
 
-:func:`allocate_budget` starts every bond at one slice and adds one slice at a time, the one whose
-share of its layer's energy (``sigma_r^2 / ||W||^2``: a relative error, so layers of different
-scales compare) per parameter it costs is largest, until no slice fits the budget. A slice costs
+:func:`allocate_budget` starts every bond at one slice and adds one slice at a time, the one that
+lowers ``sum over layers of e^2`` the most per parameter it costs (a slice of share ``g`` in a
+layer at ``e``: ``e^2 - (e - g)^2``), until no slice fits the budget. Squaring ``e`` weighs a
+layer's error more the larger it is, so no layer is starved; spending by ``sum of e`` (each
+share per parameter alone) gave a higher perplexity on the trained causal LM
+(``docs/results.md``, issue 31). A slice costs
 what the cores carrying its bond grow by (:meth:`Layout.slice_costs`, which changes as the
 neighbouring bonds grow), a bond never exceeds what its spectrum holds or its cores allow
 (:meth:`Layout.bond_caps`), and no layer grows past its dense size (``in x out``: beyond it the
@@ -94,6 +98,8 @@ def allocate_budget(layers: Sequence[LayerSpectra], budget: float) -> BudgetAllo
         # when a format reads different bonds from differently whitened weights
         shares.append([[v / sum(e) if sum(e) > 0 else 0.0 for v in e] for e in energy])
     sizes = [[1] * len(s.layout.bonds) for s in layers]
+    # each layer's squared relative error bound: the shares its bonds discard
+    left = [sum(sum(bond[1:]) for bond in share) for share in shares]
     own = [s.layout.parameters_at(r) for s, r in zip(layers, sizes, strict=True)]
     limits = [s.layout.in_features * s.layout.out_features for s in layers]
     versions = [0] * len(layers)
@@ -109,8 +115,10 @@ def allocate_budget(layers: Sequence[LayerSpectra], budget: float) -> BudgetAllo
             if (r >= len(shares[i][b]) or (cap is not None and r >= cap)
                     or own[i] + cost > limits[i]):
                 continue
-            # highest share per parameter first; ties: earlier layer, earlier bond
-            heapq.heappush(heap, (-shares[i][b][r] / cost, i, b, versions[i], cost))
+            share = shares[i][b][r]
+            gain = left[i] ** 2 - max(left[i] - share, 0.0) ** 2
+            # the most gain per parameter first; ties: earlier layer, earlier bond
+            heapq.heappush(heap, (-gain / cost, i, b, versions[i], cost))
 
     for i in range(len(layers)):
         push(i)
@@ -118,6 +126,7 @@ def allocate_budget(layers: Sequence[LayerSpectra], budget: float) -> BudgetAllo
         _, i, b, version, cost = heapq.heappop(heap)
         if version != versions[i] or size + cost > budget:
             continue  # stale (the layer changed since), or it no longer fits (it never will)
+        left[i] -= shares[i][b][sizes[i][b]]
         sizes[i][b] += 1
         size += cost
         own[i] += cost

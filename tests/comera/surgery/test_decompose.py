@@ -110,7 +110,7 @@ def test_global_allocation_beats_uniform_where_layers_differ():
     report = comera.convert_(ranked, ConvertConfig(format="lowrank", allocation="global",
                                                    target_size=size))
     assert report.after <= size
-    assert report.layers[0].ranks[0] == 4 < report.layers[1].ranks[0]
+    assert report.layers[0].ranks[0] <= 4 < report.layers[1].ranks[0]
     assert (ranked(x) - y).norm() < 0.9 * (uniform(x) - y).norm()
 
 
