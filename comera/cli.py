@@ -291,11 +291,37 @@ def _check_output(path: Path, flag: str, source: Path, force: bool) -> None:
                           "name.")
 
 
+def _calibration_batches(path: str | None) -> list | None:
+    """The batches of ``--calibration``: a torch file (read without running code) holding a list
+    or tuple of batches, or one batch (a tensor or a dict of keyword arguments)."""
+    from torch import Tensor
+
+    if path is None:
+        return None
+    source = Path(path)
+    if not source.is_file():
+        raise ComeraError(f"--calibration {source}: no such file; save a list of input batches "
+                          "with torch.save([x1, x2, ...], path).")
+    kind, data = peek_torch_file(source)
+    if kind != "data":
+        raise ComeraError(f"--calibration {source} is not a torch file of tensors "
+                          f"({data if kind == 'unreadable' else 'it pickles ' + data}); save a "
+                          "list of input batches with torch.save([x1, x2, ...], path).")
+    batches = [data] if isinstance(data, Tensor | Mapping) else data
+    if not isinstance(batches, list | tuple) or not batches:
+        what = "no batches" if isinstance(batches, list | tuple) else type(data).__name__
+        raise ComeraError(f"--calibration {source} holds {what}; save a non-empty list of input "
+                          "batches (tensors, or dicts of keyword arguments) with "
+                          "torch.save([x1, x2, ...], path).")
+    return list(batches)
+
+
 def _cmd_convert(args, argv) -> int:
     import torch
     from torch import nn
 
     import comera
+    from comera.data.progress import progress_bar
 
     if not args.model.strip():
         raise ComeraError("model file '': give the file of torch.save(model, path), e.g. "
@@ -307,6 +333,7 @@ def _cmd_convert(args, argv) -> int:
     out = Path(args.output)
     _check_output(out, "-o", source, args.force)
     config = _convert_config(args)
+    batches = _calibration_batches(args.calibration)
     kind, what = peek_torch_file(source)
     if kind == "unreadable":
         raise ComeraError(f"{source} is not a torch file ({what}); save the model with "
@@ -324,7 +351,12 @@ def _cmd_convert(args, argv) -> int:
                           "module itself with torch.save(model, path).")
     with warnings.catch_warnings(record=True) as said:  # shown once the conversion is kept
         warnings.simplefilter("always")
-        report = comera.convert_(model, config)
+        if batches is None:
+            report = comera.convert_(model, config)
+        else:
+            with progress_bar("calibration", len(batches)) as advance:
+                report = comera.convert_(model, config, calibration=batches,
+                                         progress=lambda _done: advance(1))
     _check_reached(report, config.target_compression)
     print(report)
     for warning in said:
@@ -450,6 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one ConvertConfig field, e.g. ranks=16, format=ttm or "
                    "target_compression=20")
     p.add_argument("--force", action="store_true", help="replace the -o file if it exists")
+    p.add_argument("--calibration", metavar="BATCHES",
+                   help="a torch file of input batches (a list of tensors, or of dicts of "
+                   "keyword arguments): linear layers are decomposed to minimise the error of "
+                   "their outputs on these inputs")
     p.set_defaults(run=_cmd_convert)
 
     p = sub.add_parser("report", help="per-layer ranks, sizes and compression of a checkpoint")

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from comera.errors import ConfigError
+from comera.formats.calibrated import calibrated_decomposition
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 
@@ -66,7 +67,7 @@ def _check_ranks(ranks: Ranks, caps: tuple[int, ...]) -> tuple[int, ...]:
 class BlockTT(Format):
     """Block tensor train: d cores, core k trading input mode k for output mode k."""
 
-    name, title, exact_decomposition = "btt", "block tensor train", True
+    name, title, exact_decomposition, calibrates = "btt", "block tensor train", True, True
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         in_modes, out_modes = tuple(in_modes), tuple(out_modes)
@@ -87,8 +88,13 @@ class BlockTT(Format):
                  | dict(zip(links, bonds, strict=True)))
         return Layout(ins, outs, cores, tuple(sizes.items()), tuple(links))
 
-    def decompose(self, weight: Tensor, layout: Layout) -> list[Tensor]:
-        """The block SVD at the layout's bond sizes (smaller where the blocks are)."""
+    def decompose(self, weight: Tensor, layout: Layout,
+                  gram: Tensor | None = None) -> list[Tensor]:
+        """The block SVD at the layout's bond sizes (smaller where the blocks are); with
+        ``gram``, refitted to the output error (:mod:`comera.formats.calibrated`: an input mode
+        sits on several cores, so no whitening folds in)."""
+        if gram is not None:
+            return calibrated_decomposition(self, weight, layout, gram)
         return block_svd(weight, layout.in_modes, layout.out_modes, layout.bond_sizes)
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:

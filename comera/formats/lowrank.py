@@ -17,6 +17,7 @@ from torch import Tensor
 import tncomp
 from comera.errors import tncomp_errors_as_config
 from comera.formats.bond_ranks import resolve_bond_ranks
+from comera.formats.calibrated import calibrated_decomposition, whitened_weight
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 
@@ -29,6 +30,7 @@ class LowRank(Format):
     out: the layer is a matrix product whatever the modes."""
 
     name, title, exact_decomposition, uses_modes = "lowrank", "low-rank", True, False
+    calibrates = True
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         with tncomp_errors_as_config():
@@ -38,7 +40,12 @@ class LowRank(Format):
         return Layout(("i",), ("o",), (("i", "r"), ("r", "o")),
                       (("i", n_in), ("o", n_out), ("r", rank)), ("r",))
 
-    def decompose(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+    def decompose(self, weight: Tensor, layout: Layout,
+                  gram: Tensor | None = None) -> list[Tensor]:
+        """Truncated SVD; with ``gram``, of the whitened weight (SVD-LLM: optimal in the
+        output error, :mod:`comera.formats.calibrated`)."""
+        if gram is not None:
+            return calibrated_decomposition(self, weight, layout, gram)
         with torch.no_grad():
             u, s, vh = torch.linalg.svd(weight.detach().to(torch.float64), full_matrices=False)
             rank = layout.size("r")
@@ -48,6 +55,12 @@ class LowRank(Format):
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_lowrank(cores)
+
+    def spectra(self, weight: Tensor, layout: Layout,
+                gram: Tensor | None = None) -> tuple[Tensor, ...]:
+        if gram is not None:
+            weight = whitened_weight(weight, layout, gram)
+        return (torch.linalg.svdvals(weight.detach().to(torch.float64)),)
 
 
 def round_lowrank(cores: list[Tensor], rtol: float = 1e-7) -> list[Tensor]:

@@ -36,6 +36,8 @@ class Format:
     uses_modes: bool = True
     #: True when :meth:`decompose` is exact at full rank (TT-SVD, HOSVD, SVD, block SVD).
     exact_decomposition: bool = False
+    #: True when :meth:`decompose` takes a ``gram`` (calibrated decomposition).
+    calibrates: bool = False
     #: False for a declared format (``"einsum"``): its layout is the user's declaration, so
     #: :meth:`layout` from modes and ranks is refused (loops over formats skip it).
     from_modes: bool = True
@@ -61,10 +63,23 @@ class Format:
         """The tncomp network of the layer (the layout's, unless the format has its own)."""
         return layout.network()
 
-    def decompose(self, weight: Tensor, layout: Layout) -> list[Tensor] | None:
+    def decompose(self, weight: Tensor, layout: Layout,
+                  gram: Tensor | None = None) -> list[Tensor] | None:
         """Cores for ``weight`` (in_features x out_features) at ``layout``'s bond sizes (or
         smaller: the layer shrinks to what the decomposition found), or None when the format
-        has no closed form (the layer keeps its random initialisation)."""
+        has no closed form (the layer keeps its random initialisation). ``gram``: the layer's
+        input second moments ``X^T X / n`` (in x in, damped); given, the cores minimise the
+        error of the layer's output on those inputs instead of the weight's (formats with
+        ``calibrates``; :mod:`comera.formats.calibrated`)."""
+        return None
+
+    def spectra(self, weight: Tensor, layout: Layout,
+                gram: Tensor | None = None) -> tuple[Tensor, ...] | None:
+        """Per bond (gate order), the singular values (float64, descending) whose squares are
+        what cutting that bond of ``weight``'s decomposition discards, slice by slice; with
+        ``gram`` (damped input second moments), of the whitened weight, so the squares are
+        output-error energies. None when the format has no such spectra (global rank allocation
+        then refuses it)."""
         return None
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor] | None:

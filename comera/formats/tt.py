@@ -13,9 +13,16 @@ from torch import Tensor
 
 import tncomp
 from comera.errors import ConfigError, tncomp_errors_as_config
+from comera.formats.calibrated import (
+    calibrated_decomposition,
+    check_gram,
+    unfolding_spectra,
+    whitened_weight,
+    whitening,
+)
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
-from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm
+from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, paired_modes, tt_svd
 
 
 def chain_layout(inputs: tuple[str, ...], outputs: tuple[str, ...],
@@ -36,7 +43,7 @@ def chain_bonds(layout: Layout) -> tuple[int, ...]:
 class TT(Format):
     """CoMERA's TT format: all input modes, then all output modes, one core each."""
 
-    name, title, exact_decomposition = "tt", "TT", True
+    name, title, exact_decomposition, calibrates = "tt", "TT", True, True
     table = "ttm"  # an embedding table of a TT model is a TT-matrix table (TT-Rec's layout)
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
@@ -51,8 +58,27 @@ class TT(Format):
     def network(self, layout: Layout) -> tncomp.Network:
         return tncomp.tt_linear(layout.in_modes, layout.out_modes, chain_bonds(layout))
 
-    def decompose(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+    def decompose(self, weight: Tensor, layout: Layout,
+                  gram: Tensor | None = None) -> list[Tensor]:
+        if gram is not None:
+            return calibrated_decomposition(self, weight, layout, gram,
+                                            starts=(split_whitened,))
         return matrix_to_tt(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
+
+    def spectra(self, weight: Tensor, layout: Layout,
+                gram: Tensor | None = None) -> tuple[Tensor, ...]:
+        """The unfoldings' singular values. With ``gram``: a bond from the middle one on has
+        every input mode on its left, so its unfolding of the fully whitened ``S^T W`` gives
+        the output-error energies exactly; the bonds among the input modes read the
+        Kronecker-whitened weight."""
+        modes = (*layout.in_modes, *layout.out_modes)
+        if gram is None:
+            return unfolding_spectra(weight.reshape(modes), range(1, len(modes)))
+        d = len(layout.in_modes)
+        inner = unfolding_spectra(whitened_weight(weight, layout, gram).reshape(modes),
+                                  range(1, d))
+        full = whitening(check_gram(gram, layout.in_features)).T @ weight.to(torch.float64)
+        return inner + unfolding_spectra(full.reshape(modes), range(d, len(modes)))
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_chain(cores)
@@ -61,7 +87,7 @@ class TT(Format):
 class TTM(Format):
     """The interleaved TT-matrix format: core k carries input mode k and output mode k."""
 
-    name, title, exact_decomposition = "ttm", "TT-matrix", True
+    name, title, exact_decomposition, calibrates = "ttm", "TT-matrix", True, True
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         if len(in_modes) != len(out_modes):
@@ -80,11 +106,43 @@ class TTM(Format):
     def network(self, layout: Layout) -> tncomp.Network:
         return tncomp.ttm_linear(layout.in_modes, layout.out_modes, chain_bonds(layout))
 
-    def decompose(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+    def decompose(self, weight: Tensor, layout: Layout,
+                  gram: Tensor | None = None) -> list[Tensor]:
+        if gram is not None:
+            return calibrated_decomposition(self, weight, layout, gram)
         return matrix_to_ttm(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
+
+    def spectra(self, weight: Tensor, layout: Layout,
+                gram: Tensor | None = None) -> tuple[Tensor, ...]:
+        if gram is not None:
+            weight = whitened_weight(weight, layout, gram)
+        d = len(layout.in_modes)
+        merged = paired_modes(weight, layout.in_modes, layout.out_modes)
+        return unfolding_spectra(merged, range(1, d))
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_chain(cores)
+
+
+def split_whitened(weight: Tensor, layout: Layout, gram: Tensor) -> list[Tensor]:
+    """A calibrated start of a TT layer (float64): every input mode sits left of the middle
+    bond, so the input cores together are one (in x r) factor ``L`` and the full whitening
+    applies there. TT-SVD of ``S^T W`` (``gram = S S^T``) gives the output cores and ``S^T L``;
+    ``L = S^{-T} (S^T L)`` is then split into the input cores by a TT-SVD at the layout's input
+    bonds. Exact when those bonds are full (the middle bond is SVD-LLM's truncation then)."""
+    s = whitening(gram)  # (in, in), lower
+    w = weight.detach().to(torch.float64)
+    ranks = list(layout.bond_sizes)
+    d = len(layout.in_modes)
+    cores = tt_svd((s.T @ w).reshape(*layout.in_modes, *layout.out_modes), ranks)
+    left = cores[0].reshape(-1, cores[0].shape[-1])  # S^T L: (n_1, r_1), then merged on
+    for core in cores[1:d]:
+        left = (left @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
+    left = torch.linalg.solve_triangular(s.T, left, upper=True)  # L = S^{-T} S^T L: (in, r_d)
+    middle = left.shape[1]
+    split = tt_svd(left.reshape(*layout.in_modes, middle), [*ranks[:d - 1], middle])
+    last = torch.tensordot(split[-2], split[-1][..., 0], dims=1)  # (r_{d-1}, n_d, r_d)
+    return [*split[:-2], last, *cores[d:]]
 
 
 def round_chain(cores: list[Tensor], rtol: float = 1e-7) -> list[Tensor]:

@@ -218,15 +218,21 @@ def matrix_to_ttm(
         )
     _check_product(row_modes, weight.shape[0], "row_modes", "rows (M)")
     _check_product(col_modes, weight.shape[1], "col_modes", "columns (N)")
-    d = len(row_modes)
-    order = [axis for k in range(d) for axis in (k, d + k)]
-    paired = weight.reshape(*row_modes, *col_modes).permute(order)
-    merged = paired.reshape([m * n for m, n in zip(row_modes, col_modes, strict=True)])
-    cores = tt_svd(merged, max_ranks)
+    cores = tt_svd(paired_modes(weight, row_modes, col_modes), max_ranks)
     return [
         core.reshape(core.shape[0], m, n, core.shape[2])
         for core, m, n in zip(cores, row_modes, col_modes, strict=True)
     ]
+
+
+def paired_modes(weight: torch.Tensor, row_modes: Sequence[int],
+                 col_modes: Sequence[int]) -> torch.Tensor:
+    """``W`` (M, N) as the d-way tensor ``(m_1 n_1, ..., m_d n_d)`` a TT-matrix decomposes:
+    reshaped to ``(m_1..m_d, n_1..n_d)``, each row mode paired with its column mode."""
+    d = len(row_modes)
+    order = [axis for k in range(d) for axis in (k, d + k)]
+    paired = weight.reshape(*row_modes, *col_modes).permute(order)
+    return paired.reshape([m * n for m, n in zip(row_modes, col_modes, strict=True)])
 
 
 def ttm_to_matrix(cores: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import Tensor
 import tncomp
 from comera.errors import tncomp_errors_as_config
 from comera.formats.bond_ranks import resolve_bond_ranks
+from comera.formats.calibrated import calibrated_decomposition, mode_product, whitened_weight
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 
@@ -29,7 +30,7 @@ class Tucker(Format):
     ``(a_1, ..., a_N)``. ``ranks``: an int (every a_k, capped at what mode k can use) or one
     rank per mode, input modes first."""
 
-    name, title, exact_decomposition = "tucker", "Tucker", True
+    name, title, exact_decomposition, calibrates = "tucker", "Tucker", True, True
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         with tncomp_errors_as_config():
@@ -46,7 +47,10 @@ class Tucker(Format):
         sizes = (*zip(ins + outs, modes, strict=True), *zip(links, bonds, strict=True))
         return Layout(ins, outs, cores, sizes, links)
 
-    def decompose(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+    def decompose(self, weight: Tensor, layout: Layout,
+                  gram: Tensor | None = None) -> list[Tensor]:
+        if gram is not None:
+            return calibrated_decomposition(self, weight, layout, gram)
         tensor = weight.detach().to(torch.float64).reshape(*layout.in_modes, *layout.out_modes)
         cores = hosvd(tensor, layout.bond_sizes)
         return [c.to(weight.dtype).contiguous() for c in cores]
@@ -54,10 +58,15 @@ class Tucker(Format):
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_tucker(cores)
 
-
-def mode_product(core: Tensor, matrix: Tensor, k: int) -> Tensor:
-    """``core x_k matrix``: axis k of ``core`` (size a) contracted with ``matrix`` (m, a)."""
-    return torch.tensordot(matrix, core, dims=([1], [k])).movedim(0, k)
+    def spectra(self, weight: Tensor, layout: Layout,
+                gram: Tensor | None = None) -> tuple[Tensor, ...]:
+        """Per mode, the singular values of the weight tensor's mode-k unfolding (what HOSVD
+        truncates there); with ``gram``, of the Kronecker-whitened weight."""
+        if gram is not None:
+            weight = whitened_weight(weight, layout, gram)
+        tensor = weight.detach().to(torch.float64).reshape(*layout.in_modes, *layout.out_modes)
+        return tuple(torch.linalg.svdvals(tensor.movedim(k, 0).reshape(tensor.shape[k], -1))
+                     for k in range(tensor.dim()))
 
 
 def hosvd(tensor: Tensor, ranks: tuple[int, ...]) -> list[Tensor]:

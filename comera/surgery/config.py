@@ -20,6 +20,8 @@ from comera.layers.linear import DEFAULT_TAU, check_memory, check_tau
 
 IN_PROJ = ("split", "packed")
 DEFAULT_RANK = 16  # every layer's max rank when neither ranks nor target_compression is given
+ALLOCATIONS = ("uniform", "global")
+DEFAULT_DAMPING = 1e-2
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,15 @@ class ConvertConfig:
     16 for every layer).
     target_compression: instead of ranks (giving both is refused), the largest uniform max rank
     per layer whose size is at most dense / target (per layer, biases counted on both sides).
+    allocation: how a size target is spent. "uniform": per layer, the largest uniform max rank
+    whose size is at most the layer's dense size / target. "global": one budget for all the
+    linear layers converted (their dense weights / target_compression, or ``target_size``
+    parameters), spent bond slice by bond slice where the most truncation error goes per
+    parameter (of the output error, with calibration); see :mod:`comera.ranks.global_budget`.
+    target_size: with allocation="global", the budget as a number of parameters of the linear
+    layers' cores (instead of target_compression).
+    damping: with calibration, the fraction of the input second moments' mean diagonal added
+    to their diagonal before whitening (regularises directions the inputs rarely visit).
     """
 
     include: Sequence[str] = ("*",)
@@ -54,6 +65,9 @@ class ConvertConfig:
     # how the gated linear layers scale their cores (comera.formats.scaling): "balanced" (every
     # core's relative update alike under Adam) or "plain" (the cores as decomposed)
     parametrization: str = "balanced"
+    allocation: str = "uniform"
+    target_size: int | None = None
+    damping: float = DEFAULT_DAMPING
 
     def __post_init__(self) -> None:
         check_parametrization(self.parametrization)
@@ -103,8 +117,30 @@ class ConvertConfig:
             raise ConfigError(f"attention_in_proj={self.attention_in_proj!r}; choose one of "
                               f"{', '.join(IN_PROJ)}.")
         check_memory(self.memory)
+        self._check_allocation()
         if not (self.linear or self.embedding):
             raise ConfigError("linear and embedding are both False: nothing would be converted.")
+
+    def _check_allocation(self) -> None:
+        if not isinstance(self.allocation, str) or self.allocation not in ALLOCATIONS:
+            raise ConfigError(f"allocation={self.allocation!r}; choose one of "
+                              f"{', '.join(ALLOCATIONS)}.")
+        if self.target_size is not None:
+            if not _is_rank(self.target_size):
+                raise ConfigError(f"target_size={self.target_size!r}; it is a number of "
+                                  "parameters, an int >= 1 (or None: use target_compression).")
+            if self.allocation != "global" or self.target_compression is not None:
+                raise ConfigError(f"target_size={self.target_size} is the budget of "
+                                  "allocation='global' (set allocation='global' and leave "
+                                  "target_compression=None); a uniform allocation takes "
+                                  "target_compression.")
+        if self.allocation == "global" and self.target_compression is None and (
+                self.target_size is None):
+            raise ConfigError("allocation='global' spends a size budget across the layers: set "
+                              "target_compression (e.g. 2) or target_size (parameters).")
+        if not (_is_number(self.damping) and 0 < self.damping < 1e3):
+            raise ConfigError(f"damping={self.damping!r}; it is a finite number > 0 (a fraction "
+                              f"of the mean input second moment; default {DEFAULT_DAMPING}).")
 
     def rank_for(self, name: str) -> int:
         """The max rank for the layer named ``name``: ``ranks`` itself, or the value of the first
@@ -252,4 +288,4 @@ def config_from_json(fields: Mapping[str, Any]) -> ConvertConfig:
         raise ConfigError(f"convert settings {json.dumps(fields)} were refused: {exc}") from None
 
 
-__all__ = ["IN_PROJ", "ConvertConfig", "config_from_json"]
+__all__ = ["ALLOCATIONS", "IN_PROJ", "ConvertConfig", "config_from_json"]

@@ -11,12 +11,20 @@ with 3x outputs, and ``out_proj``). The eval fast paths of ``nn.TransformerEncod
 ``nn.TransformerEncoder`` read dense weights, so they are switched off where a layer was converted.
 A layer whose weight is tied to another module (GPT-2's ``lm_head`` shares ``wte``'s table) is
 left dense and listed in the report as skipped: converting it would silently untie the two.
+
+``calibration=batches`` (any iterable of model inputs) first streams every converted layer's
+input statistics (:mod:`comera.surgery.calibration`), and the linear layers are decomposed to
+minimise the error of their outputs on those inputs; ``ConvertConfig(allocation="global")``
+spends one size budget across all the linear layers (:mod:`comera.surgery.decompose`). Every
+refusal (bad config, empty calibration, batches the model rejects, a budget no allocation can
+meet) comes before the first layer is swapped: on error the model is unchanged.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import nn
@@ -24,8 +32,17 @@ from torch import nn
 from comera.errors import ConfigError, ConversionError
 from comera.formats.registry import get_format
 from comera.layers.linear import check_finite_weight
+from comera.surgery.calibration import InputStats, collect_input_stats
 from comera.surgery.config import ConvertConfig
-from comera.surgery.converters import CONVERTERS, Converter, Part, converter_for, full_rank
+from comera.surgery.converters import (
+    CONVERTERS,
+    IN_PARTS,
+    Converter,
+    Part,
+    converter_for,
+    full_rank,
+)
+from comera.surgery.decompose import check_global, layer_errors, redecompose_
 from comera.surgery.swap import check_module, fast_paths_off_, swap_submodule
 from comera.surgery.table import text_table
 
@@ -38,7 +55,8 @@ HF_SAVE_WARNING = (
 @dataclass(frozen=True)
 class LayerReport:
     """One converted layer: name, type, format, dense shape, modes, ranks and parameters
-    before/after."""
+    before/after; ``error``: a linear layer's relative error, of its output on the calibration
+    inputs when it has some (``calibrated``), else of its weight."""
 
     name: str
     kind: str
@@ -48,6 +66,8 @@ class LayerReport:
     before: int
     after: int
     format: str = "tt"
+    error: float | None = None
+    calibrated: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,9 @@ class ConversionReport:
 
     layers: tuple[LayerReport, ...]
     skipped: tuple[str, ...] = ()
+    #: calibration batches seen (0: no calibration) and the allocation ("uniform" / "global")
+    batches: int = 0
+    allocation: str = "uniform"
 
     @property
     def before(self) -> int:
@@ -70,17 +93,28 @@ class ConversionReport:
 
     def __str__(self) -> str:
         head = ("layer", "type", "format", "shape", "modes", "ranks", "params", "new params",
-                "ratio")
+                "ratio", "output err" if self.batches else "weight err")
         rows = [(r.name, r.kind, r.format, f"{r.shape[0]}x{r.shape[1]}",
                  f"{list(r.modes[0])}x{list(r.modes[1])}", str(list(r.ranks)), f"{r.before:,}",
-                 f"{r.after:,}", f"{r.before / max(r.after, 1):.1f}x") for r in self.layers]
+                 f"{r.after:,}", f"{r.before / max(r.after, 1):.1f}x",
+                 _error_text(r, self.batches > 0)) for r in self.layers]
         rows.append(("total", "", "", "", "", "", f"{self.before:,}", f"{self.after:,}",
-                     f"{self.before / max(self.after, 1):.1f}x"))
+                     f"{self.before / max(self.after, 1):.1f}x", ""))
         lines = text_table(head, rows)
+        if self.batches:
+            lines.append(f"output err: each layer's relative output error on the {self.batches} "
+                         "calibration batch(es) (*: no input reached it: weight error)")
+        if self.allocation == "global":
+            lines.append("ranks: one size budget spent across the layers (allocation='global')")
         if self.skipped:
             lines.append(f"left dense (weight tied to another module): {', '.join(self.skipped)}")
         return "\n".join(lines)
 
+
+def _error_text(r: LayerReport, calibrating: bool) -> str:
+    if r.error is None:
+        return "-"
+    return f"{r.error:.4f}" + ("*" if calibrating and not r.calibrated else "")
 
 def _matches(name: str, config: ConvertConfig) -> bool:
     return (any(fnmatch.fnmatchcase(name, p) for p in config.include)
@@ -111,11 +145,13 @@ def _tied(model: nn.Module, chosen: list[tuple[str, nn.Module, Converter]]) -> s
             and len(owners.get(id(module.weight), ())) > 1}
 
 
-def _layer_report(part: Part) -> LayerReport:
+def _layer_report(part: Part, errors: dict[str, float],
+                  stats: dict[str, InputStats]) -> LayerReport:
     layer = part.layer
     return LayerReport(part.name, type(layer).__name__, part.shape,
                        (part.layout.in_modes, part.layout.out_modes), layer.ranks, part.before,
-                       layer.num_parameters(effective=True), part.format)
+                       layer.num_parameters(effective=True), part.format,
+                       errors.get(part.name), part.name in stats)
 
 
 def _warn_oversized(parts: list[Part], config: ConvertConfig) -> None:
@@ -182,12 +218,38 @@ def _candidates(model: nn.Module, converters: tuple[Converter, ...]):
     return found
 
 
+def _linear_parts(chosen: list[tuple[str, nn.Module, Converter]],
+                  config: ConvertConfig) -> dict[str, nn.Module | None]:
+    """Every linear layer the conversion makes, with the module whose forward receives its
+    input: the module itself, or for an nn.MultiheadAttention's projections the attention
+    (None for its ``out_proj``, never called as a module: no statistics)."""
+    parts: dict[str, nn.Module | None] = {}
+    for name, module, converter in chosen:
+        if converter.switch != "linear":
+            continue
+        if isinstance(module, nn.MultiheadAttention):
+            packed = config.attention_in_proj == "packed"
+            for part in ("in_proj",) if packed else IN_PARTS:
+                parts[f"{name}.{part}"] = module
+            parts[f"{name}.out_proj"] = None
+        else:
+            parts[name] = module
+    return parts
+
+
 def convert_(
-    model: nn.Module, config: ConvertConfig | None = None, **overrides
+    model: nn.Module, config: ConvertConfig | None = None,
+    calibration: Iterable | None = None, *, progress: Callable[[int], None] | None = None,
+    **overrides,
 ) -> ConversionReport:
     """Replace the modules of ``model`` that a converter of :data:`CONVERTERS` matches (Linear,
     Conv1D, MultiheadAttention; Embedding with ``embedding=True``) and the config selects by
-    gated layers of the configured format, in place. Validate, match, replace, report."""
+    gated layers of the configured format, in place. Validate, match, replace, report.
+
+    ``calibration``: an iterable of model inputs (tensors, dicts of keyword arguments as
+    HuggingFace models take, tuples of arguments; e.g. a DataLoader): the linear layers are then
+    decomposed to minimise the error of their outputs on these inputs (see the module
+    docstring). ``progress``: called with the number of calibration batches done."""
     check_module(model, "convert_(model, config=None, **options): load a saved model first (or "
                  "run `comera convert FILE -o OUT` on a file)")
     if config is None:
@@ -213,16 +275,30 @@ def convert_(
     _check_finite(chosen, tied)
     for name, module, converter in chosen:  # every refusal before the first swap
         converter.check(name, module, config)
-    parts: list[Part] = []
-    for name, module, converter in chosen:
+    linear = _linear_parts(chosen, config)
+    check_global(list(linear), config)
+    taps = {name: module for name, module in linear.items() if module is not None}
+    stats: dict[str, InputStats] = {}
+    batches = 0
+    if calibration is not None:
+        stats, batches = collect_input_stats(model, taps, calibration,
+                                             config.attention_in_proj == "packed", progress)
+    built, parts = [], []
+    for name, module, converter in chosen:  # nothing is swapped until every layer is made
         layer, made = converter.convert(name, module, config)
-        swap_submodule(model, name, layer)
+        built.append((name, layer))
         parts += made
-    if config.target_compression:
+    if stats or config.allocation == "global":
+        redecompose_(parts, stats, config)
+    errors = layer_errors(parts, stats)
+    for name, layer in built:
+        swap_submodule(model, name, layer)
+    if config.target_compression and config.allocation == "uniform":
         _warn_out_of_reach(parts, config.target_compression)
-    else:
+    elif not config.target_compression and config.allocation == "uniform":
         _warn_oversized(parts, config)
     fast_paths_off_(model)
     if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):
         warnings.warn(HF_SAVE_WARNING, UserWarning, stacklevel=2)
-    return ConversionReport(tuple(_layer_report(p) for p in parts), tuple(sorted(tied)))
+    return ConversionReport(tuple(_layer_report(p, errors, stats) for p in parts),
+                            tuple(sorted(tied)), batches, config.allocation)

@@ -37,7 +37,9 @@ IN_PARTS = ("q_proj", "k_proj", "v_proj")  # an nn.MultiheadAttention's split pr
 
 class Part(NamedTuple):
     """One gated layer a conversion made: its qualified name, the dense (in, out) it stands
-    for, the dense parameters it replaces, the layer, its format's name and its layout."""
+    for, the dense parameters it replaces, the layer, its format's name and its layout; for a
+    linear map, the dense ``weight`` (in x out) and ``bias`` it was made from (a calibrated or
+    globally allocated conversion decomposes them again)."""
 
     name: str
     shape: tuple[int, int]
@@ -45,6 +47,8 @@ class Part(NamedTuple):
     layer: GatedLayer
     format: str
     layout: Layout
+    weight: Tensor | None = None
+    bias: Tensor | None = None
 
 
 Convert = Callable[[str, nn.Module, ConvertConfig], tuple[nn.Module, list[Part]]]
@@ -138,7 +142,7 @@ def _linear_like(read: Callable[[nn.Module], tuple[Tensor, Tensor | None]]) -> C
         before = sum(p.numel() for p in module.parameters())
         fmt = config.format_for(name)
         return layer, [Part(name, tuple(weight.shape), before, layer, fmt,
-                            layer.layout)]
+                            layer.layout, weight, bias)]
     return convert
 
 
@@ -216,7 +220,7 @@ def _attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig):
         fmt = config.format_for(f"{name}.{part}")
         parts.append(Part(f"{name}.{part}", tuple(w.shape),
                           w.numel() + (b.numel() if b is not None else 0), layers[part], fmt,
-                          layers[part].layout))
+                          layers[part].layout, w, b))
     return attention, parts
 
 

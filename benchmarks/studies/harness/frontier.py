@@ -89,9 +89,12 @@ def label(method: str) -> str:
     """A method's name in tables and plots."""
     if method in FIXED:
         return FIXED[method]
-    fmt, _, parametrization = method.partition(":")
+    name, _, parametrization = method.partition(":")
+    parametrization, _, stage = parametrization.partition(" ")  # "comera:plain early"
     extra = f" ({parametrization} parametrization)" if parametrization else ""
-    return f"{get_format(fmt).title} at a uniform rank{extra}"
+    if name == "comera":
+        return f"{FIXED[f'comera {stage}'.strip()]}{extra}"
+    return f"{get_format(name).title} at a uniform rank{extra}"
 
 
 def upgrade(row: dict) -> dict:

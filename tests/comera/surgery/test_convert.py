@@ -228,6 +228,9 @@ BAD_FIELDS = [
     ("modes", {"fc": ([4, 0], [4, 4])}),
     ("attention_in_proj", "fused"), ("memory", "tiny"), ("memory", -1),
     ("parametrization", "mup"), ("parametrization", None),
+    ("allocation", "greedy"), ("allocation", None),
+    ("target_size", 0), ("target_size", 2.5), ("target_size", 100),  # 100: needs "global"
+    ("damping", 0), ("damping", -1.0), ("damping", float("nan")),
 ]
 
 

@@ -1,0 +1,185 @@
+r"""Compress HuggingFace GPT-2 models with calibration (issue 31): the dict-input path end to end,
+and a 124M-parameter GPT-2-sized config converted in bounded memory.
+
+    python -m benchmarks.studies.compress_hf small --seeds 0 1 2
+    python -m benchmarks.studies.compress_hf 124m --batches 4
+    python -m benchmarks.studies.compress_hf 124m --batches 16
+
+``small``: a GPT-2 built from a config (d 128, 2 layers, 4 heads, the quick LM task's vocabulary
+and 64 tokens; random init, nothing downloaded), trained dense in-process through the engine on
+the LM task's rows, then its ``transformer.h.*`` layers (HuggingFace ``Conv1D``) converted at 2x,
+``uniform/plain`` against ``global/calibrated``, in tt and lowrank, with calibration batches of
+``{"input_ids", "attention_mask"}`` dicts (``model(**batch)``); validation perplexity of each.
+
+``124m``: ``GPT2LMHeadModel(GPT2Config())`` (124M parameters, random init: the point is
+memory), calibrated on ``--batches`` batches of random token ids and converted to TT at 2x with
+a global budget. The peak RSS of the process (``getrusage``), the statistics' bytes and the
+time of each phase go to ``gpt2_124m_<batches>.json``: the same peak for 4 and 16 batches shows
+memory independent of the number of batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+import comera
+from benchmarks.studies.harness.trained import (
+    CALIB_BATCH,
+    OUT,
+    ForEngine,
+    calibration_rows,
+    linear_sizes,
+    make_task,
+    peak_rss_mib,
+    score,
+)
+from comera.experiments.engine import EngineConfig, train_model
+from comera.experiments.results import machine
+from comera.surgery.calibration import gram_bytes
+
+
+class Logits(nn.Module):
+    """A HuggingFace causal LM as the LM task calls a model: token ids in, logits out."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.hf(input_ids=ids).logits
+
+
+def small_gpt2(vocab: int, seq_len: int) -> Logits:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab, n_positions=seq_len, n_embd=128, n_layer=2,
+                        n_head=4, n_inner=512, bos_token_id=0, eos_token_id=0)
+    return Logits(GPT2LMHeadModel(config))
+
+
+def dict_batches(task, indices: Tensor) -> list[dict[str, Tensor]]:
+    """Calibration batches as a tokenizer returns them: ``input_ids`` and ``attention_mask``."""
+    rows = task.train.ids[indices][:, :-1]
+    return [{"input_ids": chunk, "attention_mask": torch.ones_like(chunk)}
+            for chunk in rows.split(CALIB_BATCH)]
+
+
+def cmd_small(args) -> int:
+    task = make_task("lm", args.smoke, args.root)
+    torch.manual_seed(0)
+    model = small_gpt2(task.vocab, task.config.seq_len)
+    config = EngineConfig(steps_early=args.steps, steps_late=0, stage="early", batch_size=32,
+                          lr=1e-3, warmup=50, eval_every=args.steps, seed=0, threads=1)
+    start = time.time()
+    with tempfile.TemporaryDirectory() as out:
+        trained, _ = train_model(ForEngine(task, model), "dense", False, config, Path(out))
+    trained.eval()
+    result = {"machine": machine(), "command": _command(args), "train_seconds":
+              round(time.time() - start, 1), "dense": score(task, trained), "rows": []}
+    for fmt in args.formats:
+        budget = None
+        for arm, seed in [("uniform/plain", args.seeds[0])] + [
+                ("global/calibrated", seed) for seed in args.seeds]:
+            batches = (dict_batches(task, calibration_rows(task, seed, args.calib_rows))
+                       if arm.endswith("calibrated") else None)
+            options = ({"target_compression": 2.0} if budget is None
+                       else {"allocation": "global", "target_size": budget})
+            m = copy.deepcopy(trained)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # HF's save_pretrained warning
+                report = comera.convert_(m.hf, comera.ConvertConfig(
+                    include=["transformer.h.*"], format=fmt, **options), calibration=batches)
+            if budget is None:  # the global arm spends what the uniform arm holds
+                budget = sum(layer.layout.parameters_at(layer.bond_sizes)
+                             for _, layer in comera.gated_layers(m))
+            params, dense = linear_sizes(m)
+            row = {"format": fmt, "arm": arm, "seed": seed, "compression": dense / params,
+                   "batches": report.batches, "val": score(task, m),
+                   "ranks": {n: list(layer.ranks) for n, layer in comera.gated_layers(m)}}
+            result["rows"].append(row)
+            print(f"{fmt} {arm} seed {seed}: {row['compression']:.2f}x, val ppl "
+                  f"{row['val']['perplexity']:.2f}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hf_small.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def cmd_124m(args) -> int:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    phases = {"start": peak_rss_mib()}
+    torch.manual_seed(0)
+    tiny = {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 128} if args.tiny else {}
+    model = GPT2LMHeadModel(GPT2Config(**tiny)).eval()
+    total = sum(p.numel() for p in model.parameters())
+    phases["model built"] = peak_rss_mib()
+    gen = torch.Generator().manual_seed(0)
+    batches = ({"input_ids": torch.randint(0, model.config.vocab_size, (args.batch, args.tokens),
+                                           generator=gen)} for _ in range(args.batches))
+    widths = [m.weight.shape[0] for n, m in model.named_modules()
+              if n.startswith("transformer.h.") and type(m).__name__ == "Conv1D"]
+    config = comera.ConvertConfig(include=["transformer.h.*"], format=args.format,
+                                  target_compression=2.0, allocation="global")
+    start = time.time()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = comera.convert_(model, config, calibration=batches)
+    seconds = time.time() - start
+    phases["converted"] = peak_rss_mib()
+    result = {"machine": machine(), "command": _command(args), "parameters": total,
+              "layers": len(report.layers), "batches": report.batches,
+              "tokens_per_batch": args.batch * args.tokens, "format": args.format,
+              "statistics_mib": gram_bytes(widths) / 2**20, "seconds": round(seconds, 1),
+              "peak_rss_mib": phases, "linear_before": report.before,
+              "linear_after": report.after, "compression": report.before / report.after,
+              "mean_output_error": sum(r.error for r in report.layers) / len(report.layers)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"gpt2_124m_{args.batches}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
+    return 0
+
+
+def _command(args) -> str:
+    return "python -m benchmarks.studies.compress_hf " + shlex.join(sys.argv[1:])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    small = sub.add_parser("small", help="a small GPT-2 trained briefly, converted with dicts")
+    small.add_argument("--steps", type=int, default=600)
+    small.add_argument("--formats", nargs="+", default=["tt", "lowrank"])
+    small.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    small.add_argument("--calib-rows", type=int, default=256)
+    small.add_argument("--root", type=Path, default=None)
+    small.add_argument("--smoke", action="store_true")
+    small.add_argument("--out", type=Path, default=OUT)
+    small.set_defaults(run=cmd_small)
+    big = sub.add_parser("124m", help="GPT-2 124M: peak RSS of a calibrated conversion")
+    big.add_argument("--batches", type=int, default=4)
+    big.add_argument("--batch", type=int, default=4)
+    big.add_argument("--tokens", type=int, default=256)
+    big.add_argument("--format", default="tt")
+    big.add_argument("--tiny", action="store_true", help="a tiny config, for tests")
+    big.add_argument("--out", type=Path, default=OUT)
+    big.set_defaults(run=cmd_124m)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

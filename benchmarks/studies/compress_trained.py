@@ -1,0 +1,534 @@
+r"""Compress a trained model (issue 31): calibrated decompositions and one global rank budget,
+against today's per-layer uniform target, on the project's causal LM and masked LM.
+
+    python -m benchmarks.studies.compress_trained pretrain --task lm
+    python -m benchmarks.studies.compress_trained compress --task lm --formats tt lowrank ttm \
+        --targets 1.5 2 3 4 --seeds 0 1 2 --tag lm-before
+    python -m benchmarks.studies.compress_trained compress --task lm --formats tt lowrank \
+        --targets 2 --seeds 0 1 2 --finetune 200 --tag lm-ft
+    python -m benchmarks.studies.compress_trained report
+
+``pretrain`` trains the quick dense model of the task (``comera train lm|mlm --quick`` sizes)
+through the engine (:func:`comera.experiments.engine.train_model`) for ``--steps`` steps and
+keeps it, with its validation curve, under ``--cache`` (default ``runs/compress_trained``): a
+function of the command and its seed, trained once. ``compress`` loads it and, per format, target
+and calibration seed, converts the block linear layers (``include=["blocks.*"]``) five ways:
+
+- ``uniform/plain``: ``convert_`` as before issue 31, every layer at its own target;
+- ``uniform/calibrated``: the same ranks, decomposed on the calibration inputs;
+- ``global/plain``: one budget (the uniform arm's parameter count) spent on the bond slices of
+  most weight energy per parameter;
+- ``global/calibrated``: one budget, whitened spectra, calibrated decompositions;
+- ``global/calibrated+gates``: global/calibrated at ``--gate-headroom`` times the budget, then
+  CoMERA's late stage (rank gates, ``comera.LateStage``) on the calibration rows for
+  ``--gate-steps`` steps, landing on the budget.
+
+Calibration: ``--calib-rows`` training rows drawn with the seed (batches of 32). Scores: the
+task's validation loss and perplexity right after compression and, with ``--finetune N``, after
+N steps of training through the engine (the same steps, batches and learning rate for every arm;
+at most 10% of the pretraining steps). Rows go to ``<out>/runs/<tag>.json``; ``report`` merges
+every runs file into ``summary.md``, ``summary.json`` and ``perplexity.png``.
+
+``hf`` proves the dict-input path: a GPT-2 built from a config (random init, trained briefly
+in-process through the engine), calibrated with ``{"input_ids": ...}`` batches. ``gpt2-124m``
+converts a 124M-parameter GPT-2-sized config with calibration and records the peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import comera
+from benchmarks.studies.harness.trained import (
+    CALIB_BATCH,
+    OUT,
+    ForEngine,
+    calibration_batches,
+    calibration_rows,
+    linear_sizes,
+    make_task,
+    score,
+)
+from comera.experiments.engine import EngineConfig, train_model
+from comera.experiments.results import machine
+from comera.experiments.task import Task
+from comera.surgery.config import DEFAULT_DAMPING
+
+CACHE = Path("runs/compress_trained")
+ARMS = ("uniform/plain", "uniform/calibrated", "global/plain", "global/calibrated",
+        "global/calibrated+gates")
+
+
+# -- pretraining ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pretrain:
+    """How the dense model is trained once (its key names the cached file)."""
+
+    task: str
+    steps: int = 4000
+    batch: int = 32
+    lr: float = 1e-3
+    warmup: int = 100
+    seed: int = 0
+    eval_every: int = 250
+    smoke: bool = False
+
+    def key(self) -> str:
+        text = json.dumps(asdict(self), sort_keys=True)
+        return f"{self.task}-dense-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
+def pretrained(spec: Pretrain, cache: Path, root: Path | None = None,
+               train: bool = True) -> tuple[nn.Module, dict[str, Any]]:
+    """The dense model of ``spec`` and its record (validation curve, command), trained through
+    the engine on the first call and read from ``cache`` after."""
+    path = cache / f"{spec.key()}.pt"
+    if path.is_file():
+        saved = torch.load(path, weights_only=False)
+        return saved["model"], saved["info"]
+    if not train:
+        raise SystemExit(f"{path} does not exist: run `python -m benchmarks.studies."
+                         f"compress_trained pretrain --task {spec.task}` first")
+    task = make_task(spec.task, spec.smoke, root)
+    config = EngineConfig(steps_early=spec.steps, steps_late=0, stage="early",
+                          batch_size=spec.batch, lr=spec.lr, warmup=spec.warmup,
+                          eval_every=spec.eval_every, seed=spec.seed, threads=1,
+                          max_grad_norm=1.0)
+    start = time.time()
+    with tempfile.TemporaryDirectory() as out:
+        model, record = train_model(ForEngine(task), "dense", False, config, Path(out))
+    model.eval()
+    info = {"spec": asdict(spec), "seconds": round(time.time() - start, 1),
+            "val_curve": record.val_curve, "stage_ends": record.stage_ends,
+            "machine": machine(), "command": _command()}
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model, "info": info}, tmp)
+    tmp.replace(path)
+    return model, info
+
+
+def _command() -> str:
+    return "python -m benchmarks.studies.compress_trained " + shlex.join(sys.argv[1:])
+
+
+def cmd_pretrain(args) -> int:
+    spec = Pretrain(args.task, args.steps, args.batch, args.lr, args.warmup, args.seed,
+                    args.eval_every, args.smoke)
+    _, info = pretrained(spec, args.cache, args.root)
+    for step, scores in info["val_curve"]:
+        print(f"step {step:5d}: val loss {scores['loss']:.4f} perplexity "
+              f"{scores.get('perplexity', math.exp(scores['loss'])):.2f}")
+    print(f"{spec.key()}: {info['seconds']}s")
+    return 0
+
+
+# -- compression arms -----------------------------------------------------------------------------
+def convert_arm(dense: nn.Module, fmt: str, arm: str, target: float, budget: int | None,
+                batches: list[Tensor] | None, damping: float = DEFAULT_DAMPING
+                ) -> tuple[nn.Module, comera.ConversionReport]:
+    """A copy of ``dense`` with its block linear layers converted as ``arm`` says
+    ("uniform|global" / "plain|calibrated"); the global arms spend ``budget`` core parameters."""
+    allocation, how = arm.split("+")[0].split("/")
+    model = copy.deepcopy(dense)
+    options = ({"target_compression": target} if allocation == "uniform"
+               else {"allocation": "global", "target_size": budget})
+    config = comera.ConvertConfig(include=["blocks.*"], format=fmt, damping=damping, **options)
+    report = comera.convert_(model, config, calibration=batches if how == "calibrated" else None)
+    model.eval()
+    return model, report
+
+
+def core_params(model: nn.Module) -> int:
+    """Parameters of the gated layers' cores at their stored ranks (biases excluded)."""
+    return sum(m.layout.parameters_at(m.bond_sizes) for _, m in comera.gated_layers(model))
+
+
+def engine_run(task: Task, model: nn.Module, config: EngineConfig,
+               rows: Tensor | None = None) -> nn.Module:
+    """``model`` trained by the engine as ``config`` says (on ``rows`` only, if given)."""
+    with tempfile.TemporaryDirectory() as out:
+        trained, _ = train_model(ForEngine(task, model, rows), "comera", True, config, Path(out))
+    return trained.eval()
+
+
+def refine_with_gates(task: Task, model: nn.Module, rows: Tensor, target_size: int, args,
+                      seed: int) -> nn.Module:
+    """CoMERA's late stage on the calibration rows: from ``model`` (converted with headroom) to
+    ``target_size`` parameters of its gated layers (biases included) in ``--gate-steps``."""
+    _, dense = linear_sizes(model)
+    config = EngineConfig(steps_early=1, steps_late=args.gate_steps, stage="late", lam=0.0,
+                          batch_size=min(CALIB_BATCH, rows.numel()), lr=args.ft_lr,
+                          lr_gates=args.gate_lr, target_compression=dense / target_size,
+                          eval_every=args.gate_steps + 1, seed=seed, threads=1)
+    return engine_run(task, model, config, rows)
+
+
+def finetune(task: Task, model: nn.Module, steps: int, args, seed: int) -> nn.Module:
+    """``steps`` of plain training (lam 0, gates held) through the engine, every arm alike."""
+    config = EngineConfig(steps_early=steps, steps_late=0, stage="early", lam=0.0,
+                          batch_size=args.batch, lr=args.ft_lr, lr_gates=1e-12,
+                          warmup=min(args.warmup, steps), eval_every=steps + 1, seed=seed,
+                          threads=1)
+    return engine_run(task, model, config)
+
+
+def cmd_compress(args) -> int:
+    task = make_task(args.task, args.smoke, args.root)
+    spec = Pretrain(args.task, args.steps, args.batch, args.lr, args.warmup, 0, args.eval_every,
+                    args.smoke)
+    dense, info = pretrained(spec, args.cache, args.root, train=args.smoke)
+    own = args.out / "runs" / f"{args.tag}.json"
+    own.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"tag": args.tag, "task": args.task, "data": task.describe(),
+               "pretrain": {k: v for k, v in info.items() if k != "stage_ends"},
+               "dense": score(task, dense), "machine": machine(), "command": _command(),
+               "settings": {k: str(v) if isinstance(v, Path) else v
+                            for k, v in vars(args).items() if k != "run"}, "rows": []}
+    rows = payload["rows"]
+
+    def save() -> None:
+        tmp = own.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=1, default=str))
+        tmp.replace(own)
+
+    save()
+    for fmt in args.formats:
+        for target in args.targets:
+            base, _ = convert_arm(dense, fmt, "uniform/plain", target, None, None)
+            budget = core_params(base)
+            for seed in args.seeds:
+                chosen = calibration_rows(task, seed, args.calib_rows)
+                batches = calibration_batches(task, chosen)
+                for arm in args.arms:
+                    if "calibrated" not in arm and not args.finetune and seed != args.seeds[0]:
+                        continue  # a plain arm before fine-tuning does not depend on the seed
+                    start = time.time()
+                    torch.manual_seed(seed)
+                    if arm.endswith("+gates"):
+                        model, report = convert_arm(dense, fmt, arm, target,
+                                                    int(budget * args.gate_headroom), batches,
+                                                    args.damping)
+                        goal = budget + sum(m.bias.numel() for _, m in comera.gated_layers(model)
+                                            if m.bias is not None)
+                        model = refine_with_gates(task, model, chosen, goal, args, seed)
+                    else:
+                        model, report = convert_arm(dense, fmt, arm, target, budget, batches,
+                                                    args.damping)
+                    params, dense_params = linear_sizes(model)
+                    row = {"format": fmt, "target": target, "arm": arm, "seed": seed,
+                           "params": params, "dense_params": dense_params,
+                           "compression": dense_params / params, "budget": budget,
+                           "calib_rows": args.calib_rows,
+                           "ranks": {n: list(m.ranks) for n, m in comera.gated_layers(model)},
+                           "errors": {r.name: r.error for r in report.layers},
+                           "before": score(task, model)}
+                    if args.finetune:
+                        tuned = finetune(task, model, args.finetune, args, seed)
+                        row["after"] = score(task, tuned)
+                        row["finetune"] = args.finetune
+                    row["seconds"] = round(time.time() - start, 1)
+                    rows.append(row)
+                    save()
+                    after = (f", after {row['after']['perplexity']:.2f}" if "after" in row
+                             else "")
+                    print(f"{args.task} {fmt} {target:g}x {arm} seed {seed}: "
+                          f"{row['compression']:.2f}x, val ppl {row['before']['perplexity']:.2f}"
+                          f"{after} ({row['seconds']:.0f}s)", flush=True)
+    return 0
+
+
+# -- which calibrated start -----------------------------------------------------------------------
+def cmd_starts(args) -> int:
+    """Per format, the mean relative output error of the pretrained model's block linear layers
+    (on one calibration set, at the uniform rank of ``--target``) for each start of the
+    calibrated decomposition and after the refit: the measurement behind
+    :mod:`comera.formats.calibrated`'s choices."""
+    from comera.formats.calibrated import damped, kronecker_start, output_error, refit
+    from comera.formats.registry import get_format
+    from comera.formats.tt import split_whitened
+    from comera.surgery.calibration import collect_input_stats
+
+    task = make_task(args.task, args.smoke, args.root)
+    spec = Pretrain(args.task, args.steps, args.batch, args.lr, args.warmup, 0, args.eval_every,
+                    args.smoke)
+    dense, _ = pretrained(spec, args.cache, args.root, train=args.smoke)
+    batches = calibration_batches(task, calibration_rows(task, 0, args.calib_rows))
+    linears = dict(task.block_linears(dense))
+    stats, _ = collect_input_stats(dense, linears, batches)
+    lines = [f"Relative output error of the {args.task} model's {len(linears)} block linear "
+             f"layers at {args.target:g}x (uniform rank per layer), mean over layers; "
+             f"calibration: {args.calib_rows} training rows, damping "
+             f"{comera.ConvertConfig().damping}.", "",
+             "| format | plain | Kronecker start | split start (TT) | best start | + refit "
+             f"({args.sweeps} sweeps) |", "|---|---|---|---|---|---|"]
+    for name in args.formats:
+        fmt = get_format(name)
+        sums: dict[str, float] = {}
+        for layer_name, layer in linears.items():
+            model = nn.Sequential(copy.deepcopy(layer))
+            comera.convert_(model, comera.ConvertConfig(format=name,
+                                                        target_compression=args.target))
+            layout = model[0].layout
+            w = layer.weight.detach().T.to(torch.float64)
+            gram = damped(stats[layer_name].gram, comera.ConvertConfig().damping)
+            raw = stats[layer_name].gram
+            scale = output_error(w, torch.zeros_like(w), raw)
+            starts = {"plain": fmt.decompose(w, layout),
+                      "kron": kronecker_start(fmt, w, layout, gram),
+                      "split": split_whitened(w, layout, gram) if name == "tt" else None}
+            errors = {k: output_error(w, layout.dense(c), raw) / scale
+                      for k, c in starts.items() if c is not None}
+            best = min(errors, key=errors.get)
+            fitted = refit(starts[best], layout, w, gram, args.sweeps)
+            errors["best"] = errors[best]
+            errors["refit"] = output_error(w, layout.dense(fitted), raw) / scale
+            for k, v in errors.items():
+                sums[k] = sums.get(k, 0.0) + v / len(linears)
+        cells = [f"{sums[k]:.4f}" if k in sums else "-"
+                 for k in ("plain", "kron", "split", "best", "refit")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", f"    {_command()}"]
+    text = "\n".join(lines)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"starts_{args.task}.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+# -- the report -----------------------------------------------------------------------------------
+def merge(out: Path) -> dict:
+    """Every ``runs/*.json`` under ``out``: rows (tagged with their task; one per task, format,
+    target, arm and seed: a later run's row adds its scores, e.g. after fine-tuning, to an
+    earlier one's), per task its dense scores and pretraining, and the commands."""
+    runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    merged: dict[tuple, dict] = {}
+    for r in runs:
+        for row in r["rows"]:
+            key = (r["task"], row["format"], row["target"], row["arm"], row["seed"])
+            merged[key] = {**merged.get(key, {}), "task": r["task"], **row}
+    rows = list(merged.values())
+    tasks = {r["task"]: {"dense": r["dense"], "data": r["data"], "pretrain": r["pretrain"]}
+             for r in runs}
+    return {"rows": rows, "tasks": tasks,
+            "runs": [{k: r[k] for k in ("tag", "task", "command", "machine")} for r in runs]}
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(
+        values) > 1 else 0.0
+    return mean, sd
+
+
+def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["task"], row["format"], row["target"], row["arm"]), []).append(row)
+    return groups
+
+
+def summarise(result: dict) -> str:
+    """The tables (validation perplexity before and after fine-tuning, mean ± sd over seeds,
+    change against uniform/plain) per task, the targets' check, the machine and commands."""
+    groups = _groups(result["rows"])
+    lines = []
+    for task, info in sorted(result["tasks"].items()):
+        dense = info["dense"]
+        pre = info["pretrain"]
+        curve = ", ".join(f"{step}: {scores['loss']:.3f}" for step, scores in pre["val_curve"])
+        lines += [f"### {task.upper()}: dense validation perplexity {dense['perplexity']:.2f} "
+                  f"(loss {dense['loss']:.4f})", "",
+                  f"Pretrained dense through the engine, {pre['spec']['steps']} steps of batch "
+                  f"{pre['spec']['batch']}, lr {pre['spec']['lr']} ({pre['seconds']:.0f} s); "
+                  f"validation loss by step: {curve}.", "",
+                  "| format | target | arm | seeds | compression | val ppl before | vs "
+                  "uniform/plain | val ppl after fine-tune | vs uniform/plain |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        keys = sorted(k for k in groups if k[0] == task)
+        for _, fmt, target, arm in sorted(keys, key=lambda k: (k[1], k[2], ARMS.index(k[3]))):
+            rows = groups[task, fmt, target, arm]
+            base = groups.get((task, fmt, target, "uniform/plain"), [])
+            cells = []
+            for when in ("before", "after"):
+                values = [r[when]["perplexity"] for r in rows if when in r]
+                ref = [r[when]["perplexity"] for r in base if when in r]
+                if not values:
+                    cells += ["-", "-"]
+                    continue
+                mean, sd = _mean_sd(values)
+                cells.append(f"{mean:.2f} ± {sd:.2f}")
+                cells.append(f"{mean / _mean_sd(ref)[0] - 1:+.1%}" if ref else "-")
+            comp = sum(r["compression"] for r in rows) / len(rows)
+            seeds = ",".join(str(r["seed"]) for r in rows)
+            lines.append(f"| {fmt} | {target:g}x | {arm} | {seeds} | {comp:.2f}x | "
+                         + " | ".join(cells) + " |")
+        lines.append("")
+    lines += targets_text(groups)
+    if result["runs"]:
+        m = result["runs"][-1]["machine"]
+        lines += ["", f"Machine: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s), "
+                  f"commit {m.get('commit', '?')}; commands:", ""]
+        lines += [f"    {r['command']}" for r in result["runs"]]
+    return "\n".join(lines)
+
+
+def targets_text(groups: dict[tuple, list[dict]]) -> list[str]:
+    """Issue 31's targets at 2x, in tt and lowrank, per task: global/calibrated at least 15%
+    lower perplexity than uniform/plain before fine-tuning, and lower after fine-tuning by more
+    than the seeds' spread."""
+    lines = ["Targets at 2x (global/calibrated against uniform/plain):", ""]
+    for task, fmt in sorted({(k[0], k[1]) for k in groups if k[1] in ("tt", "lowrank")}):
+        ours = groups.get((task, fmt, 2.0, "global/calibrated"), [])
+        base = groups.get((task, fmt, 2.0, "uniform/plain"), [])
+        if not ours or not base:
+            continue
+        text = [f"- {task} {fmt}:"]
+        before = _mean_sd([r["before"]["perplexity"] for r in ours])[0]
+        ref = _mean_sd([r["before"]["perplexity"] for r in base])[0]
+        cut = 1 - before / ref
+        text.append(f"before fine-tuning {before:.2f} vs {ref:.2f} ({cut:.1%} lower; target "
+                    f"15%: {'met' if cut >= 0.15 else 'not met'})")
+        ours_after = [r["after"]["perplexity"] for r in ours if "after" in r]
+        base_after = [r["after"]["perplexity"] for r in base if "after" in r]
+        if ours_after and base_after:
+            (a, sa), (b, sb) = _mean_sd(ours_after), _mean_sd(base_after)
+            spread = max(sa, sb)
+            text.append(f"after fine-tuning {a:.2f} ± {sa:.2f} vs {b:.2f} ± {sb:.2f} (gap "
+                        f"{b - a:.2f}, spread {spread:.2f}: "
+                        f"{'met' if b - a > spread else 'not met'})")
+        lines.append(" ".join(text[:1]) + " " + "; ".join(text[1:]) + ".")
+    return lines
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Validation perplexity against compression, one panel per task and format, one line per
+    arm: filled markers right after compression, hollow after the fine-tune (means over
+    seeds). False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _groups(result["rows"])
+    panels = sorted({(k[0], k[1]) for k in groups})
+    if not panels:
+        return False
+    tasks = sorted({t for t, _ in panels})
+    formats = sorted({f for _, f in panels})
+    fig, axes = plt.subplots(len(tasks), len(formats), figsize=(4.2 * len(formats),
+                                                                3.4 * len(tasks)), squeeze=False)
+    colours = dict(zip(ARMS, ("tab:grey", "tab:blue", "tab:orange", "tab:red", "tab:purple"),
+                       strict=True))
+    for (task, fmt), ax in ((p, axes[tasks.index(p[0])][formats.index(p[1])]) for p in panels):
+        for arm in ARMS:
+            points = sorted((k[2], rows) for k, rows in groups.items()
+                            if k[:2] == (task, fmt) and k[3] == arm)
+            if not points:
+                continue
+            for when, style in (("before", "-o"), ("after", "--o")):
+                xy = [(sum(r["compression"] for r in rows) / len(rows),
+                       _mean_sd([r[when]["perplexity"] for r in rows if when in r])[0])
+                      for _, rows in points if any(when in r for r in rows)]
+                if xy:
+                    ax.plot(*zip(*xy, strict=True), style, color=colours[arm], ms=4,
+                            mfc=colours[arm] if when == "before" else "none",
+                            label=arm if when == "before" else None)
+        dense = result["tasks"][task]["dense"]["perplexity"]
+        ax.axhline(dense, color="k", lw=0.8, ls=":")
+        ax.set_yscale("log")
+        ax.set_title(f"{task} {fmt}", fontsize=9)
+        ax.set_xlabel("compression of the block linear layers", fontsize=8)
+        ax.set_ylabel("validation perplexity", fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Compressing a trained model: filled = right after, hollow = after the "
+                 "fine-tune, dotted = dense", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def cmd_report(args) -> int:
+    result = merge(args.out)
+    (args.out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    text = summarise(result)
+    (args.out / "summary.md").write_text(text + "\n")
+    plot(result, args.out / "perplexity.png")
+    print(text)
+    return 0
+
+
+def _model_options(q: argparse.ArgumentParser, pretrain: bool) -> None:
+    """The options naming the pretrained model (``pretrain``: also those that train it)."""
+    q.add_argument("--task", choices=("lm", "mlm"), required=True)
+    q.add_argument("--steps", type=int, default=4000, help="pretraining steps")
+    q.add_argument("--batch", type=int, default=32)
+    q.add_argument("--lr", type=float, default=1e-3, help="pretraining learning rate")
+    q.add_argument("--warmup", type=int, default=100)
+    if pretrain:
+        q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--eval-every", type=int, default=250)
+    q.add_argument("--cache", type=Path, default=CACHE)
+    q.add_argument("--root", type=Path, default=None,
+                   help="a folder of .py files to read instead of the standard library")
+    q.add_argument("--smoke", action="store_true", help="a tiny model, for tests")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    pre = sub.add_parser("pretrain", help="train the dense model once (cached)")
+    _model_options(pre, pretrain=True)
+    pre.set_defaults(run=cmd_pretrain)
+    com = sub.add_parser("compress", help="convert the pretrained model every way, score it")
+    _model_options(com, pretrain=False)
+    com.add_argument("--formats", nargs="+", default=["tt", "lowrank", "ttm"])
+    com.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0, 4.0])
+    com.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    com.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    com.add_argument("--calib-rows", type=int, default=256)
+    com.add_argument("--damping", type=float, default=DEFAULT_DAMPING)
+    com.add_argument("--finetune", type=int, default=0, help="fine-tune steps after (0: none)")
+    com.add_argument("--ft-lr", type=float, default=3e-4)
+    com.add_argument("--gate-steps", type=int, default=40)
+    com.add_argument("--gate-lr", type=float, default=1e-2)
+    com.add_argument("--gate-headroom", type=float, default=1.25)
+    com.add_argument("--tag", default="run")
+    com.add_argument("--out", type=Path, default=OUT)
+    com.set_defaults(run=cmd_compress)
+    sta = sub.add_parser("starts", help="output error of each calibrated start, per format")
+    _model_options(sta, pretrain=False)
+    sta.add_argument("--formats", nargs="+", default=["tt", "ttm", "lowrank", "tucker"])
+    sta.add_argument("--target", type=float, default=2.0)
+    sta.add_argument("--sweeps", type=int, default=2)
+    sta.add_argument("--calib-rows", type=int, default=256)
+    sta.add_argument("--out", type=Path, default=OUT)
+    sta.set_defaults(run=cmd_starts)
+    rep = sub.add_parser("report", help="merge every runs file into summary.md and the plot")
+    rep.add_argument("--out", type=Path, default=OUT)
+    rep.set_defaults(run=cmd_report)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

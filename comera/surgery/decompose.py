@@ -1,0 +1,122 @@
+"""The second pass of ``convert_``: each converted linear layer decomposed again, calibrated on
+its inputs and at the ranks one global budget gives it.
+
+The converters build every gated layer at the config's uniform rank from the format's plain
+decomposition. When ``convert_`` has input statistics (``calibration=``) or a global allocation,
+this pass re-decomposes each linear part from the dense weight it was made from: the bond sizes
+come from :func:`comera.ranks.global_budget.allocate_budget` over every part's (whitened) bond
+spectra (``allocation="global"``) or stay the layer's own, and the cores from the format's
+calibrated decomposition (:mod:`comera.formats.calibrated`) where the part has statistics and
+the format calibrates, else its plain one. Nothing here touches the model: ``convert_`` swaps
+the layers in only after this pass has succeeded, so a budget no allocation can meet leaves the
+model as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from comera.errors import ConfigError
+from comera.formats.calibrated import damped, output_error
+from comera.formats.registry import Format, format_names, get_format
+from comera.layers.linear import load_cores_
+from comera.ranks.global_budget import BudgetAllocation, LayerSpectra, allocate_budget
+from comera.surgery.calibration import InputStats
+from comera.surgery.config import ConvertConfig
+from comera.surgery.converters import Part
+
+__all__ = ["check_global", "has_spectra", "layer_errors", "redecompose_"]
+
+
+def has_spectra(fmt: Format) -> bool:
+    """Whether ``fmt`` reports bond spectra (global allocation needs them)."""
+    return type(fmt).spectra is not Format.spectra
+
+
+def check_global(names: Sequence[str], config: ConvertConfig) -> None:
+    """With ``allocation="global"``, every linear layer to convert is in a format with bond
+    spectra, else a :class:`ConfigError` naming the first other one (raised before any work)."""
+    if config.allocation != "global":
+        return
+    for name in names:
+        fmt = get_format(config.format_for(name))
+        if not has_spectra(fmt):
+            with_spectra = [n for n in format_names() if has_spectra(get_format(n))]
+            raise ConfigError(f"allocation='global' reads each layer's bond spectra; layer "
+                              f"{name!r} is in the {fmt.name!r} format, which has none. Use "
+                              f"one of {', '.join(with_spectra)} for it, or "
+                              "allocation='uniform'.")
+
+
+def _gram(part: Part, stats: Mapping[str, InputStats], config: ConvertConfig) -> Tensor | None:
+    """The damped gram of ``part`` when it has statistics and its format calibrates (a copy made
+    when needed: one layer's at a time, not a second set of every layer's)."""
+    if part.name not in stats or not get_format(part.format).calibrates:
+        return None
+    return damped(stats[part.name].gram, config.damping)
+
+
+def allocate_parts(parts: Sequence[Part], stats: Mapping[str, InputStats],
+                   config: ConvertConfig) -> BudgetAllocation:
+    """One budget over ``parts`` (their dense weights / target_compression, or target_size),
+    spent on the bond slices of most (whitened, where statistics are given) energy per
+    parameter."""
+    layers = []
+    for p in parts:
+        fmt, layout = get_format(p.format), p.layer.layout
+        spectra = fmt.spectra(p.weight.detach().to(torch.float64), layout,
+                              _gram(p, stats, config))
+        layers.append(LayerSpectra(p.name, layout, tuple(spectra)))
+    budget = (config.target_size if config.target_size is not None
+              else sum(p.weight.numel() for p in parts) / config.target_compression)
+    return allocate_budget(layers, budget)
+
+
+def redecompose_(parts: Sequence[Part], stats: Mapping[str, InputStats],
+                 config: ConvertConfig) -> BudgetAllocation | None:
+    """Decompose every linear part again (see the module docstring), in place on the parts'
+    layers; returns the global allocation, if any. Raises :class:`ConfigError` (a budget no
+    allocation meets) before any layer changes."""
+    linear = [p for p in parts if p.weight is not None]
+    if config.allocation == "global" and not linear:
+        raise ConfigError("allocation='global' spends its budget over linear layers, and none "
+                          "is converted; use allocation='uniform' for embedding tables.")
+    allocation = allocate_parts(linear, stats, config) if config.allocation == "global" else None
+    for p in linear:
+        layer, fmt, gram = p.layer, get_format(p.format), _gram(p, stats, config)
+        if allocation is not None:
+            layer.resize_bonds_(allocation.ranks[p.name])
+        elif gram is None:
+            continue  # the converter's plain decomposition at the uniform rank stands
+        cores = fmt.decompose(p.weight, layer.layout, gram)
+        if cores is not None:
+            load_cores_(layer, cores, p.bias)
+    return allocation
+
+
+def layer_errors(parts: Sequence[Part], stats: Mapping[str, InputStats]) -> dict[str, float]:
+    """Per linear part, its relative error: of the output on the calibration inputs
+    (``sqrt(tr(E^T C E) / tr(W^T C W))``, the undamped C) where it has statistics, else of the
+    weight (``||W - Ŵ|| / ||W||``)."""
+    out = {}
+    with torch.no_grad():
+        for p in parts:
+            if p.weight is None:
+                continue
+            w = p.weight.detach().to(torch.float64)
+            approx = p.layer.to_dense().T.to(torch.float64)  # (in, out), as w
+            if p.name in stats:
+                gram = stats[p.name].gram
+                scale = output_error(w, torch.zeros_like(w), gram)
+                out[p.name] = output_error(w, approx, gram) / scale if scale > 0 else 0.0
+            else:
+                norm = float(w.norm())
+                out[p.name] = float((w - approx).norm()) / norm if norm > 0 else 0.0
+            if not math.isfinite(out[p.name]):
+                raise ConfigError(f"layer {p.name!r}: its decomposition is not finite; check "
+                                  "its weights and calibration inputs.")
+    return out

@@ -1,0 +1,39 @@
+"""benchmarks/studies/compress_hf.py: the HuggingFace GPT-2 runs on a tiny corpus and config
+(dict calibration batches, peak RSS recorded)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.studies import compress_hf
+from tests.helpers.tiny_corpus import write_tiny_corpus
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.slow
+def test_small_gpt2_converts_with_dict_batches(tmp_path):
+    write_tiny_corpus(tmp_path / "corpus")
+    argv = ["small", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3", "--seeds",
+            "0", "1", "--calib-rows", "16", "--out", str(tmp_path)]
+    assert compress_hf.main(argv) == 0
+    result = json.loads((tmp_path / "hf_small.json").read_text())
+    arms = [(r["format"], r["arm"], r["seed"]) for r in result["rows"]]
+    assert arms == [(f, a, s) for f in ("tt", "lowrank") for a, s in
+                    (("uniform/plain", 0), ("global/calibrated", 0), ("global/calibrated", 1))]
+    for row in result["rows"]:
+        assert row["val"]["perplexity"] > 1 and row["compression"] > 1.5
+        assert row["batches"] == (1 if row["arm"] == "global/calibrated" else 0)
+
+
+@pytest.mark.slow
+def test_124m_command_records_peak_memory(tmp_path):
+    argv = ["124m", "--tiny", "--batches", "2", "--batch", "2", "--tokens", "8", "--out",
+            str(tmp_path)]
+    assert compress_hf.main(argv) == 0
+    result = json.loads((tmp_path / "gpt2_124m_2.json").read_text())
+    assert result["batches"] == 2 and result["layers"] == 8
+    assert result["statistics_mib"] > 0 and result["peak_rss_mib"]["converted"] > 0
+    assert result["compression"] > 1.5
