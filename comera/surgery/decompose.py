@@ -62,17 +62,25 @@ def _gram(part: Part, stats: Mapping[str, InputStats], config: ConvertConfig) ->
 
 def allocate_parts(parts: Sequence[Part], stats: Mapping[str, InputStats],
                    config: ConvertConfig) -> BudgetAllocation:
-    """One budget over ``parts`` (their dense weights / target_compression, or target_size),
-    spent on the bond slices of most (whitened, where statistics are given) energy per
-    parameter."""
+    """One budget over ``parts`` (``target_size``, or their dense size / target_compression
+    less their biases, so that the layers with biases land on the target as the uniform
+    allocation does), spent on the bond slices of most (whitened, where statistics are given)
+    energy per parameter."""
     layers = []
     for p in parts:
         fmt, layout = get_format(p.format), p.layer.layout
         spectra = fmt.spectra(p.weight.detach().to(torch.float64), layout,
                               _gram(p, stats, config))
         layers.append(LayerSpectra(p.name, layout, tuple(spectra)))
-    budget = (config.target_size if config.target_size is not None
-              else sum(p.weight.numel() for p in parts) / config.target_compression)
+    if config.target_size is not None:
+        return allocate_budget(layers, config.target_size)
+    biases = sum(p.bias.numel() for p in parts if p.bias is not None)
+    dense = sum(p.weight.numel() for p in parts) + biases
+    budget = dense / config.target_compression - biases
+    if budget <= 0:
+        raise ConfigError(f"target_compression={config.target_compression:g} cannot be met: "
+                          f"{dense:,} dense parameters / {config.target_compression:g} leaves "
+                          f"nothing beyond the layers' {biases:,} bias entries. Lower the target.")
     return allocate_budget(layers, budget)
 
 

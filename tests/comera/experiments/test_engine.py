@@ -22,7 +22,7 @@ from comera.experiments.task import IndexStream
 from tests.helpers import ROOT
 from tests.helpers.toy_task import ToyTask
 
-CFG = EngineConfig(steps_early=12, steps_late=8, batch_size=16, lr=1e-2, lr_gates=0.1, lam=5.0,
+CFG = EngineConfig(steps_early=12, steps_late=8, batch_size=16, lr=1e-2, lr_gates=0.1, lam=20.0,
                    target_compression=3.0, eval_every=5)
 
 
@@ -88,7 +88,7 @@ def test_the_late_stage_starts_with_the_pruned_ranks_removed(tmp_path):
     model, _ = train_model(ToyTask(), "comera", True, CFG, tmp_path,
                            stop_after=CFG.steps_early)  # returns right after the boundary
     layer = model[0]
-    assert layer.ranks != (1, 4, 6, 4, 1), "lam=5 should have pruned some rank"
+    assert layer.ranks != (1, 4, 6, 4, 1), "lam=20 should have pruned some rank"
     assert layer.bonds == layer.ranks  # stored shapes shrank to the effective ranks
 
 
