@@ -20,7 +20,9 @@ studies: it builds the frontier's models through their harness).
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -108,7 +110,9 @@ def main(argv=None) -> int:
                          "params": sum(p.numel() for p in built[name].parameters())}
     payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
                "d_model": config.d_model, "batch": args.batch, "seq_len": config.seq_len,
-               "repeats": args.repeats, "results": results}
+               "repeats": args.repeats, "results": results,
+               "command": "python -m benchmarks.studies.lm_clock " + shlex.join(
+                   sys.argv[1:] if argv is None else argv)}
     rows = [[name, r["params"], f"{r['ms']:.1f}", spread_text(r["vs_dense"])]
             for name, r in results.items()]
     m = payload["machine"]
@@ -118,8 +122,7 @@ def main(argv=None) -> int:
                                   "time / dense (spread)"], rows)
                 + f"\n\nForward, backward and an AdamW step; interleaved, {args.repeats} "
                 f"rounds after 5 warm-up steps. {m['cpu']}, torch {m['torch']}, "
-                f"{m['threads']} thread(s). Command: `python -m benchmarks.studies.lm_clock"
-                f"{' --smoke' if args.smoke else ''}`.\n")
+                f"{m['threads']} thread(s). Command: `{payload['command']}`.\n")
     return publish(args.out, payload, markdown)
 
 
