@@ -35,6 +35,7 @@ from comera.data.stdlib_corpus import (
 )
 from comera.data.tokenizer import UNK
 from comera.experiments.task import Task, model_format, spread_subset
+from comera.formats.scaling import RANK_ADAPTIVE
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 
 EVAL_SPLITS = ("val", "test")
@@ -53,7 +54,8 @@ class LMTaskConfig:
     d_ff: int = 512
     n_layers: int = 2
     rank: int = 32  # max TT rank of the block linear layers
-    parametrization: str = "balanced"  # how the block layers scale their cores
+    # how gated layers scale their cores (formats.scaling); plain: CoMERA prunes from scratch
+    parametrization: str = RANK_ADAPTIVE
     dropout: float = 0.0
     eval_limit: int | None = 512  # rows of val/test scored (a fixed spread-out subset)
     eval_batch_size: int = 128

@@ -30,6 +30,7 @@ from comera.data import BertMasking
 from comera.data.stdlib_corpus import load_corpus_splits
 from comera.experiments.task import IndexStream, Task, model_format, spread_subset
 from comera.formats.registry import DENSE
+from comera.formats.scaling import RANK_ADAPTIVE
 from comera.models import MaskedLM, TransformerConfig
 from comera.models.mlm import masked_logits
 from comera.models.transformer import linear_layer
@@ -54,7 +55,8 @@ class MLMTaskConfig:
     # max TT rank of the token table and the vocabulary projection: the quick run's loss is
     # far more sensitive to this rank than to ``rank``
     embedding_rank: int = 64
-    parametrization: str = "balanced"  # how the gated linear layers scale their cores
+    # how gated layers scale their cores (formats.scaling); plain: CoMERA prunes from scratch
+    parametrization: str = RANK_ADAPTIVE
     tt_embedding: bool = True
     dropout: float = 0.1
     mask_prob: float = 0.15

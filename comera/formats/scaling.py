@@ -38,12 +38,17 @@ from torch import Tensor
 from comera.errors import ConfigError
 from comera.formats.layout import Layout
 
-__all__ = ["PARAMETRIZATIONS", "CoreScaling", "balance_gauge", "check_parametrization",
-           "core_scaling", "orthogonal_cores"]
+__all__ = ["PARAMETRIZATIONS", "RANK_ADAPTIVE", "CoreScaling", "balance_gauge",
+           "check_parametrization", "core_scaling", "orthogonal_cores"]
 
 #: "balanced": the structure-aware initialisation and multipliers (the default of linear
 #: layers); "plain": one Gaussian scale for every core and no multipliers (before issue 30).
 PARAMETRIZATIONS = ("balanced", "plain")
+#: The default of the models comera's tasks train rank-adaptively from scratch (CausalLMConfig,
+#: TransformerConfig and the LM / MLM task configs): a balanced model uses its whole rank, so
+#: CoMERA's late stage, pruning it to the target, costs far more loss than from plain cores
+#: (docs/results.md, issue 30). Layers built directly and ``convert_`` stay balanced.
+RANK_ADAPTIVE = "plain"
 
 
 def check_parametrization(value: str) -> str:

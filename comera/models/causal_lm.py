@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.formats.registry import check_layer_format
-from comera.formats.scaling import check_parametrization
+from comera.formats.scaling import RANK_ADAPTIVE, check_parametrization
 from comera.layers.linear import DEFAULT_TAU
 from comera.models.transformer import check_token_ids, linear_layer
 
@@ -43,7 +43,8 @@ class CausalLMConfig:
     rank: int = 32  # the format's max rank
     tt_order: int = 3  # modes per side of a TT layer
     tau: float = DEFAULT_TAU
-    parametrization: str = "balanced"  # how gated layers scale their cores (formats.scaling)
+    # how gated layers scale their cores (formats.scaling); plain: CoMERA prunes from scratch
+    parametrization: str = RANK_ADAPTIVE
 
     def __post_init__(self) -> None:
         check_layer_format(self.linear, "linear")

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.formats.registry import DENSE, check_layer_format, get_format
-from comera.formats.scaling import check_parametrization
+from comera.formats.scaling import RANK_ADAPTIVE, check_parametrization
 from comera.layers.embedding import gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLinear, TTLinear
 from comera.layers.siblings import Siblings
@@ -70,7 +70,8 @@ class TransformerConfig:
     # with tt: the layers' format (any format of format_names(); the token table takes the
     # format's table, e.g. TT's a TT-matrix one)
     linear_format: str = "tt"
-    parametrization: str = "balanced"  # how gated layers scale their cores (formats.scaling)
+    # how gated layers scale their cores (formats.scaling); plain: CoMERA prunes from scratch
+    parametrization: str = RANK_ADAPTIVE
 
     def __post_init__(self) -> None:
         check_parametrization(self.parametrization)

@@ -6,8 +6,9 @@
   parameters (:meth:`Study.uniform_rank`: :func:`comera.ranks.budget.largest_rank` over the
   layouts of the task's model), trained at that rank without the rank objective (lam 0, no late
   stage), all ``steps``. No row where not even rank 1 fits.
-- a format with a parametrization, ``"tt:plain"``: the same with the layers' cores scaled as
-  before issue 30 (:mod:`comera.formats.scaling`), the layers the frontier improves on.
+- a format with a parametrization, ``"tt:balanced"`` / ``"tt:plain"``: the same with the layers
+  at that parametrization (:mod:`comera.formats.scaling`); without one, the task's (plain for
+  comera's tasks: :data:`comera.formats.scaling.RANK_ADAPTIVE`).
 - ``"narrow"``: the same architecture, dense, with a smaller d_model (a multiple of the heads, the
   FFN's ratio kept) and then d_ff filling the budget: the largest whose whole model holds at
   most as many parameters as the compressed model at the target (dense / target in the block
@@ -16,7 +17,8 @@
 - ``"comera"``: CoMERA as the frontiers run it: the TT model at ``max_rank``, ``early`` steps of
   the early stage (loss + lam R), rounded exactly; then per target the late stage from there on
   the next batches (``steps - early`` steps, a fresh optimizer, loss target 0: its step budget
-  prunes to the target along the schedule). ``"comera:plain"``: the same, its TT layers plain.
+  prunes to the target along the schedule). ``"comera:balanced"``: the same, its TT layers
+  balanced.
 - ``"spectrum"``: the TT model at ``max_rank`` trained ``decide`` steps (lam 0), then per target
   the spectrum allocation (:func:`comera.ranks.allocate.allocate`) and a fresh model at the chosen
   ranks trained all ``steps``, as the fixed rank is.
