@@ -129,7 +129,7 @@ def run(spec: Spec, args, task, runs: RunsFile) -> None:
             for method in args.methods:
                 rows = plan.method(method, args.targets, seed, lr)
                 runs.add(rows)
-                write_report(spec, args.out)
+                write_report(spec, args.out, args.clock)
                 for r in rows:
                     print(f"seed {seed} lr {lr:g} {r['method']} {r['target']}: val loss "
                           f"{r['val']['loss']:.4f}, test loss {r['test']['loss']:.4f} "
@@ -198,9 +198,27 @@ def summarise(spec: Spec, result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(spec: Spec, result: dict, out: Path) -> None:
+def clock_key(method: str, target: float | None) -> str:
+    """The name ``benchmarks.studies.lm_clock`` gives a method's model: ``dense``, ``narrow
+    8x``, ``tt 8x`` (a format's, whatever its parametrization); "" for an untargeted row."""
+    base = method.partition(":")[0].partition(" ")[0]
+    if base == "dense":
+        return "dense"
+    return "" if target is None else f"{base} {target:g}x"
+
+
+def _clocked(rows: list[dict], ms: float) -> list[dict]:
+    """``rows`` with each evaluation's wall-clock replaced by its step times ``ms``."""
+    return [r | {"curves": r["curves"] | {"val": [[s, s * ms / 1000, scores] for s, _, scores
+                                                 in r["curves"]["val"]]}}
+            for r in rows if r.get("curves")]
+
+
+def plot(spec: Spec, result: dict, out: Path, clock: dict | None = None) -> None:
     """Loss on ``spec.split`` vs compression (one point per seed, each method at its best
-    rate), and the validation curves at the first target against step and wall-clock."""
+    rate), and the validation curves at the first target against step and wall-clock: the
+    runs' own measured seconds, or with ``clock`` (an ``lm_clock`` results file) each step at
+    its model's median step time, measured side by side (methods it has no time for left out)."""
     groups = chosen(result)
     split = spec.split
     dense = [r[split]["loss"] for (t, m), (rows, _) in groups.items() if m == "dense"
@@ -221,16 +239,24 @@ def plot(spec: Spec, result: dict, out: Path) -> None:
     targets = sorted({t for t, _ in groups if t is not None})
     if targets:
         curves = {label(m): rows for (t, m), (rows, _) in groups.items()
-                  if t in (None, targets[0]) and m != "comera early"}
-        plot_curves(curves, out / "frontier_curves.png", metric="loss",
+                  if t in (None, targets[0]) and not m.endswith(" early")}
+        time_label = "training wall-clock (s, this CPU)"
+        if clock is not None:
+            times = clock["results"]
+            curves = {label(m): _clocked(rows, times[clock_key(m, t)]["ms"])
+                      for (t, m), (rows, _) in groups.items()
+                      if t in (None, targets[0]) and clock_key(m, t) in times}
+            time_label = (f"steps x the median step time side by side (s; {clock['machine']['cpu']}"
+                          f", {clock['machine']['threads']} thread)")
+        plot_curves(curves, out / "frontier_curves.png", metric="loss", time_label=time_label,
                     title=f"{spec.title}: validation loss at {targets[0]:g}x (mean over seeds)")
 
 
-def write_report(spec: Spec, out: Path) -> dict:
+def write_report(spec: Spec, out: Path, clock: Path | None = None) -> dict:
     result = merge(out, spec.title, upgrade)
     atomic_write_text(out / "frontier.json", json.dumps(result, indent=1, default=str))
     atomic_write_text(out / "frontier.md", summarise(spec, result) + "\n")
-    plot(spec, result, out)
+    plot(spec, result, out, None if clock is None else json.loads(clock.read_text()))
     return result
 
 
@@ -279,7 +305,12 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
                    help="read back the models --work holds finished (and go on with cut-off "
                         "ones) instead of training them again")
     p.add_argument("--summarise-only", action="store_true")
+    p.add_argument("--clock", type=Path, default=None,
+                   help="an lm_clock results JSON: draw the wall-clock curves at its step times")
     args = p.parse_args(argv)
+    if args.clock is not None and not args.clock.is_file():
+        p.error(f"--clock {args.clock}: no such file; write one with "
+                "python -m benchmarks.studies.lm_clock")
     args.methods = list(dict.fromkeys(ALIASES.get(m, m) for m in args.methods))
     args.lrs = args.lrs or [args.lr]
     if args.smoke:
@@ -308,5 +339,5 @@ def main(spec: Spec, argv=None, doc: str | None = None) -> int:
                         task.describe(), vars(args), argv)
         runs.save()
         run(spec, args, task, runs)
-    print(summarise(spec, write_report(spec, args.out)))
+    print(summarise(spec, write_report(spec, args.out, args.clock)))
     return 0

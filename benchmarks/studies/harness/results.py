@@ -144,7 +144,8 @@ def plot_points(series: dict[str, list[tuple[float, float]]], path: Path, *, tit
     return True
 
 
-def plot_curves(series: dict[str, list[dict]], path: Path, *, title: str, metric: str) -> bool:
+def plot_curves(series: dict[str, list[dict]], path: Path, *, title: str, metric: str,
+                time_label: str = "training wall-clock (s, this CPU)") -> bool:
     """Validation ``metric`` against the step (left) and the measured training wall-clock
     (right), one line per labelled group of rows (the mean over its seeds at each evaluation);
     False without matplotlib or curves."""
@@ -162,7 +163,7 @@ def plot_curves(series: dict[str, list[dict]], path: Path, *, title: str, metric
         by_step.plot([m[0] for m in mean], [m[2] for m in mean], marker=".", label=label)
         by_time.plot([m[1] for m in mean], [m[2] for m in mean], marker=".", label=label)
     by_step.set_xlabel("training step")
-    by_time.set_xlabel("training wall-clock (s, this CPU)")
+    by_time.set_xlabel(time_label)
     by_step.set_ylabel(f"validation {metric}")
     by_step.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from benchmarks.studies import lm_frontier
-from benchmarks.studies.harness.frontier import parse
+from benchmarks.studies.harness.frontier import _clocked, clock_key, parse
 from benchmarks.studies.harness.methods import Study
 from benchmarks.studies.harness.runs import layer_sizes
 from comera.experiments.engine import EngineConfig
@@ -83,3 +83,25 @@ def test_smoke_run_writes_every_method(root, tmp_path):
                              "--methods", "comera"]) == 0
     merged = json.loads((out / "frontier.json").read_text())
     assert len(merged["rows"]) == len(result["rows"]) + 2
+
+
+def test_the_clock_names_each_method_as_lm_clock_does():
+    assert clock_key("dense", None) == "dense"
+    assert clock_key("narrow", 8.0) == "narrow 8x"
+    assert clock_key("tt:balanced", 8.0) == clock_key("tt", 8.0) == "tt 8x"
+    assert clock_key("btt:plain", 16.0) == "btt 16x"
+    assert clock_key("comera:plain early", None) == ""  # untargeted: no clock
+
+
+def test_clocked_curves_are_the_steps_times_the_step_time():
+    row = {"curves": {"val": [[0, 0.0, {"loss": 7.0}], [100, 55.0, {"loss": 4.0}]]}}
+    (out,) = _clocked([row], 250.0)
+    assert out["curves"]["val"] == [[0, 0.0, {"loss": 7.0}], [100, 25.0, {"loss": 4.0}]]
+    assert row["curves"]["val"][1][1] == 55.0  # the run's own row is left as it was
+
+
+def test_a_missing_clock_file_exits_2_before_any_work(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        lm_frontier.main(["--clock", str(tmp_path / "none.json"), "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert not (tmp_path / "o").exists()
