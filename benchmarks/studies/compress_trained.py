@@ -66,6 +66,7 @@ from benchmarks.studies.harness.trained import (
 from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.results import machine
 from comera.experiments.task import Task
+from comera.formats.scaling import PARAMETRIZATIONS
 from comera.surgery.config import DEFAULT_DAMPING
 
 CACHE = Path("runs/compress_trained")
@@ -139,15 +140,17 @@ def cmd_pretrain(args) -> int:
 
 # -- compression arms -----------------------------------------------------------------------------
 def convert_arm(dense: nn.Module, fmt: str, arm: str, target: float, budget: int | None,
-                batches: list[Tensor] | None, damping: float = DEFAULT_DAMPING
-                ) -> tuple[nn.Module, comera.ConversionReport]:
+                batches: list[Tensor] | None, damping: float = DEFAULT_DAMPING,
+                parametrization: str = "balanced") -> tuple[nn.Module, comera.ConversionReport]:
     """A copy of ``dense`` with its block linear layers converted as ``arm`` says
-    ("uniform|global" / "plain|calibrated"); the global arms spend ``budget`` core parameters."""
+    ("uniform|global" / "plain|calibrated"); the global arms spend ``budget`` core parameters;
+    the layers at ``parametrization``."""
     allocation, how = arm.split("+")[0].split("/")
     model = copy.deepcopy(dense)
     options = ({"target_compression": target} if allocation == "uniform"
                else {"allocation": "global", "target_size": budget})
-    config = comera.ConvertConfig(include=["blocks.*"], format=fmt, damping=damping, **options)
+    config = comera.ConvertConfig(include=["blocks.*"], format=fmt, damping=damping,
+                                  parametrization=parametrization, **options)
     report = comera.convert_(model, config, calibration=batches if how == "calibrated" else None)
     model.eval()
     return model, report
@@ -222,15 +225,16 @@ def cmd_compress(args) -> int:
                     if arm.endswith("+gates"):
                         model, report = convert_arm(dense, fmt, arm, target,
                                                     int(budget * args.gate_headroom), batches,
-                                                    args.damping)
+                                                    args.damping, args.parametrization)
                         goal = budget + sum(m.bias.numel() for _, m in comera.gated_layers(model)
                                             if m.bias is not None)
                         model = refine_with_gates(task, model, chosen, goal, args, seed)
                     else:
                         model, report = convert_arm(dense, fmt, arm, target, budget, batches,
-                                                    args.damping)
+                                                    args.damping, args.parametrization)
                     params, dense_params = linear_sizes(model)
                     row = {"format": fmt, "target": target, "arm": arm, "seed": seed,
+                           "parametrization": args.parametrization,
                            "params": params, "dense_params": dense_params,
                            "compression": dense_params / params, "budget": budget,
                            "calib_rows": args.calib_rows,
@@ -508,6 +512,8 @@ def main(argv=None) -> int:
     com.add_argument("--damping", type=float, default=DEFAULT_DAMPING)
     com.add_argument("--finetune", type=int, default=0, help="fine-tune steps after (0: none)")
     com.add_argument("--ft-lr", type=float, default=3e-4)
+    com.add_argument("--parametrization", choices=PARAMETRIZATIONS, default="balanced",
+                     help="the converted layers' (convert_'s default: balanced)")
     com.add_argument("--gate-steps", type=int, default=40)
     com.add_argument("--gate-lr", type=float, default=1e-2)
     com.add_argument("--gate-headroom", type=float, default=1.25)
