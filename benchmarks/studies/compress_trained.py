@@ -447,9 +447,8 @@ def plot(result: dict, path: Path) -> bool:
             if not points:
                 continue
             for when, style in (("before", "-o"), ("after", "--o")):
-                xy = [(sum(r["compression"] for r in rows) / len(rows),
-                       _mean_sd([r[when]["perplexity"] for r in rows if when in r])[0])
-                      for _, rows in points if any(when in r for r in rows)]
+                xy = [(target, _mean_sd([r[when]["perplexity"] for r in rows if when in r])[0])
+                      for target, rows in points if any(when in r for r in rows)]
                 if xy:
                     ax.plot(*zip(*xy, strict=True), style, color=colours[arm], ms=4,
                             mfc=colours[arm] if when == "before" else "none",
@@ -458,8 +457,13 @@ def plot(result: dict, path: Path) -> bool:
         ax.axhline(dense, color="k", lw=0.8, ls=":")
         ax.set_yscale("log")
         ax.set_title(f"{task} {fmt}", fontsize=9)
-        ax.set_xlabel("compression of the block linear layers", fontsize=8)
+        ax.set_xlabel("target compression of the block linear layers", fontsize=8)
+        ax.set_xticks(sorted({k[2] for k in groups if k[:2] == (task, fmt)}))
         ax.set_ylabel("validation perplexity", fontsize=8)
+    for row in axes:
+        for ax in row:
+            if not ax.has_data():
+                ax.axis("off")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Compressing a trained model: filled = right after, hollow = after the "
                  "fine-tune, dotted = dense", fontsize=9)
