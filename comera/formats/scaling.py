@@ -38,7 +38,7 @@ from torch import Tensor
 from comera.errors import ConfigError
 from comera.formats.layout import Layout
 
-__all__ = ["PARAMETRIZATIONS", "RANK_ADAPTIVE", "CoreScaling", "balance_gauge",
+__all__ = ["DECOMPOSED", "PARAMETRIZATIONS", "RANK_ADAPTIVE", "CoreScaling", "balance_gauge",
            "check_parametrization", "core_scaling", "orthogonal_cores"]
 
 #: "balanced": the structure-aware initialisation and multipliers (the default of linear
@@ -49,6 +49,10 @@ PARAMETRIZATIONS = ("balanced", "plain")
 #: CoMERA's late stage, pruning it to the target, costs far more loss than from plain cores
 #: (docs/results.md, issue 30). Layers built directly and ``convert_`` stay balanced.
 RANK_ADAPTIVE = "plain"
+#: The default of layers decomposed from given weights (``from_linear``, ``convert_``): on them the
+#: balanced scales measured no better than plain ones (fine-tuning a trained LM) or worse
+#: (training a converted, freshly initialised GPT); docs/results.md, issue 30.
+DECOMPOSED = "plain"
 
 
 def check_parametrization(value: str) -> str:

@@ -28,6 +28,7 @@ from comera.formats.factorize import factorize, factorize_pair
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, get_format
 from comera.formats.scaling import (
+    DECOMPOSED,
     balance_gauge,
     check_parametrization,
     core_scaling,
@@ -590,10 +591,11 @@ class GatedLinear(GatedLayer):
                     in_modes: Sequence[int] | None = None,
                     out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
                     d: int = 3, memory: str | int = "fast",
-                    parametrization: str = "balanced") -> GatedLinear:
+                    parametrization: str = DECOMPOSED) -> GatedLinear:
         """A layer initialised from a trained ``nn.Linear`` by the format's decomposition (exact
         at full rank where the format's is; bonds shrink to what it found), or randomly where
-        the format has none (the bias is copied either way)."""
+        the format has none (the bias is copied either way). Plain cores by default
+        (:data:`comera.formats.scaling.DECOMPOSED`)."""
         _check_linear(linear)
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, format, ranks, in_modes, out_modes,
@@ -648,7 +650,7 @@ class _ChainLinear(GatedLinear):
     def from_linear(cls, linear: nn.Linear, ranks: Ranks = 16,
                     in_modes: Sequence[int] | None = None,
                     out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
-                    d: int = 3, memory: str | int = "fast", parametrization: str = "balanced"):
+                    d: int = 3, memory: str | int = "fast", parametrization: str = DECOMPOSED):
         """A layer initialised by TT-SVD of a trained ``nn.Linear`` (exact at full rank)."""
         _check_linear(linear)
         w = linear.weight

@@ -15,7 +15,7 @@ from typing import Any
 
 from comera.errors import ConfigError
 from comera.formats.registry import format_names, get_format
-from comera.formats.scaling import check_parametrization
+from comera.formats.scaling import DECOMPOSED, check_parametrization
 from comera.layers.linear import DEFAULT_TAU, check_memory, check_tau
 
 IN_PROJ = ("split", "packed")
@@ -62,9 +62,9 @@ class ConvertConfig:
     # what the TT layers keep for the backward (tncomp's memory option, GatedLayer.memory):
     # "fast", "balanced", "min" or a byte budget per layer call
     memory: str | int = "fast"
-    # how the gated linear layers scale their cores (comera.formats.scaling): "balanced" (every
-    # core's relative update alike under Adam) or "plain" (the cores as decomposed)
-    parametrization: str = "balanced"
+    # how the gated linear layers scale their cores (comera.formats.scaling): "plain" (the cores
+    # as decomposed; the default, formats.scaling.DECOMPOSED) or "balanced"
+    parametrization: str = DECOMPOSED
     allocation: str = "uniform"
     target_size: int | None = None
     damping: float = DEFAULT_DAMPING
