@@ -71,8 +71,10 @@ def test_smoke_run_writes_every_method(root, tmp_path):
     for row in result["rows"]:
         assert row["val"]["perplexity"] > 1 and row["test"]["loss"] > 0
         assert row["curves"]["val"][-1][1] > 0  # the training wall-clock of the last evaluation
-        if row["method"] in ("tt", "lowrank", "narrow"):
+        if row["method"] in ("tt", "lowrank"):
             assert row["compression"] >= 4.0
+        if row["method"] == "narrow":  # the whole model matches: its block layers get more
+            assert 1.0 < row["compression"] < 4.0
     assert result["runs"][0]["command"].startswith(
         "python -m benchmarks.studies.lm_frontier --smoke")
     text = (out / "frontier.md").read_text()
