@@ -273,7 +273,8 @@ def test_write_uses_the_results_format(payload, tmp_path):
 
 @pytest.mark.slow
 def test_galore_variant_runs_galore_adamw_on_low_rank_state():
-    import galore_torch
+    galore_torch = pytest.importorskip("galore_torch", reason="the bench extra: "
+                                       "pip install -e '.[bench]'")
 
     cfg = tiny_config()
     rank = 8
