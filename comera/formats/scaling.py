@@ -42,12 +42,12 @@ __all__ = ["DECOMPOSED", "PARAMETRIZATIONS", "RANK_ADAPTIVE", "CoreScaling", "ba
            "check_parametrization", "core_scaling", "orthogonal_cores"]
 
 #: "balanced": the structure-aware initialisation and multipliers (the default of linear
-#: layers); "plain": one Gaussian scale for every core and no multipliers (before issue 30).
+#: layers built fresh); "plain": one Gaussian scale for every core and no multipliers (before issue 30).
 PARAMETRIZATIONS = ("balanced", "plain")
 #: The default of the models comera's tasks train rank-adaptively from scratch (CausalLMConfig,
 #: TransformerConfig and the LM / MLM task configs): a balanced model uses its whole rank, so
 #: CoMERA's late stage, pruning it to the target, costs far more loss than from plain cores
-#: (docs/results.md, issue 30). Layers built directly and ``convert_`` stay balanced.
+#: (docs/results.md, issue 30). Layers built fresh stay balanced.
 RANK_ADAPTIVE = "plain"
 #: The default of layers decomposed from given weights (``from_linear``, ``convert_``): on them the
 #: balanced scales measured no better than plain ones (fine-tuning a trained LM) or worse
