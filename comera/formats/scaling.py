@@ -42,7 +42,8 @@ __all__ = ["DECOMPOSED", "PARAMETRIZATIONS", "RANK_ADAPTIVE", "CoreScaling", "ba
            "check_parametrization", "core_scaling", "orthogonal_cores"]
 
 #: "balanced": the structure-aware initialisation and multipliers (the default of linear
-#: layers built fresh); "plain": one Gaussian scale for every core and no multipliers (before issue 30).
+#: layers built fresh); "plain": one Gaussian scale for every core and no multipliers (before
+#: issue 30).
 PARAMETRIZATIONS = ("balanced", "plain")
 #: The default of the models comera's tasks train rank-adaptively from scratch (CausalLMConfig,
 #: TransformerConfig and the LM / MLM task configs): a balanced model uses its whole rank, so
