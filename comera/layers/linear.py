@@ -477,6 +477,8 @@ def _adopt_saved_scales(module: GatedLayer, state_dict, prefix, local_metadata, 
     module.set_core_scales_(scales)
     if all(s == 1.0 for s in scales):
         module.parametrization = "plain"
+    elif module.parametrization == "plain":  # scaled cores: re-drawing or loading must see them
+        module.parametrization = "balanced"
 
 
 #: The name of :class:`GatedLayer` before every format shared it; kept for one release.

@@ -166,3 +166,13 @@ def test_damaged_scales_are_refused():
 def test_unknown_parametrization_is_a_config_error():
     with pytest.raises(comera.ConfigError, match="parametrization='mup'"):
         _layer("tt", "mup")
+
+
+def test_a_plain_layer_takes_a_balanced_state_dict_and_its_parametrization():
+    torch.manual_seed(0)
+    balanced = _layer("tt", dtype=F64)
+    plain = _layer("tt", "plain", dtype=F64)
+    plain.load_state_dict(balanced.state_dict())
+    assert plain.parametrization == "balanced"
+    assert plain.core_scale_values == balanced.core_scale_values
+    torch.testing.assert_close(plain.to_dense(), balanced.to_dense(), rtol=0, atol=0)
