@@ -9,9 +9,12 @@ it (a ``.sum()`` loss hands a stride-0 one, which costs a copy of its own).
 
 The device model is measured first, in this process at its thread count (``tncomp calibrate``:
 the GEMM rate of a square GEMM, the bandwidth of a plain copy, the slowdowns of a transpose and
-a gather); layers plan with it. Each plan's roofline floor sums, over its steps, the step's
-FLOPs at that GEMM rate or its bytes at that bandwidth, whichever is slower; the table sets the
-measured time beside it, and the JSON holds each step's measured time beside its floor
+a gather, and the GEMM-rate table over thin to square shapes); layers plan with its square rate
+(the planner's default). Each plan has two roofline floors, sums over its steps of the step's
+FLOPs at a GEMM rate or its bytes at that bandwidth, whichever is slower: at the square GEMM's
+rate (strict: what no thin GEMM reaches) and at the measured rate of the step's own shape class
+(what this BLAS can do for that shape; the floor the issue names). The table sets the measured
+time beside both, and the JSON holds each step's measured time beside its floors
 (:func:`tncomp.runtime.profile.measure_plan`), so the gap shows where it is. Reports
 parameters, ranks, the plan's FLOPs and copy bytes, time, floor and measured peak memory.
 Writes benchmarks/results/formats_cpu.{json,md}.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 
@@ -67,7 +71,9 @@ def layout_at_budget(fmt: Format, budget: int) -> Layout:
 def run_batch(batch: int, repeats: int, warmup: int, model: tncomp.DeviceModel,
               step_repeats: int) -> list[dict]:
     """One row per format (and dense) at ``batch``, all timed in one interleaved loop; each
-    format's plan (under ``model``) with its floor and per-step times."""
+    format's plan (under ``model`` without its shape table) with its floors (square rate and
+    ``model``'s shape-class rates) and per-step times."""
+    square = dataclasses.replace(model, gemm_dims=(), gemm_rates=())
     torch.manual_seed(0)
     n_in, n_out = 768, 3072
     budget = n_in * n_out // COMPRESSION
@@ -77,11 +83,14 @@ def run_batch(batch: int, repeats: int, warmup: int, model: tncomp.DeviceModel,
     methods = {"dense": lambda: dense.run(x, dy)}
     memory_fns = dict(methods)
     dense_flops = 3 * 2 * batch * n_in * n_out
-    dense_floor = max(dense_flops / model.gemm_flops_per_s,
-                      3 * 4 * (batch * n_in + n_in * n_out + batch * n_out) / model.bytes_per_s)
+    dense_bytes = 4 * (batch * n_in + n_in * n_out + batch * n_out)  # each of its 3 GEMMs
+    dense_floor = max(dense_flops / model.gemm_flops_per_s, 3 * dense_bytes / model.bytes_per_s)
+    # y = x W^T, dx = dy W, dW = dy^T x: (m, n, k) of each
+    dense_shape_floor = sum(model.matmul_floor(m, n, k, 1, dense_bytes) for m, n, k in
+                            ((batch, n_out, n_in), (batch, n_in, n_out), (n_out, n_in, batch)))
     info = {"dense": {"params": n_in * n_out, "gates": 0, "ranks": None,
                       "plan_flops": dense_flops, "tree": "x @ W", "floor_ms": dense_floor * 1e3,
-                      "copy_mb": 0.0}}
+                      "shape_floor_ms": dense_shape_floor * 1e3, "copy_mb": 0.0}}
     for name in format_names():
         fmt = get_format(name)
         if not fmt.from_modes:  # a declared format has no layout of its own
@@ -92,7 +101,7 @@ def run_batch(batch: int, repeats: int, warmup: int, model: tncomp.DeviceModel,
         rank = max(layout.bond_sizes)  # the uniform int rank (capped per bond as chosen)
         layer = GatedLinear(n_in, n_out, format=name, ranks=rank, bias=False, **modes)
         assert layer.layout == layout, (layer.layout, layout)
-        layer.compile_options["model"] = model  # plan with this machine's measured numbers
+        layer.compile_options["model"] = square  # plan with this machine's measured numbers
         layer.build_compiled()
         unpooled = copy.deepcopy(layer)
         unpooled.compile_options["pool_buffers"] = False
@@ -108,10 +117,11 @@ def run_batch(batch: int, repeats: int, warmup: int, model: tncomp.DeviceModel,
                       "title": fmt.title,
                       "plan_flops": plan.forward_flops + plan.backward_flops,
                       "tree": tncomp.describe_tree(net, plan.tree),
-                      "floor_ms": plan.floor_time(model) * 1e3,
+                      "floor_ms": plan.floor_time(square) * 1e3,
+                      "shape_floor_ms": plan.floor_time(model) * 1e3,
                       "copy_mb": plan.copy_bytes / 1e6,
                       "steps": step_rows(plan, measure_plan(plan, shapes, repeats=step_repeats),
-                                         model)}
+                                         square, model)}
     times = interleaved_times(methods, repeats, warmup)
     peaks = {name: peak_allocated_bytes(fn) for name, fn in memory_fns.items()}
     rows = []
@@ -120,22 +130,33 @@ def run_batch(batch: int, repeats: int, warmup: int, model: tncomp.DeviceModel,
         rows.append({"format": name, "batch": batch, **info[name],
                      "compression": n_in * n_out / info[name]["params"],
                      "ms": ms, "over_floor": ms / info[name]["floor_ms"],
+                     "over_shape_floor": ms / info[name]["shape_floor_ms"],
                      "peak_mb": peaks[name] / 2**20,
                      "vs_dense": ratio_spread(times["dense"], ts)})
     return rows
 
 
-def step_rows(plan, measured, model: tncomp.DeviceModel) -> list[dict]:
-    """Every step of ``plan``: what it computes, its FLOPs and bytes, its floor under
-    ``model`` and its measured median time."""
+def step_rows(plan, measured, square: tncomp.DeviceModel,
+              shaped: tncomp.DeviceModel) -> list[dict]:
+    """Every step of ``plan``: what it computes, its FLOPs and bytes, its floors under
+    ``square`` and ``shaped`` (a model with a GEMM-rate table) and its measured median time."""
     rows = []
     for which, ops, times in (("fwd", plan.forward, measured.forward),
                               ("bwd", plan.backward, measured.backward)):
         for k, (op, t) in enumerate(zip(ops, times, strict=True)):
             rows.append({"pass": which, "step": k, "op": op.describe(), "note": op.note,
                          "mflop": op.flops / 1e6, "mb": op.nbytes / 1e6,
-                         "floor_ms": model.step_floor(op) * 1e3, "ms": t * 1e3})
+                         "floor_ms": square.step_floor(op) * 1e3,
+                         "shape_floor_ms": shaped.step_floor(op) * 1e3, "ms": t * 1e3})
     return rows
+
+
+def smoke_model() -> tncomp.DeviceModel:
+    """The default model with a flat two-point GEMM-rate table (a smoke run measures
+    nothing), so the shape-floor path runs."""
+    default = tncomp.DeviceModel()
+    return dataclasses.replace(default, gemm_dims=(8, 4096),
+                               gemm_rates=(default.gemm_flops_per_s,) * 8)
 
 
 def main(argv=None) -> int:
@@ -151,7 +172,7 @@ def main(argv=None) -> int:
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats {args.repeats}; give at least 1")
     batches = BATCHES[1:] if args.smoke else BATCHES
-    model = tncomp.DeviceModel() if args.smoke else calibrate("cpu", save=False)
+    model = smoke_model() if args.smoke else calibrate("cpu", save=False, shapes=True)
     print(f"device model ({model.source}): GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, "
           f"bandwidth {model.bytes_per_s / 1e9:.1f} GB/s")
     results = []
@@ -165,7 +186,8 @@ def main(argv=None) -> int:
             print(f"B={batch} {r['format']:>8}: {r['params']:>8} params "
                   f"({r['compression']:.1f}x), {r['ms']:.2f} ms "
                   f"({spread_text(r['vs_dense'])} dense), {r['over_floor']:.1f}x its floor "
-                  f"{r['floor_ms']:.2f} ms, peak {r['peak_mb']:.1f} MiB")
+                  f"{r['floor_ms']:.2f} ms, {r['over_shape_floor']:.1f}x its shape floor "
+                  f"{r['shape_floor_ms']:.2f} ms, peak {r['peak_mb']:.1f} MiB")
     payload = {"machine": machine(), "device": "CPU",
                "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
                "model": {"source": model.source, "gemm_gflops": model.gemm_flops_per_s / 1e9,
@@ -175,8 +197,11 @@ def main(argv=None) -> int:
                "note_floor": "floor_ms: the plan's roofline, each step's FLOPs at the measured "
                              "square-GEMM rate or its bytes at the measured copy bandwidth, "
                              "whichever is slower (dense: the same for its three GEMMs); "
-                             "over_floor: measured ms / floor_ms; steps: each step's floor "
-                             "and measured median (the plan alone, per-step clock reads)",
+                             "shape_floor_ms: the same with each GEMM at the measured rate of "
+                             "its shape class (the model's table over (m, n, k), interpolated); "
+                             "over_floor, over_shape_floor: measured ms over each; steps: each "
+                             "step's floors and measured median (the plan alone, per-step "
+                             "clock reads)",
                "note_dy": "the backward gets a contiguous dY, as a next layer hands it",
                "layer": {"in_features": 768, "out_features": 3072, "in_modes": IN_MODES,
                          "out_modes": OUT_MODES, "compression_target": COMPRESSION},
@@ -193,7 +218,8 @@ def render_markdown(payload: dict) -> str:
     rows = [[r["format"], r["batch"], r["params"], f"{r['compression']:.1f}x",
              "-" if r["ranks"] is None else ",".join(map(str, r["ranks"])),
              f"{r['plan_flops'] / 1e9:.2f}", f"{r['copy_mb']:.1f}", f"{r['ms']:.2f}",
-             f"{r['floor_ms']:.2f}", f"{r['over_floor']:.1f}x", spread_text(r["vs_dense"]),
+             f"{r['floor_ms']:.2f}", f"{r['over_floor']:.1f}x", f"{r['shape_floor_ms']:.2f}",
+             f"{r['over_shape_floor']:.1f}x", spread_text(r["vs_dense"]),
              f"{r['peak_mb']:.1f}"] for r in payload["results"]]
     m, layer, model = payload["machine"], payload["layer"], payload["model"]
     return "\n".join([
@@ -209,12 +235,14 @@ def render_markdown(payload: dict) -> str:
         "within one run. The backward gets a contiguous dY. Plans use the device model "
         f"measured at the start ({model['source']}: GEMM {model['gemm_gflops']:.1f} GFLOP/s, "
         f"bandwidth {model['bandwidth_gbs']:.1f} GB/s); the floor is each step's FLOPs at "
-        "that GEMM rate or its bytes at that bandwidth, whichever is slower, summed (the JSON "
-        "has every step's floor and measured time).",
+        "that GEMM rate or its bytes at that bandwidth, whichever is slower, summed; the shape "
+        "floor takes each GEMM at the measured rate of its own shape class instead (the "
+        "calibration's table over (m, n, k)). The JSON has every step's floors and measured "
+        "time.",
         "",
         markdown_table(["format", "B", "params", "compression", "ranks", "GFLOP fwd+bwd",
-                        "copy MB", "ms", "floor ms", "time / floor", "speed-up vs dense",
-                        "peak MiB"], rows),
+                        "copy MB", "ms", "floor ms", "time / floor", "shape floor ms",
+                        "time / shape floor", "speed-up vs dense", "peak MiB"], rows),
     ])
 
 
