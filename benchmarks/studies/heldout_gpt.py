@@ -17,7 +17,10 @@ positions, tied head, normal(0, 0.02) initialisation, the residual projections s
   ones;
 - ``<format>:<parametrization>``: the dense model, then ``comera.convert_(model,
   ConvertConfig(format=..., target_compression=--target, parametrization=...))`` of every
-  linear layer (the user's recipe: decompose the freshly initialised weights, then train).
+  linear layer (the user's recipe: decompose the freshly initialised weights, then train);
+- ``<format>:fresh``: the same conversion (balanced), then every converted layer's cores drawn
+  anew (``reset_cores_``), as a layer built at that rank starts: it separates what the
+  decomposition of random weights does to training from what the parametrization does.
 
 Writes ``benchmarks/results/heldout_gpt/heldout.{json,md}``.
 """
@@ -172,11 +175,20 @@ def narrow_width(task: ByteTask, budget: int) -> int:
 
 
 def converted(task: ByteTask, fmt: str, parametrization: str, target: float) -> nn.Module:
+    """The dense model with its block layers converted; ``parametrization="fresh"``: balanced,
+    then the cores drawn anew."""
     model = TinyGPT(**task.sizes)
+    fresh = parametrization == FRESH
     comera.convert_(model, comera.ConvertConfig(
         include=["blocks.*"], format=fmt, target_compression=target,
-        parametrization=parametrization))
+        parametrization="balanced" if fresh else parametrization))
+    if fresh:
+        for _, layer in comera.gated_layers(model):
+            layer.reset_cores_()
     return model
+
+
+FRESH = "fresh"  # the method suffix of converted layers whose cores are drawn anew
 
 
 def main(argv=None) -> int:
@@ -202,7 +214,8 @@ def main(argv=None) -> int:
     for method in args.methods:
         if method not in ("dense", "narrow"):
             fmt, _, par = method.partition(":")
-            comera.ConvertConfig(format=fmt, parametrization=par or "balanced")  # checked
+            comera.ConvertConfig(format=fmt, parametrization="balanced" if par in (FRESH, "")
+                                 else par)  # checked
     torch.set_num_threads(args.threads)
     task = ByteTask(args.root or cmake_help(), args.block, args.d_model, args.layers, 4)
     probe = converted(task, "tt", "balanced", args.target)
