@@ -236,8 +236,9 @@ class GatedLayer(nn.Module):
         return [~(g.detach().abs() <= self.tau) for g in self.gates]
 
     def effective_gates(self) -> list[Tensor]:
-        """Gates with the entries at or below tau zeroed (and cut off from the gradient)."""
-        return [g * m.to(g.dtype) for g, m in zip(self.gates, self.gate_masks(), strict=True)]
+        """Gates with the entries at or below tau zeroed (and cut off from the gradient); a NaN
+        entry stays (as in :meth:`gate_masks`)."""
+        return [torch.where(g.detach().abs() <= self.tau, 0.0, g) for g in self.gates]
 
     def check_finite_gates(self, name: str = "") -> None:
         """Raise :class:`NonFiniteError` naming the layer, the gate and the entries when a gate
@@ -281,11 +282,19 @@ class GatedLayer(nn.Module):
 
     def gated_cores(self) -> list[Tensor]:
         """Effective cores (:meth:`effective_cores`) with each gate folded into the first core
-        that carries its bond (for a chain: the right bond of the core before it)."""
-        out = self.effective_cores()
+        that carries its bond (for a chain: the right bond of the core before it).
+
+        A core's scale that is a power of two (as the parametrizations set) rides on its first
+        gate, a product over a vector instead of over the core, with the same values."""
+        rides = [s != 1.0 and math.frexp(s)[0] == 0.5 for s in self._scales]
+        out = [c * s if s != 1.0 and not ride else c
+               for c, s, ride in zip(self.cores, self._scales, rides, strict=True)]
         for gate, (c, axis) in zip(self.effective_gates(), self._folds, strict=True):
+            if rides[c]:
+                gate, rides[c] = gate * self._scales[c], False
             out[c] = out[c] * broadcast_along(gate, axis, out[c].dim())
-        return out
+        return [c * s if ride else c
+                for c, s, ride in zip(out, self._scales, rides, strict=True)]
 
     def is_removed(self) -> bool:
         """True when some gate is entirely zero: the weight is then exactly zero (every term
