@@ -275,8 +275,12 @@ def _cmd_cache(args) -> int:
 def _cmd_calibrate(args) -> int:
     from tncomp.runtime.calibrate import calibrate
 
-    model = calibrate(_device(args.device))
-    print(f"{model.source}: GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, bandwidth "
+    model = calibrate(_device(args.device), shapes=args.shapes)
+    table = (f", GEMM rates over {len(model.gemm_rates)} shapes from "
+             f"{model.gemm_dims[0]} to {model.gemm_dims[-1]} "
+             f"({min(model.gemm_rates) / 1e9:.1f}-{max(model.gemm_rates) / 1e9:.1f} GFLOP/s)"
+             if model.gemm_dims else "")
+    print(f"{model.source}: GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s{table}, bandwidth "
           f"{model.bytes_per_s / 1e9:.1f} GB/s, step {model.step_overhead_s * 1e6:.1f} us "
           "(saved; compile() now plans with these numbers)")
     return 0
@@ -316,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_plot_costs)
     p = sub.add_parser("calibrate", help="measure this device's GEMM rate and bandwidth")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--shapes", action="store_true",
+                   help="also measure GEMM rates over thin to square shapes: each step's floor "
+                        "(inspect) is then at its own shape's rate, and plans use the table")
     p.set_defaults(run=_cmd_calibrate)
     p = sub.add_parser("cache", help="show or clear the plan cache")
     p.add_argument("action", choices=["info", "clear"])

@@ -28,3 +28,28 @@ def test_calibrate_with_shapes_saves_a_table(tmp_path, monkeypatch):
     assert model.gemm_dims == (4, 16) and len(model.gemm_rates) == 8
     assert load_calibration("cpu") == model
     assert calibrate("cpu", save=False).gemm_dims == ()  # off by default
+
+
+@pytest.mark.slow  # a calibration with its table: ~5 s on 2 cores
+def test_cli_calibrate_shapes_saves_the_table_inspect_floors_use(tmp_path, monkeypatch, capsys):
+    import tncomp.runtime.calibrate as cal
+    from tncomp.cli import main
+    from tncomp.compiler.builders import tt_linear
+    from tncomp.inspection import inspect
+
+    monkeypatch.setenv("TNCOMP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cal, "GEMM_GRID", (4, 16))
+    assert main(["calibrate", "--shapes"]) == 0
+    assert "GEMM rates over 8 shapes from 4 to 16" in capsys.readouterr().out
+    model = load_calibration("cpu")
+    assert model.gemm_dims == (4, 16) and len(model.gemm_rates) == 8
+    # inspect's floors come from the saved table: a GEMM's floor is at its shape's rate
+    net = tt_linear((4, 4), (4, 4), 2)
+    text = inspect(net, batch=64)
+    assert "floor" in text
+    from tncomp.api import compile as tn_compile
+    plan = tn_compile(net).plan_for({"b": 64, **{i: s for i, s in net.sizes
+                                                  if isinstance(s, int)}},
+                                    (True,) * len(net.operands))
+    flat = type(model)(model.gemm_flops_per_s, model.bytes_per_s, model.step_overhead_s)
+    assert plan.floor_time(model) != plan.floor_time(flat)
