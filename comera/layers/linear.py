@@ -282,10 +282,9 @@ class GatedLayer(nn.Module):
 
     def gated_cores(self) -> list[Tensor]:
         """Effective cores (:meth:`effective_cores`) with each gate folded into the first core
-        that carries its bond (for a chain: the right bond of the core before it).
-
-        A core's scale that is a power of two (as the parametrizations set) rides on its first
-        gate, a product over a vector instead of over the core, with the same values."""
+        that carries its bond (for a chain: the right bond of the core before it)."""
+        # A power-of-two scale (as the parametrizations set) rides on the core's first gate:
+        # a product over a vector instead of over the core, with the same values.
         rides = [s != 1.0 and math.frexp(s)[0] == 0.5 for s in self._scales]
         out = [c * s if s != 1.0 and not ride else c
                for c, s, ride in zip(self.cores, self._scales, rides, strict=True)]
