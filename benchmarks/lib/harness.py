@@ -4,6 +4,7 @@ resident bytes plus the profiled peak of one training step), and writing their r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -19,9 +20,18 @@ import torch
 from torch import Tensor, nn
 
 import comera
+import tncomp
 from comera.errors import ConfigError
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def smoke_device_model() -> tncomp.DeviceModel:
+    """The default device model with a flat two-point GEMM-rate table: a smoke run measures
+    nothing, but its square-rate and shape floors both take their code paths."""
+    default = tncomp.DeviceModel()
+    return dataclasses.replace(default, gemm_dims=(8, 4096),
+                               gemm_rates=(default.gemm_flops_per_s,) * 8)
 
 
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int,

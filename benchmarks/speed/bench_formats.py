@@ -42,6 +42,7 @@ from benchmarks.lib.harness import (
     peak_allocated_bytes,
     publish,
     ratio_spread,
+    smoke_device_model,
     spread_text,
 )
 from comera.experiments.results import machine
@@ -151,14 +152,6 @@ def step_rows(plan, measured, square: tncomp.DeviceModel,
     return rows
 
 
-def smoke_model() -> tncomp.DeviceModel:
-    """The default model with a flat two-point GEMM-rate table (a smoke run measures
-    nothing), so the shape-floor path runs."""
-    default = tncomp.DeviceModel()
-    return dataclasses.replace(default, gemm_dims=(8, 4096),
-                               gemm_rates=(default.gemm_flops_per_s,) * 8)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -172,7 +165,7 @@ def main(argv=None) -> int:
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats {args.repeats}; give at least 1")
     batches = BATCHES[1:] if args.smoke else BATCHES
-    model = smoke_model() if args.smoke else calibrate("cpu", save=False, shapes=True)
+    model = smoke_device_model() if args.smoke else calibrate("cpu", save=False, shapes=True)
     print(f"device model ({model.source}): GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, "
           f"bandwidth {model.bytes_per_s / 1e9:.1f} GB/s")
     results = []
