@@ -43,7 +43,7 @@ import comera
 from benchmarks.lib.harness import RESULTS
 from benchmarks.studies.harness.results import mean_sd
 from benchmarks.studies.harness.runs import row, train
-from comera.errors import ConfigError
+from comera.errors import ConfigError, TrainingStopped
 from comera.experiments.engine import EngineConfig
 from comera.experiments.results import machine
 from comera.experiments.task import Task
@@ -237,8 +237,13 @@ def main(argv=None) -> int:
                     fmt, _, par = method.partition(":")
                     build = lambda f=fmt, q=par or "balanced": converted(  # noqa: E731
                         task, f, q, args.target)
-                model, record = train(task, f"{method}-s{seed}-lr{lr:g}", "dense", config,
-                                      args.work, build)
+                try:
+                    model, record = train(task, f"{method}-s{seed}-lr{lr:g}", "dense", config,
+                                          args.work, build)
+                except TrainingStopped as exc:  # a rate too high for the method: worst of all
+                    rows.append({"seed": seed, "method": method, "lr": lr, "diverged": str(exc)})
+                    print(f"seed {seed} lr {lr:g} {method}: diverged", flush=True)
+                    continue
                 params = sum(p.numel() for p in model.parameters())
                 rows.append(row(task, model, record, seed=seed, method=method, lr=lr,
                                 params=params))
@@ -266,12 +271,17 @@ def report(payload: dict, args) -> str:
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
         by_lr = {}
-        for r in mine:
-            by_lr.setdefault(r["lr"], []).append(r["val"]["loss"])
+        for r in mine:  # a diverged run counts as the worst loss
+            by_lr.setdefault(r["lr"], []).append(math.inf if "diverged" in r
+                                                 else r["val"]["loss"])
+        trained = [r for r in mine if "diverged" not in r]
         best = min(by_lr, key=lambda lr: statistics.fmean(by_lr[lr]))
         edge = " (grid edge)" if best in (min(by_lr), max(by_lr)) else ""
-        per = ", ".join(f"{lr:g}: {statistics.fmean(v):.3f}" for lr, v in sorted(by_lr.items()))
-        lines.append(f"| {method} | {mine[0]['params']} | {best:g}{edge} | "
+        per = ", ".join(f"{lr:g}: " + ("diverged" if math.inf in v else
+                                       f"{statistics.fmean(v):.3f}")
+                        for lr, v in sorted(by_lr.items()))
+        params = trained[0]["params"] if trained else "-"
+        lines.append(f"| {method} | {params} | {best:g}{edge} | "
                      f"{mean_sd(by_lr[best], 3)} | {per} |")
     lines += ["", f"Machine: {payload['machine']['cpu']}, torch {payload['machine']['torch']};"
               f" command:", "", f"    {payload['command']}"]
