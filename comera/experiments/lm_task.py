@@ -54,6 +54,7 @@ class LMTaskConfig:
     d_ff: int = 512
     n_layers: int = 2
     rank: int = 32  # max TT rank of the block linear layers
+    tt_order: int = 3  # modes per side of a block layer in a mode format (e.g. TT's d)
     # how gated layers scale their cores (formats.scaling); plain: CoMERA prunes from scratch
     parametrization: str = RANK_ADAPTIVE
     dropout: float = 0.0
@@ -84,7 +85,8 @@ class LMTaskConfig:
         return CausalLMConfig(
             vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
             n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout, linear=format,
-            rank=self.rank if rank is None else rank, parametrization=self.parametrization)
+            rank=self.rank if rank is None else rank, tt_order=self.tt_order,
+            parametrization=self.parametrization)
 
 
 def next_token_targets(ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -27,7 +27,7 @@ import argparse
 import json
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,11 @@ def task_config(config_class, args):
         sizes = {"d_model": args.d_model, "d_ff": args.d_ff or 4 * args.d_model}
     elif args.d_ff:
         sizes = {"d_ff": args.d_ff}
+    if args.tt_order is not None:
+        if "tt_order" not in {f.name for f in fields(config_class)}:
+            raise SystemExit(f"--tt-order {args.tt_order}: the {config_class.__name__} task "
+                             "has no modes per side to set; drop --tt-order.")
+        sizes["tt_order"] = args.tt_order
     return config_class(rank=args.max_rank, **sizes)
 
 
@@ -292,6 +297,9 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
                    help="the model's width (default: the task's quick config)")
     p.add_argument("--d-ff", type=int, default=None,
                    help="the FFN's width (default: 4 d_model with --d-model)")
+    p.add_argument("--tt-order", type=int, default=None,
+                   help="modes per side of the block layers in mode formats (TT's d; default: "
+                        "the task's, 3)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--root", type=Path, default=None,
                    help="a folder of .py files to read instead of the standard library")
@@ -320,8 +328,9 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
         p.error(f"--decide {args.decide}: give a step count in (0, early + late)")
     if not 0 < args.early < args.early + args.late:
         p.error(f"--early {args.early} --late {args.late}: give both at least 1")
-    if any(v is not None and v < 1 for v in (args.d_model, args.d_ff)):
-        p.error(f"--d-model {args.d_model} --d-ff {args.d_ff}: both at least 1")
+    if any(v is not None and v < 1 for v in (args.d_model, args.d_ff, args.tt_order)):
+        p.error(f"--d-model {args.d_model} --d-ff {args.d_ff} --tt-order {args.tt_order}: "
+                "each at least 1")
     if args.threads < 1 or args.eval_every < 1:
         p.error(f"--threads {args.threads} --eval-every {args.eval_every}: both at least 1")
     if any(t <= 1 for t in args.targets) or any(lr <= 0 for lr in args.lrs):

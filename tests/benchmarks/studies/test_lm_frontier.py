@@ -4,6 +4,7 @@ corpus."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -107,3 +108,27 @@ def test_a_missing_clock_file_exits_2_before_any_work(tmp_path):
         lm_frontier.main(["--clock", str(tmp_path / "none.json"), "--out", str(tmp_path / "o")])
     assert exit_info.value.code == 2
     assert not (tmp_path / "o").exists()
+
+
+def test_tt_order_sets_the_modes_per_side_of_the_block_layers():
+    from benchmarks.studies.harness.frontier import task_config
+
+    args = parse(lm_frontier.SPEC, ["--d-model", "64", "--tt-order", "2"])
+    config = task_config(LMTaskConfig, args)
+    assert config.tt_order == 2 and config.model_config(100, "tt").tt_order == 2
+    assert task_config(LMTaskConfig, parse(lm_frontier.SPEC, [])).tt_order == 3
+
+
+def test_tt_order_is_refused_early_where_wrong(capsys):
+    from benchmarks.studies.harness.frontier import task_config
+
+    with pytest.raises(SystemExit) as e:
+        parse(lm_frontier.SPEC, ["--tt-order", "0"])
+    assert e.value.code == 2 and "--tt-order 0" in capsys.readouterr().err
+
+    @dataclasses.dataclass(frozen=True)
+    class NoOrder:
+        rank: int = 1
+
+    with pytest.raises(SystemExit, match="no modes per side"):
+        task_config(NoOrder, parse(lm_frontier.SPEC, ["--tt-order", "2"]))
