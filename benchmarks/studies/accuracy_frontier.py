@@ -11,6 +11,8 @@ gates, the same schedule, linear warm-up over ``--warmup`` steps, then constant)
 - ``fixed``: per target, the largest uniform TT rank whose linear layers fit the target size
   (:func:`comera.ranks.budget.uniform_rank`), trained at that shape without pruning (each rank
   is trained once per seed and reported at every target it serves).
+- ``fixed-balanced``: the fixed uniform TT rank with its layers built in the balanced
+  parametrization (``comera.formats.scaling``) instead of the task's plain cores (issue 30).
 - ``lowrank``: per target, every linear layer in the ``lowrank`` format (``x @ A @ B``) at the
   largest uniform rank fitting the same size, trained as the fixed rank is (rows made before the
   format, with the ungated ``LowRankLinear``, carry no ``format``); targets where rank 1 does
@@ -54,10 +56,13 @@ from comera.ranks.budget import uniform_rank
 from tncomp.files import atomic_write_text
 
 OUT = RESULTS / "reviews_frontier"
-METHODS = ("dense", "fixed", "lowrank", "comera", "early", "prune")
-ROWS = ("dense", "fixed", "lowrank", "lowrank-ungated", "comera", "comera-warm", "early",
+METHODS = ("dense", "fixed", "fixed-balanced", "lowrank", "comera", "early", "prune")
+ROWS = ("dense", "fixed", "fixed-balanced", "lowrank", "lowrank-ungated", "comera",
+        "comera-warm", "early",
         "prune")  # the names rows carry
-LABELS = {"dense": "dense", "fixed": "fixed uniform TT rank", "lowrank": "low-rank x @ A @ B",
+LABELS = {"dense": "dense", "fixed": "fixed uniform TT rank",
+          "fixed-balanced": "fixed uniform TT rank, balanced cores",
+          "lowrank": "low-rank x @ A @ B",
           "lowrank-ungated": "low-rank x @ A @ B (ungated LowRankLinear, before the format)",
           "comera": "CoMERA", "comera-warm": "CoMERA, warm (no restart)",
           "early": "CoMERA early stage to the target", "prune": "CoMERA (prune)"}
@@ -101,7 +106,8 @@ def run(args) -> dict:
         if "comera" in args.methods:
             for r in study.spectrum(args.targets, seed, lr):
                 save(_as_row(r, "comera", uniform_rank=uniform[r["target"]], restart=True))
-        for fmt, name, ranks in (("tt", "fixed", uniform), ("lowrank", "lowrank", lowrank)):
+        for fmt, name, ranks in (("tt", "fixed", uniform), ("tt", "fixed-balanced", uniform),
+                                 ("lowrank", "lowrank", lowrank)):
             for target in args.targets if name in args.methods else []:
                 if ranks[target] < 1:
                     continue
@@ -110,7 +116,9 @@ def run(args) -> dict:
                 if done:  # one run per rank and seed serves every target it fits
                     save(done[0] | {"target": target})
                     continue
-                save(_as_row(study.fixed(fmt, target, seed, lr), name))
+                balanced = ({"method": name, "parametrization": "balanced"}
+                            if name == "fixed-balanced" else {})
+                save(_as_row(study.fixed(fmt, target, seed, lr, **balanced), name))
         for target in args.targets if "early" in args.methods else []:
             save(_as_row(study.early_stage(target, seed, lr), "early"))
         if "prune" in args.methods:
@@ -224,7 +232,8 @@ def plot(result: dict, path: Path) -> None:
         ax.axhline(mean, color="k", lw=1, label=f"dense (mean ± sd of {len(dense)})")
         ax.axhspan(mean - sd, mean + sd, color="k", alpha=0.1)
     ax.axhline(result["data"]["majority_test"], color="grey", ls=":", label="majority class")
-    for method, marker in (("fixed", "^"), ("lowrank", "v"), ("lowrank-ungated", "<"),
+    for method, marker in (("fixed", "^"), ("fixed-balanced", ">"), ("lowrank", "v"),
+                           ("lowrank-ungated", "<"),
                            ("comera", "o"),
                            ("comera-warm", "s"), ("early", "D"), ("prune", "x")):
         groups: dict = {}

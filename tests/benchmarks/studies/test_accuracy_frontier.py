@@ -71,3 +71,20 @@ def test_bad_flags_exit_2_before_any_training(flags, tmp_path):
         main([*flags, "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_the_balanced_fixed_rank_has_its_own_column_and_plot_series(tmp_path):
+    result = _result()
+    for seed, shift in ((0, 0.0), (1, 0.01), (2, 0.02)):
+        result["rows"].append({"seed": seed, "model": "fixed-balanced", "target": 10.0,
+                               "rank": 4, "test": {"accuracy": 0.80 + shift},
+                               "linear_compression": 11.0, "ranks": {"blocks.0.q": [1, 4, 4, 1]}})
+    text = summarise(result)
+    header = next(line for line in text.splitlines() if line.startswith("| target"))
+    assert header.split(" | ")[1:3] == ["fixed uniform TT rank",
+                                        "fixed uniform TT rank, balanced cores"]
+    row = next(line for line in text.splitlines() if line.startswith("| 10x"))
+    sd = statistics.stdev([0.0, 0.01, 0.02])
+    assert row.split(" | ")[2] == f"0.8100 ± {sd:.4f} (n=3; 11.0x, rank 4)"
+    plot(result, tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 0
