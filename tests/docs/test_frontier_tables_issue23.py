@@ -9,8 +9,10 @@ import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MLM_ROWS = {"dense": "dense", "fixed uniform TT rank 15": "fixed", "low-rank, rank 10": "lowrank",
-            "CoMERA, early + late": "comera", "CoMERA, spectrum": "spectrum"}
+MLM_ROWS = {"dense": "dense", "fixed uniform TT rank 15": "fixed",
+            "fixed uniform TT rank 15, balanced cores (issue 30)": "tt:balanced",
+            "low-rank, rank 10": "lowrank", "CoMERA, early + late": "comera",
+            "CoMERA, spectrum": "spectrum"}
 
 
 def _rows_after(text: str, marker: str) -> list[list[str]]:
