@@ -9,9 +9,9 @@ import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MLM_ROWS = {"dense": "dense", "fixed uniform TT rank 15": "fixed",
+MLM_ROWS = {"dense": "dense", "fixed uniform TT rank 15": "tt",
             "fixed uniform TT rank 15, balanced cores (issue 30)": "tt:balanced",
-            "low-rank, rank 10": "lowrank", "CoMERA, early + late": "comera",
+            "low-rank, rank 10": "lowrank-ungated", "CoMERA, early + late": "comera",
             "CoMERA, spectrum": "spectrum"}
 
 
