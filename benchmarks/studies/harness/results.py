@@ -5,8 +5,8 @@ Every call of a study writes its rows to ``<out>/runs/<tag>.json`` after every m
 cut-off run keeps what it finished, and calls with different tags run side by side) and merges
 every runs file into the study's results (:func:`merge`). Each row carries the learning rate it
 trained at; where a method ran at several, :func:`at_best_lr` keeps the rows of the rate whose
-mean validation score is best (one shared grid, each method its own rate, chosen on validation
-data only).
+mean validation score is best on the seeds the rates share (one shared grid, each method its own
+rate, chosen on validation data only).
 """
 
 from __future__ import annotations
@@ -78,12 +78,31 @@ def by_method(rows: Iterable[dict], key: str = "method") -> dict[tuple, list[dic
 
 def best_lrs(rows: list[dict], score: Callable[[dict], float],
              lower: bool = True) -> tuple[float | None, list[float]]:
-    """(the learning rate whose rows' mean ``score`` is best, every rate tried); a row without
-    one (made before the grid) counts as its own rate, None."""
-    rates: dict[Any, list[float]] = {}
+    """(the best learning rate, every rate tried); a row without one (made before the grid)
+    counts as its own rate, None.
+
+    Rates are compared pairwise on the seeds both ran (a grid on seed 0, then more seeds at the
+    best, compares the grid on seed 0 alone and the top rates on every seed they share): the best
+    is the rate whose mean beats every other's there; without such a rate, the best mean over
+    all rows."""
+    rates: dict[Any, dict[Any, list[float]]] = {}
     for row in rows:
-        rates.setdefault(row.get("lr"), []).append(score(row))
-    pick = (min if lower else max)(rates, key=lambda lr: statistics.fmean(rates[lr]))
+        rates.setdefault(row.get("lr"), {}).setdefault(row.get("seed"), []).append(score(row))
+    sign = 1.0 if lower else -1.0
+
+    def mean(lr, seeds) -> float:
+        return statistics.fmean(v for seed in seeds for v in rates[lr][seed])
+
+    def beats(a, b) -> bool:
+        shared = rates[a].keys() & rates[b].keys()
+        if not shared:
+            shared_a, shared_b = rates[a].keys(), rates[b].keys()
+            return sign * mean(a, shared_a) <= sign * mean(b, shared_b)
+        return sign * mean(a, shared) <= sign * mean(b, shared)
+
+    winners = [lr for lr in rates if all(beats(lr, other) for other in rates if other != lr)]
+    pick = winners[0] if len(winners) == 1 else min(
+        winners or rates, key=lambda lr: sign * mean(lr, rates[lr].keys()))
     return pick, sorted(lr for lr in rates if lr is not None)
 
 

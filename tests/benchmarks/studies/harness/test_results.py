@@ -57,3 +57,19 @@ def test_the_curves_plot_against_step_and_wall_clock(tmp_path):
     assert plot_curves({"tt": rows, "empty": []}, tmp_path / "c.png", title="t", metric="loss")
     assert (tmp_path / "c.png").stat().st_size > 1000
     assert not plot_curves({}, tmp_path / "none.png", title="t", metric="loss")
+
+
+def test_rates_are_compared_on_the_seeds_they_share():
+    # the grid on seed 0, then seeds 1 and 2 at the rate seed 0 chose: a worse seed 1 or 2
+    # must not hand the choice to a rate that only ran on seed 0
+    rows = [_row(0, "tt", 1e-3, 3.740), _row(1, "tt", 1e-3, 3.776), _row(2, "tt", 1e-3, 3.767),
+            _row(0, "tt", 3e-3, 3.741), _row(0, "tt", 1e-2, 5.1), _row(0, "tt", 3e-4, 4.0)]
+    chosen, how = at_best_lr(rows, lambda r: r["val"]["loss"])
+    assert {r["lr"] for r in chosen} == {1e-3} and len(chosen) == 3
+    assert how == "0.001 of 0.0003..0.01"
+    # two rates on three seeds each are compared on all three, not on seed 0 alone
+    rows = [_row(s, "ttm", 3e-3, v) for s, v in ((0, 3.371), (1, 3.34), (2, 3.34))]
+    rows += [_row(s, "ttm", 1e-2, v) for s, v in ((0, 3.366), (1, 3.40), (2, 3.39))]
+    rows += [_row(0, "ttm", 1e-3, 3.48), _row(0, "ttm", 3e-2, 5.0)]
+    assert best_lrs(rows, lambda r: r["val"]["loss"])[0] == 3e-3
+    assert best_lrs(rows, lambda r: r["val"]["loss"], lower=False)[0] == 3e-2
