@@ -186,7 +186,7 @@ def summarise(result: dict) -> str:
             sel = [r for r in rows if r["model"] == m and r["target"] == t]
             if not sel:
                 cells.append("none fits: rank 1 is over the budget"
-                             if m == "lowrank" and _no_lowrank(result, t) else "-")
+                             if m.startswith("lowrank") and _no_lowrank(result, t) else "-")
                 continue
             acc = [r["test"]["accuracy"] for r in sel]
             comp = statistics.fmean(r["linear_compression"] for r in sel)
