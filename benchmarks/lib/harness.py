@@ -34,6 +34,12 @@ def smoke_device_model() -> tncomp.DeviceModel:
                                gemm_rates=(default.gemm_flops_per_s,) * 8)
 
 
+def square_rate_model(model: tncomp.DeviceModel) -> tncomp.DeviceModel:
+    """``model`` without its GEMM-rate table: every GEMM at the square GEMM's rate (the
+    planner's default, and the strict floor)."""
+    return dataclasses.replace(model, gemm_dims=(), gemm_rates=())
+
+
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int,
                       warmup: int = 3) -> dict[str, list[float]]:
     """Seconds of every call of each function, timed round-robin (round k calls every function

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import statistics
 import sys
 
@@ -44,6 +43,7 @@ from benchmarks.lib.harness import (
     ratio_spread,
     smoke_device_model,
     spread_text,
+    square_rate_model,
 )
 from comera.experiments.results import machine
 from comera.formats.layout import Layout
@@ -74,7 +74,7 @@ def run_batch(batch: int, repeats: int, warmup: int, model: tncomp.DeviceModel,
     """One row per format (and dense) at ``batch``, all timed in one interleaved loop; each
     format's plan (under ``model`` without its shape table) with its floors (square rate and
     ``model``'s shape-class rates) and per-step times."""
-    square = dataclasses.replace(model, gemm_dims=(), gemm_rates=())
+    square = square_rate_model(model)
     torch.manual_seed(0)
     n_in, n_out = 768, 3072
     budget = n_in * n_out // COMPRESSION

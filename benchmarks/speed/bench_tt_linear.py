@@ -20,7 +20,6 @@ allocator's ``max_memory_allocated`` above what was allocated before the call, a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import statistics
 import string
@@ -46,6 +45,7 @@ from benchmarks.lib.harness import (
     ratio_spread,
     smoke_device_model,
     spread_text,
+    square_rate_model,
 )
 from comera.experiments.results import machine
 from tncomp.runtime.calibrate import calibrate
@@ -143,7 +143,7 @@ def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_basel
     plan = compiled.plan_for({**{i: s for i, s in compiled.network.sizes
                                  if isinstance(s, int)}, **sizes}, (True,) * (len(cores) + 1),
                              device=device)
-    square = dataclasses.replace(model, gemm_dims=(), gemm_rates=())
+    square = square_rate_model(model)
     floor, shape_floor = plan.floor_time(square), plan.floor_time(model)
     dense_flops = 3 * 2 * batch * n_in * n_out
     t = medians["tncomp"]

@@ -174,6 +174,9 @@ def narrow_width(task: ByteTask, budget: int) -> int:
     return best
 
 
+FRESH = "fresh"  # the method suffix of converted layers whose cores are drawn anew
+
+
 def converted(task: ByteTask, fmt: str, parametrization: str, target: float) -> nn.Module:
     """The dense model with its block layers converted; ``parametrization="fresh"``: balanced,
     then the cores drawn anew."""
@@ -186,9 +189,6 @@ def converted(task: ByteTask, fmt: str, parametrization: str, target: float) -> 
         for _, layer in comera.gated_layers(model):
             layer.reset_cores_()
     return model
-
-
-FRESH = "fresh"  # the method suffix of converted layers whose cores are drawn anew
 
 
 def main(argv=None) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -84,8 +85,9 @@ def task_config(config_class, args):
         sizes = {"d_ff": args.d_ff}
     if args.tt_order is not None:
         if "tt_order" not in {f.name for f in fields(config_class)}:
-            raise SystemExit(f"--tt-order {args.tt_order}: the {config_class.__name__} task "
-                             "has no modes per side to set; drop --tt-order.")
+            print(f"--tt-order {args.tt_order}: the {config_class.__name__} task has no modes "
+                  "per side to set; drop --tt-order.", file=sys.stderr)
+            raise SystemExit(2)  # as a bad flag: before any data is read or file written
         sizes["tt_order"] = args.tt_order
     return config_class(rank=args.max_rank, **sizes)
 

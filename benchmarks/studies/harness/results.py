@@ -93,12 +93,10 @@ def best_lrs(rows: list[dict], score: Callable[[dict], float],
     def mean(lr, seeds) -> float:
         return statistics.fmean(v for seed in seeds for v in rates[lr][seed])
 
-    def beats(a, b) -> bool:
+    def beats(a, b) -> bool:  # on the seeds both ran (each its own where they share none)
         shared = rates[a].keys() & rates[b].keys()
-        if not shared:
-            shared_a, shared_b = rates[a].keys(), rates[b].keys()
-            return sign * mean(a, shared_a) <= sign * mean(b, shared_b)
-        return sign * mean(a, shared) <= sign * mean(b, shared)
+        return (sign * mean(a, shared or rates[a].keys())
+                <= sign * mean(b, shared or rates[b].keys()))
 
     winners = [lr for lr in rates if all(beats(lr, other) for other in rates if other != lr)]
     pick = winners[0] if len(winners) == 1 else min(
