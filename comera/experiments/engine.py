@@ -70,7 +70,7 @@ from comera.experiments.schedule import OPTIMIZERS, SCHEDULES, base_rates, lr_fa
 from comera.experiments.task import IndexStream, Task, build_task_model
 from comera.formats.registry import DENSE, check_layer_format
 from comera.layers.linear import check_memory
-from comera.ranks.objective import REGULARIZERS
+from comera.ranks.objective import ALLOCATIONS, REGULARIZERS
 from comera.training.early import EarlyStage
 from comera.training.trainers import pick_threads
 
@@ -129,6 +129,11 @@ class EngineConfig:
     # along a schedule over the first early_landing of the early steps
     early_target: float | None = None
     early_landing: float = 0.5
+    # how the late stage reaches its size (comera.LateStage): "prune" shrinks along its step
+    # budget, on the target after late_landing of the late steps; "spectrum" fixes the final
+    # shape from the bonds' spectra when the stage starts and trains that shape throughout
+    late_allocation: str = "prune"
+    late_landing: float = 0.75
 
     def __post_init__(self) -> None:
         """Check every field (type, range, finiteness) before anything is built."""
@@ -160,12 +165,16 @@ class EngineConfig:
         if not (isinstance(self.early_landing, int | float) and not isinstance(
                 self.early_landing, bool) and 0 < self.early_landing <= 1):
             raise ConfigError(f"early_landing={self.early_landing!r}; give a fraction in (0, 1].")
+        if not (isinstance(self.late_landing, int | float) and not isinstance(
+                self.late_landing, bool) and 0 < self.late_landing <= 1):
+            raise ConfigError(f"late_landing={self.late_landing!r}; give a fraction in (0, 1].")
         if self.late_target_loss is not None:
             check_number("late_target_loss", self.late_target_loss, "a loss target is a finite "
                           "number >= 0 (or None: from the early stage)")
         for name, choices in (("stage", STAGES), ("on_nonfinite", ON_NONFINITE),
                               ("precision", tuple(PRECISIONS)), ("regularizer", REGULARIZERS),
-                              ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES)):
+                              ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES),
+                              ("late_allocation", ALLOCATIONS)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
                 raise ConfigError(f"{name}={getattr(self, name)!r}; choose one of "
                                   f"{', '.join(choices)}.")
@@ -329,7 +338,9 @@ class _Run:
         # the step budget makes the stage land on the target by its end, whatever lr_gates is
         late = comera.LateStage.for_compression(self.model, self.config.target_compression,
                                                 target_loss=self._loss_target(),
-                                                steps=max(1, self.config.steps_late))
+                                                steps=max(1, self.config.steps_late),
+                                                landing=self.config.late_landing,
+                                                allocation=self.config.late_allocation)
         report = self.trainer.start_late_stage(late)
         log.info("%s: late stage from step %d, target %.0f parameters; %s", self.name,
                  self.step, late.target_size, report)

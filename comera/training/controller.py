@@ -353,14 +353,15 @@ class RankController:
         if not isinstance(late, LateStage):
             raise ConfigError(f"start_late_stage takes a comera.LateStage, got {late!r}.")
         opt = self.optimizer if optimizer is None else torch_optimizer(optimizer)
-        late.allocate_(self.model, opt, self.min_rank)
+        allocated = late.allocate_(self.model, opt, self.min_rank)
         report = self.truncate(optimizer) if truncate else None
         self.stage = "late"
         self.late = late
         size = float(model_size(self.model))
         self.size_reference = size
         self.late_start = (self.steps, size)
-        self.late_note = self._plan_note(late, size, optimizer)
+        # a shape the spectrum allocation just fixed is the target's: nothing to warn about
+        self.late_note = "" if allocated is not None else self._plan_note(late, size, optimizer)
         if self.late_note:
             log.warning("late stage: %s", self.late_note)
         return report

@@ -48,6 +48,7 @@ from comera.experiments.engine import EngineConfig
 from comera.experiments.schedule import OPTIMIZERS, SCHEDULES
 from comera.formats.registry import get_format
 from comera.ranks.allocate import FLOORS
+from comera.ranks.objective import ALLOCATIONS
 from tncomp.files import atomic_write_text
 
 ALIASES = {"fixed": "tt"}  # method names before the formats
@@ -122,7 +123,8 @@ def study(spec: Spec, args, task) -> Study:
     """The study of ``args``: its engine settings, steps and CoMERA settings."""
     config = EngineConfig(batch_size=args.batch, lr=args.lr, lr_gates=args.lr_gates,
                           warmup=args.warmup, eval_every=args.eval_every, max_grad_norm=1.0,
-                          threads=args.threads, optimizer=args.optimizer, schedule=args.schedule)
+                          threads=args.threads, optimizer=args.optimizer, schedule=args.schedule,
+                          late_allocation=args.late_allocation, late_landing=args.late_landing)
     return Study(task, config, args.work, steps=args.early + args.late, early=args.early,
                  decide=args.decide, lam=args.lam, max_rank=args.max_rank, floor=args.floor,
                  resume=args.resume)
@@ -281,6 +283,12 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
     p.add_argument("--late", type=int, default=d["late"])
     p.add_argument("--decide", type=int, default=d["decide"],
                    help="spectrum: steps at --max-rank before the allocation fixes the shape")
+    p.add_argument("--late-allocation", choices=ALLOCATIONS, default="prune",
+                   help="comera: the late stage prunes along its steps, or fixes the final "
+                        "shape from the bonds' spectra when it starts")
+    p.add_argument("--late-landing", type=float, default=0.75,
+                   help="comera, pruning: the fraction of the late steps after which it is on "
+                        "the target")
     p.add_argument("--floor", choices=FLOORS, default="uniform",
                    help="spectrum: the allocation starts from the uniform ranks or from rank 1")
     p.add_argument("--batch", type=int, default=d["batch"])
@@ -333,6 +341,8 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
     if any(v is not None and v < 1 for v in (args.d_model, args.d_ff, args.tt_order)):
         p.error(f"--d-model {args.d_model} --d-ff {args.d_ff} --tt-order {args.tt_order}: "
                 "each at least 1")
+    if not 0 < args.late_landing <= 1:
+        p.error(f"--late-landing {args.late_landing}: give a fraction in (0, 1]")
     if args.threads < 1 or args.eval_every < 1:
         p.error(f"--threads {args.threads} --eval-every {args.eval_every}: both at least 1")
     if any(t <= 1 for t in args.targets) or any(lr <= 0 for lr in args.lrs):

@@ -174,7 +174,8 @@ class Study:
             model, record = self.run(_name(method, target, seed, lr), "tt", config,
                                      lambda: copy.deepcopy(early), start_step=self.early)
             rows.append(row(self.task, model, record, seed=seed, method=method, target=target,
-                            lr=lr))
+                            lr=lr, late_allocation=config.late_allocation,
+                            late_landing=config.late_landing))
         return rows
 
     def spectrum(self, targets, seed: int, lr: float, method: str = "spectrum") -> list[dict]:

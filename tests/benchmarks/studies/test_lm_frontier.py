@@ -44,7 +44,8 @@ def test_each_format_is_at_the_largest_uniform_rank_within_the_budget(root, targ
 
 
 @pytest.mark.parametrize("flags", [["--methods", "einsum"], ["--lrs", "0"], ["--targets", "1"],
-                                   ["--eval-every", "0"], ["--decide", "0"]])
+                                   ["--eval-every", "0"], ["--decide", "0"],
+                                   ["--late-landing", "0"], ["--late-allocation", "grow"]])
 def test_bad_flags_exit_2_before_any_work(flags, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         lm_frontier.main([*flags, "--out", str(tmp_path / "out")])
@@ -55,6 +56,18 @@ def test_bad_flags_exit_2_before_any_work(flags, tmp_path):
 def test_fixed_is_the_tt_method_and_the_grid_defaults_to_lr():
     args = parse(lm_frontier.SPEC, ["--methods", "dense", "fixed", "tt", "narrow"])
     assert args.methods == ["dense", "tt", "narrow"] and args.lrs == [2e-3]
+
+
+def test_the_late_stage_flags_reach_the_engine(root):
+    from benchmarks.studies.harness.frontier import study
+
+    args = parse(lm_frontier.SPEC, ["--late-allocation", "spectrum", "--late-landing", "0.5"])
+    task = LMTask(LMTaskConfig(seq_len=16, vocab_size=64, d_model=32, n_heads=2, d_ff=64,
+                               n_layers=1), root=root, use_cache=False)
+    config = study(lm_frontier.SPEC, args, task).config
+    assert (config.late_allocation, config.late_landing) == ("spectrum", 0.5)
+    defaults = study(lm_frontier.SPEC, parse(lm_frontier.SPEC, []), task).config
+    assert (defaults.late_allocation, defaults.late_landing) == ("prune", 0.75)
 
 
 @pytest.mark.slow
@@ -74,6 +87,8 @@ def test_smoke_run_writes_every_method(root, tmp_path):
         assert row["curves"]["val"][-1][1] > 0  # the training wall-clock of the last evaluation
         if row["method"] in ("tt", "lowrank"):
             assert row["compression"] >= 4.0
+        if row["method"] == "comera":  # how its late stage ran
+            assert (row["late_allocation"], row["late_landing"]) == ("prune", 0.75)
         if row["method"] == "narrow":  # the whole model matches: its block layers get more
             assert 1.0 < row["compression"] < 4.0
     assert result["runs"][0]["command"].startswith(

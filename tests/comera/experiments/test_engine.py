@@ -102,6 +102,38 @@ def test_late_stage_shrinks_toward_the_target_while_the_loss_is_near_its_early_l
     assert "size" in choices
 
 
+def _compressions(cfg, out) -> tuple[float, list[float]]:
+    """The compression after the last early step of a run with ``cfg`` and after each
+    late-stage step."""
+    seen: dict[str, dict[int, float]] = {"early": {}, "late": {}}
+
+    def progress(event):
+        if event["kind"] == "step":
+            seen[event["stage"]][event["step"]] = event["compression"]
+
+    train_model(ToyTask(), "comera", True, cfg, out, progress=progress)
+    early, late = seen["early"], seen["late"]
+    return early[max(early)], [late[k] for k in sorted(late)]
+
+
+def test_a_spectrum_late_stage_fixes_the_shape_when_it_starts(tmp_path):
+    cfg = replace(CFG, lam=0.0, late_allocation="spectrum")
+    start, spectrum = _compressions(cfg, tmp_path / "spectrum")
+    _, pruned = _compressions(replace(cfg, late_allocation="prune"), tmp_path / "prune")
+    assert len(spectrum) == len(pruned) == cfg.steps_late
+    assert len(set(spectrum)) == 1 and spectrum[0] > start  # one shape, from the first step
+    assert spectrum[0] == pytest.approx(pruned[-1], rel=0.1)  # where pruning ends
+    assert pruned[0] < pruned[-1]  # pruning gets there along the steps
+
+
+def test_the_late_landing_sets_when_pruning_reaches_the_target(tmp_path):
+    cfg = replace(CFG, lam=0.0, steps_late=8)
+    _, soon = _compressions(replace(cfg, late_landing=0.25), tmp_path / "soon")
+    _, late = _compressions(replace(cfg, late_landing=1.0), tmp_path / "late")
+    assert soon[1] == pytest.approx(soon[-1], rel=0.05)  # there after 0.25 * 8 = 2 steps
+    assert late[1] < 0.95 * late[-1]
+
+
 def test_dense_run_is_one_stage_and_learns(tmp_path):
     cfg = replace(CFG, steps_early=30, steps_late=10)
     _, record = train_model(ToyTask(), "dense", False, cfg, tmp_path)
@@ -335,6 +367,19 @@ def test_engine_config_rejects_bad_values():
         EngineConfig(target_compression=1.0)
     with pytest.raises(comera.ConfigError, match="batch_size"):
         EngineConfig(batch_size=0)
+    with pytest.raises(comera.ConfigError, match="late_allocation='grow'; choose one of"):
+        EngineConfig(late_allocation="grow")
+    for landing in (0, 1.5, True):
+        with pytest.raises(comera.ConfigError, match="late_landing"):
+            EngineConfig(late_landing=landing)
+
+
+def test_a_spectrum_late_stage_on_layers_that_are_not_chains_is_refused_before_training(
+        tmp_path):
+    cfg = replace(CFG, format="tucker", late_allocation="spectrum")
+    with pytest.raises(comera.ConfigError, match="tensor-train chains"):
+        train_model(ToyTask(), "comera", True, cfg, tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 def test_an_early_stage_size_target_stops_pruning_there(tmp_path):
