@@ -46,7 +46,8 @@ def _one_line(text: str) -> str:
 FLAGS = {"target_compression": "--target-compression", "steps_early": "--steps",
          "steps_late": "--late-steps", "batch_size": "--batch-size",
          "checkpoint_every": "--checkpoint-every", "seed": "--seed", "eval_every": "--eval-every",
-         "lr": "--lr", "lam": "--lam", "lr_gates": "--lr-gates", "threads": "--threads"}
+         "lr": "--lr", "lam": "--lam", "lr_gates": "--lr-gates", "threads": "--threads",
+         "late_allocation": "--late-allocation", "late_landing": "--late-landing"}
 # EngineConfig field -> the option that sets it, for the options that always give a value
 SET_ALWAYS = {"device": "--device", "format": "--format"}
 
@@ -431,6 +432,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="late stage: gated layers' dense size / compressed size to reach")
     p.add_argument("--steps", type=int, default=None, help="early-stage steps (>= 1)")
     p.add_argument("--late-steps", type=int, default=None, help="late-stage steps")
+    p.add_argument("--late-allocation", choices=["prune", "spectrum"], default=None,
+                   help="late stage: prune along its steps (default), or fix the final shape "
+                        "from the bonds' spectra when it starts (tt, ttm)")
+    p.add_argument("--late-landing", type=float, default=None,
+                   help="late stage, pruning: the fraction of its steps after which it is on "
+                        "the target (default 0.75)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch size")
     p.add_argument("--lr", type=float, default=None, help="learning rate of cores / dense model")
     p.add_argument("--lam", type=float, default=None, help="early stage: rank-regulariser weight")

@@ -32,6 +32,7 @@ BY_FLAG: dict[tuple[str, str], list[str]] = {
     ("train", "--device"): ["", "bogus", "tpu", "cuda:99999"],
     ("train", "--out"): ["", "{file}"],
     ("train", "--variants"): ["", ",", "sparse", "dense,dense"],
+    ("train", "--late-landing"): [*FLOAT, "0", "1.5"],  # a fraction in (0, 1]
     ("train", "--init-from"): ["", "{tmp}/missing.pt", "{tmp}", "{file}"],  # {file}: text
     ("convert", "model"): ["", "{tmp}/missing.pt", "{tmp}", "{file}"],
     ("convert", "--output"): ["", "{tmp}", "{tmp}/missing/x.pt", "{file}", "{model}"],
@@ -166,6 +167,19 @@ def test_the_issue_reproductions_exit_2_up_front(tmp_path, capsys, no_work, args
     err = capsys.readouterr().err
     assert code == 2 and needle in err and args[0] in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_late_stage_flags_reach_the_engine_config():
+    from comera.cli import _engine_config
+    from comera.experiments.registry import EXPERIMENTS
+
+    args = build_parser().parse_args(["train", "lm", "--quick", "--late-allocation", "spectrum",
+                                      "--late-landing", "0.5"])
+    config = _engine_config(args, EXPERIMENTS["lm"])
+    assert (config.late_allocation, config.late_landing) == ("spectrum", 0.5)
+    plain = _engine_config(build_parser().parse_args(["train", "lm", "--quick"]),
+                           EXPERIMENTS["lm"])
+    assert (plain.late_allocation, plain.late_landing) == ("prune", 0.75)
 
 
 def test_convert_config_that_is_not_an_object_is_one_line(tmp_path, capsys, model_file):
