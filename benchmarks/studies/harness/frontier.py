@@ -169,6 +169,10 @@ def summarise(spec: Spec, result: dict) -> str:
     dense_rows = next((rows for (t, m), (rows, _) in groups.items() if m == "dense"), [])
     dense = {s: statistics.fmean(r[s]["loss"] for r in dense_rows) if dense_rows
              else float("nan") for s in ("val", "test")}
+
+    def vs_dense(losses: list[float], split: str) -> str:  # "-" in a study without dense
+        return f"{statistics.fmean(losses) / dense[split] - 1:+.2%}" if dense_rows else "-"
+
     for (target, method), (rows, lr) in sorted(groups.items(), key=lambda kv: (
             kv[0][0] or 0, _order(kv[0][1]), kv[0][1])):
         val = [r["val"]["loss"] for r in rows]
@@ -180,14 +184,14 @@ def summarise(spec: Spec, result: dict) -> str:
         lines.append(
             f"| {f'{target:g}x' if target else '-'} | {label(method)} | "
             f"{len(rows)} (seeds {','.join(str(r['seed']) for r in rows)}) | {lr} | "
-            f"{mean_sd(val)} | {ppl:.1f} | {statistics.fmean(val) / dense['val'] - 1:+.2%} | "
-            f"{mean_sd(test)} | {statistics.fmean(test) / dense['test'] - 1:+.2%} | "
+            f"{mean_sd(val)} | {ppl:.1f} | {vs_dense(val, 'val')} | "
+            f"{mean_sd(test)} | {vs_dense(test, 'test')} | "
             f"{comp:.1f}x | {','.join(map(str, rank)) or '; '.join(width) or '-'} |")
-    for method in ("comera", "spectrum"):
+    adaptive = [m for (t, m) in groups if t is not None
+                and m.partition(":")[0] in ("comera", "spectrum")]
+    for method in dict.fromkeys(sorted(adaptive)):  # "comera", "comera:plain", "spectrum"...
         picked = sorted((r for (t, m), (rows, _) in groups.items() if m == method for r in rows),
                         key=lambda r: (r["target"], r["seed"]))
-        if not picked:
-            continue
         lines += ["", f"{label(method)}: per-layer TT ranks (interior bonds) at each target, "
                   "first seed, next to the uniform TT rank:", ""]
         seen = set()
@@ -196,7 +200,7 @@ def summarise(spec: Spec, result: dict) -> str:
                 continue
             seen.add(row["target"])
             fixed = [r.get("rank") for r in result["rows"]
-                     if r["method"] == "tt" and r["target"] == row["target"]]
+                     if r["method"].partition(":")[0] == "tt" and r["target"] == row["target"]]
             lines.append(f"- {row['target']:g}x (seed {row['seed']}, uniform TT rank "
                          f"{fixed[0] if fixed else '?'}): " + "; ".join(
                              f"{n}: {r[1:-1]}" for n, r in row["ranks"].items()))

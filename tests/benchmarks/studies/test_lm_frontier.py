@@ -10,7 +10,7 @@ import json
 import pytest
 
 from benchmarks.studies import lm_frontier
-from benchmarks.studies.harness.frontier import _clocked, clock_key, parse
+from benchmarks.studies.harness.frontier import _clocked, clock_key, parse, summarise
 from benchmarks.studies.harness.methods import Study
 from benchmarks.studies.harness.runs import layer_sizes
 from comera.experiments.engine import EngineConfig
@@ -148,3 +148,19 @@ def test_tt_order_is_refused_early_where_wrong(capsys):
     with pytest.raises(SystemExit) as e:
         task_config(NoOrder, parse(lm_frontier.SPEC, ["--tt-order", "2"]))
     assert e.value.code == 2 and "no modes per side" in capsys.readouterr().err
+
+
+def _row(method, target, seed, loss, **extra):
+    return {"method": method, "target": target, "seed": seed, "lr": 3e-3, "compression": 8.0,
+            "val": {"loss": loss, "perplexity": 2.0 ** loss}, "test": {"loss": loss}, **extra}
+
+
+def test_a_study_without_dense_says_so_and_lists_comeras_ranks_by_parametrization():
+    ranks = {"blocks.0.ffn_in": [1, 4, 9, 1]}
+    rows = [_row("comera:plain", 8.0, s, 3.5 + s / 10, ranks=ranks) for s in (0, 1)]
+    rows += [_row("comera:plain early", None, 0, 3.4), _row("tt:plain", 8.0, 0, 3.6, rank=7)]
+    result = {"data": {}, "runs": [], "rows": rows}
+    text = summarise(lm_frontier.SPEC, result)
+    row = next(line for line in text.splitlines() if line.startswith("| 8x | CoMERA"))
+    assert "3.5500 ± 0.0707" in row and "| - |" in row and "nan%" not in text
+    assert "uniform TT rank 7): blocks.0.ffn_in: [4, 9]" in text
