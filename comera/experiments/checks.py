@@ -13,7 +13,6 @@ import torch
 import comera
 from comera import ConfigError
 from comera.experiments.task import Task, build_task_model
-from comera.ranks.allocate import check_chains
 from comera.ranks.objective import floor_size
 
 __all__ = ["MAX_INT", "ON_NONFINITE", "PRECISIONS", "STAGES", "check_device", "check_int",
@@ -95,8 +94,7 @@ def check_settings(config: Any, tt: bool = True, world_size: int = 1) -> None:
 def check_task(task: Task, config: Any, tt: bool = True) -> None:
     """Refuse, before any training, settings that ``task`` cannot meet: a batch larger than its
     training split, or (``tt`` with a late stage) a ``target_compression`` beyond what its TT
-    layers reach with every rank at 1, or a spectrum late stage on layers that are not
-    tensor-train chains. Builds the TT model once to measure it; the RNG states
+    layers reach with every rank at 1. Builds the TT model once to measure it; the RNG states
     are left as they were."""
     size = task.train_size()
     if config.batch_size > size:
@@ -107,8 +105,6 @@ def check_task(task: Task, config: Any, tt: bool = True) -> None:
     with torch.random.fork_rng(devices=[]):
         model = build_task_model(task, config.model_format(True))
     dense = comera.dense_size(model, only=comera.GatedLayer)
-    if config.late_allocation == "spectrum":  # the shape is read from chains' spectra
-        check_chains(comera.gated_layers(model))
     non_tt = comera.model_size(model) - comera.model_size(model, only=comera.GatedLayer)
     floor = max(1, floor_size(model, 1) - non_tt)  # the TT layers with every rank at 1
     if config.target_compression > dense / floor:

@@ -70,6 +70,7 @@ from comera.experiments.schedule import OPTIMIZERS, SCHEDULES, base_rates, lr_fa
 from comera.experiments.task import IndexStream, Task, build_task_model
 from comera.formats.registry import DENSE, check_layer_format
 from comera.layers.linear import check_memory
+from comera.ranks.allocate import check_chain_format
 from comera.ranks.objective import ALLOCATIONS, REGULARIZERS
 from comera.training.early import EarlyStage
 from comera.training.trainers import pick_threads
@@ -162,12 +163,11 @@ class EngineConfig:
         if self.early_target is not None:
             check_number("early_target", self.early_target, "a compression against dense is a "
                           "finite number > 1 (or None)", low=1.0, positive=True)
-        if not (isinstance(self.early_landing, int | float) and not isinstance(
-                self.early_landing, bool) and 0 < self.early_landing <= 1):
-            raise ConfigError(f"early_landing={self.early_landing!r}; give a fraction in (0, 1].")
-        if not (isinstance(self.late_landing, int | float) and not isinstance(
-                self.late_landing, bool) and 0 < self.late_landing <= 1):
-            raise ConfigError(f"late_landing={self.late_landing!r}; give a fraction in (0, 1].")
+        for name in ("early_landing", "late_landing"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and not isinstance(value, bool)
+                    and 0 < value <= 1):
+                raise ConfigError(f"{name}={value!r}; give a fraction in (0, 1].")
         if self.late_target_loss is not None:
             check_number("late_target_loss", self.late_target_loss, "a loss target is a finite "
                           "number >= 0 (or None: from the early stage)")
@@ -192,6 +192,11 @@ class EngineConfig:
                               "False, variant dense); give the CoMERA run a registered format, "
                               "e.g. 'tt'.")
         check_layer_format(self.format)
+        if self.late_allocation == "spectrum":  # the shape is read from chains' spectra
+            try:
+                check_chain_format(self.format)
+            except ConfigError as exc:
+                raise ConfigError(f"late_allocation='spectrum' with {exc}") from None
 
     def model_format(self, tt: bool) -> str:
         """The layer kind a run builds: ``format`` for a CoMERA run, ``"dense"`` otherwise."""

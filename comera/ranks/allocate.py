@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
+from comera.formats.registry import get_format
 from comera.layers.linear import GatedLayer, GatedLinear
 from comera.ranks.budget import largest_rank
 from comera.ranks.size import gated_layers, model_size
@@ -68,17 +69,28 @@ def _inner(layer: GatedLayer) -> list[int]:
     return [math.prod(c.shape[1:-1]) for c in layer.cores]
 
 
+_CHAINS_ONLY = ("spectrum allocation needs tensor-train chains (tt, ttm) with an exact "
+                "rounding. Use allocation=\"prune\" (LateStage(allocation=\"prune\"), the "
+                "default), which works for every format.")
+
+
 def check_chains(layers) -> None:
     """Spectrum allocation reads a chain's bond spectra and rounds it exactly: every layer must
     be a chain (TT, TT-matrix) whose format rounds, else a :class:`ConfigError` naming the
     first other layer and the fix."""
     for name, layer in layers:
         if not (layer.layout.is_chain and rounds_exactly(layer)):
-            raise ConfigError(
-                f"layer {name or '<model>'} is in the {layer.format.name!r} format; spectrum "
-                "allocation needs tensor-train chains (tt, ttm) with an exact rounding. Use "
-                "allocation=\"prune\" (LateStage(allocation=\"prune\"), the default), which "
-                "works for every format.")
+            raise ConfigError(f"layer {name or '<model>'} is in the {layer.format.name!r} "
+                              f"format; {_CHAINS_ONLY}")
+
+
+def check_chain_format(name: str, what: str = "format") -> None:
+    """:func:`check_chains` for the layers a registered format ``name`` builds from modes, read
+    from the format before any is built (its layout at small modes and rank 2)."""
+    fmt = get_format(name)
+    modes = (2, 2) if fmt.uses_modes else (4,)
+    if not (fmt.layout(modes, modes, 2).is_chain and rounds_exactly(fmt)):
+        raise ConfigError(f"{what}={name!r}: {_CHAINS_ONLY}")
 
 
 def layer_size(layer: GatedLayer, ranks) -> int:

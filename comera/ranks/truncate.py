@@ -137,9 +137,11 @@ def rebuild_stacks(model: nn.Module) -> None:
             module.build_compiled()
 
 
-def rounds_exactly(layer: GatedLayer) -> bool:
-    """True when ``layer``'s format has an exact rounding (:meth:`Format.round`)."""
-    return type(layer.format).round is not Format.round
+def rounds_exactly(layer: GatedLayer | Format) -> bool:
+    """True when ``layer``'s format (or the format given) has an exact rounding
+    (:meth:`Format.round`)."""
+    fmt = layer if isinstance(layer, Format) else layer.format
+    return type(fmt).round is not Format.round
 
 
 def rounded_bond_ranks(layer: GatedLayer) -> tuple[int, ...]:

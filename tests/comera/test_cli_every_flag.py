@@ -160,6 +160,7 @@ def test_a_bad_value_exits_2_with_one_line_before_any_work(tmp_path, capsys, no_
     (["--lam", "inf"], "lam=inf"), (["--lam", "-1"], "lam=-1"), (["--lam", "nan"], "lam=nan"),
     (["--seed", "100000000000000000000000"], "seed=100000000000000000000000"),
     (["--fsdp"], "fsdp=True with 1 worker"),  # FSDP shards over 2 or more workers
+    (["--late-allocation", "spectrum", "--format", "tucker"], "tensor-train chains"),
 ])
 def test_the_issue_reproductions_exit_2_up_front(tmp_path, capsys, no_work, args, needle):
     code = main(["train", "dlrm", "--quick", "--variants", "dense,comera", "--out",

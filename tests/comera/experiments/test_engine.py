@@ -272,7 +272,6 @@ class _CountingTask(ToyTask):
     ({"device": "tpu"}, "tpu"),
     ({"device": "cuda:7"} if torch.cuda.is_available() else {"device": "cuda"}, "cuda"),
     ({"steps_early": 0, "steps_late": 0, "stage": "both"}, "nothing would be trained"),
-    ({"format": "tucker", "late_allocation": "spectrum"}, "tensor-train chains"),
 ])
 def test_run_experiment_checks_settings_before_any_training(tmp_path, changes, match):
     _CountingTask.served = 0
@@ -373,6 +372,9 @@ def test_engine_config_rejects_bad_values():
     for landing in (0, 1.5, True):
         with pytest.raises(comera.ConfigError, match="late_landing"):
             EngineConfig(late_landing=landing)
+    with pytest.raises(comera.ConfigError, match=r"late_allocation='spectrum' with "
+                                                 r"format='tucker'.*tensor-train chains"):
+        EngineConfig(format="tucker", late_allocation="spectrum")
 
 
 def test_an_early_stage_size_target_stops_pruning_there(tmp_path):

@@ -11,11 +11,14 @@ from torch import nn
 
 import comera
 from comera import LateStage, TTLinear
+from comera.formats.registry import DENSE, get_format, layer_formats
 from comera.ranks.allocate import (
     RankOneWarning,
     allocate,
     allocate_,
     bond_spectra,
+    check_chain_format,
+    check_chains,
     layer_size,
     rebuild_at_,
     uniform_ranks,
@@ -178,3 +181,22 @@ def test_from_ratio_allocation_leaves_no_wasted_bond_and_no_rank_one_layer():
     assert allocation.size >= 0.9 * stage.target_size
     assert all(not excess_bonds(m) for m in (model[0], model[2]))
     assert all(min(m.ranks[1:-1]) >= allocation.uniform_rank for m in (model[0], model[2]))
+
+
+@pytest.mark.parametrize("fmt", [f for f in layer_formats() if f != DENSE])
+def test_the_format_level_check_agrees_with_the_layers_it_builds(fmt):
+    """check_chain_format (before any model) refuses exactly the formats whose layers
+    check_chains refuses."""
+    modes = {"in_modes": (4, 4), "out_modes": (4, 4)} if get_format(fmt).uses_modes else {}
+    layer = comera.GatedLinear(16, 16, format=fmt, ranks=2, **modes)
+    try:
+        check_chains([("x", layer)])
+        chain = True
+    except comera.ConfigError:
+        chain = False
+    if chain:
+        check_chain_format(fmt)
+    else:
+        with pytest.raises(comera.ConfigError, match="tensor-train chains"):
+            check_chain_format(fmt)
+    assert chain == (fmt in ("tt", "ttm"))
