@@ -49,7 +49,7 @@ from comera.training.trainers import (
     make_optimizer,
     param_groups,
 )
-from comera.training.update_sizes import UpdateSizeLog, UpdateSizes, update_sizes
+from comera.training.relative_updates import UpdateSizeLog, UpdateSizes, update_sizes
 
 __all__ = [
     "BoolMaskDropout",

@@ -78,7 +78,7 @@ def cache_info() -> dict:
 
 def model_for(device: torch.device | str) -> DeviceModel:
     """The calibrated model of ``device`` if one was measured, else a default."""
-    from tncomp.runtime.calibrate import load_calibration
+    from tncomp.runtime.device_timing import load_calibration
 
     device = torch.device(device)
     measured = load_calibration(device)
@@ -229,7 +229,7 @@ class CompiledNetwork:
         else :data:`MEMORY_FRACTION` of the device's memory (None when unknown: no limit)."""
         if self.options.memory_limit is not None:
             return self.options.memory_limit
-        from tncomp.runtime.calibrate import device_memory
+        from tncomp.runtime.device_timing import device_memory
 
         total = device_memory(device)
         return None if total is None else int(MEMORY_FRACTION * total)
@@ -321,7 +321,7 @@ def _settings(optimize: str = "auto", autotune: bool = False, cuda_graphs: bool 
     if model is not None and not isinstance(model, DeviceModel):
         raise OptionError(
             f"model={model!r} ({type(model).__name__}); pass a tncomp.DeviceModel (e.g. "
-            "tncomp.runtime.calibrate.calibrate('cuda')) or None for the device's calibrated "
+            "tncomp.runtime.device_timing.calibrate('cuda')) or None for the device's calibrated "
             "default."
         )
     memory = check_memory(memory)

@@ -273,7 +273,7 @@ def _cmd_cache(args) -> int:
 
 
 def _cmd_calibrate(args) -> int:
-    from tncomp.runtime.calibrate import calibrate
+    from tncomp.runtime.device_timing import calibrate
 
     model = calibrate(_device(args.device), shapes=args.shapes)
     table = (f", GEMM rates over {len(model.gemm_rates)} shapes from "

@@ -19,7 +19,7 @@ warm-up; memory: ``torch.cuda.max_memory_allocated`` during one call (the operan
 Then the formats whose CPU plans issue 32 rebuilt (Tucker, BTT; TT beside them) at the formats
 benchmark's 768x3072 layer, ~50x fewer parameters, 4,096 rows, fp32: tncomp eager, tncomp with
 CUDA graphs, dense. Every tncomp case also records its plan's roofline floor under the device's
-calibrated model (``tncomp.runtime.calibrate.calibrate``, measured at the start of the part:
+calibrated model (``tncomp.runtime.device_timing.calibrate``, measured at the start of the part:
 each step's FLOPs at the square-GEMM rate or its bytes at the copy bandwidth, whichever is
 slower) and its permute-copy bytes.
 """
@@ -43,7 +43,7 @@ from benchmarks.gpu.common import (
     time_ms,
 )
 from benchmarks.lib.baselines import dense_linear, hand_derived_comera, make_cores
-from tncomp.runtime.calibrate import calibrate
+from tncomp.runtime.device_timing import calibrate
 
 CASES = (  # (label, in_modes, out_modes, max rank, rows)
     ("768x3072 r30", (12, 8, 8), (12, 16, 16), 30, (128, 4096)),

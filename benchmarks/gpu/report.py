@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib.harness import markdown_table
+from benchmarks.lib.measure import markdown_table
 
 FILES = {"tests": "gpu_tests_cuda", "layer": "tt_layer_cuda", "step": "transformer_step_cuda",
          "dlrm": "dlrm_step_cuda"}

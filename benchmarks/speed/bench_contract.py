@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 import tncomp
-from benchmarks.lib.harness import (
+from benchmarks.lib.measure import (
     markdown_table,
     num_threads,
     publish,

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 import comera
-from benchmarks.lib.harness import (
+from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
     num_threads,

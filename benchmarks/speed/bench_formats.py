@@ -35,7 +35,7 @@ import torch
 
 import tncomp
 from benchmarks.lib.baselines import dense_linear
-from benchmarks.lib.harness import (
+from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
     peak_allocated_bytes,
@@ -50,7 +50,7 @@ from comera.formats.layout import Layout
 from comera.formats.registry import Format, format_names, get_format
 from comera.layers.linear import GatedLinear
 from comera.ranks.budget import largest_rank, layout_size
-from tncomp.runtime.calibrate import calibrate
+from tncomp.runtime.device_timing import calibrate
 from tncomp.runtime.profile import measure_plan
 
 IN_MODES, OUT_MODES = (12, 8, 8), (12, 16, 16)  # 768 x 3072, as in bench_tt_linear

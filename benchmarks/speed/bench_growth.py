@@ -51,7 +51,7 @@ from torch import nn
 
 import comera
 import tncomp
-from benchmarks.lib.harness import (
+from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
     num_threads,

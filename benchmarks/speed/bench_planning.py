@@ -23,7 +23,7 @@ import time
 import torch
 
 import tncomp
-from benchmarks.lib.harness import markdown_table, publish, run_fresh
+from benchmarks.lib.measure import markdown_table, publish, run_fresh
 from comera.experiments.results import machine
 
 KINDS = ("tt_linear", "ttm_linear")

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import comera
-from benchmarks.lib.harness import (
+from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
     publish,
@@ -75,7 +75,7 @@ def variants(dense: nn.Module, tt: nn.Module, batch: tuple, backend: str) -> dic
 
 def time_case(steps: dict[str, Callable[[], float]], repeats: int, warmup: int) -> dict:
     """First-call seconds (planning, compiling), then ``repeats`` interleaved timed steps after
-    ``warmup`` more (:func:`~benchmarks.lib.harness.interleaved_times`)."""
+    ``warmup`` more (:func:`~benchmarks.lib.measure.interleaved_times`)."""
     first = {}
     for name, step in steps.items():
         start = time.perf_counter()

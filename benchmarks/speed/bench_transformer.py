@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import comera
-from benchmarks.lib.harness import (
+from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
     measure_step_memory,

@@ -37,7 +37,7 @@ from benchmarks.lib.baselines import (
     opt_einsum_optimal,
     tensorly_torch_tt,
 )
-from benchmarks.lib.harness import (
+from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
     peak_allocated_bytes,
@@ -48,7 +48,7 @@ from benchmarks.lib.harness import (
     square_rate_model,
 )
 from comera.experiments.results import machine
-from tncomp.runtime.calibrate import calibrate
+from tncomp.runtime.device_timing import calibrate
 
 CASES = [  # (label, in_modes, out_modes, max rank)
     ("768x3072 d=3", (12, 8, 8), (12, 16, 16), 30),

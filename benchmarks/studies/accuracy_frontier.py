@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 import comera
-from benchmarks.lib.harness import RESULTS
+from benchmarks.lib.measure import RESULTS
 from benchmarks.studies.harness.methods import Study
 from benchmarks.studies.harness.results import mean_sd
 from benchmarks.studies.harness.reviews import SmallReviews, training_args

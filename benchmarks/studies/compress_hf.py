@@ -46,7 +46,7 @@ from benchmarks.studies.harness.trained import (
 )
 from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.results import machine
-from comera.surgery.calibration import gram_bytes
+from comera.surgery.input_statistics import gram_bytes
 
 
 class Logits(nn.Module):

@@ -261,11 +261,11 @@ def cmd_starts(args) -> int:
     """Per format, the mean relative output error of the pretrained model's block linear layers
     (on one calibration set, at the uniform rank of ``--target``) for each start of the
     calibrated decomposition and after the refit: the measurement behind
-    :mod:`comera.formats.calibrated`'s choices."""
-    from comera.formats.calibrated import damped, kronecker_start, output_error, refit
+    :mod:`comera.formats.whitened`'s choices."""
+    from comera.formats.whitened import damped, kronecker_start, output_error, refit
     from comera.formats.registry import get_format
     from comera.formats.tt import split_whitened
-    from comera.surgery.calibration import collect_input_stats
+    from comera.surgery.input_statistics import collect_input_stats
 
     task = make_task(args.task, args.smoke, args.root)
     spec = Pretrain(args.task, args.steps, args.batch, args.lr, args.warmup, 0, args.eval_every,

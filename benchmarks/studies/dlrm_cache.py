@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.lib.harness import RESULTS
+from benchmarks.lib.measure import RESULTS
 from benchmarks.studies.harness.runs import curves, train
 from comera.experiments.dlrm_task import DLRMTask, DLRMTaskConfig
 from comera.experiments.registry import EXPERIMENTS

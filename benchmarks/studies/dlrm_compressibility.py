@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.lib.harness import RESULTS
+from benchmarks.lib.measure import RESULTS
 from comera.experiments.dlrm_task import DLRMTask, DLRMTaskConfig
 from comera.formats.factorize import factorize
 from comera.formats.ttsvd import matrix_to_ttm, ttm_to_matrix

@@ -30,7 +30,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.lib.harness import RESULTS, markdown_table
+from benchmarks.lib.measure import RESULTS, markdown_table
 from benchmarks.studies.harness.methods import Study
 from benchmarks.studies.harness.reviews import SmallReviews, training_args
 from comera.data.stdlib_pairs import PairDataset

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 import comera
-from benchmarks.lib.harness import RESULTS
+from benchmarks.lib.measure import RESULTS
 from benchmarks.studies.harness.results import mean_sd
 from benchmarks.studies.harness.runs import row, train
 from comera.errors import ConfigError, TrainingStopped

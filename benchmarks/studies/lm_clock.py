@@ -7,7 +7,7 @@ side by side in one process: the clock the frontier's wall-clock curves are draw
 The causal LM of ``benchmarks/studies/lm_frontier.py`` (d_model ``--d-model``, FFN 4x, two
 blocks, 64 tokens, batch 16): dense, and per target the narrower dense model of the same size
 and every format at its largest uniform rank (the frontier's methods, built by its harness).
-Each model takes its steps round-robin with the others (:func:`benchmarks.lib.harness.
+Each model takes its steps round-robin with the others (:func:`benchmarks.lib.measure.
 interleaved_times`), on the frontier's batches; the table gives the median step and its ratio
 to dense with the spread of the per-round ratios. A training run's own clock is only as quiet as
 the machine it ran on; this one is measured in one process on a quiet machine, and the
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.lib.harness import (
+from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
     publish,

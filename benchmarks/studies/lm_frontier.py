@@ -15,7 +15,7 @@ The metric is the validation loss (perplexity); the test loss is reported beside
 
 from __future__ import annotations
 
-from benchmarks.lib.harness import RESULTS
+from benchmarks.lib.measure import RESULTS
 from benchmarks.studies.harness.frontier import Spec, task_config
 from benchmarks.studies.harness.frontier import main as frontier_main
 from comera.experiments.lm_task import LMTask, LMTaskConfig

@@ -13,7 +13,7 @@ reported beside (and chooses each method's learning rate from ``--lrs``).
 
 from __future__ import annotations
 
-from benchmarks.lib.harness import RESULTS
+from benchmarks.lib.measure import RESULTS
 from benchmarks.studies.harness.frontier import Spec, task_config
 from benchmarks.studies.harness.frontier import main as frontier_main
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig

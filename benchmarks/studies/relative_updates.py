@@ -1,7 +1,7 @@
 r"""How far each core of each format moves per optimizer step, next to the dense weight
 (issue 30): the diagnostic behind the balanced parametrization.
 
-    python -m benchmarks.studies.update_sizes --d-model 256 --target 8 --steps 100 --every 10
+    python -m benchmarks.studies.relative_updates --d-model 256 --target 8 --steps 100 --every 10
 
 The causal LM of the frontier (``benchmarks/studies/lm_frontier.py``): every block linear layer
 in one format at the largest uniform rank within ``--target``, built with each parametrization
@@ -13,7 +13,7 @@ plain AdamW at ``--lr`` (warm-up, then constant). :class:`comera.UpdateSizeLog` 
 (the median over the block layers and the measured steps), the spread between a format's
 fastest and slowest core (``imbalance``), and the weight's relative update next to dense's.
 
-Writes ``benchmarks/results/update_sizes/update_sizes.{json,md,png}``.
+Writes ``benchmarks/results/relative_updates/relative_updates.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import comera
-from benchmarks.lib.harness import RESULTS
+from benchmarks.lib.measure import RESULTS
 from benchmarks.studies.harness.methods import Study
 from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
             print(f"{fmt} {par}: imbalance {rows[-1]['imbalance']:.2f}, W "
                   f"{rows[-1]['weight']:.2e}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks.studies.update_sizes " + " ".join(
+    command = "python -m benchmarks.studies.relative_updates " + " ".join(
         sys.argv[1:] if argv is None else argv)
     payload = {"command": command, "machine": machine(), "settings": {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows}

@@ -16,7 +16,7 @@ A resumed run restores model (at its truncated ranks), optimizer, trainer stage,
 and history, and then sees exactly the batches it would have seen: it ends with the same
 parameters as an uninterrupted run. The checks of the settings live in
 :mod:`comera.experiments.checks`, the optimizer and schedule in
-:mod:`comera.experiments.schedule`.
+:mod:`comera.experiments.optim_schedule`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from comera.experiments.distributed import (
     save_run_checkpoint,
 )
 from comera.experiments.rundir import hold_run_directory
-from comera.experiments.schedule import OPTIMIZERS, SCHEDULES, base_rates, lr_factor, run_optimizer
+from comera.experiments.optim_schedule import OPTIMIZERS, SCHEDULES, base_rates, lr_factor, run_optimizer
 from comera.experiments.task import IndexStream, Task, build_task_model
 from comera.formats.registry import DENSE, check_layer_format
 from comera.layers.linear import check_memory
@@ -117,7 +117,7 @@ class EngineConfig:
     # the CoMERA run's layer kind: a registered format ("tt", "tucker", ...; the dense run is
     # the other variant), from the CLI through Task.build_model to the layers
     format: str = "tt"
-    # the optimizer and the rate after the warm-up (comera.experiments.schedule): "groups"
+    # the optimizer and the rate after the warm-up (comera.experiments.optim_schedule): "groups"
     # (named AdamW groups) or "adamw" (AdamW over model.parameters()); "constant" or "cosine"
     optimizer: str = "groups"
     schedule: str = "constant"

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from comera.errors import ConfigError
-from comera.formats.calibrated import calibrated_decomposition
+from comera.formats.whitened import calibrated_decomposition
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 
@@ -91,7 +91,7 @@ class BlockTT(Format):
     def decompose(self, weight: Tensor, layout: Layout,
                   gram: Tensor | None = None) -> list[Tensor]:
         """The block SVD at the layout's bond sizes (smaller where the blocks are); with
-        ``gram``, refitted to the output error (:mod:`comera.formats.calibrated`: an input mode
+        ``gram``, refitted to the output error (:mod:`comera.formats.whitened`: an input mode
         sits on several cores, so no whitening folds in)."""
         if gram is not None:
             return calibrated_decomposition(self, weight, layout, gram)

@@ -17,7 +17,7 @@ from torch import Tensor
 import tncomp
 from comera.errors import tncomp_errors_as_config
 from comera.formats.bond_ranks import resolve_bond_ranks
-from comera.formats.calibrated import calibrated_decomposition, whitened_weight
+from comera.formats.whitened import calibrated_decomposition, whitened_weight
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 
@@ -43,7 +43,7 @@ class LowRank(Format):
     def decompose(self, weight: Tensor, layout: Layout,
                   gram: Tensor | None = None) -> list[Tensor]:
         """Truncated SVD; with ``gram``, of the whitened weight (SVD-LLM: optimal in the
-        output error, :mod:`comera.formats.calibrated`)."""
+        output error, :mod:`comera.formats.whitened`)."""
         if gram is not None:
             return calibrated_decomposition(self, weight, layout, gram)
         with torch.no_grad():

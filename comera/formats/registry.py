@@ -70,7 +70,7 @@ class Format:
         has no closed form (the layer keeps its random initialisation). ``gram``: the layer's
         input second moments ``X^T X / n`` (in x in, damped); given, the cores minimise the
         error of the layer's output on those inputs instead of the weight's (formats with
-        ``calibrates``; :mod:`comera.formats.calibrated`)."""
+        ``calibrates``; :mod:`comera.formats.whitened`)."""
         return None
 
     def spectra(self, weight: Tensor, layout: Layout,

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from comera.errors import ConfigError
-from comera.formats.calibrated import calibrated_decomposition
+from comera.formats.whitened import calibrated_decomposition
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 from comera.formats.tt import round_chain
@@ -84,7 +84,7 @@ class TensorRing(Format):
     def decompose(self, weight: Tensor, layout: Layout,
                   gram: Tensor | None = None) -> list[Tensor]:
         """TR-SVD at the layout's ranks (smaller where the weight's unfoldings are); with
-        ``gram``, calibrated (:mod:`comera.formats.calibrated`)."""
+        ``gram``, calibrated (:mod:`comera.formats.whitened`)."""
         if gram is not None:
             return calibrated_decomposition(self, weight, layout, gram)
         modes = (*layout.in_modes, *layout.out_modes)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 import tncomp
 from comera.errors import ConfigError, tncomp_errors_as_config
-from comera.formats.calibrated import (
+from comera.formats.whitened import (
     calibrated_decomposition,
     check_gram,
     unfolding_spectra,

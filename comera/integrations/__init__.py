@@ -8,6 +8,6 @@ Importing this package imports none of these libraries.
 """
 
 from comera.integrations.bonds import follow_saved_bonds_
-from comera.integrations.schedule import StageSchedule
+from comera.integrations.stage_callback import StageSchedule
 
 __all__ = ["StageSchedule", "follow_saved_bonds_"]

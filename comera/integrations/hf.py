@@ -7,7 +7,7 @@
     trainer.save_model("out/tt-model")                     # comera.from_pretrained reads it
 
 The callback drives a :class:`~comera.training.controller.RankController` (see
-:mod:`comera.integrations.schedule`): the early stage's ``lam * R`` (and the late stage's size
+:mod:`comera.integrations.stage_callback`): the early stage's ``lam * R`` (and the late stage's size
 term) reach the gradients just before each optimizer step, after ``late_start`` steps the pruned
 ranks are truncated with the optimizer state and the late stage lands on the compression target
 within ``late_steps``. ``Trainer`` logs its plain loss; the callback adds ``objective``, ``size``,
@@ -38,7 +38,7 @@ from typing import Any
 
 from comera.errors import ConfigError
 from comera.integrations.bonds import SENTINEL, follow_saved_bonds_
-from comera.integrations.schedule import StageCallback, has_tt_layers
+from comera.integrations.stage_callback import StageCallback, has_tt_layers
 from comera.ranks.size import gated_layers
 from comera.surgery.pretrained import save_pretrained
 from comera.torchfile import read_torch_file, write_torch_file
@@ -56,7 +56,7 @@ __all__ = ["CoMERACallback", "ComeraSavePretrained", "mark_checkpoint", "saves_c
 
 class CoMERACallback(StageCallback, TrainerCallback, ExportableState):
     """Rank-adaptive training in ``transformers.Trainer``; the arguments are those of
-    :class:`~comera.integrations.schedule.StageSchedule`."""
+    :class:`~comera.integrations.stage_callback.StageSchedule`."""
 
     controller_state: dict[str, Any] | None = None  # set by Trainer when it restores callbacks
     _hooks: tuple[Any, ...] = ()

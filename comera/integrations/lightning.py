@@ -4,7 +4,7 @@
     callback = CoMERACallback(target_compression=10, late_start=300)
     lightning.Trainer(max_steps=600, callbacks=[callback]).fit(module, data)
 
-The same schedule as :mod:`comera.integrations.hf` (see :mod:`comera.integrations.schedule`):
+The same schedule as :mod:`comera.integrations.hf` (see :mod:`comera.integrations.stage_callback`):
 the penalty reaches the gradients in ``on_before_optimizer_step`` (after gradient accumulation,
 before clipping), the controller's bookkeeping runs after each optimizer step, and the late
 stage truncates (with the optimizer state) and lands on the compression target. The module logs
@@ -27,7 +27,7 @@ from typing import Any
 
 from comera.errors import ConfigError
 from comera.integrations.bonds import follow_saved_bonds_
-from comera.integrations.schedule import StageCallback, has_tt_layers
+from comera.integrations.stage_callback import StageCallback, has_tt_layers
 
 try:
     import lightning.pytorch as pl
@@ -57,7 +57,7 @@ def _total_steps(trainer: Any) -> int | None:
 
 class CoMERACallback(StageCallback, pl.Callback):
     """Rank-adaptive training in ``lightning.Trainer``; the arguments are those of
-    :class:`~comera.integrations.schedule.StageSchedule`."""
+    :class:`~comera.integrations.stage_callback.StageSchedule`."""
 
     _saved: dict[str, Any] | None = None  # a checkpoint's state, until training starts
 

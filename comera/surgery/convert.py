@@ -13,7 +13,7 @@ A layer whose weight is tied to another module (GPT-2's ``lm_head`` shares ``wte
 left dense and listed in the report as skipped: converting it would silently untie the two.
 
 ``calibration=batches`` (any iterable of model inputs) first streams every converted layer's
-input statistics (:mod:`comera.surgery.calibration`), and the linear layers are decomposed to
+input statistics (:mod:`comera.surgery.input_statistics`), and the linear layers are decomposed to
 minimise the error of their outputs on those inputs; ``ConvertConfig(allocation="global")``
 spends one size budget across all the linear layers (:mod:`comera.surgery.decompose`). Every
 refusal (bad config, empty calibration, batches the model rejects, a budget no allocation can
@@ -32,7 +32,7 @@ from torch import nn
 from comera.errors import ConfigError, ConversionError
 from comera.formats.registry import get_format
 from comera.layers.linear import check_finite_weight
-from comera.surgery.calibration import InputStats, collect_input_stats
+from comera.surgery.input_statistics import InputStats, collect_input_stats
 from comera.surgery.config import ConvertConfig
 from comera.surgery.converters import (
     CONVERTERS,

@@ -6,7 +6,7 @@ decomposition. When ``convert_`` has input statistics (``calibration=``) or a gl
 this pass re-decomposes each linear part from the dense weight it was made from: the bond sizes
 come from :func:`comera.ranks.global_budget.allocate_budget` over every part's (whitened) bond
 spectra (``allocation="global"``) or stay the layer's own, and the cores from the format's
-calibrated decomposition (:mod:`comera.formats.calibrated`) where the part has statistics and
+calibrated decomposition (:mod:`comera.formats.whitened`) where the part has statistics and
 the format calibrates, else its plain one. Nothing here touches the model: ``convert_`` swaps
 the layers in only after this pass has succeeded, so a budget no allocation can meet leaves the
 model as it was.
@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 
 from comera.errors import ConfigError
-from comera.formats.calibrated import damped, output_error
+from comera.formats.whitened import damped, output_error
 from comera.formats.registry import Format, format_names, get_format
 from comera.layers.linear import load_cores_
 from comera.ranks.global_budget import BudgetAllocation, LayerSpectra, allocate_budget
-from comera.surgery.calibration import InputStats
+from comera.surgery.input_statistics import InputStats
 from comera.surgery.config import ConvertConfig
 from comera.surgery.converters import Part
 

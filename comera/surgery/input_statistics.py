@@ -3,7 +3,7 @@
 ``convert_(model, config, calibration=batches)`` runs the model (eval mode, no gradients) on each
 batch with forward hooks on the modules it is about to convert, and accumulates per layer
 ``X^T X`` and the row count ``n`` in float64 (each batch's product in float32, or float64 for
-float64 inputs), so a calibrated decomposition (:mod:`comera.formats.calibrated`) minimises
+float64 inputs), so a calibrated decomposition (:mod:`comera.formats.whitened`) minimises
 the error of the layer's output on those inputs.
 Memory is independent of the number of batches: ``in_features^2 * 8`` bytes per layer (a
 768-wide layer: 4.5 MiB; 3072-wide: 72 MiB), plus one batch's activations.
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from comera.errors import ConfigError
 from comera.surgery.converters import IN_PARTS
 
-log = logging.getLogger("comera.surgery.calibration")
+log = logging.getLogger("comera.surgery.input_statistics")
 
 __all__ = ["InputStats", "check_batches", "collect_input_stats", "gram_bytes"]
 

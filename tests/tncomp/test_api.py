@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import tncomp
-import tncomp.runtime.calibrate
+import tncomp.runtime.device_timing
 from tests.helpers import ROOT
 from tncomp import DeviceModel
 from tncomp.errors import CacheError, OperandError, OptionError, TncompError
-from tncomp.runtime.calibrate import calibration_path, load_calibration, save_calibration
+from tncomp.runtime.device_timing import calibration_path, load_calibration, save_calibration
 
 F64 = torch.float64
 # Two models at the extremes: only FLOPs cost time, or only bytes moved do.
@@ -172,7 +172,7 @@ def test_a_failed_calibration_write_keeps_the_old_file(cache_dir, monkeypatch):
     def broken_replace(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tncomp.runtime.calibrate.os, "replace", broken_replace)
+    monkeypatch.setattr(tncomp.runtime.device_timing.os, "replace", broken_replace)
     with pytest.raises(CacheError, match=r"could not save the calibration to .*calibration-cpu"
                                          r"\.json.*No space left.*TNCOMP_CACHE_DIR") as info:
         save_calibration(DeviceModel(2e11, 2e10, 6e-6, "new"), "cpu")
@@ -226,7 +226,7 @@ def test_readers_never_see_a_half_written_calibration(cache_dir):
 def test_a_malformed_calibration_is_ignored_with_a_warning(cache_dir, content, caplog):
     cache_dir.mkdir()
     (cache_dir / "calibration-cpu.json").write_text(content)
-    with caplog.at_level(logging.WARNING, logger="tncomp.runtime.calibrate"):
+    with caplog.at_level(logging.WARNING, logger="tncomp.runtime.device_timing"):
         assert load_calibration("cpu") is None
     assert "ignoring calibration" in caplog.text
     assert tncomp.api.model_for("cpu") == tncomp.compiler.device_model.CPU_DEFAULT

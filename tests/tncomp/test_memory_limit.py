@@ -77,7 +77,7 @@ def test_the_environment_sets_the_limit_and_the_option_overrides_it(monkeypatch)
 
 def test_the_default_limit_is_half_the_device_memory():
     compiled = tncomp.compile(regular(6), disk_cache=False)
-    from tncomp.runtime.calibrate import device_memory
+    from tncomp.runtime.device_timing import device_memory
 
     total = device_memory("cpu")
     assert total is not None and compiled.memory_limit("cpu") == total // 2

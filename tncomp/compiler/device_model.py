@@ -5,7 +5,7 @@ costs dispatch time. Plans are scored by ``sum(max(flops / rate, bytes / bandwid
 a permute copy's bandwidth slowed by how it reads (a transpose, or a gather of short runs: no
 CPU copy of those runs near a plain copy's speed). The *floor* of a step is its roofline:
 ``max(flops / rate, bytes / bandwidth)``, the rate of its GEMM shape when the model has a table,
-with no overhead and no slowdown. ``tncomp.runtime.calibrate`` measures the numbers.
+with no overhead and no slowdown. ``tncomp.runtime.device_timing`` measures the numbers.
 
 The GEMM rate depends on the shape: a thin GEMM (an inner or outer size of 8-64, the TT rank)
 runs far below the rate of a large square one (measured on a 2-core AVX2 CPU: 2048^3 at 60-85

@@ -22,7 +22,7 @@ import torch
 
 from tncomp.compiler.ops import MatMul, MatView
 from tncomp.compiler.plan import Plan
-from tncomp.runtime.calibrate import median_time
+from tncomp.runtime.device_timing import median_time
 from tncomp.runtime.codegen import generate, runs_transposed
 
 REPEATS = 5

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os  # (tests/test_api.py also patches tncomp.runtime.calibrate.os.replace)
+import os  # (tests/test_api.py also patches tncomp.runtime.device_timing.os.replace)
 import time
 from collections.abc import Callable
 from dataclasses import asdict, fields
@@ -30,7 +30,7 @@ from tncomp.compiler.device_model import DeviceModel
 from tncomp.errors import CacheError
 from tncomp.files import atomic_write_bytes
 
-log = logging.getLogger("tncomp.runtime.calibrate")
+log = logging.getLogger("tncomp.runtime.device_timing")
 
 _RATES = ("gemm_flops_per_s", "bytes_per_s", "step_overhead_s")
 _TABLE = ("gemm_dims", "gemm_rates")

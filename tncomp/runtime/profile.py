@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from tncomp.compiler.plan import Measured, Plan
-from tncomp.runtime.calibrate import median_time
+from tncomp.runtime.device_timing import median_time
 from tncomp.runtime.codegen import generate
 
 REPEATS = 7

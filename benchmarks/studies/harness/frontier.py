@@ -45,7 +45,7 @@ from benchmarks.studies.harness.results import (
     plot_points,
 )
 from comera.experiments.engine import EngineConfig
-from comera.experiments.schedule import OPTIMIZERS, SCHEDULES
+from comera.experiments.optim_schedule import OPTIMIZERS, SCHEDULES
 from comera.formats.registry import get_format
 from comera.ranks.allocate import FLOORS
 from comera.ranks.objective import ALLOCATIONS

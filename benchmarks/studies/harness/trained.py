@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 import comera
-from benchmarks.lib.harness import RESULTS
+from benchmarks.lib.measure import RESULTS
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 from comera.experiments.task import Task

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.lib.harness import interleaved_times, ratio_spread, spread_text
+from benchmarks.lib.measure import interleaved_times, ratio_spread, spread_text
 from comera.errors import ConfigError
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import comera
-from benchmarks.lib.harness import num_threads
+from benchmarks.lib.measure import num_threads
 from benchmarks.speed.bench_dlrm import (
     BenchConfig,
     build_variant,

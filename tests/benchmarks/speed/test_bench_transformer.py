@@ -17,7 +17,7 @@ import torch
 
 import comera
 from benchmarks.lib.baselines import tt_to_dense
-from benchmarks.lib.harness import num_threads, resident_bytes, write_results_to
+from benchmarks.lib.measure import num_threads, resident_bytes, write_results_to
 from benchmarks.lib.memory import rss_available
 from benchmarks.lib.model_baselines import GaLoreConfig, TltorchTTLinear, tltorch_transformer
 from benchmarks.speed.bench_transformer import (

@@ -12,7 +12,7 @@ import torch
 
 import comera
 from comera.experiments.engine import EngineConfig, train_model
-from comera.experiments.schedule import lr_factor, run_optimizer
+from comera.experiments.optim_schedule import lr_factor, run_optimizer
 from tests.helpers.toy_task import ToyTask
 
 CFG = EngineConfig(steps_early=6, steps_late=0, batch_size=16, lr=1e-2, lr_gates=0.1, lam=0.0,

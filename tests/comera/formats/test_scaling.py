@@ -15,7 +15,7 @@ from torch import nn
 import comera
 from comera.formats.registry import format_names, get_format
 from comera.formats.scaling import balance_gauge, core_scaling, orthogonal_cores
-from comera.training.update_sizes import update_sizes
+from comera.training.relative_updates import update_sizes
 
 FORMATS = [f for f in format_names() if get_format(f).from_modes]
 F64 = torch.float64

@@ -1,4 +1,4 @@
-"""Calibrated decompositions (comera/formats/calibrated.py): on a synthetic layer with skewed,
+"""Calibrated decompositions (comera/formats/whitened.py): on a synthetic layer with skewed,
 correlated inputs, every calibrating format's output error is below its plain decomposition's
 at a truncating rank and zero at full rank (float64); low-rank reaches the Eckart-Young optimum
 of the whitened weight; the refit never raises the error; the bond spectra are the unfoldings'
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from comera.errors import ConfigError
-from comera.formats.calibrated import (
+from comera.formats.whitened import (
     calibrated_decomposition,
     check_gram,
     damped,

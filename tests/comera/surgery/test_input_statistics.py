@@ -1,4 +1,4 @@
-"""Streaming input statistics (comera/surgery/calibration.py): the grams equal X^T X / n over
+"""Streaming input statistics (comera/surgery/input_statistics.py): the grams equal X^T X / n over
 every batch (tensors, dicts, tuples), nn.MultiheadAttention's q/k/v take its query/key/value,
 batches stream (one alive at a time), and every bad input is a ConfigError that leaves the
 model's hooks and modes as they were."""
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from comera.errors import ConfigError
-from comera.surgery.calibration import check_batches, collect_input_stats, gram_bytes
+from comera.surgery.input_statistics import check_batches, collect_input_stats, gram_bytes
 
 F64 = torch.float64
 

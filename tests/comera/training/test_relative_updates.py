@@ -1,4 +1,4 @@
-"""The update-size diagnostic (comera/training/update_sizes.py): it measures what one optimizer
+"""The update-size diagnostic (comera/training/relative_updates.py): it measures what one optimizer
 step did to every weight and core, by hand-checkable numbers; the log measures every k-th step of
 a loop it does not own, and stops when its context closes."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import comera
-from comera.training.update_sizes import UpdateSizeLog, update_sizes
+from comera.training.relative_updates import UpdateSizeLog, update_sizes
 
 F64 = torch.float64
 

@@ -181,7 +181,7 @@ def test_an_existing_cache_folder_keeps_its_mode(tmp_path):
 
 
 def test_a_calibration_linked_elsewhere_is_ignored(tmp_path, monkeypatch, caplog):
-    from tncomp.runtime.calibrate import calibration_path, load_calibration
+    from tncomp.runtime.device_timing import calibration_path, load_calibration
 
     monkeypatch.setenv("TNCOMP_CACHE_DIR", str(tmp_path))
     path = calibration_path("cpu")

@@ -95,7 +95,7 @@ def test_a_malformed_table_is_refused(dims, rates):
 
 
 def test_a_model_with_a_table_round_trips_through_the_calibration_file(tmp_path, monkeypatch):
-    from tncomp.runtime.calibrate import load_calibration, save_calibration
+    from tncomp.runtime.device_timing import load_calibration, save_calibration
 
     monkeypatch.setenv("TNCOMP_CACHE_DIR", str(tmp_path))
     save_calibration(MODEL, "cpu")

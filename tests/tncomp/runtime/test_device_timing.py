@@ -4,7 +4,7 @@ above the FLOP cap, and a model that round-trips through the calibration file.""
 import pytest
 import torch
 
-from tncomp.runtime.calibrate import calibrate, gemm_table, load_calibration
+from tncomp.runtime.device_timing import calibrate, gemm_table, load_calibration
 
 
 def test_gemm_table_measures_every_grid_point_below_the_cap():
@@ -20,7 +20,7 @@ def test_gemm_table_measures_every_grid_point_below_the_cap():
 
 @pytest.mark.slow  # two full calibrations: ~10 s on 2 cores
 def test_calibrate_with_shapes_saves_a_table(tmp_path, monkeypatch):
-    import tncomp.runtime.calibrate as cal
+    import tncomp.runtime.device_timing as cal
 
     monkeypatch.setenv("TNCOMP_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cal, "GEMM_GRID", (4, 16))
@@ -32,7 +32,7 @@ def test_calibrate_with_shapes_saves_a_table(tmp_path, monkeypatch):
 
 @pytest.mark.slow  # a calibration with its table: ~5 s on 2 cores
 def test_cli_calibrate_shapes_saves_the_table_inspect_floors_use(tmp_path, monkeypatch, capsys):
-    import tncomp.runtime.calibrate as cal
+    import tncomp.runtime.device_timing as cal
     from tncomp.cli import main
     from tncomp.compiler.builders import tt_linear
     from tncomp.inspection import inspect
