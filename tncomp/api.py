@@ -57,31 +57,43 @@ _RUNNERS = LRUCache(maxsize=512)  # process-wide: identical networks share plans
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # compiled networks, so clear_cache reaches them
 
 
-def clear_cache(disk: bool = False) -> None:
+def clear_cache(disk: bool = False, calibration: bool = False) -> None:
     """Drop every in-memory plan and pooled buffer, in the shared cache and in every live
-    compiled network (and, with ``disk=True``, the on-disk search results)."""
+    compiled network; with ``disk=True`` also the on-disk search results, and with
+    ``calibration=True`` the device calibrations in the cache folder (``tncomp cache clear``
+    does both; they are removed unread, so a malformed file goes too)."""
     for compiled in list(_LIVE):
         compiled.clear()
     _RUNNERS.clear()
     _FAST.clear()
     if disk:
         DiskCache().clear()
+    if calibration:
+        from tncomp.runtime.device_timing import remove_calibrations
+
+        remove_calibrations()
 
 
 def cache_info() -> dict:
-    """Counters of the in-memory plan cache and the disk cache location."""
+    """Counters of the in-memory plan cache, the disk cache location and its entries, and the
+    calibration files there."""
+    from tncomp.runtime.device_timing import calibration_files
+
     disk = DiskCache()
+    names = [p.name for p in calibration_files(disk.directory)]
     return {"plans": len(_RUNNERS), "hits": _RUNNERS.hits, "misses": _RUNNERS.misses,
             "maxsize": _RUNNERS.maxsize, "disk_dir": str(disk.directory),
-            "disk_entries": len(disk.entries())}
+            "disk_entries": len(disk.entries()), "calibrations": ", ".join(names) or "none"}
 
 
-def model_for(device: torch.device | str) -> DeviceModel:
-    """The calibrated model of ``device`` if one was measured, else a default."""
+def model_for(device: torch.device | str, calibrated: bool = True) -> DeviceModel:
+    """The calibrated model of ``device`` if one was measured, else a default; with
+    ``calibrated=False`` the default without reading the cache folder (what
+    ``compile(..., disk_cache=False)`` plans with)."""
     from tncomp.runtime.device_timing import load_calibration
 
     device = torch.device(device)
-    measured = load_calibration(device)
+    measured = load_calibration(device) if calibrated else None
     if measured is not None:
         return measured
     return CUDA_DEFAULT if device.type == "cuda" else CPU_DEFAULT
@@ -197,10 +209,13 @@ class CompiledNetwork:
         self._local[key] = runner
         return runner
 
-    def model(self, device: torch.device) -> DeviceModel:
+    def model(self, device: torch.device | str) -> DeviceModel:
         """The device model that scores plans: the one given to ``compile``, else ``device``'s
-        calibrated (or default) model."""
-        return self._model if self._model is not None else model_for(device)
+        calibrated (or default) model; without a disk cache (``disk_cache=False``) the
+        default, for nothing in the cache folder is read then."""
+        if self._model is not None:
+            return self._model
+        return model_for(device, calibrated=self._disk is not None)
 
     def plan_for(self, sizes: dict[str, int], needs_grad: Sequence[bool],
                  dtype: torch.dtype = torch.float32,
@@ -288,8 +303,12 @@ def compile(
     fastest. ``cuda_graphs`` captures forward and backward into CUDA graphs on a GPU (ignored
     on CPU). ``model``: the :class:`DeviceModel` plans are scored with (default: the device's
     calibration, else a default). ``disk_cache``: True (the default directory), False or None,
-    or a directory. ``pool_buffers`` reuses large result buffers between calls once nothing
-    references them (a caching allocator; ``tncomp.clear_cache()`` releases them).
+    or a directory. With False (or None) nothing in the cache folder is read, the calibration
+    included: plans are scored with the given ``model``, else the device's default model. With
+    a directory, search results are kept there and the calibration is read from the default
+    folder (``tncomp calibrate`` writes it there). ``pool_buffers`` reuses large result
+    buffers between calls once nothing references them (a caching allocator;
+    ``tncomp.clear_cache()`` releases them).
     ``memory`` trades time for the memory the forward keeps for the backward: ``"fast"`` saves
     every intermediate the backward reads, ``"min"`` none (the backward recomputes them from
     the operands), ``"balanced"`` drops the saves whose recomputation costs little modelled

@@ -2,7 +2,8 @@
 
 Commands: inspect (costs, regimes, plans, each step's roofline floor; --measure times the
 steps), draw (a picture of the network and its contraction tree), plot-costs (FLOPs and
-modelled time against the batch size), calibrate, cache.
+modelled time against the batch size), calibrate (refused when the machine is too busy to
+measure), cache (info, or clear: the plan cache and the calibration files).
 
 SPEC forms:
   tt:768x3072:modes=12,8,8|12,16,16:rank=30      CoMERA TT layer (rank: max, or r1,r2,...)
@@ -137,6 +138,9 @@ def parse_spec(spec: str) -> Network:
             data = json.loads(path.read_text())
         except ValueError as exc:
             raise SpecError(f"SPEC file {spec} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise SpecError(f"SPEC file {spec} nests its JSON too deep to read; a SPEC file is "
+                            "an object of lists of ints.") from None
         try:
             _check_json_keys(spec, data)
             if isinstance(data, dict) and "eq" in data:
@@ -219,16 +223,30 @@ def _memory(text: str | None) -> str | int | None:
     return check_memory(int(text) if text.strip().isdigit() else text)
 
 
-def _cmd_inspect(args) -> int:
+def _threads(text: str | None, measure: bool = True) -> int | None:
+    """``--threads``: a number of threads this process can use (an OptionError otherwise)."""
+    from tncomp.runtime.device_timing import check_threads
+
+    if text is None:
+        return None
+    if not measure:
+        raise OptionError(f"--threads {text} sets the threads --measure runs on; add --measure, "
+                          "or leave --threads out.")
+    return check_threads(int(text) if _DIGITS.match(text) else text, "--threads")
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
     from tncomp.inspection import inspect
 
     memory = _memory(args.memory)  # before parsing the SPEC: a bad value fails fast
+    threads = _threads(args.threads, args.measure)
     net = parse_spec(args.spec)
-    print(inspect(net, batch=args.batch, measure=args.measure, memory=memory or "fast"))
+    print(inspect(net, batch=args.batch, measure=args.measure, threads=threads,
+                  memory=memory or "fast"))
     return 0
 
 
-def _cmd_draw(args) -> int:
+def _cmd_draw(args: argparse.Namespace) -> int:
     from tncomp.inspection import draw_network
     from tncomp.views.figures import check_output_path
 
@@ -241,7 +259,7 @@ def _cmd_draw(args) -> int:
     return 0
 
 
-def _cmd_plot_costs(args) -> int:
+def _cmd_plot_costs(args: argparse.Namespace) -> int:
     from tncomp.api import model_for
     from tncomp.inspection import plot_costs
     from tncomp.views.figures import check_output_path
@@ -260,22 +278,31 @@ def _cmd_plot_costs(args) -> int:
     return 0
 
 
-def _cmd_cache(args) -> int:
+def _cmd_cache(args: argparse.Namespace) -> int:
     from tncomp.api import cache_info, clear_cache
+    from tncomp.runtime.device_timing import calibration_files
 
     if args.action == "clear":
-        clear_cache(disk=True)
-        print("cleared the tncomp plan cache")
+        info = cache_info()
+        calibrations = [p.name for p in calibration_files(info["disk_dir"])]
+        clear_cache(disk=True, calibration=True)
+        removed = (f"removed the calibration files {', '.join(calibrations)} (compile plans "
+                   "with the default device models until `tncomp calibrate` runs again)"
+                   if calibrations else "no calibration files were there")
+        print(f"cleared the tncomp plan cache in {info['disk_dir']} ({info['disk_entries']} "
+              f"entries); {removed}")
     else:
         for key, value in cache_info().items():
             print(f"{key:<13} {value}")
     return 0
 
 
-def _cmd_calibrate(args) -> int:
+def _cmd_calibrate(args: argparse.Namespace) -> int:
     from tncomp.runtime.device_timing import calibrate
 
-    model = calibrate(_device(args.device), shapes=args.shapes)
+    device = _device(args.device)  # both before measuring: a bad value fails fast
+    threads = _threads(args.threads)
+    model = calibrate(device, shapes=args.shapes, threads=threads)
     table = (f", GEMM rates over {len(model.gemm_rates)} shapes from "
              f"{model.gemm_dims[0]} to {model.gemm_dims[-1]} "
              f"({min(model.gemm_rates) / 1e9:.1f}-{max(model.gemm_rates) / 1e9:.1f} GFLOP/s)"
@@ -299,7 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(recompute all), or a budget in bytes")
     p.add_argument("--measure", action="store_true",
                    help="run the plan (random float32 CPU operands) and show each step's time "
-                        "beside its roofline floor")
+                        "beside its roofline floor (refused when the operands and the plan "
+                        "exceed the memory limit, $TNCOMP_MEMORY_LIMIT)")
+    p.add_argument("--threads", default=None, metavar="N",
+                   help="threads --measure runs on (default: torch's; 1 on a shared machine)")
     p.set_defaults(run=_cmd_inspect)
     p = sub.add_parser("draw", help="picture of the network and its forward contraction tree")
     p.add_argument("spec", help="layer SPEC (see tncomp --help)")
@@ -323,8 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", action="store_true",
                    help="also measure GEMM rates over thin to square shapes: each step's floor "
                         "(inspect) is then at its own shape's rate, and plans use the table")
+    p.add_argument("--threads", default=None, metavar="N",
+                   help="threads to measure with (default: torch's; compile plans with the "
+                        "rates whatever its thread count)")
     p.set_defaults(run=_cmd_calibrate)
-    p = sub.add_parser("cache", help="show or clear the plan cache")
+    p = sub.add_parser("cache", help="show or clear the plan cache and the calibrations")
     p.add_argument("action", choices=["info", "clear"])
     p.set_defaults(run=_cmd_cache)
     return parser

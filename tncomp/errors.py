@@ -43,6 +43,12 @@ class CacheError(TncompError, RuntimeError):
     """The on-disk cache could not be read or written."""
 
 
+class CalibrationError(TncompError, RuntimeError):
+    """A device calibration whose measurements are not plausible (a thin GEMM far slower than
+    the square GEMM's rate predicts, a square GEMM rate that changed during the run): refused
+    and not saved, as measurements taken while other work held the cores."""
+
+
 class CudaGraphError(TncompError, RuntimeError):
     """A CUDA-graph capture was refused or replayed with an incompatible input."""
 

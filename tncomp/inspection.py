@@ -37,12 +37,23 @@ def _compiled(net_or_compiled: Any, where: str) -> CompiledNetwork:
 
 
 def inspect(net: Network, batch: int | None = None, *, measure: bool = False,
-            **compile_options) -> str:
+            threads: int | None = None, **compile_options: Any) -> str:
     """The cost/regime/plan report of ``net`` as text (what ``tncomp inspect`` prints), each
     step of the plan with its roofline floor; with ``memory=`` (a ``compile`` option) it shows
     what that mode saves and what it recomputes. ``measure`` runs the plan on random float32
     CPU operands and shows the time each step took beside its floor
-    (:func:`tncomp.runtime.profile.measure_plan`)."""
+    (:func:`tncomp.runtime.profile.measure_plan`), at ``threads`` threads (default: the current
+    count), after checking that the operands and the plan fit the memory limit ``compile``
+    plans under; a run far slower than modelled is measured again, and a warning says when it
+    stays so (a busy machine)."""
+    if threads is not None:
+        from tncomp.runtime.device_timing import check_threads
+
+        if not measure:
+            raise errors.OptionError(f"threads={threads!r} sets the threads a measurement runs "
+                                     "on; pass measure=True too (--measure on the command "
+                                     "line), or leave threads out.")
+        threads = check_threads(threads)
     compiled = net if isinstance(net, CompiledNetwork) else compile(net, **compile_options)
     network = compiled.network
     batch = report.shown_batch(network, batch)
@@ -56,10 +67,13 @@ def inspect(net: Network, batch: int | None = None, *, measure: bool = False,
                        model=model)
     measured = None
     if measure:
+        from tncomp.runtime.device_timing import using_threads
         from tncomp.runtime.profile import measure_plan
 
         shapes = [tuple(sizes[i] for i in t.indices) for t in network.operands]
-        measured = measure_plan(plan, shapes)
+        with using_threads(threads):
+            measured = measure_plan(plan, shapes, memory_limit=compiled.memory_limit("cpu"),
+                                    model=model)
     return report.report(network, plan, model, batch, table, compiled.options.memory,
                          saving_all.saved_bytes, measured)
 

@@ -14,6 +14,12 @@ it can write a valid entry. So an entry is read only when it is a regular file o
 to ``/dev/zero`` or a FIFO reads as a bad entry, neither allocating nor hanging), and the
 planner re-scores a loaded tree against a fresh greedy one and rebuilds it when it is far worse
 (:func:`~tncomp.compiler.search.implausible`). The folder is created owner-only (0700).
+
+Every file is read as plain JSON data (:func:`read_json`): no NaN or infinity, no int of more
+than :data:`MAX_JSON_INT_DIGITS` digits, nesting at most :data:`MAX_JSON_DEPTH` deep. A file
+that breaks one of these rules (a 400-digit rate, an array nested 200,000 deep) is a
+:class:`~tncomp.errors.CacheError`, which the readers log and ignore, never an ``OverflowError``
+or a ``RecursionError`` out of a compile.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import stat
@@ -42,6 +49,8 @@ TEMP_PREFIX = ".tmp-"  # in-progress writes: .tmp-<pid>-<random>.part (never rea
 STALE_TEMP_S = 600.0  # a temp file this old belongs to a writer that died mid-write
 _ENTRY_NAME = re.compile(r"^[0-9a-f]{32}\.json$")
 MAX_ENTRY_BYTES = 1 << 20  # a regime table of 64 operands is a few tens of KB
+MAX_JSON_DEPTH = 32  # a regime table nests 5 deep, an autotuned entry 4, a calibration 2
+MAX_JSON_INT_DIGITS = 20  # every 64-bit int has at most 20 digits; a float holds it
 
 
 _MISSING = object()
@@ -138,6 +147,70 @@ def read_bounded(path: Path | str, max_bytes: int = MAX_ENTRY_BYTES) -> bytes:
         os.close(fd)
 
 
+def read_json(path: Path | str, max_bytes: int = MAX_ENTRY_BYTES) -> Any:
+    """The JSON value of the regular file at ``path``, read as :func:`read_bounded` reads and
+    parsed as :func:`parse_json` parses.
+
+    ``FileNotFoundError`` when it is absent, another ``OSError`` when it cannot be opened, and a
+    :class:`CacheError` naming the path and the fault for anything else."""
+    return parse_json(read_bounded(path, max_bytes), str(path))
+
+
+def parse_json(data: bytes | str, where: str) -> Any:
+    """``data`` parsed as JSON that holds plain data only: finite floats, ints of at most
+    :data:`MAX_JSON_INT_DIGITS` digits, nesting at most :data:`MAX_JSON_DEPTH` deep.
+
+    Anything else (invalid JSON, NaN, a 400-digit int, an array nested 200,000 deep) is a
+    :class:`CacheError` naming ``where`` and the fault, so a planted file can neither overflow
+    a float conversion nor exhaust the interpreter's stack."""
+    try:
+        value = json.loads(data, parse_int=_bounded_int, parse_float=_finite_float,
+                           parse_constant=_no_constant)
+    except RecursionError:
+        raise CacheError(f"{where} nests its JSON deeper than Python can parse; tncomp's files "
+                         f"nest at most {MAX_JSON_DEPTH} deep.") from None
+    except ValueError as exc:  # invalid JSON, not UTF-8, or refused by the hooks below
+        raise CacheError(f"{where} is not valid JSON data ({exc}).") from None
+    depth = _depth(value)
+    if depth > MAX_JSON_DEPTH:
+        raise CacheError(f"{where} nests its JSON {depth} deep; tncomp's files nest at most "
+                         f"{MAX_JSON_DEPTH} deep.")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_JSON_INT_DIGITS:
+        raise ValueError(f"an int of {digits} digits; tncomp writes ints of at most "
+                         f"{MAX_JSON_INT_DIGITS}")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is too large for a float")
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise ValueError(f"{text} is not a number tncomp writes")
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and dicts nest in ``value`` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, level)
+            if level <= MAX_JSON_DEPTH:  # deeper is refused anyway: stop looking
+                stack.extend((child, level + 1) for child in item)
+    return deepest
+
+
 def make_private_dir(directory: Path) -> None:
     """Create ``directory`` (and missing parents) if absent; the folder itself owner-only
     (0700). An existing folder keeps its mode: whoever made it chose it."""
@@ -184,8 +257,8 @@ class DiskCache:
             log.warning("tncomp disk cache: cannot read %s (%s); rebuilding it", path, exc)
             return None
         try:
-            record = json.loads(data)
-        except ValueError as exc:  # truncated, garbage, or not UTF-8
+            record = parse_json(data, str(path))
+        except CacheError as exc:  # truncated, garbage, not UTF-8, huge ints, deep nesting
             log.warning("tncomp disk cache: unreadable entry %s (%s); rebuilding it", path, exc)
             return None
         if not (isinstance(record, dict) and "payload" in record):
@@ -205,6 +278,11 @@ class DiskCache:
                 payload = parse(payload)
             except CacheError as exc:
                 log.warning("tncomp disk cache: malformed entry %s (%s); rebuilding it", path, exc)
+                return None
+            except (LookupError, TypeError, ValueError, ArithmeticError) as exc:
+                # a parser that missed a wrong type: still a malformed entry, never a crash
+                log.warning("tncomp disk cache: malformed entry %s (%s: %s); rebuilding it",
+                            path, type(exc).__name__, exc)
                 return None
         log.debug("disk cache hit %s", path.name)
         return payload
@@ -256,6 +334,8 @@ class DiskCache:
                 removed += 1
             except FileNotFoundError:  # removed by a concurrent clear
                 pass
+            except OSError as exc:  # a directory planted at an entry's name, say
+                log.warning("tncomp disk cache: could not remove %s (%s)", path, exc)
         self._sweep_temps(0.0)
         return removed
 

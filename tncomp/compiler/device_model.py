@@ -8,10 +8,14 @@ CPU copy of those runs near a plain copy's speed). The *floor* of a step is its 
 with no overhead and no slowdown. ``tncomp.runtime.device_timing`` measures the numbers.
 
 The GEMM rate depends on the shape: a thin GEMM (an inner or outer size of 8-64, the TT rank)
-runs far below the rate of a large square one (measured on a 2-core AVX2 CPU: 2048^3 at 60-85
-GFLOP/s, (4096x768)@(768x30) at 13-29 GFLOP/s). A calibrated model therefore carries a table
-of measured rates on a grid of ``(m, n, k)`` and interpolates it in log space
-(:meth:`DeviceModel.gemm_rate`); without a table every GEMM runs at ``gemm_flops_per_s``.
+runs well below the rate of a large square one (figures in docs/results.md). A calibrated model
+therefore carries a table of measured rates on a grid of ``(m, n, k)`` and interpolates it in log
+space (:meth:`DeviceModel.gemm_rate`); without a table every GEMM runs at ``gemm_flops_per_s``.
+
+A thin GEMM is slower per FLOP, but not without bound: one that takes more than
+:data:`PLAUSIBLE_SLOWDOWN` times what the square rate and the per-step overhead predict was
+measured while other work held the cores (:meth:`DeviceModel.implausible_rates`), and a
+calibration holding such a rate is refused rather than planned with.
 """
 
 from __future__ import annotations
@@ -21,7 +25,27 @@ from dataclasses import dataclass
 
 from tncomp.compiler.ops import MatMul, Op, Permute
 
+__all__ = ["CPU_DEFAULT", "CUDA_DEFAULT", "PLAUSIBLE_SLOWDOWN", "SLOW_COPY_BYTES", "DeviceModel",
+           "ImplausibleRate"]
+
 SLOW_COPY_BYTES = 1 << 20  # a copy moving more than this leaves the cache: its kind slows it
+PLAUSIBLE_SLOWDOWN = 50.0  # a GEMM this many times slower than the square rate predicts is noise
+
+
+@dataclass(frozen=True, slots=True)
+class ImplausibleRate:
+    """A grid point of a GEMM table that ran ``slowdown`` times slower than the square GEMM's
+    rate and the per-step overhead predict (:meth:`DeviceModel.implausible_rates`)."""
+
+    m: int
+    n: int
+    k: int
+    rate: float  # FLOP/s as measured
+    slowdown: float  # measured seconds / (FLOPs / square rate + per-step overhead)
+
+    def __str__(self) -> str:
+        return (f"({self.m}x{self.k})@({self.k}x{self.n}) at {self.rate / 1e6:.3g} MFLOP/s, "
+                f"{self.slowdown:.0f}x slower than the square GEMM's rate predicts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +83,7 @@ class DeviceModel:
             return self.gemm_flops_per_s
         d, top = len(self.gemm_dims), self.gemm_dims[-1]
         # An output side past the grid is folded into the other one, keeping the output's size:
-        # a thin GEMM's rate drops once its output leaves the cache (measured: 49152x30 @ 30x256
-        # runs like 4096x30 @ 30x3072, 3x slower than 4096x30 @ 30x256 per FLOP).
+        # a thin GEMM's rate drops once its output leaves the cache (docs/results.md).
         if m > top:
             m, n = top, n * m / top
         if n > top:
@@ -74,6 +97,24 @@ class DeviceModel:
                     if w:
                         log_rate += w * math.log(self.gemm_rates[(a * d + b) * d + c])
         return math.exp(log_rate)
+
+    def grid_points(self) -> list[tuple[int, int, int]]:
+        """The ``(m, n, k)`` of each rate of the table, in ``gemm_rates`` order (m-major)."""
+        dims = self.gemm_dims
+        return [(m, n, k) for m in dims for n in dims for k in dims]
+
+    def implausible_rates(self, limit: float = PLAUSIBLE_SLOWDOWN) -> list[ImplausibleRate]:
+        """The table's rates whose GEMM took more than ``limit`` times the seconds the square
+        rate and the per-step overhead predict (``FLOPs / gemm_flops_per_s +
+        step_overhead_s``), worst first: rates measured while something else held the cores.
+        A thin GEMM is slower per FLOP than a square one, but within this bound."""
+        found = []
+        for (m, n, k), rate in zip(self.grid_points(), self.gemm_rates, strict=True):
+            flops = 2 * m * n * k
+            slowdown = (flops / rate) / (flops / self.gemm_flops_per_s + self.step_overhead_s)
+            if slowdown > limit:
+                found.append(ImplausibleRate(m, n, k, rate, slowdown))
+        return sorted(found, key=lambda p: -p.slowdown)
 
     def matmul_time(self, m: int, n: int, k: int, batch: int = 1, nbytes: float = 0.0) -> float:
         """Modelled seconds of ``batch`` GEMMs ``(m x k) @ (k x n)`` moving ``nbytes``: the

@@ -3,13 +3,21 @@
 The calibration of a device type is one JSON file in tncomp's cache directory. It is written
 like a disk-cache entry: to a temp file of its own in the same directory, flushed to disk, then
 renamed over the old file in one atomic step, so a reader (another process planning a network)
-sees the old calibration, the new one or none, never half a file. A file that cannot be read or
-holds something other than positive rates is logged and ignored (the defaults are used).
+sees the old calibration, the new one or none, never half a file. A file that cannot be read,
+is not plain JSON data (:func:`~tncomp.compiler.cache.read_json`: huge ints, NaN, deep
+nesting) or holds anything but finite positive rates (or a GEMM table with implausible rates) is
+logged and ignored: the defaults are used. ``tncomp cache clear`` removes the files
+(:func:`remove_calibrations`).
 
 Besides a square GEMM, a copy and a tiny op, :func:`calibrate` times GEMMs on a small grid of
 thin and square shapes (:data:`GEMM_GRID`) so the model knows what a thin GEMM really runs at
-(:meth:`~tncomp.compiler.device_model.DeviceModel.gemm_rate`). Rates are measured at the
-current ``torch.get_num_threads()``.
+(:meth:`~tncomp.compiler.device_model.DeviceModel.gemm_rate`). Rates are measured at
+``threads`` (default: the current ``torch.get_num_threads()``). Measurements taken while other
+work holds the cores are refused, not saved: the square GEMM is timed again at the end and must
+agree with the first time within :data:`SQUARE_SPREAD`, and a grid point far slower than the
+square rate predicts (:meth:`~tncomp.compiler.device_model.DeviceModel.implausible_rates`) is
+timed again up to :data:`RETRIES` times before the calibration is refused
+(:class:`~tncomp.errors.CalibrationError`).
 """
 
 from __future__ import annotations
@@ -18,26 +26,39 @@ import json
 import logging
 import math
 import os  # (tests/test_api.py also patches tncomp.runtime.device_timing.os.replace)
+import re
 import time
-from collections.abc import Callable
-from dataclasses import asdict, fields
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
 
-from tncomp.compiler.cache import default_cache_dir, make_private_dir, read_bounded
+from tncomp.compiler.cache import default_cache_dir, make_private_dir, read_json
 from tncomp.compiler.device_model import DeviceModel
-from tncomp.errors import CacheError
-from tncomp.files import atomic_write_bytes
+from tncomp.errors import CacheError, CalibrationError, OptionError
+from tncomp.files import TEMP_SUFFIX, atomic_write_bytes
+
+__all__ = ["GEMM_GRID", "GEMM_GRID_CUDA", "MAX_GRID_FLOPS", "RETRIES", "SQUARE_SPREAD",
+           "best_time", "calibrate", "calibration_files", "calibration_path", "check_threads",
+           "device_memory", "gemm_table", "load_calibration", "median_time",
+           "remove_calibrations", "save_calibration", "usable_cpus", "using_threads"]
 
 log = logging.getLogger("tncomp.runtime.device_timing")
 
 _RATES = ("gemm_flops_per_s", "bytes_per_s", "step_overhead_s")
 _TABLE = ("gemm_dims", "gemm_rates")
 _SLOWDOWNS = ("transpose_slowdown", "gather_slowdown")
+_CALIBRATION_NAME = re.compile(  # calibration-<type>.json, and its writers' temp files
+    r"^(calibration-[a-z0-9_]+\.json|\.calibration-[a-z0-9_]+\.json\.[0-9]+-[0-9a-f]+"
+    + re.escape(TEMP_SUFFIX) + ")$")
 GEMM_GRID = (8, 32, 128, 512, 4096)  # m, n and k of the measured GEMMs: thin (TT ranks) to wide
 GEMM_GRID_CUDA = (8, 32, 128, 512, 4096, 16384)
 MAX_GRID_FLOPS = 2 * 512 * 512 * 4096  # larger grid points run at the square GEMM's rate
+MAX_GRID_DIM = 2**31  # a grid size beyond this is no GEMM a device runs
+SQUARE_SPREAD = 2.0  # the square GEMM timed at the start and at the end agree within this factor
+RETRIES = 2  # times an implausible grid point is timed again before the calibration is refused
 
 
 def device_memory(device: torch.device | str) -> int | None:
@@ -59,35 +80,78 @@ def calibration_path(device: torch.device | str) -> Path:
 
 
 def load_calibration(device: torch.device | str) -> DeviceModel | None:
-    """The saved model of ``device``'s type, or None when absent, unreadable or malformed."""
+    """The saved model of ``device``'s type, or None when absent, unreadable or malformed
+    (logged: the defaults are used)."""
     path = calibration_path(device)
     try:
-        data = json.loads(read_bounded(path))
+        data = read_json(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, CacheError) as exc:
-        log.warning("tncomp: ignoring calibration %s (%s); using the default model", path, exc)
+    except (OSError, CacheError) as exc:
+        log.warning("tncomp: ignoring calibration (%s); using the default model (`tncomp cache "
+                    "clear` removes the file)", str(exc).rstrip("."))
         return None
-    names = {f.name for f in fields(DeviceModel)}
-    ok = (isinstance(data, dict) and set(data) <= names and set(_RATES) <= set(data)
-          and all(_positive(data[k]) for k in _RATES)
-          and isinstance(data.get("source", ""), str))
-    ok = ok and all(_positive(data[k]) for k in _SLOWDOWNS if k in data)
-    if ok and any(k in data for k in _TABLE):
-        ok = (all(isinstance(data.get(k), list) for k in _TABLE)
-              and all(isinstance(v, int) and _positive(v) for v in data["gemm_dims"])
-              and all(_positive(v) for v in data["gemm_rates"]))
-        if ok:
-            data = {**data, **{k: tuple(data[k]) for k in _TABLE}}
-    try:
-        model = DeviceModel(**data) if ok else None
-    except ValueError:  # a table of the wrong length, or sizes out of order
-        model = None
+    model = _model_of(data)
     if model is None:
         log.warning("tncomp: ignoring calibration %s: it does not hold positive %s; using the "
                     "default model (run `tncomp calibrate` again)", path, ", ".join(_RATES))
         return None
+    bad = model.implausible_rates()
+    if bad:
+        log.warning("tncomp: ignoring calibration %s: %d of its GEMM rates are implausible "
+                    "(worst: %s); using the default model (run `tncomp calibrate --shapes` "
+                    "again on an idle machine, or with --threads 1)", path, len(bad), bad[0])
+        return None
     return model
+
+
+def _model_of(data: object) -> DeviceModel | None:
+    """The :class:`DeviceModel` a calibration file's JSON describes, or None unless it holds
+    exactly the model's fields, each of its type: finite positive rates, a table of positive
+    sizes and rates."""
+    names = {f.name for f in fields(DeviceModel)}
+    if not (isinstance(data, dict) and set(data) <= names and set(_RATES) <= set(data)
+            and isinstance(data.get("source", ""), str)
+            and all(_positive(data[k]) for k in (*_RATES, *_SLOWDOWNS) if k in data)):
+        return None
+    if any(k in data for k in _TABLE):
+        dims, rates = data.get("gemm_dims"), data.get("gemm_rates")
+        if not (isinstance(dims, list) and isinstance(rates, list)
+                and all(isinstance(v, int) and _positive(v) and v <= MAX_GRID_DIM for v in dims)
+                and all(_positive(v) for v in rates)):
+            return None
+        data = {**data, "gemm_dims": tuple(dims), "gemm_rates": tuple(float(v) for v in rates)}
+    try:
+        return DeviceModel(**data)
+    except ValueError:  # a table of the wrong length, or sizes out of order
+        return None
+
+
+def calibration_files(directory: Path | str | None = None) -> list[Path]:
+    """The calibration files in ``directory`` (default: tncomp's cache directory), and the temp
+    files of calibrations being written or killed mid-write."""
+    directory = Path(directory) if directory is not None else default_cache_dir()
+    try:
+        names = os.listdir(directory)
+    except OSError:  # absent, or not a directory
+        return []
+    return sorted(directory / n for n in names if _CALIBRATION_NAME.match(n))
+
+
+def remove_calibrations(directory: Path | str | None = None) -> list[Path]:
+    """Remove every calibration file (of every device type) from ``directory`` (default:
+    tncomp's cache directory), without reading them; return those removed. ``compile`` then
+    plans with the default models until ``tncomp calibrate`` runs again."""
+    removed = []
+    for path in calibration_files(directory):
+        try:
+            path.unlink()  # a link is removed, not followed
+            removed.append(path)
+        except FileNotFoundError:  # removed meanwhile
+            continue
+        except OSError as exc:  # a directory planted at the name, say
+            log.warning("tncomp: could not remove %s (%s)", path, exc)
+    return removed
 
 
 def save_calibration(model: DeviceModel, device: torch.device | str) -> Path:
@@ -153,35 +217,97 @@ def gemm_table(device: torch.device, dtype: torch.dtype, sync: Callable[[], obje
     for m in grid:
         for n in grid:
             for k in grid:
-                flops = 2 * m * n * k
-                if flops > max_flops:
+                if 2 * m * n * k > max_flops:
                     rates.append(peak)
-                    continue
-                a = torch.randn(m, k, device=device, dtype=dtype)  # (m, k)
-                b = torch.randn(k, n, device=device, dtype=dtype)  # (k, n)
-                out = torch.empty(m, n, device=device, dtype=dtype)  # (m, n)
-                t = best_time(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), repeats, sync)
-                rates.append(flops / max(t - overhead, 0.25 * t))
+                else:
+                    rates.append(gemm_rate_of(m, n, k, device, dtype, sync, overhead, repeats))
     return tuple(rates)
 
 
+def gemm_rate_of(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype,
+                 sync: Callable[[], object], overhead: float, repeats: int = 3) -> float:
+    """FLOP/s of one ``(m x k) @ (k x n)`` GEMM (least of ``repeats`` times, the per-call
+    ``overhead`` taken off)."""
+    a = torch.randn(m, k, device=device, dtype=dtype)  # (m, k)
+    b = torch.randn(k, n, device=device, dtype=dtype)  # (k, n)
+    out = torch.empty(m, n, device=device, dtype=dtype)  # (m, n)
+    t = best_time(lambda: torch.mm(a, b, out=out), repeats, sync)
+    return 2 * m * n * k / max(t - overhead, 0.25 * t)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system says, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_threads(threads: object, where: str = "threads") -> int:
+    """``threads`` if it is a thread count this process can use (an int from 1 to
+    :func:`usable_cpus`), else an :class:`OptionError` naming ``where`` and the range: more
+    threads than CPUs only measures threads waiting for each other."""
+    cpus = usable_cpus()
+    if isinstance(threads, int) and not isinstance(threads, bool) and 1 <= threads <= cpus:
+        return threads
+    raise OptionError(f"{where}={threads!r}; give a number of threads from 1 to {cpus} (the "
+                      "CPUs this process may use), e.g. 1 on a machine others share.")
+
+
+@contextmanager
+def using_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(threads)`` (checked by
+    :func:`check_threads`), restoring the count after; None leaves it as it is."""
+    if threads is None:
+        yield
+        return
+    threads = check_threads(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-              save: bool = True, shapes: bool = False) -> DeviceModel:
+              save: bool = True, shapes: bool = False, threads: int | None = None,
+              ) -> DeviceModel:
     """Time a square GEMM, a large copy, a 2-D transpose and a gather of the same bytes (their
     slowdowns against the copy), a tiny op and (``shapes``) the GEMM grid of
-    :func:`gemm_table`; store and return the model.
+    :func:`gemm_table`, at ``threads`` threads (default: the current count); check that the
+    measurements are plausible; store and return the model.
 
-    ``shapes`` is off by default: the table predicts a plan's time better (768x3072 TT layer,
-    B=4096, 1 thread: 76 ms modelled with it, 55 ms without, 89 ms measured), but a
-    5-point grid misjudges thin GEMMs with large outputs, and planning with it picked a slower
-    tree there (its heavy GEMMs measured 172 ms against 152 ms for the flat model's tree, on a
-    loaded 2-core machine). ``compile(..., autotune=True)`` measures instead of modelling."""
+    A :class:`~tncomp.errors.CalibrationError` (nothing saved) when the square GEMM's rate at
+    the end differs from the one at the start by more than :data:`SQUARE_SPREAD` times, or a
+    grid point is still implausible (:meth:`DeviceModel.implausible_rates`) after
+    :data:`RETRIES` more timings: the machine was busy.
+
+    ``shapes`` is off by default: the table predicts a plan's time better, but a 5-point grid
+    misjudges thin GEMMs with large outputs, and planning with it has picked slower trees
+    (measurements in docs/results.md). ``compile(..., autotune=True)`` measures instead of
+    modelling."""
     device = torch.device(device)
+    if threads is not None:
+        threads = check_threads(threads)
+    with using_threads(threads):
+        model = _measured(device, dtype, shapes)
+    if save:
+        save_calibration(model, device)
+    return model
+
+
+def _measured(device: torch.device, dtype: torch.dtype, shapes: bool) -> DeviceModel:
+    """The model :func:`calibrate` measures, refused when implausible."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n = 2048 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device, dtype=dtype)  # (n, n)
     out = torch.empty_like(a)  # (n, n)
-    gemm = 2 * n**3 / median_time(lambda: torch.mm(a, a, out=out), 5, sync)
+
+    def square() -> float:
+        return 2 * n**3 / median_time(lambda: torch.mm(a, a, out=out), 5, sync)
+
+    gemm = square()
     big = torch.empty(32 * 2**20 // 4, device=device, dtype=torch.float32).normal_()  # 32 MiB
     dst = torch.empty_like(big)
     bw = 2 * big.numel() * 4 / median_time(lambda: dst.copy_(big), 7, sync)
@@ -200,15 +326,43 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
         dims = GEMM_GRID if device.type == "cpu" else GEMM_GRID_CUDA
         rates = gemm_table(device, dtype, sync, gemm, overhead, dims,
                            MAX_GRID_FLOPS if device.type == "cpu" else 64 * MAX_GRID_FLOPS)
+    threads = torch.get_num_threads()
     model = DeviceModel(gemm, bw, overhead, f"calibrated on {device.type} ({dtype}, "
-                        f"{torch.get_num_threads()} threads)", dims, rates,
-                        max(transpose, 1.0), max(gather, 1.0))
-    if save:
-        save_calibration(model, device)
+                        f"{threads} threads)", dims, rates, max(transpose, 1.0), max(gather, 1.0))
+    for _ in range(RETRIES):  # time the implausible points again, keeping each one's best
+        bad = model.implausible_rates()
+        if not bad:
+            break
+        index = {p: j for j, p in enumerate(model.grid_points())}
+        better = list(model.gemm_rates)
+        for p in bad:
+            j = index[(p.m, p.n, p.k)]
+            better[j] = max(better[j], gemm_rate_of(p.m, p.n, p.k, device, dtype, sync,
+                                                    overhead, repeats=5))
+        model = replace(model, gemm_rates=tuple(better))
+    again = square()
+    advice = ("nothing saved; run it again when the machine is idle"
+              + (", or with fewer threads (--threads 1)" if threads > 1 else ""))
+    if max(gemm, again) > SQUARE_SPREAD * min(gemm, again):
+        raise CalibrationError(
+            f"the {n}x{n} GEMM ran at {gemm / 1e9:.3g} GFLOP/s at the start of the calibration "
+            f"and at {again / 1e9:.3g} GFLOP/s at its end ({threads} threads): other work took "
+            f"the cores meanwhile, so no rate measured here can be trusted; {advice}.")
+    bad = model.implausible_rates()
+    if bad:
+        raise CalibrationError(
+            f"{len(bad)} of {len(model.gemm_rates)} GEMM shapes ran implausibly slowly against "
+            f"the square GEMM's {gemm / 1e9:.3g} GFLOP/s, timed {RETRIES + 1} times (worst: "
+            f"{bad[0]}; {threads} threads): other work held the cores; {advice}.")
     return model
 
 
 def _positive(value: object) -> bool:
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0)
+    """A finite number above 0 (an int too large for a float is not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int beyond a float's range
+        return False
 
