@@ -222,6 +222,26 @@ def test_readers_never_see_a_half_written_calibration(cache_dir):
     '{"gemm_flops_per_s": 1e9, "bytes_per_s": 1e9, "step_overhead_s": 1e-6, "extra": 1}',
     '{"gemm_flops_per_s": 1e9, "bytes_per_s": 1e9, "step_overhead_s": 1e-6, '
     '"gather_slowdown": -2}',
+    # issue 42, item 5: each raised OverflowError or RecursionError out of compile on main
+    '{"gemm_flops_per_s": 1' + "0" * 400 + ', "bytes_per_s": 1e9, "step_overhead_s": 1e-6}',
+    '{"gemm_flops_per_s": 1e9, "bytes_per_s": 1e9, "step_overhead_s": 1e-6, '
+    '"gemm_dims": [1' + "0" * 400 + '], "gemm_rates": [1e9]}',
+    '{"gemm_flops_per_s": 1e400, "bytes_per_s": 1e9, "step_overhead_s": 1e-6}',
+    '{"gemm_flops_per_s": NaN, "bytes_per_s": 1e9, "step_overhead_s": 1e-6}',
+    '{"gemm_flops_per_s": -Infinity, "bytes_per_s": 1e9, "step_overhead_s": 1e-6}',
+    '{"gemm_flops_per_s": 1e9, "bytes_per_s": 1e9, "step_overhead_s": 1e-6, '
+    '"source": ' + "[" * 200_000 + "]" * 200_000 + "}",
+    "[" * 200_000 + "]" * 200_000,
+    '{"gemm_flops_per_s": [1e9], "bytes_per_s": 1e9, "step_overhead_s": 1e-6}',
+    '{"gemm_flops_per_s": true, "bytes_per_s": 1e9, "step_overhead_s": 1e-6}',
+    '{"gemm_flops_per_s": 1e9, "bytes_per_s": 1e9, "step_overhead_s": 1e-6, "source": 3}',
+    '{"gemm_flops_per_s": 1e9, "bytes_per_s": 1e9, "step_overhead_s": 1e-6, '
+    '"gemm_dims": ["8"], "gemm_rates": [1e9]}',
+    '{"gemm_flops_per_s": 1e9, "bytes_per_s": 1e9, "step_overhead_s": 1e-6, '
+    '"gemm_dims": [8], "gemm_rates": {"8": 1e9}}',
+    # issue 42, item 7: a table measured on a busy machine (1 MFLOP/s beside 50 GFLOP/s)
+    '{"gemm_flops_per_s": 5e10, "bytes_per_s": 1e10, "step_overhead_s": 2e-6, '
+    '"gemm_dims": [8, 64], "gemm_rates": [1e6, 1e9, 1e9, 1e9, 1e9, 1e9, 1e9, 1e10]}',
 ])
 def test_a_malformed_calibration_is_ignored_with_a_warning(cache_dir, content, caplog):
     cache_dir.mkdir()
@@ -230,6 +250,94 @@ def test_a_malformed_calibration_is_ignored_with_a_warning(cache_dir, content, c
         assert load_calibration("cpu") is None
     assert "ignoring calibration" in caplog.text
     assert tncomp.api.model_for("cpu") == tncomp.compiler.device_model.CPU_DEFAULT
+    net, ts = _chain()  # and a compile plans with the default, whatever the file held
+    assert torch.equal(tncomp.compile(net, disk_cache=cache_dir)(*ts),
+                       tncomp.compile(net, disk_cache=False)(*ts))
+
+
+def test_a_calibration_with_a_400_digit_rate_stops_no_compile_nor_inspect(cache_dir, capsys):
+    """Issue 42, item 5: such a file (468 bytes in the issue) made every compile and ``tncomp
+    inspect`` raise a raw OverflowError on main; ``tncomp cache clear`` left it in place."""
+    from tncomp.cli import main
+
+    cache_dir.mkdir()
+    path = cache_dir / "calibration-cpu.json"
+    path.write_text(json.dumps({"gemm_flops_per_s": 10**400, "bytes_per_s": 2.25e10,
+                                "step_overhead_s": 7e-6, "source": "planted"}))
+    assert len(path.read_bytes()) < 512  # a small file
+    net, ts = _chain()
+    torch.testing.assert_close(tncomp.compile(net)(*ts), torch.einsum("ab,bc,cd->ad", *ts))
+    assert main(["inspect", "eq:ij,jk->ik:2,3|3,4"]) == 0
+    assert "default (not calibrated)" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 0
+    out = capsys.readouterr().out
+    assert "removed the calibration files calibration-cpu.json" in out
+    assert not path.exists()
+
+
+def test_cache_clear_removes_every_calibration_and_says_so(cache_dir, capsys):
+    from tncomp.cli import main
+
+    save_calibration(DeviceModel(3.5e11, 2.25e10, 7e-6, "cpu"), "cpu")
+    save_calibration(DeviceModel(5e13, 2e12, 8e-6, "cuda"), "cuda")
+    killed = ".calibration-cpu.json.123-0123456789abcdef.part"  # a write killed midway
+    (cache_dir / killed).write_text("{")
+    (cache_dir / "calibration-notes.txt").write_text("mine")  # not tncomp's: kept
+    tncomp.contract("ij,jk->ik", torch.ones(2, 3), torch.ones(3, 4))
+    assert tncomp.cache_info()["calibrations"] == (f"{killed}, calibration-cpu.json, "
+                                                   "calibration-cuda.json")
+    assert main(["cache", "info"]) == 0
+    assert "calibration-cuda.json" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "(1 entries)" in out
+    assert "removed the calibration files" in out and "calibration-cuda.json" in out
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["calibration-notes.txt"]
+    assert tncomp.api.model_for("cpu") == tncomp.compiler.device_model.CPU_DEFAULT
+    assert main(["cache", "clear"]) == 0
+    assert "no calibration files were there" in capsys.readouterr().out
+
+
+def test_clear_cache_keeps_the_calibration_unless_asked(cache_dir):
+    model = DeviceModel(3.5e11, 2.25e10, 7e-6, "kept")
+    save_calibration(model, "cpu")
+    tncomp.clear_cache(disk=True)
+    assert load_calibration("cpu") == model
+    tncomp.clear_cache(calibration=True)
+    assert load_calibration("cpu") is None
+
+
+# -- issue 42, item 6: disk_cache=False reads nothing in the cache folder ------------------------
+
+def test_disk_cache_false_reads_no_calibration(cache_dir, tmp_path, caplog):
+    """docs/safety.md offers ``disk_cache=False`` as the defence when others can write the
+    cache folder; on main such a compile still planned with the folder's calibration."""
+    net, ts = _chain()
+    planted = DeviceModel(1e15, 1e6, 1e-9, "planted: only bytes cost time")
+    save_calibration(planted, "cpu")
+    assert tncomp.compile(net).model("cpu") == planted  # the folder's, by default
+    by_planted = tncomp.compile(net, disk_cache=tmp_path / "other", optimize="search")
+    assert by_planted.plan_of(*ts).tree == tncomp.compile(
+        net, model=BANDWIDTH_BOUND, disk_cache=False, optimize="search").plan_of(*ts).tree
+    f = tncomp.compile(net, disk_cache=False, optimize="search")
+    assert f.model("cpu") == tncomp.compiler.device_model.CPU_DEFAULT
+    assert tncomp.compile(net, disk_cache=None).model("cpu") == f.model("cpu")
+    default = tncomp.compile(net, model=tncomp.compiler.device_model.CPU_DEFAULT,
+                             disk_cache=False, optimize="search")
+    assert f.plan_of(*ts).tree == default.plan_of(*ts).tree
+    # nothing is even opened: a file no read survives is not met
+    calibration_path("cpu").unlink()
+    os.mkfifo(calibration_path("cpu"))
+    with caplog.at_level(logging.WARNING):
+        tncomp.clear_cache()
+        torch.testing.assert_close(tncomp.compile(net, disk_cache=False)(*ts),
+                                   torch.einsum("ab,bc,cd->ad", *ts))
+        tncomp.contract("ab,bc,cd->ad", *ts, disk_cache=False)
+        assert tncomp.inspect(net, disk_cache=False)
+    assert caplog.text == ""
+    with caplog.at_level(logging.WARNING):  # the default does read the folder
+        tncomp.compile(net)(*ts)
+    assert "not a regular file" in caplog.text
 
 
 # -- the package's exports and errors ---------------------------------------------------------

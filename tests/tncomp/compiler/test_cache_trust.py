@@ -189,3 +189,78 @@ def test_a_calibration_linked_elsewhere_is_ignored(tmp_path, monkeypatch, caplog
     with caplog.at_level(logging.WARNING):
         assert load_calibration("cpu") is None
     assert "symbolic link" in caplog.text
+
+
+# -- issue 42, item 5: entries that are not plain JSON data are logged and rebuilt ----------------
+# On main a planted entry nested 200,000 deep (400 KB, under the size cap) raised RecursionError
+# out of contract; the same for a calibration (tests/tncomp/test_api.py).
+
+DEEP = "[" * 200_000 + "]" * 200_000
+
+
+@pytest.mark.parametrize("content", [
+    pytest.param(DEEP, id="nested-200000-deep"),
+    pytest.param('{"version": 2, "payload": ' + DEEP + "}", id="payload-nested-200000-deep"),
+    pytest.param('{"version": 2, "payload": {"n": 1' + "0" * 400 + "}}", id="400-digit-int"),
+    pytest.param('{"version": 2, "payload": {"n": NaN}}', id="nan"),
+    pytest.param('{"version": 2, "payload": {"n": 1e400}}', id="float-overflow"),
+])
+def test_an_entry_that_is_not_plain_json_data_is_logged_and_rebuilt(tmp_path, caplog, content):
+    tensors = _operands()
+    tncomp.contract(EQ, *tensors, disk_cache=tmp_path)
+    entry = _the_entry(tmp_path)
+    entry.write_text(content)
+    assert entry.stat().st_size <= MAX_ENTRY_BYTES  # read, not refused for its size
+    tncomp.clear_cache()
+    with caplog.at_level(logging.WARNING, logger="tncomp.compiler.cache"):
+        _check(tncomp.contract(EQ, *tensors, disk_cache=tmp_path), tensors)
+    assert "unreadable entry" in caplog.text
+    assert Tree.from_payload(json.loads(entry.read_text())["payload"], 6), "rebuilt"
+
+
+def test_an_entry_with_a_checksum_over_a_huge_int_is_refused_before_any_float(tmp_path, caplog):
+    disk = DiskCache(tmp_path)
+    disk.store(("k",), {"n": 1})
+    _plant(_the_entry(tmp_path), {"n": 10**400})  # a valid checksum over the planted payload
+    with caplog.at_level(logging.WARNING, logger="tncomp.compiler.cache"):
+        assert disk.load(("k",), parse=lambda p: float(p["n"])) is None
+    assert "an int of 401 digits" in caplog.text
+
+
+def test_a_parser_that_misses_a_wrong_type_still_reads_the_entry_as_absent(tmp_path, caplog):
+    disk = DiskCache(tmp_path)
+    disk.store(("k",), {"n": "three"})
+    with caplog.at_level(logging.WARNING, logger="tncomp.compiler.cache"):
+        assert disk.load(("k",), parse=lambda p: p["n"] + 1) is None
+    assert "malformed entry" in caplog.text and "TypeError" in caplog.text
+
+
+def test_read_json_keeps_plain_data_and_names_every_fault(tmp_path):
+    from tncomp.compiler.cache import MAX_JSON_DEPTH, parse_json, read_json
+
+    path = tmp_path / "ok.json"
+    value = {"a": [1, -2.5, "x", None, True, 2**63 - 1], "b": [[[[]]]]}
+    path.write_text(json.dumps(value))
+    assert read_json(path) == value
+    nested = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert parse_json(nested, "here") is not None  # at the bound: read
+    for text, fault in [("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1), "nests"),
+                        ("{" + '"a":{' * 2000 + "}" * 2001, "nests"),
+                        ("-1" + "0" * 30, "an int of 31 digits"),
+                        ("[Infinity]", "Infinity is not a number"),
+                        ("[-1e999]", "too large for a float"),
+                        ("{", "not valid JSON"), (b"\xff\xfe\x00", "not valid JSON")]:
+        with pytest.raises(CacheError, match=fault):
+            parse_json(text, "here")
+    with pytest.raises(FileNotFoundError):
+        read_json(tmp_path / "absent.json")
+
+
+def test_clear_removes_what_it_can_and_logs_the_rest(tmp_path, caplog):
+    disk = DiskCache(tmp_path)
+    disk.store(("k",), 1)
+    planted = tmp_path / ("0" * 32 + ".json")
+    planted.mkdir()  # a folder at an entry's name
+    with caplog.at_level(logging.WARNING, logger="tncomp.compiler.cache"):
+        assert disk.clear() == 1
+    assert "could not remove" in caplog.text and planted.is_dir()
