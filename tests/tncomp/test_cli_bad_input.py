@@ -38,14 +38,30 @@ BAD = {
                        False),
     "memory-plot-negative": (["plot-costs", SPEC, "-o", "{out}", "--memory", "-5"],
                              "memory='-5'", False),
+    # issue 42, item 7: --threads (argparse's int would print usage and two lines)
+    "calibrate-threads-zero": (["calibrate", "--threads", "0"],
+                               "--threads=0; give a number of threads from 1 to", False),
+    "calibrate-threads-word": (["calibrate", "--threads", "two"], "--threads='two'", False),
+    "calibrate-threads-negative": (["calibrate", "--threads", "-1"], "--threads='-1'", False),
+    "inspect-threads-too-many": (["inspect", SPEC, "--measure", "--threads", "100000"],
+                                 "--threads=100000; give a number of threads from 1 to", False),
+    "inspect-threads-without-measure": (["inspect", SPEC, "--threads", "1"],
+                                        "--threads 1 sets the threads --measure runs on",
+                                        False),
+    "spec-json-nested-deep": (["inspect", "{deep}"], "nests its JSON too deep", False),
 }
 SUBPROCESS_DEFAULT = ("calibrate-cuda",)
 
 
-def _argv(case: str, out) -> list[str]:
+def _argv(case: str, out, inputs) -> list[str]:
     argv, _, needs_no_cuda = BAD[case]
     if needs_no_cuda and not NO_CUDA:
         pytest.skip("this machine has CUDA")
+    if "{deep}" in argv:  # a SPEC file nested 100,000 deep (a RecursionError on main)
+        inputs.mkdir(exist_ok=True)
+        deep = inputs / "deep.json"
+        deep.write_text("[" * 100_000 + "]" * 100_000)
+        argv = [str(deep) if a == "{deep}" else a for a in argv]
     return [a.replace("{out}", str(out)) for a in argv]
 
 
@@ -59,7 +75,7 @@ def _params(default: tuple[str, ...] = tuple(BAD)):
 def test_bad_input_in_a_subprocess(case, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    argv = _argv(case, work / "picture.png")
+    argv = _argv(case, work / "picture.png", tmp_path / "inputs")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TNCOMP_CACHE_DIR": str(work / "cache")}
     proc = subprocess.run([sys.executable, "-m", "tncomp.cli", *argv], capture_output=True,
                           text=True, timeout=300, cwd=work, env=env)
@@ -75,14 +91,14 @@ def test_bad_input_in_a_subprocess(case, tmp_path):
 @pytest.mark.parametrize("case", list(_params()))
 def test_bad_input_in_process(case, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TNCOMP_CACHE_DIR", str(tmp_path / "cache"))
-    argv = _argv(case, tmp_path / "picture.png")
+    argv = _argv(case, tmp_path / "picture.png", tmp_path / "inputs")
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == ""
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("tncomp: error: "), err
     assert BAD[case][1] in lines[0]
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir() if p.name != "inputs"] == []
 
 
 def test_rank_above_full_rank_warns_in_one_line(capsys):

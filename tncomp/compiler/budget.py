@@ -1,7 +1,8 @@
 """The planning budget: wall-clock seconds the tree search may spend on one plan.
 
 Exact contraction-order search is exponential in the number of operands: opt_einsum's dynamic
-program with outer products took minutes on 14-16 disconnected vectors. Every search therefore
+program with outer products runs for minutes on small networks of disconnected vectors
+(docs/safety.md, "The planning budget"). Every search therefore
 runs against a :class:`Budget`: the exact searches check it as they go and stop when it is spent;
 cotengra's hyper-optimizer gets what is left as its ``max_time``; once it is spent only the
 cheap candidates (greedy, left to right) are made. A plan whose search ran out of budget takes

@@ -40,9 +40,10 @@ from tncomp.compiler.device_model import DeviceModel
 from tncomp.errors import CacheError, CalibrationError, OptionError
 from tncomp.files import TEMP_SUFFIX, atomic_write_bytes
 
-__all__ = ["GEMM_GRID", "GEMM_GRID_CUDA", "MAX_GRID_FLOPS", "RETRIES", "SQUARE_SPREAD",
-           "best_time", "calibrate", "calibration_files", "calibration_path", "check_threads",
-           "device_memory", "gemm_table", "load_calibration", "median_time",
+__all__ = ["GEMM_GRID", "GEMM_GRID_CUDA", "MAX_GRID_FLOPS", "RETRIES", "SQUARE_N",
+           "SQUARE_N_CUDA", "SQUARE_SPREAD", "best_time", "calibrate", "calibration_files",
+           "calibration_path", "check_calibration", "check_threads", "device_memory",
+           "gemm_rate_of", "gemm_table", "load_calibration", "median_time",
            "remove_calibrations", "save_calibration", "usable_cpus", "using_threads"]
 
 log = logging.getLogger("tncomp.runtime.device_timing")
@@ -58,6 +59,7 @@ GEMM_GRID_CUDA = (8, 32, 128, 512, 4096, 16384)
 MAX_GRID_FLOPS = 2 * 512 * 512 * 4096  # larger grid points run at the square GEMM's rate
 MAX_GRID_DIM = 2**31  # a grid size beyond this is no GEMM a device runs
 SQUARE_SPREAD = 2.0  # the square GEMM timed at the start and at the end agree within this factor
+SQUARE_N, SQUARE_N_CUDA = 2048, 8192  # the square GEMM's size, the rate of large GEMMs
 RETRIES = 2  # times an implausible grid point is timed again before the calibration is refused
 
 
@@ -300,7 +302,7 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
 def _measured(device: torch.device, dtype: torch.dtype, shapes: bool) -> DeviceModel:
     """The model :func:`calibrate` measures, refused when implausible."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    n = 2048 if device.type == "cpu" else 8192
+    n = SQUARE_N if device.type == "cpu" else SQUARE_N_CUDA
     a = torch.randn(n, n, device=device, dtype=dtype)  # (n, n)
     out = torch.empty_like(a)  # (n, n)
 
@@ -340,21 +342,32 @@ def _measured(device: torch.device, dtype: torch.dtype, shapes: bool) -> DeviceM
             better[j] = max(better[j], gemm_rate_of(p.m, p.n, p.k, device, dtype, sync,
                                                     overhead, repeats=5))
         model = replace(model, gemm_rates=tuple(better))
-    again = square()
+    check_calibration(model, square(), threads)
+    return model
+
+
+def check_calibration(model: DeviceModel, square_again: float, threads: int = 1) -> None:
+    """A :class:`~tncomp.errors.CalibrationError` (saying nothing was saved, and what to do)
+    when ``model``'s measurements are implausible: a rate of its table is still implausible
+    (:meth:`~tncomp.compiler.device_model.DeviceModel.implausible_rates`) after its retries, or
+    the square GEMM's rate timed again at the end (``square_again``) differs from
+    ``model.gemm_flops_per_s`` by more than :data:`SQUARE_SPREAD` times.
+    ``threads``: what it was measured at (the message advises fewer when above 1)."""
+    gemm = model.gemm_flops_per_s
     advice = ("nothing saved; run it again when the machine is idle"
               + (", or with fewer threads (--threads 1)" if threads > 1 else ""))
-    if max(gemm, again) > SQUARE_SPREAD * min(gemm, again):
-        raise CalibrationError(
-            f"the {n}x{n} GEMM ran at {gemm / 1e9:.3g} GFLOP/s at the start of the calibration "
-            f"and at {again / 1e9:.3g} GFLOP/s at its end ({threads} threads): other work took "
-            f"the cores meanwhile, so no rate measured here can be trusted; {advice}.")
     bad = model.implausible_rates()
     if bad:
         raise CalibrationError(
             f"{len(bad)} of {len(model.gemm_rates)} GEMM shapes ran implausibly slowly against "
-            f"the square GEMM's {gemm / 1e9:.3g} GFLOP/s, timed {RETRIES + 1} times (worst: "
-            f"{bad[0]}; {threads} threads): other work held the cores; {advice}.")
-    return model
+            f"the square GEMM's {gemm / 1e9:.3g} GFLOP/s, each timed {RETRIES + 1} times "
+            f"(worst: {bad[0]}; {model.source}): other work held the cores; {advice}.")
+    if not (_positive(square_again) and max(gemm, square_again)
+            <= SQUARE_SPREAD * min(gemm, square_again)):
+        raise CalibrationError(
+            f"the square GEMM ran at {gemm / 1e9:.3g} GFLOP/s at the start of the calibration "
+            f"and at {square_again / 1e9:.3g} GFLOP/s at its end ({model.source}): other work "
+            f"took the cores meanwhile, so no rate measured here can be trusted; {advice}.")
 
 
 def _positive(value: object) -> bool:

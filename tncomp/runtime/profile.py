@@ -39,8 +39,8 @@ REPEATS = 7
 
 
 class MeasurementWarning(UserWarning):
-    """A measured plan ran far slower than its device model predicts, twice: the time says more
-    about the machine's load than about the plan."""
+    """A measured plan ran far slower than its device model predicts, twice: the times say more
+    about the machine's load (or a device model far from the machine) than about the plan."""
 
 
 def measurement_bytes(plan: Plan, shapes: Sequence[Sequence[int]], itemsize: int) -> int:
@@ -81,11 +81,11 @@ def measure_plan(plan: Plan, shapes: Sequence[Sequence[int]], dtype: torch.dtype
     if best.total > PLAUSIBLE_SLOWDOWN * modelled:
         warnings.warn(MeasurementWarning(
             f"the plan ran {best.total / modelled:.0f}x its modelled time "
-            f"({best.total * 1e3:.3g} ms against {modelled * 1e3:.3g} ms; {model.source}) in "
-            f"both of two measurements at {best.threads} threads: other work held the cores, "
-            "so these times describe the machine's load rather than the plan; measure again on "
-            "an idle machine" + (", or with fewer threads (--threads 1)" if best.threads > 1
-                                 else "") + "."), stacklevel=2)
+            f"({best.total * 1e3:.3g} ms against {modelled * 1e3:.3g} ms) in both of two "
+            f"measurements at {best.threads} threads: other work held the cores, or the device "
+            f"model ({model.source}) is far from this machine; measure again on an idle machine"
+            + (", or with fewer threads (--threads 1)" if best.threads > 1 else "")
+            + ", or recalibrate (tncomp calibrate)."), stacklevel=2)
     return best
 
 

@@ -104,3 +104,28 @@ def test_a_model_with_a_table_round_trips_through_the_calibration_file(tmp_path,
         '{"gemm_flops_per_s": 1e9, "bytes_per_s": 1e9, "step_overhead_s": 1e-6, '
         '"gemm_dims": [8, 64], "gemm_rates": [1e9, 1e9]}')
     assert load_calibration("cpu") is None  # a table of the wrong length is ignored
+
+
+# -- issue 42, item 7: a thin GEMM is slower per FLOP, but not 10,000 times ---------------------
+
+def test_a_thin_gemm_far_slower_than_the_square_rate_predicts_is_implausible():
+    from tncomp.compiler.device_model import PLAUSIBLE_SLOWDOWN
+
+    assert MODEL.implausible_rates() == []  # 64x slower per FLOP at size 8, yet plausible:
+    # its time is FLOPs at the square rate plus the per-step overhead, which the 8^3 GEMM is
+    busy = list(MODEL.gemm_rates)
+    busy[GRID.index(8) * 9 + GRID.index(64) * 3 + GRID.index(8)] = 1e6  # 1 MFLOP/s at 8x64x8
+    flops = 2 * 8 * 64 * 8
+    slowdown = (flops / 1e6) / (flops / MODEL.gemm_flops_per_s + MODEL.step_overhead_s)
+    model = DeviceModel(500e9, 10e9, 5e-6, "busy", GRID, tuple(busy))
+    (bad,) = model.implausible_rates()
+    assert (bad.m, bad.n, bad.k, bad.rate) == (8, 64, 8, 1e6)
+    assert bad.slowdown == pytest.approx(slowdown) and bad.slowdown > PLAUSIBLE_SLOWDOWN
+    assert str(bad) == f"(8x8)@(8x64) at 1 MFLOP/s, {slowdown:.0f}x slower than the square " \
+                       "GEMM's rate predicts"
+    # just within the bound: plausible
+    edge = list(MODEL.gemm_rates)
+    time = PLAUSIBLE_SLOWDOWN * 0.99 * (flops / MODEL.gemm_flops_per_s + MODEL.step_overhead_s)
+    edge[GRID.index(8) * 9 + GRID.index(64) * 3 + GRID.index(8)] = flops / time
+    assert DeviceModel(500e9, 10e9, 5e-6, "edge", GRID, tuple(edge)).implausible_rates() == []
+    assert DeviceModel().implausible_rates() == []  # no table: nothing to doubt
