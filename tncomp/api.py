@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -249,7 +250,8 @@ class CompiledNetwork:
         total = device_memory(device)
         return None if total is None else int(MEMORY_FRACTION * total)
 
-    def tree_for(self, sizes, needs_grad, itemsize: int, model: DeviceModel) -> Tree:
+    def tree_for(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], itemsize: int,
+                 model: DeviceModel) -> Tree:
         """The contraction tree used at these bound sizes: read from the batch regime table
         (``optimize="auto"``, one symbolic size), else searched (least modelled time, or fewest
         FLOPs for ``"flops"``) and kept in the disk cache when there is one."""
@@ -379,7 +381,7 @@ _CACHE_ENV = "TNCOMP_CACHE_DIR"
 _environ = os.environ
 
 
-def contract(eq, *tensors, **options) -> torch.Tensor:
+def contract(eq: str | torch.Tensor, *tensors: Any, **options: Any) -> torch.Tensor:
     """``torch.einsum`` through tncomp: planned, cached, with a planned backward.
 
     Takes what ``torch.einsum`` takes: an equation and its operands (or one list of them), or

@@ -6,6 +6,10 @@ working. Messages say what was expected, what was received, and how to fix it.
 
 from __future__ import annotations
 
+__all__ = ["CacheError", "CalibrationError", "CudaGraphError", "DtypeError", "ExecutionError",
+           "IRError", "MemoryLimitError", "OperandError", "OptionError", "PlanError",
+           "PlotDependencyError", "PlotError", "SizeError", "SpecError", "TncompError"]
+
 
 class TncompError(Exception):
     """Base class of every error raised by tncomp."""

@@ -15,6 +15,9 @@ import stat
 import time
 from pathlib import Path
 
+__all__ = ["O_NOFOLLOW", "TEMP_SUFFIX", "atomic_write_bytes", "atomic_write_text",
+           "link_or_special", "sweep_temp_files", "user_cache_dir"]
+
 log = logging.getLogger("tncomp.files")
 
 TEMP_SUFFIX = ".part"  # every in-progress write ends so: <prefix><pid>-<random>.part

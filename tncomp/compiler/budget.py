@@ -21,6 +21,8 @@ import time
 
 from tncomp.errors import OptionError
 
+__all__ = ["BUDGET_ENV", "DEFAULT_BUDGET_S", "Budget", "OutOfBudget", "budget_seconds"]
+
 log = logging.getLogger("tncomp.compiler.budget")
 
 DEFAULT_BUDGET_S = 1.0

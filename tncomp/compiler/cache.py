@@ -42,6 +42,10 @@ from typing import Any
 from tncomp.errors import CacheError
 from tncomp.files import atomic_write_bytes, user_cache_dir
 
+__all__ = ["FORMAT_VERSION", "MAX_ENTRY_BYTES", "MAX_JSON_DEPTH", "MAX_JSON_INT_DIGITS",
+           "STALE_TEMP_S", "TEMP_PREFIX", "DiskCache", "LRUCache", "default_cache_dir",
+           "key_digest", "make_private_dir", "parse_json", "read_bounded", "read_json"]
+
 log = logging.getLogger("tncomp.compiler.cache")
 
 FORMAT_VERSION = 2  # 2: trees as Tree.to_payload, regimes as {lo, hi, tree}, canonical sizes

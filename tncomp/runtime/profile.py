@@ -30,7 +30,7 @@ from tncomp.compiler.device_model import PLAUSIBLE_SLOWDOWN, DeviceModel
 from tncomp.compiler.memory import MEMORY_LIMIT_ENV
 from tncomp.compiler.plan import Measured, Plan
 from tncomp.errors import MemoryLimitError
-from tncomp.runtime.codegen import generate
+from tncomp.runtime.codegen import GeneratedCode, generate
 from tncomp.runtime.device_timing import median_time
 
 __all__ = ["REPEATS", "MeasurementWarning", "measure_plan", "measurement_bytes"]
@@ -108,7 +108,7 @@ def _measured(plan: Plan, shapes: Sequence[Sequence[int]], dtype: torch.dtype,
     dy = torch.randn(plan.output_shape, dtype=dtype, device=device)  # contiguous, as a layer's
     with_grad = any(plan.needs_grad)
 
-    def run(code) -> None:
+    def run(code: GeneratedCode) -> None:
         _y, saved = code.forward(*operands)
         if with_grad:
             code.backward(operands, saved, dy)
