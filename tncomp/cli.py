@@ -289,8 +289,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         removed = (f"removed the calibration files {', '.join(calibrations)} (compile plans "
                    "with the default device models until `tncomp calibrate` runs again)"
                    if calibrations else "no calibration files were there")
-        print(f"cleared the tncomp plan cache in {info['disk_dir']} ({info['disk_entries']} "
-              f"entries); {removed}")
+        n = info["disk_entries"]
+        print(f"cleared the tncomp plan cache in {info['disk_dir']} ({n} "
+              f"entr{'y' if n == 1 else 'ies'}); {removed}")
     else:
         for key, value in cache_info().items():
             print(f"{key:<13} {value}")

@@ -290,7 +290,7 @@ def test_cache_clear_removes_every_calibration_and_says_so(cache_dir, capsys):
     assert "calibration-cuda.json" in capsys.readouterr().out
     assert main(["cache", "clear"]) == 0
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "(1 entries)" in out
+    assert out.count("\n") == 1 and "(1 entry)" in out
     assert "removed the calibration files" in out and "calibration-cuda.json" in out
     assert sorted(p.name for p in cache_dir.iterdir()) == ["calibration-notes.txt"]
     assert tncomp.api.model_for("cpu") == tncomp.compiler.device_model.CPU_DEFAULT

@@ -259,7 +259,8 @@ def check_threads(threads: object, where: str = "threads") -> int:
 @contextmanager
 def using_threads(threads: int | None) -> Iterator[None]:
     """Run the block with ``torch.set_num_threads(threads)`` (checked by
-    :func:`check_threads`), restoring the count after; None leaves it as it is."""
+    :func:`check_threads`), restoring the count after; None leaves it as it is. The count is
+    process-wide: other threads' torch work runs at it meanwhile."""
     if threads is None:
         yield
         return
