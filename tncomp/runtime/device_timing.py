@@ -95,7 +95,8 @@ def load_calibration(device: torch.device | str) -> DeviceModel | None:
         return None
     model = _model_of(data)
     if model is None:
-        log.warning("tncomp: ignoring calibration %s: it does not hold positive %s; using the "
+        log.warning("tncomp: ignoring calibration %s: it does not hold a device model (finite "
+                    "positive %s, and only the model's fields, each of its type); using the "
                     "default model (run `tncomp calibrate` again)", path, ", ".join(_RATES))
         return None
     bad = model.implausible_rates()
