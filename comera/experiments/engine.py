@@ -234,7 +234,8 @@ class RunRecord:
 
 
 # called with each event: {"kind": "step" | "eval", "name", "stage", "step", "total", "loss"
-# (None at an evaluation before the first step), "compression"; eval: "metric", "value",
+# (None at an evaluation before the first step), "compression" (the gated layers', as the
+# late stage's target counts it); eval: "metric", "value",
 # "rank_total"}
 Progress = Callable[[dict[str, Any]], None]
 

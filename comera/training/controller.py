@@ -40,7 +40,7 @@ from comera.ranks.objective import (
     rank_regularizer,
     soft_size,
 )
-from comera.ranks.size import dense_size, gated_layers, model_size
+from comera.ranks.size import compression_ratio, dense_size, gated_layers, model_size
 from comera.ranks.truncate import TruncationReport, truncate_
 from comera.training.early import EarlyStage
 
@@ -52,8 +52,11 @@ __all__ = ["RankController", "StepStats", "clear_moments_", "late_stage_for", "t
 @dataclass(frozen=True)
 class StepStats:
     """What one trainer step did: the loss, the objective it minimised, the stage, which term
-    was weighted, and the model's size (parameters at the effective ranks) and compression
-    (dense size / size) after the step. Late stage: ``scheduled_size`` is the size the step
+    was weighted, and the model's size (every parameter, the gated layers at their effective
+    ranks) after the step, with two ratios: ``compression``, the gated layers' dense size over
+    their size (what a late stage's target compression and the callbacks' ``compression``
+    mean), and ``model_compression``, the same for the whole model (every parameter outside
+    the gated layers counted as it is). Late stage: ``scheduled_size`` is the size the step
     budget asks for after this step (S* without a budget), and ``note`` says, while the size is
     above it, why ("no step budget ...", "unreachable ...")."""
 
@@ -62,9 +65,10 @@ class StepStats:
     stage: str  # "early" / "late" (CoMERA) or "dense"
     weighted: str  # "loss+rank" (early), "loss" / "size" (late), "loss" (dense)
     size: int
-    compression: float
+    compression: float  # the gated layers' (1.0 without any)
     scheduled_size: float | None = None
     note: str = ""
+    model_compression: float = 1.0  # the whole model's
 
 
 def torch_optimizer(optimizer: Any) -> Any:
@@ -261,9 +265,18 @@ class RankController:
         loss, total, which = self._seen if self._seen is not None else (
             float("nan"), float("nan"), "")
         self._snapshot, self._seen = None, None
+        gated, whole = self.compressions(size)
         self._last = StepStats(loss, total, "late" if snap.late else "early", which, size,
-                               dense_size(self.model) / max(size, 1), scheduled, note)
+                               gated, scheduled, note, whole)
         return self._last
+
+    def compressions(self, size: int | None = None) -> tuple[float, float]:
+        """(the gated layers' compression, the whole model's) now: dense size over size, of
+        the gated layers at their effective ranks (with their hot-row caches), and of every
+        parameter. ``size``: the model's size, when already counted."""
+        size = model_size(self.model) if size is None else size
+        gated = compression_ratio(self.model, only=GatedLayer)
+        return gated, dense_size(self.model) / max(size, 1)
 
     def discard_step(self) -> None:
         """Forget the step begun by :meth:`loss` (its optimizer step was not applied)."""
@@ -398,15 +411,18 @@ class RankController:
     # -- reading and saving -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Plain numbers for a logger: the last step's loss and objective, the stage, the step
-        count, the model's size and compression now, and each TT layer's effective ranks."""
+        count, the model's size now, ``compression`` (the gated layers' dense size over their
+        size: what the late stage's target compression means), ``model_compression`` (the
+        whole model's) and each gated layer's effective ranks."""
         size = model_size(self.model)
+        gated, whole = self.compressions(size)
         last = self._last
         out: dict[str, Any] = {
             "stage": self.stage, "steps": self.steps,
             "loss": last.loss if last else float("nan"),
             "objective": last.objective if last else float("nan"),
             "weighted": last.weighted if last else "",
-            "size": size, "compression": dense_size(self.model) / max(size, 1),
+            "size": size, "compression": gated, "model_compression": whole,
             "ranks": {name: list(m.bond_ranks) for name, m in gated_layers(self.model)},
         }
         if last is not None and last.scheduled_size is not None:

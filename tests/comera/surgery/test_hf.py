@@ -180,3 +180,22 @@ def test_load_checkpoint_takes_the_unconverted_gpt2_the_cli_hints_at(tmp_path):
         {n: m.bonds for n, m in comera.gated_layers(model)}
     ids = torch.randint(0, VOCAB, (2, 8))
     assert torch.equal(original(ids).logits, model(ids).logits)
+
+
+def test_report_counts_a_tied_weight_once_as_model_size_does(tmp_path):
+    """Issue 42, item 2: `comera report` counted GPT-2's lm_head.weight (tied to wte, one
+    storage in the file) twice: 272,708 against model_size's 239,940."""
+    from comera.surgery.report import checkpoint_report
+
+    torch.manual_seed(0)
+    model = _gpt2()
+    with pytest.warns(UserWarning, match=r"comera\.save_pretrained"):
+        comera.convert_(model, ranks=4)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    comera.save_checkpoint(tmp_path / "tt.pt", model)
+    report = checkpoint_report(tmp_path / "tt.pt")
+    assert report.tt_params + report.other_params == comera.model_size(model)
+    assert report.tt_params == comera.model_size(model, only=comera.GatedLayer)
+    assert report.compression == pytest.approx(comera.compression_ratio(
+        model, only=comera.GatedLayer))
+    assert f"whole model: {comera.model_size(model):,} parameters" in str(report)

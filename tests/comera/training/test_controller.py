@@ -101,8 +101,39 @@ def test_stats_report_the_stage_size_ranks_and_compression():
     assert stats["stage"] == "early" and stats["steps"] == 1
     assert stats["loss"] == step.loss and stats["objective"] == step.objective > step.loss
     assert stats["size"] == comera.model_size(model)
-    assert stats["compression"] == pytest.approx(comera.dense_size(model) / stats["size"])
+    assert stats["model_compression"] == pytest.approx(comera.dense_size(model) / stats["size"])
+    assert stats["compression"] == pytest.approx(comera.compression_ratio(model, only=TTLinear))
+    assert (stats["compression"], stats["model_compression"]) == (step.compression,
+                                                                  step.model_compression)
     assert stats["ranks"] == {"0": list(model[0].ranks[1:-1])}
+
+
+def test_compression_means_the_gated_layers_everywhere_the_whole_model_beside_it():
+    """Issue 42, item 2: stats()["compression"] was the whole model's (4.78x) while the late
+    stage's target and the HF callback's compression are the gated layers' (8.01x). Now one
+    count under one name; the whole model's is ``model_compression``."""
+    model = _model()
+    opt = make_optimizer(model, CONFIG)
+    controller = RankController(model, opt, lam=0.5)
+    for x, y in _batches(EARLY):
+        controller.loss(F.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        controller.after_step()
+    late = comera.late_stage_for(model, compression=6.0, steps=LATE // 2, target_loss=0.5)
+    controller.start_late_stage(late)
+    for x, y in _batches(LATE):
+        controller.loss(F.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step = controller.after_step()
+    stats = controller.stats()
+    gated = comera.dense_size(model, only=TTLinear) / comera.model_size(model, only=TTLinear)
+    assert stats["compression"] == step.compression == pytest.approx(gated)
+    assert stats["compression"] >= 0.95 * 6.0  # the late stage's target, in its own terms
+    whole = comera.dense_size(model) / comera.model_size(model)
+    assert stats["model_compression"] == step.model_compression == pytest.approx(whole)
+    assert stats["model_compression"] < stats["compression"]  # the dense head counts there
 
 
 def test_after_step_without_a_step_is_refused():
