@@ -163,6 +163,9 @@ class RankController:
         self.model = model
         self.early = early
         self._size: int | None = None  # the model's size after the last step
+        # the size when training began (None: unknown, a state saved before it was kept): a late
+        # stage that starts under its target says whether training or the model put it there
+        self.start_size: float | None = float(model_size(model))
         self.early_start: float | None = None  # early target: the size at its first step
         self.early_scale = 1.0  # early target: lam's current multiplier
         self.optimizer = None if optimizer is None else torch_optimizer(optimizer)
@@ -384,9 +387,7 @@ class RankController:
         step stats, never silently."""
         floor = floor_size(self.model, self.min_rank)
         if size < 0.95 * late.target_size:
-            return (f"below: the stage starts at {size:.0f} parameters, under the target "
-                    f"{late.target_size:.0f} (the early stage pruned past it, and ranks are not "
-                    "grown back); lower lam or the early steps to land on the target")
+            return self._below_note(late.target_size, size)
         if floor > late.target_size:
             return (f"unreachable: the target {late.target_size:.0f} parameters is below the "
                     f"min_rank={self.min_rank} floor of {floor} (lower min_rank or raise the "
@@ -402,6 +403,26 @@ class RankController:
                     f"(lr {lr:g}: ~{need} steps to carry a gate from 1 to tau); give LateStage "
                     "steps=N to land on the target in N steps")
         return ""
+
+    def _below_note(self, target: float, size: float) -> str:
+        """Why a late stage starts under its target ``target`` at ``size`` parameters (ranks
+        are not grown back): the early stage pruned past it, or the model was past it before
+        training (its conversion or build ranks), or, for a state saved without the size
+        training began at, either."""
+        start = self.start_size
+        head = f"below: the stage starts at {size:.0f} parameters, under the target {target:.0f}"
+        if start is None:
+            return (f"{head} (pruned past it by the early stage, or built or converted at ranks "
+                    "already past it), and ranks are not grown back")
+        if start < 0.95 * target:
+            pruned = (f"the early stage pruned {start - size:.0f} more" if start > size
+                      else "nothing was pruned")
+            return (f"{head}: the model was under it before training, at {start:.0f} "
+                    f"parameters (its ranks compress past the target already; {pruned}), and "
+                    "ranks are not grown back; convert or build it at higher ranks, or aim at "
+                    "a higher compression")
+        return (f"{head} (the early stage pruned past it from {start:.0f}, and ranks are not "
+                "grown back); lower lam or the early steps to land on the target")
 
     def truncate(self, optimizer: Any = None) -> TruncationReport:
         """Remove pruned ranks now (model and optimizer state)."""
@@ -443,7 +464,8 @@ class RankController:
                 "early_start": self.early_start, "early_scale": self.early_scale,
                 "size_reference": self.size_reference, "lam": self.lam,
                 "late_start": None if self.late_start is None else list(self.late_start),
-                "late_note": self.late_note, "min_rank": self.min_rank}
+                "late_note": self.late_note, "min_rank": self.min_rank,
+                "start_size": self.start_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore stage, step count, late-stage targets and ``lam`` from :meth:`state_dict`'s data
@@ -468,6 +490,8 @@ class RankController:
         self.late_start = None if start is None else (int(start[0]), float(start[1]))
         self.late_note = str(state.get("late_note", ""))
         self.min_rank = int(state.get("min_rank", self.min_rank))
+        start_size = state.get("start_size")  # absent from states saved before it was kept
+        self.start_size = None if start_size is None else float(start_size)
 
 
 def check_loss(loss: Tensor, step: int) -> None:
