@@ -364,8 +364,8 @@ def load_checkpoint(source: PathLike | Mapping[str, Any], model: nn.Module,
     Each recorded layer is matched by name: a gated layer of other bonds is resized in place, an
     unconverted ``nn.Linear`` / ``nn.Embedding`` is replaced by the recorded layer (of a format
     a conversion makes; a declared einsum layer the model lacks is refused, naming it); its
-    gate threshold tau is restored. The model is checked against the checkpoint before it is
-    changed.
+    gate threshold tau is restored. The model is checked against the checkpoint before any
+    weight is written.
     ``strict`` applies to the entries outside the gated layers (as in ``load_state_dict``). With
     ``optimizer``, its param groups are rebuilt over the loaded model and the saved state is
     loaded into it (see the module docstring). A HuggingFace ``Conv1D`` or an
