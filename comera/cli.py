@@ -218,11 +218,63 @@ def _cmd_train(args, argv: list[str]) -> int:
 
 
 # -- convert / report -----------------------------------------------------------------------------
-def _parse_value(text: str) -> Any:
+MAX_JSON_DEPTH = 16  # a ConvertConfig nests 4 levels (modes: name -> sides -> modes)
+
+
+def _json_problem(value: Any) -> str | None:
+    """What makes a parsed JSON value unfit for a setting (None when nothing): nesting past
+    :data:`MAX_JSON_DEPTH`, or a whole number too large for a float. Walked without recursion,
+    so any depth is answered."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return (f"it nests more than {MAX_JSON_DEPTH} levels deep; a convert setting is a "
+                    "number, a string, or a short list or object of them")
+        if isinstance(item, int) and not isinstance(item, bool):
+            try:
+                float(item)
+            except OverflowError:
+                return (f"it holds a whole number of {len(str(abs(item)))} digits, too large "
+                        "for a float (at most about 1.8e308)")
+        elif isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return None
+
+
+def _load_json(text: str) -> Any:
+    """``json.loads(text)``, with the errors it raises past malformed text (nesting too deep
+    for the parser, a number of more digits than Python converts) as a ``ValueError`` naming
+    the cause; the value is checked by :func:`_json_problem`."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise ValueError(f"it nests more than {MAX_JSON_DEPTH} levels deep (too deep to "
+                         "parse); a convert setting is a number, a string, or a short list "
+                         "or object of them") from None
+    except ValueError as exc:  # e.g. Python's limit on the digits of an int it converts
+        raise ValueError(f"it holds a number too long to read ({exc}); a float holds at most "
+                         "about 1.8e308") from None
+    problem = _json_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+def _parse_value(text: str, item: str) -> Any:
+    """A ``--set`` value: JSON when it parses as JSON, else the text itself (a name)."""
+    try:
+        return _load_json(text)
     except json.JSONDecodeError:
         return text
+    except ValueError as exc:
+        shown = item if len(item) <= 40 else item[:37] + "..."
+        raise ComeraError(f"--set {shown!r}: {exc}; e.g. --set target_compression=20.") \
+            from None
 
 
 def _convert_config(args):
@@ -233,23 +285,31 @@ def _convert_config(args):
     fields: dict[str, Any] = {}
     if args.config is not None:
         source = Path(args.config)
+        shown = args.config if len(args.config) <= 60 else args.config[:57] + "..."
         try:
-            given = (json.loads(source.read_text()) if args.config and source.is_file()
-                     else json.loads(args.config))
+            is_file = bool(args.config) and source.is_file()
+        except OSError:  # e.g. JSON text longer than a file name may be
+            is_file = False
+        try:
+            given = _load_json(source.read_text()) if is_file else _load_json(args.config)
         except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
-            why = f"{exc.msg} at {exc.pos}" if isinstance(exc, json.JSONDecodeError) else exc
+            why = (f"{exc.msg} at {exc.pos}" if isinstance(exc, json.JSONDecodeError)
+                   else f"{type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}")
             raise ComeraError(
-                f"--config {args.config!r} is neither a JSON file nor JSON text ({why}); "
+                f"--config {shown!r} is neither a JSON file nor JSON text ({why}); "
                 "e.g. --config '{\"ranks\": 16}'.") from None
+        except ValueError as exc:  # parsed, but not a value a setting takes
+            raise ComeraError(f"--config {shown!r}: {exc}; e.g. --config "
+                              "'{\"ranks\": 16}'.") from None
         if not isinstance(given, dict):
-            raise ComeraError(f"--config {args.config!r} is not a JSON object; e.g. --config "
+            raise ComeraError(f"--config {shown!r} is not a JSON object; e.g. --config "
                               "'{\"ranks\": 16}'.")
         fields.update(given)
     for item in args.set or []:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ComeraError(f"--set {item!r}: expected KEY=VALUE, e.g. --set ranks=16.")
-        fields[key.strip()] = _parse_value(value)
+            raise ComeraError(f"--set {item[:40]!r}: expected KEY=VALUE, e.g. --set ranks=16.")
+        fields[key.strip()] = _parse_value(value, item)
     return config_from_json(fields)
 
 
@@ -305,9 +365,10 @@ def _calibration_batches(path: str | None) -> list | None:
                           "with torch.save([x1, x2, ...], path).")
     kind, data = peek_torch_file(source)
     if kind != "data":
-        raise ComeraError(f"--calibration {source} is not a torch file of tensors "
-                          f"({data if kind == 'unreadable' else 'it pickles ' + data}); save a "
-                          "list of input batches with torch.save([x1, x2, ...], path).")
+        why = (data if kind == "unreadable" else f"it pickles {data}, which is not unpickled: "
+               "loading it could run arbitrary code")
+        raise ComeraError(f"--calibration {source} is not a torch file of tensors ({why}); "
+                          "save a list of input batches with torch.save([x1, x2, ...], path).")
     batches = [data] if isinstance(data, Tensor | Mapping) else data
     if not isinstance(batches, list | tuple) or not batches:
         what = "no batches" if isinstance(batches, list | tuple) else type(data).__name__
@@ -323,6 +384,7 @@ def _cmd_convert(args, argv) -> int:
 
     import comera
     from comera.data.progress import progress_bar
+    from comera.surgery.convert import HF_SAVE_WARNING
 
     if not args.model.strip():
         raise ComeraError("model file '': give the file of torch.save(model, path), e.g. "
@@ -361,10 +423,13 @@ def _cmd_convert(args, argv) -> int:
     _check_reached(report, config.target_compression)
     print(report)
     for warning in said:
+        if str(warning.message) == HF_SAVE_WARNING:
+            continue  # about HF's save_pretrained folders: this writes a comera checkpoint
         print(f"comera: warning: {_one_line(str(warning.message))}", file=sys.stderr)
     comera.save_checkpoint(out, model, converted_from=str(source))
     print(f"\nwrote {out} (load it into the original architecture with "
-          "comera.load_checkpoint(path, model))")
+          "comera.load_checkpoint(path, model): a model built as the original was, dense "
+          "or converted)")
     return 0
 
 

@@ -29,7 +29,10 @@ import torch
 from tncomp.files import atomic_write_bytes
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+# the object a weights-only load refused: torch names it in one of two sentences (an allowed
+# module's object not on the allow list; an object of a module it blocks, such as os)
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)|unsupported GLOBAL (\S+) whose module")
+MAX_REASON = 1000  # characters of a load error kept: the whole of torch's, not a runaway text
 # how every torch.save file begins: its zip archive, or the legacy format's pickle protocol byte
 MAGIC = (b"PK\x03\x04", b"\x80")
 
@@ -112,15 +115,20 @@ def refused_global(exc: BaseException) -> str | None:
     if not isinstance(exc, pickle.UnpicklingError):
         return None
     found = _GLOBAL.search(str(exc))
-    return found.group(1).rstrip(".") if found else None
+    return (found.group(1) or found.group(2)).rstrip(".") if found else None
 
 
 def load_error_reason(exc: BaseException) -> str:
-    """``exc`` of a failed load as one plain line: its type and first meaningful line."""
+    """``exc`` of a failed load as one plain line: its type and its whole message (torch's
+    weights-only errors from their "WeightsUnpickler error:" on; torch's advice to retry with
+    ``weights_only=False`` kept with its warning that this can run arbitrary code)."""
     text = _ANSI.sub("", str(exc))
     _, marker, rest = text.partition("WeightsUnpickler error:")
-    lines = [line.strip() for line in (rest if marker else text).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+    line = " ".join(line.strip() for line in (rest if marker else text).splitlines()
+                    if line.strip())
+    if len(line) > MAX_REASON:
+        line = line[:MAX_REASON - 3] + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
 __all__ = ["NotATorchFileError", "check_torch_file", "content_digest", "load_error_reason",

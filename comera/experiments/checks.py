@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 import comera
-from comera import ConfigError
+from comera import CheckpointError, ConfigError
 from comera.experiments.task import Task, build_task_model
 from comera.ranks.objective import floor_size
 
 __all__ = ["MAX_INT", "ON_NONFINITE", "PRECISIONS", "STAGES", "check_device", "check_int",
-           "check_number", "check_settings", "check_task"]
+           "check_kept_parametrization", "check_number", "check_settings", "check_task",
+           "parametrizations"]
 
 STAGES = ("early", "late", "both")
 ON_NONFINITE = ("stop", "skip")
@@ -113,3 +114,30 @@ def check_task(task: Task, config: Any, tt: bool = True) -> None:
                           f"the TT layers of task {task.name!r} shrink at most {most:g}x "
                           f"(every rank 1: {floor} of {dense} parameters); choose "
                           f"target_compression <= {most:g}.")
+
+
+def parametrizations(model: Any) -> dict[str, tuple[str, tuple[float, ...]]]:
+    """Per gated layer of ``model``: its parametrization and its cores' forward multipliers
+    (what :func:`check_kept_parametrization` compares before and after a resume's load)."""
+    return {name: (layer.parametrization, tuple(layer.core_scale_values))
+            for name, layer in comera.gated_layers(model)}
+
+
+def check_kept_parametrization(built: dict[str, tuple[str, tuple[float, ...]]], model: Any,
+                               path: Any) -> None:
+    """Refuse a resume whose model was built with another parametrization than the checkpoint
+    at ``path`` was trained with: loading takes the saved cores' multipliers with them, so the
+    new setting would be silently ignored. ``built``: :func:`parametrizations` of the model
+    before the load; ``model``: after it."""
+    loaded = parametrizations(model)
+    for name, (kind, scales) in built.items():
+        if name not in loaded or loaded[name][1] == scales:
+            continue
+        saved_scales = loaded[name][1]
+        saved = "plain" if all(s == 1.0 for s in saved_scales) else "balanced"
+        raise CheckpointError(
+            f"{path} was trained with the {saved} parametrization of its gated layers, and the "
+            f"model is now built with the {kind} one ({name or '<model>'}: core multipliers "
+            f"{list(saved_scales)} in the checkpoint, {list(scales)} now); resuming would keep "
+            f"the saved one and ignore the new setting. Resume with parametrization="
+            f"{saved!r}, or start without --resume.")

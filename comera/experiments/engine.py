@@ -51,9 +51,11 @@ from comera.experiments.checks import (
     STAGES,
     check_device,
     check_int,
+    check_kept_parametrization,
     check_number,
     check_settings,
     check_task,
+    parametrizations,
 )
 from comera.experiments.distributed import (
     World,
@@ -65,8 +67,14 @@ from comera.experiments.distributed import (
     prepare_model_,
     save_run_checkpoint,
 )
+from comera.experiments.optim_schedule import (
+    OPTIMIZERS,
+    SCHEDULES,
+    base_rates,
+    lr_factor,
+    run_optimizer,
+)
 from comera.experiments.rundir import hold_run_directory
-from comera.experiments.optim_schedule import OPTIMIZERS, SCHEDULES, base_rates, lr_factor, run_optimizer
 from comera.experiments.task import IndexStream, Task, build_task_model
 from comera.formats.registry import DENSE, check_layer_format
 from comera.layers.linear import check_memory
@@ -234,7 +242,8 @@ class RunRecord:
 
 
 # called with each event: {"kind": "step" | "eval", "name", "stage", "step", "total", "loss"
-# (None at an evaluation before the first step), "compression"; eval: "metric", "value",
+# (None at an evaluation before the first step), "compression" (the gated layers', as the
+# late stage's target counts it); eval: "metric", "value",
 # "rank_total"}
 Progress = Callable[[dict[str, Any]], None]
 
@@ -493,8 +502,10 @@ class _Run:
         """Load the run's checkpoint if there is one; False when starting fresh."""
         if not self.checkpoint_path.is_file():
             return False
+        built = parametrizations(self.model)
         extra = load_run_checkpoint(self.checkpoint_path, self.model, self.optimizer,
                                     self.config.fsdp)
+        check_kept_parametrization(built, self.model, self.checkpoint_path)
         state = extra.get("engine")
         if not isinstance(state, dict):
             raise CheckpointError(f"{self.checkpoint_path} was not written by the training "

@@ -183,8 +183,8 @@ class StageDriver:
         late stage runs."""
         stats = self.controller.stats()
         out = {"size": float(stats["size"]),
-               "compression": float(compression_ratio(self.controller.model, only=GatedLayer)),
-               "model_compression": float(stats["compression"]),
+               "compression": float(stats["compression"]),
+               "model_compression": float(stats["model_compression"]),
                "rank_total": float(sum(sum(r) for r in stats["ranks"].values())),
                "late_stage": float(stats["stage"] == "late")}
         if plain_loss is not None and self._penalties:

@@ -6,7 +6,11 @@ A truncated model's cores are smaller than the ones a freshly built model has, s
 format and layout at the stored bond sizes (:mod:`comera.surgery.records`); ``load_checkpoint``
 resizes each gated layer of the target model to the recorded bonds (or, where the target still
 holds the ``nn.Linear`` / ``nn.Embedding`` it was converted from, builds the recorded layer in
-its place) before loading the weights (the surgery lives in :mod:`comera.surgery.swap`).
+its place; a HuggingFace ``Conv1D`` or an ``nn.MultiheadAttention`` is converted first, as
+``convert_`` would) before loading the weights (the surgery lives in
+:mod:`comera.surgery.swap`). A load that fails leaves the model as it was: every swap is undone
+(:func:`~comera.surgery.swap.restored_on_error`), and every check runs before a weight is
+written.
 
     comera.save_checkpoint("run.pt", model, optimizer, step=1200)
     extra = comera.load_checkpoint("run.pt", fresh_model, optimizer)   # extra == {"step": 1200}
@@ -37,6 +41,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +51,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera.errors import CheckpointError, ConfigError
+from comera.errors import CheckpointError, ComeraError, ConfigError
+from comera.formats.registry import get_format
+from comera.layers.linear import GatedLayer
 from comera.ranks.size import gated_layers
-from comera.surgery.records import layer_spec, read_records
-from comera.surgery.swap import check_module, check_other_keys, match_layers, restore_layers_
+from comera.surgery.config import ConvertConfig
+from comera.surgery.convert import HF_SAVE_WARNING, convert_
+from comera.surgery.records import KINDS, build_layer, layer_spec, read_records
+from comera.surgery.swap import (
+    check_module,
+    check_other_keys,
+    match_layers,
+    restore_layers_,
+    restored_on_error,
+)
 from comera.torchfile import (
     load_error_reason,
     read_torch_file,
@@ -267,6 +283,79 @@ def read_checkpoint(source: PathLike | Mapping[str, Any]) -> CheckpointRecord:
 
 
 # -- load -----------------------------------------------------------------------------------------
+def _pattern(name: str) -> str:
+    """``name`` as an fnmatch pattern matching only itself."""
+    return re.sub(r"([*?[])", r"[\1]", name)
+
+
+def _get(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _convert_like_(model: nn.Module, layers: Mapping[str, Mapping]) -> None:
+    """Convert the still dense modules of ``model`` that the records (checked and upgraded,
+    :func:`~comera.surgery.records.read_records`) hold as gated layers and that loading cannot
+    replace by itself (a dense nn.MultiheadAttention's projections, HF's Conv1D), each to its
+    recorded format and modes (rank 1: they are resized and loaded afterwards). A plain
+    ``nn.Linear`` / ``nn.Embedding`` is left to loading, which puts the recorded layer in its
+    place (a format a conversion makes; a declared einsum layer must be in the model
+    already)."""
+    groups: dict[tuple[str, bool], dict[str, tuple[str, tuple | None]]] = {}
+    targets: dict[tuple[str, bool], set[str]] = {}
+    for name, spec in layers.items():
+        owner = name.rpartition(".")[0]
+        if isinstance(_get(model, owner), nn.MultiheadAttention):
+            target = owner  # a projection of a dense attention: converted with it
+        elif isinstance(_get(model, name), nn.Module) and not isinstance(
+                _get(model, name), GatedLayer | KINDS[spec["kind"]].dense):
+            target = name
+        else:
+            continue  # converted already, or missing: match_layers names what is missing
+        layer = build_layer(spec, torch.empty(0, device="meta"))
+        fmt, layout = layer.format.name, layer.layout
+        modes = (layout.in_modes, layout.out_modes) if get_format(fmt).uses_modes else None
+        key = (KINDS[spec["kind"]].switch, f"{target}.in_proj" in layers)
+        groups.setdefault(key, {})[name] = (fmt, modes)
+        targets.setdefault(key, set()).add(target)
+    for (switch, packed), entries in groups.items():
+        with warnings.catch_warnings():  # loading is how HF_SAVE_WARNING's advice is followed
+            warnings.filterwarnings("ignore", message=re.escape(HF_SAVE_WARNING[:40]))
+            convert_(model, ConvertConfig(
+                include=tuple(_pattern(t) for t in sorted(targets[(switch, packed)])),
+                linear=switch == "linear", embedding=switch == "embedding", ranks=1,
+                format={_pattern(n): fmt for n, (fmt, _) in entries.items()},
+                modes={n: modes for n, (_, modes) in entries.items() if modes is not None},
+                attention_in_proj="packed" if packed else "split"))
+    for name, spec in layers.items():
+        module = _get(model, name)
+        if spec.get("merge_pairs") is not None and module is not None:
+            module.merge_pairs = bool(spec["merge_pairs"])
+
+
+def _reshape_(model: nn.Module, record: CheckpointRecord, strict: bool) -> list:
+    """Convert, check and reshape ``model`` to the record's layers (the caller undoes it all
+    on an error); return the :func:`match_layers` plan."""
+    where = record.path
+    try:
+        _convert_like_(model, record.layers)
+    except CheckpointError:
+        raise
+    except ComeraError as exc:  # e.g. the recorded modes do not fit this model's Conv1D
+        raise CheckpointError(f"{where} does not fit the {type(model).__name__}: {exc} It was "
+                              "saved from another architecture, or was edited; the model is "
+                              "unchanged.") from None
+    except _RAW as exc:
+        raise CheckpointError(f"{where} could not be loaded into the {type(model).__name__} "
+                              f"({type(exc).__name__}: {exc}); it was saved from another "
+                              "architecture, or was edited; the model is unchanged.") from None
+    plan = match_layers(model, record.layers, where)
+    check_other_keys(model, record.model, [name for name, _, _ in plan], strict, where)
+    return plan
+
+
 def load_checkpoint(source: PathLike | Mapping[str, Any], model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     strict: bool = True) -> dict[str, Any]:
@@ -275,11 +364,14 @@ def load_checkpoint(source: PathLike | Mapping[str, Any], model: nn.Module,
     Each recorded layer is matched by name: a gated layer of other bonds is resized in place, an
     unconverted ``nn.Linear`` / ``nn.Embedding`` is replaced by the recorded layer (of a format
     a conversion makes; a declared einsum layer the model lacks is refused, naming it); its
-    gate threshold tau is restored. The model is checked against the checkpoint before it is
-    changed.
+    gate threshold tau is restored. The model is checked against the checkpoint before any
+    weight is written.
     ``strict`` applies to the entries outside the gated layers (as in ``load_state_dict``). With
     ``optimizer``, its param groups are rebuilt over the loaded model and the saved state is
-    loaded into it (see the module docstring).
+    loaded into it (see the module docstring). A HuggingFace ``Conv1D`` or an
+    ``nn.MultiheadAttention`` the records hold as gated layers is converted first (the model may
+    be the unconverted original). On a :class:`CheckpointError` before the optimizer is
+    rebuilt, the model is as it was.
     """
     usage = "load_checkpoint(path, model, optimizer=None, strict=True)"
     check_module(model, usage)
@@ -288,21 +380,22 @@ def load_checkpoint(source: PathLike | Mapping[str, Any], model: nn.Module,
         _sweep(Path(source))
     record = _read(source)
     where = record.path
-    plan = match_layers(model, record.layers, where)
-    check_other_keys(model, record.model, [name for name, _, _ in plan], strict, where)
-    try:
-        if optimizer is not None:
-            check_optimizer(record.optimizer, record.optimizer_class, optimizer, where)
-    except _RAW as exc:
-        raise CheckpointError(f"{where}: its optimizer record cannot be read ("
-                              f"{type(exc).__name__}: {exc}); the file is damaged or was "
-                              "edited.") from None
-    restore_layers_(model, plan)
-    try:
-        model.load_state_dict(record.model, strict=strict)
-    except RuntimeError as exc:
-        raise CheckpointError(f"{where} could not be loaded into the model (it was partly "
-                              f"changed; rebuild it before retrying): {exc}") from exc
+    with restored_on_error(model):  # every swap undone if anything below raises
+        plan = _reshape_(model, record, strict)
+        try:
+            if optimizer is not None:
+                check_optimizer(record.optimizer, record.optimizer_class, optimizer, where)
+        except _RAW as exc:
+            raise CheckpointError(f"{where}: its optimizer record cannot be read ("
+                                  f"{type(exc).__name__}: {exc}); the file is damaged or was "
+                                  "edited.") from None
+        restore_layers_(model, plan)
+        try:
+            model.load_state_dict(record.model, strict=strict)
+        except (RuntimeError, ConfigError) as exc:
+            raise CheckpointError(f"{where} could not be loaded into the model (its layers are "
+                                  "as they were, but weights outside them may be partly "
+                                  f"overwritten; rebuild it before retrying): {exc}") from exc
     if optimizer is not None:
         try:
             rebuild_optimizer_(record.optimizer, record.optimizer_param_names, model, optimizer,

@@ -11,7 +11,8 @@ Records read back are checked (types, ranges, layouts, shapes against the tensor
 before anything is built, so an edited folder raises :class:`~comera.errors.CheckpointError`,
 never a raw error or a huge allocation. ``from_pretrained`` builds the model (from the class and
 that config, or takes a model you built), converts the recorded layers to the recorded formats
-and modes, resizes them to the recorded bonds and loads every tensor: the result equals the
+and modes (:func:`~comera.surgery.checkpoint.load_checkpoint` does it all, and undoes it when the
+load fails), resizes them to the recorded bonds and loads every tensor: the result equals the
 saved model.
 
 HuggingFace's own ``from_pretrained`` cannot read this folder: there is no ``model.safetensors``
@@ -24,9 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +33,9 @@ import torch
 from torch import nn
 
 from comera.errors import CheckpointError, ConfigError
-from comera.formats.registry import get_format
-from comera.layers.linear import GatedLayer
 from comera.ranks.size import gated_layers
 from comera.surgery import checkpoint as _ckpt
-from comera.surgery.config import ConvertConfig
-from comera.surgery.convert import HF_SAVE_WARNING, convert_
-from comera.surgery.records import KINDS, build_layer, layer_spec
+from comera.surgery.records import layer_spec
 from comera.surgery.swap import check_module
 from tncomp.files import atomic_write_bytes, atomic_write_text, link_or_special
 
@@ -200,63 +195,12 @@ def _build(model_or_class: nn.Module | type, directory: Path) -> nn.Module:
                           f"{model_or_class!r}.")
 
 
-def _pattern(name: str) -> str:
-    """``name`` as an fnmatch pattern matching only itself."""
-    return re.sub(r"([*?[])", r"[\1]", name)
-
-
-def _convert_like_(model: nn.Module, layers: Mapping[str, Mapping]) -> None:
-    """Convert the still dense modules of ``model`` that the records (checked and upgraded,
-    :func:`~comera.surgery.records.read_records`) hold as gated layers and that loading cannot
-    replace by itself (a dense nn.MultiheadAttention's projections, HF's Conv1D), each to its
-    recorded format and modes (rank 1: they are resized and loaded afterwards). A plain
-    ``nn.Linear`` / ``nn.Embedding`` is left to loading, which puts the recorded layer in its
-    place (a format a conversion makes; a declared einsum layer must be in the model
-    already)."""
-    groups: dict[tuple[str, bool], dict[str, tuple[str, tuple | None]]] = {}
-    targets: dict[tuple[str, bool], set[str]] = {}
-    for name, spec in layers.items():
-        owner = name.rpartition(".")[0]
-        if isinstance(_get(model, owner), nn.MultiheadAttention):
-            target = owner  # a projection of a dense attention: converted with it
-        elif isinstance(_get(model, name), nn.Module) and not isinstance(
-                _get(model, name), GatedLayer | KINDS[spec["kind"]].dense):
-            target = name
-        else:
-            continue  # converted already, or missing: load_checkpoint names what is missing
-        layer = build_layer(spec, torch.empty(0, device="meta"))
-        fmt, layout = layer.format.name, layer.layout
-        modes = (layout.in_modes, layout.out_modes) if get_format(fmt).uses_modes else None
-        key = (KINDS[spec["kind"]].switch, f"{target}.in_proj" in layers)
-        groups.setdefault(key, {})[name] = (fmt, modes)
-        targets.setdefault(key, set()).add(target)
-    for (switch, packed), entries in groups.items():
-        with warnings.catch_warnings():  # loading is how HF_SAVE_WARNING's advice is followed
-            warnings.filterwarnings("ignore", message=re.escape(HF_SAVE_WARNING[:40]))
-            convert_(model, ConvertConfig(
-                include=tuple(_pattern(t) for t in sorted(targets[(switch, packed)])),
-                linear=switch == "linear", embedding=switch == "embedding", ranks=1,
-                format={_pattern(n): fmt for n, (fmt, _) in entries.items()},
-                modes={n: modes for n, (_, modes) in entries.items() if modes is not None},
-                attention_in_proj="packed" if packed else "split"))
-    for name, spec in layers.items():
-        module = _get(model, name)
-        if spec.get("merge_pairs") is not None and module is not None:
-            module.merge_pairs = bool(spec["merge_pairs"])
-
-
-def _get(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
-
-
 def from_pretrained(directory: PathLike, model_or_class: nn.Module | type) -> nn.Module:
     """The model saved by :func:`save_pretrained` in ``directory``, with its gated layers at
     the saved formats and ranks. ``model_or_class``: a model of the saved architecture
-    (converted or not; it is changed in place), or its class (a HuggingFace class is built
-    from the saved config and put in eval mode, as HuggingFace's ``from_pretrained`` does)."""
+    (converted or not; it is changed in place, and left as it was when the load fails), or its
+    class (a HuggingFace class is built from the saved config and put in eval mode, as
+    HuggingFace's ``from_pretrained`` does)."""
     if not isinstance(directory, str | os.PathLike):
         raise ConfigError(f"from_pretrained: directory is a {type(directory).__name__}, not a "
                           "folder name; the arguments are from_pretrained(directory, "
@@ -282,17 +226,9 @@ def from_pretrained(directory: PathLike, model_or_class: nn.Module | type) -> nn
     payload = _ckpt.checkpoint_payload(dict(sorted(tensors.items())), records.get("layers"),
                                        extra=extra)
     payload["checksum"] = records["checksum"]  # the stored one: read_checkpoint verifies it
-    record = _ckpt.read_checkpoint(payload)  # checksum and records, before the model changes
+    _ckpt.read_checkpoint(payload)  # checksum and records, before a model is built
     model = _build(model_or_class, directory)
-    try:
-        _convert_like_(model, record.layers)
-    except CheckpointError:
-        raise
-    except (KeyError, AttributeError, TypeError, ValueError, IndexError, RuntimeError) as exc:
-        raise CheckpointError(f"{directory} could not be loaded into the "
-                              f"{type(model).__name__} ({type(exc).__name__}: {exc}); the "
-                              "folder was saved from another architecture, or was edited.") \
-            from None
+    # converts a dense Conv1D / attention first; a failure leaves the model as it was
     _ckpt.load_checkpoint(payload, model)
     return model
 

@@ -9,7 +9,8 @@ above tau, one per bond) are the ones the model trains with.
 Sizes are counted as :mod:`comera.ranks.size` counts them (``model_size``, ``compression_ratio``
 and the run summary agree with this table): a TT layer at its effective ranks with its bias and
 its hot-row cache (:class:`~comera.layers.cached_embedding.CachedTTEmbedding`), against the dense
-matrix it stands for; every other floating-point tensor counts once, outside the TT layers.
+matrix it stands for; every other floating-point tensor counts once, outside the TT layers (a
+tied weight, stored under two names on one storage, once).
 """
 
 from __future__ import annotations
@@ -155,9 +156,25 @@ def checkpoint_report(path: str | os.PathLike) -> CheckpointReport:
                              (layout.in_modes, layout.out_modes), layer.bonds, layer.ranks,
                              layer.num_parameters(True) + cache, layer.dense_num_parameters(),
                              cache, layer.format.name, layout.is_chain))
-    other = sum(v.numel() for k, v in state.items()
+    other = sum(v.numel() for k, v in _untied(state).items()
                 if k not in inside and not _is_buffer_like(k, v))
     return CheckpointReport(record.path, tuple(rows), other, dict(record.extra))
+
+
+def _untied(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor that several entries share (a tied weight: GPT-2's
+    ``lm_head.weight`` is ``transformer.wte.weight``; torch.save keeps the sharing) kept once,
+    under its first name: ``model.parameters()``, and so ``model_size``, count it once."""
+    seen, out = set(), {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            tie = (value.untyped_storage().data_ptr(), value.storage_offset(),
+                   tuple(value.shape), tuple(value.stride()), value.dtype)
+            if tie in seen:
+                continue
+            seen.add(tie)
+        out[key] = value
+    return out
 
 
 def _cache_key(name: str, state: dict[str, Any]) -> str | None:

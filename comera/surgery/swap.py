@@ -12,7 +12,8 @@ submodule is replaced by name (``convert_`` and checkpoint loading both use it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -62,6 +63,35 @@ def fast_paths_off_(model: nn.Module) -> None:
             module.activation_relu_or_gelu = 0  # the fast path requires relu/gelu flagged
         elif isinstance(module, nn.TransformerEncoder) and converted(module):
             module.use_nested_tensor = False
+
+
+_TABLES = ("_modules", "_parameters", "_buffers")  # nn.Module's own dicts: restored in place
+
+
+@contextlib.contextmanager
+def restored_on_error(model: nn.Module) -> Iterator[None]:
+    """Undo, when the block raises, every swap and attribute change made inside it to
+    ``model``'s modules: each module's submodules, parameters, buffers and attributes are put
+    back as they were (the same objects; nothing is copied, so it costs no memory). Values
+    written in place into a tensor are not undone: check before loading weights."""
+    saved = []
+    for module in model.modules():
+        state = {k: (dict(v) if k in _TABLES else v) for k, v in module.__dict__.items()}
+        saved.append((module, state))
+    try:
+        yield
+    except BaseException:
+        for module, state in saved:
+            for key in [k for k in module.__dict__ if k not in state]:
+                del module.__dict__[key]
+            for key, value in state.items():
+                if key in _TABLES:
+                    table = module.__dict__[key]
+                    table.clear()
+                    table.update(value)
+                else:
+                    module.__dict__[key] = value
+        raise
 
 
 # -- matching a model against records ------------------------------------------------------------
@@ -123,16 +153,33 @@ def match_layers(model: nn.Module, layers: Mapping[str, Mapping[str, Any]],
             if why is None and not name:
                 why = "the model itself is the unconverted layer; wrap it in a parent module"
         if why is not None:
-            problems.append(f"{name or '<model>'}: {why}")
+            problems.append((name or "<model>", why))
         plan.append((name, module, spec))
     if missing:
         raise CheckpointError(
-            f"{where} records gated layers that the model lacks: {', '.join(missing)}. Load it "
+            f"{where} records gated layers that the model lacks: {', '.join(missing[:6])}"
+            f"{f' and {len(missing) - 6} more' if len(missing) > 6 else ''}. Load it "
             "into a model of the same architecture (converted or not)."
         )
     if problems:
-        raise CheckpointError(f"{where} does not match the model: " + "; ".join(problems) + ".")
+        raise CheckpointError(f"{where} does not match the model: {_grouped(problems)}.")
     return plan
+
+
+def _grouped(problems: list[tuple[str, str]], names: int = 3, most: int = 4) -> str:
+    """``(layer, why)`` pairs as one short text: the layers sharing a reason listed once with
+    it (a model of twelve blocks has one reason twelve times), at most ``most`` reasons."""
+    by_why: dict[str, list[str]] = {}
+    for name, why in problems:
+        by_why.setdefault(why, []).append(name)
+    parts = []
+    for why, layers in list(by_why.items())[:most]:
+        shown = ", ".join(layers[:names])
+        more = f" and {len(layers) - names} more" if len(layers) > names else ""
+        parts.append(f"{shown}{more}: {why}")
+    if len(by_why) > most:
+        parts.append(f"and {len(by_why) - most} other differences")
+    return "; ".join(parts)
 
 
 def check_other_keys(model: nn.Module, state: Mapping[str, Tensor], layer_names: list[str],
@@ -171,5 +218,5 @@ def restore_layers_(model: nn.Module, plan: LayerPlan) -> None:
     fast_paths_off_(model)
 
 
-__all__ = ["check_module", "check_other_keys", "fast_paths_off_", "match_layers", "restore_layers_",
-           "swap_submodule"]
+__all__ = ["check_module", "check_other_keys", "fast_paths_off_", "match_layers",
+           "restore_layers_", "restored_on_error", "swap_submodule"]

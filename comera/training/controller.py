@@ -40,7 +40,7 @@ from comera.ranks.objective import (
     rank_regularizer,
     soft_size,
 )
-from comera.ranks.size import dense_size, gated_layers, model_size
+from comera.ranks.size import compression_ratio, dense_size, gated_layers, model_size
 from comera.ranks.truncate import TruncationReport, truncate_
 from comera.training.early import EarlyStage
 
@@ -52,8 +52,11 @@ __all__ = ["RankController", "StepStats", "clear_moments_", "late_stage_for", "t
 @dataclass(frozen=True)
 class StepStats:
     """What one trainer step did: the loss, the objective it minimised, the stage, which term
-    was weighted, and the model's size (parameters at the effective ranks) and compression
-    (dense size / size) after the step. Late stage: ``scheduled_size`` is the size the step
+    was weighted, and the model's size (every parameter, the gated layers at their effective
+    ranks) after the step, with two ratios: ``compression``, the gated layers' dense size over
+    their size (what a late stage's target compression and the callbacks' ``compression``
+    mean), and ``model_compression``, the same for the whole model (every parameter outside
+    the gated layers counted as it is). Late stage: ``scheduled_size`` is the size the step
     budget asks for after this step (S* without a budget), and ``note`` says, while the size is
     above it, why ("no step budget ...", "unreachable ...")."""
 
@@ -62,9 +65,10 @@ class StepStats:
     stage: str  # "early" / "late" (CoMERA) or "dense"
     weighted: str  # "loss+rank" (early), "loss" / "size" (late), "loss" (dense)
     size: int
-    compression: float
+    compression: float  # the gated layers' (1.0 without any)
     scheduled_size: float | None = None
     note: str = ""
+    model_compression: float = 1.0  # the whole model's
 
 
 def torch_optimizer(optimizer: Any) -> Any:
@@ -159,6 +163,9 @@ class RankController:
         self.model = model
         self.early = early
         self._size: int | None = None  # the model's size after the last step
+        # the size when training began (None: unknown, a state saved before it was kept): a late
+        # stage that starts under its target says whether training or the model put it there
+        self.start_size: float | None = float(model_size(model))
         self.early_start: float | None = None  # early target: the size at its first step
         self.early_scale = 1.0  # early target: lam's current multiplier
         self.optimizer = None if optimizer is None else torch_optimizer(optimizer)
@@ -261,9 +268,18 @@ class RankController:
         loss, total, which = self._seen if self._seen is not None else (
             float("nan"), float("nan"), "")
         self._snapshot, self._seen = None, None
+        gated, whole = self.compressions(size)
         self._last = StepStats(loss, total, "late" if snap.late else "early", which, size,
-                               dense_size(self.model) / max(size, 1), scheduled, note)
+                               gated, scheduled, note, whole)
         return self._last
+
+    def compressions(self, size: int | None = None) -> tuple[float, float]:
+        """(the gated layers' compression, the whole model's) now: dense size over size, of
+        the gated layers at their effective ranks (with their hot-row caches), and of every
+        parameter. ``size``: the model's size, when already counted."""
+        size = model_size(self.model) if size is None else size
+        gated = compression_ratio(self.model, only=GatedLayer)
+        return gated, dense_size(self.model) / max(size, 1)
 
     def discard_step(self) -> None:
         """Forget the step begun by :meth:`loss` (its optimizer step was not applied)."""
@@ -371,9 +387,7 @@ class RankController:
         step stats, never silently."""
         floor = floor_size(self.model, self.min_rank)
         if size < 0.95 * late.target_size:
-            return (f"below: the stage starts at {size:.0f} parameters, under the target "
-                    f"{late.target_size:.0f} (the early stage pruned past it, and ranks are not "
-                    "grown back); lower lam or the early steps to land on the target")
+            return self._below_note(late.target_size, size)
         if floor > late.target_size:
             return (f"unreachable: the target {late.target_size:.0f} parameters is below the "
                     f"min_rank={self.min_rank} floor of {floor} (lower min_rank or raise the "
@@ -390,6 +404,26 @@ class RankController:
                     "steps=N to land on the target in N steps")
         return ""
 
+    def _below_note(self, target: float, size: float) -> str:
+        """Why a late stage starts under its target ``target`` at ``size`` parameters (ranks
+        are not grown back): the early stage pruned past it, or the model was past it before
+        training (its conversion or build ranks), or, for a state saved without the size
+        training began at, either."""
+        start = self.start_size
+        head = f"below: the stage starts at {size:.0f} parameters, under the target {target:.0f}"
+        if start is None:
+            return (f"{head} (pruned past it by the early stage, or built or converted at ranks "
+                    "already past it), and ranks are not grown back")
+        if start < 0.95 * target:
+            pruned = (f"the early stage pruned {start - size:.0f} more" if start > size
+                      else "nothing was pruned")
+            return (f"{head}: the model was under it before training, at {start:.0f} "
+                    f"parameters (its ranks compress past the target already; {pruned}), and "
+                    "ranks are not grown back; convert or build it at higher ranks, or aim at "
+                    "a higher compression")
+        return (f"{head} (the early stage pruned past it from {start:.0f}, and ranks are not "
+                "grown back); lower lam or the early steps to land on the target")
+
     def truncate(self, optimizer: Any = None) -> TruncationReport:
         """Remove pruned ranks now (model and optimizer state)."""
         opt = self.optimizer if optimizer is None else torch_optimizer(optimizer)
@@ -398,15 +432,18 @@ class RankController:
     # -- reading and saving -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Plain numbers for a logger: the last step's loss and objective, the stage, the step
-        count, the model's size and compression now, and each TT layer's effective ranks."""
+        count, the model's size now, ``compression`` (the gated layers' dense size over their
+        size: what the late stage's target compression means), ``model_compression`` (the
+        whole model's) and each gated layer's effective ranks."""
         size = model_size(self.model)
+        gated, whole = self.compressions(size)
         last = self._last
         out: dict[str, Any] = {
             "stage": self.stage, "steps": self.steps,
             "loss": last.loss if last else float("nan"),
             "objective": last.objective if last else float("nan"),
             "weighted": last.weighted if last else "",
-            "size": size, "compression": dense_size(self.model) / max(size, 1),
+            "size": size, "compression": gated, "model_compression": whole,
             "ranks": {name: list(m.bond_ranks) for name, m in gated_layers(self.model)},
         }
         if last is not None and last.scheduled_size is not None:
@@ -427,7 +464,8 @@ class RankController:
                 "early_start": self.early_start, "early_scale": self.early_scale,
                 "size_reference": self.size_reference, "lam": self.lam,
                 "late_start": None if self.late_start is None else list(self.late_start),
-                "late_note": self.late_note, "min_rank": self.min_rank}
+                "late_note": self.late_note, "min_rank": self.min_rank,
+                "start_size": self.start_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore stage, step count, late-stage targets and ``lam`` from :meth:`state_dict`'s data
@@ -452,6 +490,8 @@ class RankController:
         self.late_start = None if start is None else (int(start[0]), float(start[1]))
         self.late_note = str(state.get("late_note", ""))
         self.min_rank = int(state.get("min_rank", self.min_rank))
+        start_size = state.get("start_size")  # absent from states saved before it was kept
+        self.start_size = None if start_size is None else float(start_size)
 
 
 def check_loss(loss: Tensor, step: int) -> None:

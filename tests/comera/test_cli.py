@@ -160,3 +160,31 @@ def test_convert_replaces_an_existing_output_only_with_force(tmp_path):
     forced = run_cli(*args, "--force")
     assert forced.returncode == 0, forced.stderr
     assert comera.read_checkpoint(out).layers
+
+
+def test_convert_of_a_gpt2_loads_as_its_hint_says_and_warns_only_what_applies(tmp_path):
+    """Issue 42, item 9: the hint "comera.load_checkpoint(path, model)" into the original
+    architecture failed for a HuggingFace GPT-2 (Conv1D layers); and the command warned that
+    HF's save_pretrained loses TT layers though it writes no HF folder."""
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
+                                         n_head=2, n_inner=16, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(config).eval()
+
+    torch.save(gpt2(), tmp_path / "gpt2.pt")
+    out = tmp_path / "gpt2_tt.pt"
+    result = run_cli("convert", str(tmp_path / "gpt2.pt"), "-o", str(out), "--set", "ranks=4")
+    assert result.returncode == 0, result.stderr
+    assert "save_pretrained" not in result.stderr, result.stderr
+    assert "comera.load_checkpoint(path, model)" in result.stdout
+    model = gpt2()  # the original architecture, unconverted, as the hint says
+    comera.load_checkpoint(out, model)
+    saved = comera.read_checkpoint(out)
+    assert sorted(n for n, _ in comera.gated_layers(model)) == sorted(saved.layers)
+    assert "transformer.h.0.attn.c_attn" in saved.layers
+    state = model.state_dict()
+    assert state.keys() == saved.model.keys()
+    assert all(torch.equal(state[k], saved.model[k]) for k in state)

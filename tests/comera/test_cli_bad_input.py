@@ -155,6 +155,32 @@ CASES: list[Case] = [
     ("train-init-from-a-text-file",
      lambda t, f, o: ["train", "transformer", "--quick", "--init-from", f["text"], "--out", o],
      ("--init-from", "not a torch file", "root:x"), None),
+    # issue 42, item 8: numbers too large for a float, JSON nested past any parser's depth
+    ("convert-set-target-size-of-401-digits",
+     lambda t, f, o: ["convert", f["model"], "-o", t / "o.pt", "--set", "allocation=global",
+                      "--set", "target_size=1" + "0" * 400],
+     ("--set 'target_size=1000", "401 digits", "too large for a float"), None),
+    ("convert-set-target-compression-of-401-digits",
+     lambda t, f, o: ["convert", f["model"], "-o", t / "o.pt", "--set",
+                      "target_compression=1" + "0" * 400], ("target_compression", "401 digits"),
+     None),
+    ("convert-set-damping-of-401-digits",
+     lambda t, f, o: ["convert", f["model"], "-o", t / "o.pt", "--set", "damping=1" + "0" * 400],
+     ("damping", "401 digits"), None),
+    ("convert-set-ranks-of-5001-digits",
+     lambda t, f, o: ["convert", f["model"], "-o", t / "o.pt", "--set", "ranks=1" + "0" * 5000],
+     ("ranks", "too long to read"), None),
+    ("convert-config-text-of-401-digits",
+     lambda t, f, o: ["convert", f["model"], "-o", t / "o.pt", "--config",
+                      '{"damping": 1' + "0" * 400 + "}"], ("--config", "401 digits"), None),
+    ("convert-config-nested-50000-deep",
+     lambda t, f, o: ["convert", f["model"], "-o", t / "o.pt", "--config", t / "deep.json"],
+     ("--config", "nests more than 16 levels"),
+     lambda t, o: (t / "deep.json").write_text("[" * 50_000 + "]" * 50_000) and None),
+    ("convert-set-nested-50000-deep",
+     lambda t, f, o: ["convert", f["model"], "-o", t / "o.pt", "--set",
+                      "modes=" + "[" * 50_000 + "]" * 50_000], ("--set 'modes=[[[", "nests"),
+     None),
 ]
 if not torch.cuda.is_available():
     CASES.append(("train-device-cuda-without-cuda",
@@ -162,7 +188,8 @@ if not torch.cuda.is_available():
                   ("CUDA is not available",), None))
 # the cases that also run as a subprocess in the default run (the rest under -m slow)
 SUBPROCESS_DEFAULT = {"train-batch-not-split-over-nproc", "report-whole-model",
-                      "convert-set-wrong-type", "convert-unreachable-target"}
+                      "convert-set-wrong-type", "convert-unreachable-target",
+                      "convert-config-nested-50000-deep", "convert-set-target-size-of-401-digits"}
 
 
 def _run(argv: list[str], subprocess_run: bool, capsys) -> tuple[int, str]:

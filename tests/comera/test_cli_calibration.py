@@ -4,6 +4,8 @@ carrying or rejected calibration file exits 2 with nothing written."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -52,6 +54,29 @@ def test_bad_calibration_files_exit_2_and_write_nothing(files, content, match):
     assert result.returncode == 2
     assert match in result.stderr and result.stderr.count("\n") == 1
     assert not out.exists()
+
+
+class _Runs:
+    """Pickles as a call of os.system: a planted file that would run a command if loaded."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_a_calibration_file_that_pickles_code_is_refused_with_the_whole_reason(files):
+    """Issue 42, item 8: refused (good), but with torch's message cut before "arbitrary code
+    execution"; now the object is named and the reason said whole, and nothing ran."""
+    ran = files / "ran"
+    torch.save([_Runs(f"touch {ran}")], files / "code.pt")
+    out = files / "out.pt"
+    result = run_cli("convert", str(files / "model.pt"), "-o", str(out), "--calibration",
+                     str(files / "code.pt"))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "system" in result.stderr and "arbitrary code" in result.stderr, result.stderr
+    assert not ran.exists() and not out.exists()
 
 
 def test_a_budget_no_allocation_meets_exits_2(files):

@@ -180,6 +180,31 @@ def test_resume_refuses_other_settings_and_foreign_checkpoints(tmp_path):
         train_model(ToyTask(), "comera", True, CFG, tmp_path, resume=True)
 
 
+def _toy_model(parametrization: str):
+    def build():
+        first = comera.TTLinear(32, 32, (4, 8), (8, 4), 6, dtype=torch.float64,
+                                parametrization=parametrization)
+        return torch.nn.Sequential(first, torch.nn.Tanh(), torch.nn.Linear(32, 4,
+                                                                           dtype=torch.float64))
+    return build
+
+
+@pytest.mark.parametrize(("before", "after"), [("plain", "balanced"), ("balanced", "plain")])
+def test_resume_refuses_another_parametrization(tmp_path, before, after):
+    """Issue 42, item 4: resuming with the parametrization changed was accepted and silently
+    ignored (the load takes the saved cores' multipliers with them)."""
+    train_model(ToyTask(), "comera", True, CFG, tmp_path, stop_after=3,
+                build=_toy_model(before))
+    with pytest.raises(comera.CheckpointError,
+                       match=rf"the {before} parametrization .* built with the {after} one .*"
+                             rf"parametrization='{before}'"):
+        train_model(ToyTask(), "comera", True, CFG, tmp_path, resume=True,
+                    build=_toy_model(after))
+    _, record = train_model(ToyTask(), "comera", True, CFG, tmp_path, resume=True,
+                            build=_toy_model(before))  # the same one resumes
+    assert record.steps == CFG.total_steps
+
+
 _KILL_SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)

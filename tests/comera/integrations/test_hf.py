@@ -216,3 +216,20 @@ def test_save_pretrained_of_a_variant_is_marked(run, tmp_path):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+
+
+def test_a_target_the_converted_model_is_past_already_says_so(tmp_path, caplog):
+    """Issue 42, item 3: with nothing pruned and the conversion ranks already past the target,
+    the callback's late stage said "the early stage pruned past it; lower lam or the early
+    steps". It says the model was under the target before training."""
+    model = _model()
+    assert _tt_compression(model) > 1.2
+    trainer = _trainer(model, tmp_path, steps=3, target_compression=1.05, late_start=1, lam=0.0)
+    with caplog.at_level("WARNING", logger="comera.training.controller"):
+        trainer.train()
+    callback = next(c for c in trainer.callback_handler.callbacks
+                    if isinstance(c, CoMERACallback))
+    note = callback.driver.controller.late_note
+    assert note.startswith("below:") and "under it before training" in note, note
+    assert "nothing was pruned" in note and "lower lam" not in note
+    assert "under it before training" in caplog.text

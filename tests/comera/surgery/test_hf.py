@@ -134,3 +134,68 @@ def test_a_bert_with_tables_of_another_format_round_trips(tmp_path):
     assert type(loaded.bert.embeddings.word_embeddings) is comera.GatedEmbedding
     ids = torch.randint(0, VOCAB, (2, 8))
     assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def _same_model(model, reference) -> bool:
+    """The same module types in the same places and the same tensors (values and names)."""
+    kinds = [(n, type(m)) for n, m in model.named_modules()]
+    if kinds != [(n, type(m)) for n, m in reference.named_modules()]:
+        return False
+    mine, theirs = model.state_dict(), reference.state_dict()
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_a_failing_from_pretrained_leaves_the_callers_model_untouched(tmp_path):
+    """Issue 42, item 1: a GPT-2 of other n_positions fails (wpe differs) after its Conv1D
+    layers were swapped for rank-1 TT layers: the caller's dense weights were gone."""
+    torch.manual_seed(0)
+    model = _gpt2().eval()
+    with pytest.warns(UserWarning, match=r"comera\.save_pretrained"):
+        comera.convert_(model, ranks=4)
+    comera.save_pretrained(model, tmp_path)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=1,
+                                     n_head=2, n_inner=16, bos_token_id=0, eos_token_id=0)
+    other = transformers.GPT2LMHeadModel(config).eval()
+    before = copy.deepcopy(other)
+    with pytest.raises(comera.CheckpointError, match=r"transformer\.wpe\.weight: \(16, 16\)"):
+        comera.from_pretrained(tmp_path, other)
+    assert _same_model(other, before)
+    assert not any(True for _ in comera.gated_layers(other))
+    ids = torch.randint(0, VOCAB, (2, 8))
+    assert torch.equal(other(ids).logits, before(ids).logits)
+
+
+def test_load_checkpoint_takes_the_unconverted_gpt2_the_cli_hints_at(tmp_path):
+    """Issue 42, item 9: `comera convert` hints comera.load_checkpoint(path, model) into the
+    original architecture; for a GPT-2 (Conv1D layers) that raised a 1,600-character error
+    naming each layer. The Conv1D layers are converted as the records say, then loaded."""
+    torch.manual_seed(0)
+    model = _gpt2().eval()
+    original = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"comera\.save_pretrained"):
+        comera.convert_(model, ranks=4)
+    comera.save_checkpoint(tmp_path / "tt.pt", model)
+    comera.load_checkpoint(tmp_path / "tt.pt", original)
+    assert {n: m.bonds for n, m in comera.gated_layers(original)} == \
+        {n: m.bonds for n, m in comera.gated_layers(model)}
+    ids = torch.randint(0, VOCAB, (2, 8))
+    assert torch.equal(original(ids).logits, model(ids).logits)
+
+
+def test_report_counts_a_tied_weight_once_as_model_size_does(tmp_path):
+    """Issue 42, item 2: `comera report` counted GPT-2's lm_head.weight (tied to wte, one
+    storage in the file) twice: 272,708 against model_size's 239,940."""
+    from comera.surgery.report import checkpoint_report
+
+    torch.manual_seed(0)
+    model = _gpt2()
+    with pytest.warns(UserWarning, match=r"comera\.save_pretrained"):
+        comera.convert_(model, ranks=4)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    comera.save_checkpoint(tmp_path / "tt.pt", model)
+    report = checkpoint_report(tmp_path / "tt.pt")
+    assert report.tt_params + report.other_params == comera.model_size(model)
+    assert report.tt_params == comera.model_size(model, only=comera.GatedLayer)
+    assert report.compression == pytest.approx(comera.compression_ratio(
+        model, only=comera.GatedLayer))
+    assert f"whole model: {comera.model_size(model):,} parameters" in str(report)

@@ -33,3 +33,23 @@ def test_build_layer_reproduces_the_recorded_layer():
     assert type(rebuilt) is type(layer) and rebuilt.bonds == layer.bonds and rebuilt.tau == 0.25
     x = torch.randn(5, 12, dtype=torch.float64)
     torch.testing.assert_close(rebuilt(x), layer(x), rtol=0, atol=0)
+
+
+def test_a_mismatch_of_many_layers_names_each_reason_once(tmp_path):
+    """Issue 42, item 9: a model of many blocks repeated the same reason for every layer (1,600
+    characters for a GPT-2); the layers sharing a reason are listed once with it."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(16, 16) for _ in range(12)])
+
+    saved = model()
+    comera.convert_(saved, ranks=2)
+    comera.save_checkpoint(tmp_path / "tt.pt", saved)
+    other = model()
+    comera.convert_(other, ranks=2, format="tucker")
+    with pytest.raises(comera.CheckpointError) as info:
+        comera.load_checkpoint(tmp_path / "tt.pt", other)
+    text = str(info.value)
+    assert "0, 1, 2 and 9 more: the model's layer has format tucker" in text
+    assert text.count("format tucker") == 1 and len(text) < 300
+    assert all(m.format.name == "tucker" for _, m in comera.gated_layers(other))

@@ -176,3 +176,33 @@ def test_a_checkpoint_loaded_into_a_dense_encoder_layer_runs_in_eval(tmp_path):
     comera.load_checkpoint(tmp_path / "run.pt", fresh)
     with torch.no_grad():
         assert torch.equal(fresh(x), y)
+
+
+def test_a_failing_load_leaves_a_dense_encoder_as_it_was(tmp_path):
+    """Issue 42, item 1: loading converts a dense attention to a TTMultiheadAttention before
+    it checks the rest; a mismatch found then undoes the swap (and the fast-path flags)."""
+    def encoder(dim_feedforward):
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward, batch_first=True,
+                                           dropout=0.0)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+    model = encoder(16)
+    comera.convert_(model, ranks=4, include=["*self_attn"])
+    comera.save_pretrained(model, tmp_path / "tt")
+    comera.save_checkpoint(tmp_path / "tt.pt", model)
+    other = encoder(24)  # its feed-forward differs: the dense weights do not fit
+    before = copy.deepcopy(other)
+    flags = [m.activation_relu_or_gelu for m in other.layers]
+    for load in (lambda: comera.from_pretrained(tmp_path / "tt", other),
+                 lambda: comera.load_checkpoint(tmp_path / "tt.pt", other)):
+        with pytest.raises(comera.CheckpointError, match=r"linear1\.weight"):
+            load()
+        assert all(type(m.self_attn) is nn.MultiheadAttention for m in other.layers)
+        assert [m.activation_relu_or_gelu for m in other.layers] == flags
+        state, want = other.state_dict(), before.state_dict()
+        assert state.keys() == want.keys()
+        assert all(torch.equal(state[k], want[k]) for k in state)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert torch.equal(other(x), before(x))

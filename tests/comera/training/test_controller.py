@@ -101,8 +101,39 @@ def test_stats_report_the_stage_size_ranks_and_compression():
     assert stats["stage"] == "early" and stats["steps"] == 1
     assert stats["loss"] == step.loss and stats["objective"] == step.objective > step.loss
     assert stats["size"] == comera.model_size(model)
-    assert stats["compression"] == pytest.approx(comera.dense_size(model) / stats["size"])
+    assert stats["model_compression"] == pytest.approx(comera.dense_size(model) / stats["size"])
+    assert stats["compression"] == pytest.approx(comera.compression_ratio(model, only=TTLinear))
+    assert (stats["compression"], stats["model_compression"]) == (step.compression,
+                                                                  step.model_compression)
     assert stats["ranks"] == {"0": list(model[0].ranks[1:-1])}
+
+
+def test_compression_means_the_gated_layers_everywhere_the_whole_model_beside_it():
+    """Issue 42, item 2: stats()["compression"] was the whole model's (4.78x) while the late
+    stage's target and the HF callback's compression are the gated layers' (8.01x). Now one
+    count under one name; the whole model's is ``model_compression``."""
+    model = _model()
+    opt = make_optimizer(model, CONFIG)
+    controller = RankController(model, opt, lam=0.5)
+    for x, y in _batches(EARLY):
+        controller.loss(F.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        controller.after_step()
+    late = comera.late_stage_for(model, compression=6.0, steps=LATE // 2, target_loss=0.5)
+    controller.start_late_stage(late)
+    for x, y in _batches(LATE):
+        controller.loss(F.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step = controller.after_step()
+    stats = controller.stats()
+    gated = comera.dense_size(model, only=TTLinear) / comera.model_size(model, only=TTLinear)
+    assert stats["compression"] == step.compression == pytest.approx(gated)
+    assert stats["compression"] >= 0.95 * 6.0  # the late stage's target, in its own terms
+    whole = comera.dense_size(model) / comera.model_size(model)
+    assert stats["model_compression"] == step.model_compression == pytest.approx(whole)
+    assert stats["model_compression"] < stats["compression"]  # the dense head counts there
 
 
 def test_after_step_without_a_step_is_refused():
@@ -157,3 +188,46 @@ def test_optimizer_config_bad_values_cover_every_field():
 
     assert {f.name for f in dataclasses.fields(OptimizerConfig)} == {
         "lr_cores", "lr_gates", "lr_other", "weight_decay", "betas"}
+
+
+def _below_note(model, prune: bool) -> str:
+    """The note of a late stage aimed at half the model's size (as parameters: compression
+    below what the model holds), after 2 early steps that prune a rank or nothing."""
+    opt = make_optimizer(model, CONFIG)
+    controller = RankController(model, opt, lam=0.0)
+    for x, y in _batches(2):
+        controller.loss(F.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if prune:
+            with torch.no_grad():
+                model[0].gates[0][:3] = 0.0
+        controller.after_step()
+    state = controller.state_dict()
+    resumed = RankController(model, opt)  # built on the model as it is now: loads the start
+    resumed.load_state_dict(state)
+    assert resumed.start_size == controller.start_size
+    target = 1.2 * comera.model_size(model) if prune else 2.0 * comera.model_size(model)
+    resumed.start_late_stage(comera.LateStage(target, steps=5))
+    return resumed.late_note
+
+
+def test_a_late_stage_under_its_target_says_what_put_it_there(caplog):
+    """Issue 42, item 3: "below: ... the early stage pruned past it; lower lam or the early
+    steps" was said when nothing was pruned and the model's ranks were past the target before
+    training. The note now says which happened."""
+    with caplog.at_level("WARNING", logger="comera.training.controller"):
+        note = _below_note(_model(), prune=False)
+    assert note.startswith("below: the stage starts at")
+    assert "under it before training" in note and "nothing was pruned" in note
+    assert "early stage pruned past" not in note and "lower lam" not in note
+    assert "nothing was pruned" in caplog.text  # said when the stage starts
+    pruned = _below_note(_model(), prune=True)
+    assert "the early stage pruned past it from" in pruned and "lower lam" in pruned
+    # a state saved before the start size was kept: both causes named, neither claimed
+    controller = RankController(_model())
+    state = controller.state_dict()
+    del state["start_size"]
+    controller.load_state_dict(state)
+    controller.start_late_stage(comera.LateStage(2.0 * comera.model_size(controller.model)))
+    assert "or built or converted at ranks already past it" in controller.late_note
