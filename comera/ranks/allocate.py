@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from comera.errors import ConfigError
+from comera.errors import ConfigError, NonFiniteError
 from comera.formats.registry import get_format
 from comera.layers.linear import GatedLayer, GatedLinear
 from comera.ranks.budget import largest_rank
@@ -100,16 +100,22 @@ def layer_size(layer: GatedLayer, ranks) -> int:
     return bias + layer.layout.parameters_at(tuple(ranks[1:-1]))
 
 
-def bond_spectra(layer: GatedLayer, rtol: float = 1e-10) -> tuple[Tensor, ...]:
+def bond_spectra(layer: GatedLayer, rtol: float = 1e-10, name: str = "") -> tuple[Tensor, ...]:
     """Per bond (gate order), the singular values of ``layer``'s weight unfolded at that bond
     (live slices, gates folded in; float64, descending; values below ``rtol`` times the
-    largest dropped). Read only: the layer is not changed."""
-    check_chains([("", layer)])
+    largest dropped). Read only: the layer is not changed. A core or gate holding NaN or
+    infinity is a :class:`NonFiniteError` naming the layer (``name``)."""
+    check_chains([(name, layer)])
     if layer.is_removed():
         return tuple(torch.zeros(0, dtype=torch.float64) for _ in layer.gates)
     with torch.no_grad():
         cores = [c.reshape(c.shape[0], -1, c.shape[-1])  # (r_{k-1}, n_k, r_k)
                  for c in live_cores(layer)]
+        if not all(bool(torch.isfinite(c).all()) for c in cores):
+            raise NonFiniteError(f"layer {name or '<model>'}: its cores (gates folded in) hold "
+                                 "NaN or infinite values, so its bond spectra do not exist. "
+                                 "Resume from a checkpoint before the divergence (or lower the "
+                                 "learning rate) before a spectrum allocation.")
         n = len(cores)
         for k in range(n - 1):  # left to right: QR, so the left part is orthonormal
             r0, m, r1 = cores[k].shape
@@ -203,7 +209,7 @@ def allocate(model: nn.Module, target_size: float, floor: str = "uniform",
     u_rank, uniform = uniform_ranks(model, target_size)
     state = []
     for name, m in layers:
-        spectra = bond_spectra(m)
+        spectra = bond_spectra(m, name=name)
         avail = [max(1, s.numel()) for s in spectra]
         energy = [s.square() for s in spectra]
         total = max(float(energy[0].sum()) if energy and energy[0].numel() else 0.0, 1e-300)

@@ -17,16 +17,26 @@ share per parameter alone) gave a higher perplexity on the trained causal LM
 what the cores carrying its bond grow by (:meth:`Layout.slice_costs`, which changes as the
 neighbouring bonds grow), a bond never exceeds what its spectrum holds or its cores allow
 (:meth:`Layout.bond_caps`), and no layer grows past its dense size (``in x out``: beyond it the
-factors would hold more than the matrix they stand for). Unlike
+factors would hold more than the matrix they stand for). A bond held at its cap by the other
+bonds of a core it shares (a Tucker core holds ``a_k <= prod_{j != k} a_j``, so from rank 1
+no single bond may grow) grows together with one of them: a move of two slices, scored by
+their joint gain per parameter. Unlike
 :func:`comera.ranks.allocate.allocate`, which reads a built model's TT chains, this works on
 weights before any layer exists, for every format with spectra.
+
+**Uniform as the floor.** Given the uniform allocation's bond sizes (``uniform=``, the ranks
+``allocation="uniform"`` builds at the same budget), :func:`allocate_budget` estimates both
+from the same spectra (``sum over layers of e^2``, :func:`estimate`) and returns the uniform
+ranks wherever its own estimate is not lower (:attr:`BudgetAllocation.kept` says which): a
+greedy spend can lose to uniform's (a cheap slice taken first can leave a large one no room),
+and the global allocation then never does worse than uniform by its own measure.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -34,7 +44,7 @@ from torch import Tensor
 from comera.errors import ConfigError
 from comera.formats.layout import Layout
 
-__all__ = ["BudgetAllocation", "LayerSpectra", "allocate_budget", "floor_size"]
+__all__ = ["BudgetAllocation", "LayerSpectra", "allocate_budget", "estimate", "floor_size"]
 
 
 @dataclass(frozen=True)
@@ -55,17 +65,28 @@ class LayerSpectra:
 @dataclass(frozen=True)
 class BudgetAllocation:
     """Bond sizes (gate order) per layer, the cores' parameters at them, the budget, and per
-    layer the estimated relative error (root of the discarded share of its energy)."""
+    layer the estimated relative error (root of the discarded share of its energy).
+
+    ``kept``: ``"global"`` (the greedy spend's ranks) or ``"uniform"`` (the uniform ranks given
+    to :func:`allocate_budget`, whose :func:`estimate` was not higher); ``estimate`` and
+    ``uniform_estimate``: the two estimates (None: no uniform ranks were given)."""
 
     ranks: dict[str, tuple[int, ...]]
     size: int
     budget: float
     errors: dict[str, float]
+    kept: str = "global"
+    estimate: float = 0.0
+    uniform_estimate: float | None = None
 
     def __str__(self) -> str:
         rows = [f"{name}: {list(r)} (error ~{self.errors[name]:.3f})"
                 for name, r in self.ranks.items()]
-        return "\n".join([f"{self.size:,} of {self.budget:,.0f} parameters", *rows])
+        head = f"{self.size:,} of {self.budget:,.0f} parameters"
+        if self.uniform_estimate is not None:
+            head += (f"; {self.kept} ranks kept (estimate {self.estimate:.4g}, uniform "
+                     f"{self.uniform_estimate:.4g})")
+        return "\n".join([head, *rows])
 
 
 def floor_size(layers: Sequence[LayerSpectra]) -> int:
@@ -74,67 +95,163 @@ def floor_size(layers: Sequence[LayerSpectra]) -> int:
     return sum(s.layout.parameters_at((1,) * len(s.layout.bonds)) for s in layers)
 
 
-def allocate_budget(layers: Sequence[LayerSpectra], budget: float) -> BudgetAllocation:
+def _shares(layer: LayerSpectra) -> list[list[float]]:
+    """Per bond, each slice's share of the layer's energy: every unfolding of one tensor holds
+    its whole energy; a bond's own total also holds when a format reads different bonds from
+    differently whitened weights."""
+    energy = [[float(v) ** 2 for v in spectrum] for spectrum in layer.spectra]
+    return [[v / sum(e) if sum(e) > 0 else 0.0 for v in e] for e in energy]
+
+
+def _discarded(shares: list[list[float]], sizes: Sequence[int]) -> float:
+    """The shares a layer's bonds at ``sizes`` discard, summed over bonds (its squared relative
+    error bound)."""
+    return sum(sum(bond[k:]) for bond, k in zip(shares, sizes, strict=True))
+
+
+def estimate(layers: Sequence[LayerSpectra], ranks: Mapping[str, Sequence[int]]) -> float:
+    """What :func:`allocate_budget` minimises, at bond sizes ``ranks`` (per layer name): the sum
+    over layers of the square of the energy share their bonds discard."""
+    return sum(_discarded(_shares(s), ranks[s.name]) ** 2 for s in layers)
+
+
+def _check_uniform(layers: Sequence[LayerSpectra], uniform: Mapping[str, Sequence[int]],
+                   budget: float) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for s in layers:
+        sizes = tuple(uniform.get(s.name, ()))
+        if len(sizes) != len(s.layout.bonds) or any(
+                isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in sizes):
+            raise ConfigError(f"uniform ranks for layer {s.name!r}: {list(sizes)}; give one int "
+                              f">= 1 per bond ({len(s.layout.bonds)}).")
+        out[s.name] = sizes
+    size = sum(s.layout.parameters_at(out[s.name]) for s in layers)
+    if size > budget:
+        raise ConfigError(f"the uniform ranks hold {size:,} parameters, over the budget of "
+                          f"{budget:,.0f}; give the uniform allocation at this budget.")
+    return out
+
+
+class _Greedy:
+    """The greedy spend of :func:`allocate_budget`: bond sizes per layer, grown one move (one
+    slice, or two where a cap holds a bond) at a time."""
+
+    def __init__(self, layers: Sequence[LayerSpectra], shares: list[list[list[float]]]):
+        self.layers, self.shares = layers, shares
+        self.sizes = [[1] * len(s.layout.bonds) for s in layers]
+        self.left = [_discarded(share, r) for share, r in zip(shares, self.sizes, strict=True)]
+        self.own = [s.layout.parameters_at(r) for s, r in zip(layers, self.sizes, strict=True)]
+        self.limits = [s.layout.in_features * s.layout.out_features for s in layers]
+        self.versions = [0] * len(layers)
+
+    def moves(self, i: int) -> list[tuple[float, int, tuple[int, ...], int]]:
+        """Layer i's moves as ``(gain per parameter, first bond, bonds, cost)``: one slice of
+        every bond that can grow, and for a bond at its cap, one slice of it and one of a bond
+        whose growth lifts the cap."""
+        layout, sizes, shares = self.layers[i].layout, self.sizes[i], self.shares[i]
+        caps = layout.bond_caps(sizes)
+        out = []
+        for b, (r, cap) in enumerate(zip(sizes, caps, strict=True)):
+            if r >= len(shares[b]):
+                continue  # the spectrum holds no more
+            free = cap is None or r < cap  # else: grow it with a bond that lifts the cap
+            candidates = [(b,)] if free else [(b, j) for j in self._lifting(i, b)]
+            for bonds in candidates:
+                move = self._score(i, bonds)
+                if move is not None:
+                    out.append(move)
+        return out
+
+    def _lifting(self, i: int, b: int) -> list[int]:
+        """The other bonds of the cores carrying bond b that still have slices to give."""
+        layout = self.layers[i].layout
+        bond = layout.bonds[b]
+        others = {layout.bonds.index(x) for k, _ in layout.carriers(bond)
+                  for x in layout.cores[k] if x != bond and x in layout.bonds}
+        return sorted(j for j in others if self.sizes[i][j] < len(self.shares[i][j]))
+
+    def _score(self, i: int, bonds: tuple[int, ...]) -> tuple[float, int, tuple[int, ...],
+                                                                int] | None:
+        layout, sizes = self.layers[i].layout, self.sizes[i]
+        new = list(sizes)
+        for b in bonds:
+            new[b] += 1
+        caps = layout.bond_caps(new)
+        if any(caps[b] is not None and new[b] > caps[b] for b in bonds):
+            return None
+        cost = layout.parameters_at(new) - self.own[i]
+        if cost <= 0 or self.own[i] + cost > self.limits[i]:
+            return None
+        share = sum(self.shares[i][b][sizes[b]] for b in bonds)
+        gain = self.left[i] ** 2 - max(self.left[i] - share, 0.0) ** 2
+        return gain / cost, bonds[0], bonds, cost
+
+    def apply(self, i: int, bonds: tuple[int, ...], cost: int) -> None:
+        for b in bonds:
+            self.left[i] -= self.shares[i][b][self.sizes[i][b]]
+            self.sizes[i][b] += 1
+        self.own[i] += cost
+        self.versions[i] += 1
+
+
+def allocate_budget(layers: Sequence[LayerSpectra], budget: float,
+                    uniform: Mapping[str, Sequence[int]] | None = None) -> BudgetAllocation:
     """The bond sizes of ``layers`` whose cores hold at most ``budget`` parameters and keep the
     most energy per parameter (see the module docstring). A budget below :func:`floor_size` is
-    a :class:`ConfigError` naming the least budget that fits."""
+    a :class:`ConfigError` naming the least budget that fits. ``uniform``: the uniform
+    allocation's bond sizes per layer at this budget; they are returned instead wherever their
+    :func:`estimate` is not higher than the greedy spend's."""
     if not layers:
         raise ConfigError("no layers to allocate a budget over.")
     names = [s.name for s in layers]
     if len(set(names)) != len(names):
         raise ConfigError(f"layer names repeat in {names}; give each layer its own name.")
-    if not (isinstance(budget, int | float) and math.isfinite(budget) and budget > 0):
-        raise ConfigError(f"budget={budget!r}; give a number of parameters > 0.")
+    if not (isinstance(budget, int | float) and not isinstance(budget, bool)
+            and _finite(budget) and budget > 0):
+        raise ConfigError(f"budget={budget!r}; give a finite number of parameters > 0.")
     floor = floor_size(layers)
     if floor > budget:
         raise ConfigError(f"a budget of {budget:,.0f} parameters cannot be met: the "
                           f"{len(layers)} layers need {floor:,} with every bond at rank 1. "
                           "Raise the budget (a lower target_compression), or convert fewer "
                           "layers.")
-    shares = []  # per layer, per bond: each slice's share of the layer's energy (floats)
-    for s in layers:
-        energy = [[float(v) ** 2 for v in spectrum] for spectrum in s.spectra]
-        # every unfolding of one tensor holds its whole energy; a bond's own total also holds
-        # when a format reads different bonds from differently whitened weights
-        shares.append([[v / sum(e) if sum(e) > 0 else 0.0 for v in e] for e in energy])
-    sizes = [[1] * len(s.layout.bonds) for s in layers]
-    # each layer's squared relative error bound: the shares its bonds discard
-    left = [sum(sum(bond[1:]) for bond in share) for share in shares]
-    own = [s.layout.parameters_at(r) for s, r in zip(layers, sizes, strict=True)]
-    limits = [s.layout.in_features * s.layout.out_features for s in layers]
-    versions = [0] * len(layers)
+    given = None if uniform is None else _check_uniform(layers, uniform, budget)
+    shares = [_shares(s) for s in layers]
+    greedy = _Greedy(layers, shares)
     size = floor
-    heap: list[tuple[float, int, int, int, int]] = []
+    heap: list[tuple[float, int, int, tuple[int, ...], int, int]] = []
 
     def push(i: int) -> None:
-        layout = layers[i].layout
-        costs = layout.slice_costs(sizes[i])
-        caps = layout.bond_caps(sizes[i])
-        for b, (cost, cap) in enumerate(zip(costs, caps, strict=True)):
-            r = sizes[i][b]
-            if (r >= len(shares[i][b]) or (cap is not None and r >= cap)
-                    or own[i] + cost > limits[i]):
-                continue
-            share = shares[i][b][r]
-            gain = left[i] ** 2 - max(left[i] - share, 0.0) ** 2
+        for ratio, b, bonds, cost in greedy.moves(i):
             # the most gain per parameter first; ties: earlier layer, earlier bond
-            heapq.heappush(heap, (-gain / cost, i, b, versions[i], cost))
+            heapq.heappush(heap, (-ratio, i, b, bonds, greedy.versions[i], cost))
 
     for i in range(len(layers)):
         push(i)
     while heap:
-        _, i, b, version, cost = heapq.heappop(heap)
-        if version != versions[i] or size + cost > budget:
+        _, i, _, bonds, version, cost = heapq.heappop(heap)
+        if version != greedy.versions[i] or size + cost > budget:
             continue  # stale (the layer changed since), or it no longer fits (it never will)
-        left[i] -= shares[i][b][sizes[i][b]]
-        sizes[i][b] += 1
+        greedy.apply(i, bonds, cost)
         size += cost
-        own[i] += cost
-        versions[i] += 1
         push(i)
-    ranks = {s.name: tuple(r) for s, r in zip(layers, sizes, strict=True)}
-    errors = {}
-    for s, r, share in zip(layers, sizes, shares, strict=True):
-        discarded = sum(sum(bond[k:]) for bond, k in zip(share, r, strict=True))
-        errors[s.name] = math.sqrt(min(max(discarded, 0.0), 1.0))
-    return BudgetAllocation(ranks, size, float(budget), errors)
+    ranks = {s.name: tuple(r) for s, r in zip(layers, greedy.sizes, strict=True)}
+    own = sum(d ** 2 for d in (_discarded(sh, ranks[s.name])
+                               for s, sh in zip(layers, shares, strict=True)))
+    kept, theirs = "global", None
+    if given is not None:
+        theirs = sum(_discarded(sh, given[s.name]) ** 2
+                     for s, sh in zip(layers, shares, strict=True))
+        if not own < theirs:
+            kept, ranks = "uniform", given
+            size = sum(s.layout.parameters_at(given[s.name]) for s in layers)
+    errors = {s.name: math.sqrt(min(max(_discarded(sh, ranks[s.name]), 0.0), 1.0))
+              for s, sh in zip(layers, shares, strict=True)}
+    return BudgetAllocation(ranks, size, float(budget), errors, kept, own, theirs)
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int too large for a float
+        return False
