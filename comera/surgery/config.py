@@ -41,7 +41,9 @@ class ConvertConfig:
     whose size is at most the layer's dense size / target. "global": one budget for all the
     linear layers converted (their dense weights / target_compression, or ``target_size``
     parameters), spent bond slice by bond slice where the most truncation error goes per
-    parameter (of the output error, with calibration); see :mod:`comera.ranks.global_budget`.
+    parameter (of the output error, with calibration), or the uniform allocation's ranks where
+    that spend's estimated error is not lower; see :mod:`comera.ranks.global_budget`. Either
+    refuses a target that rank 1 cannot reach, naming the largest that it can.
     target_size: with allocation="global", the budget as a number of parameters of the linear
     layers' cores (instead of target_compression).
     damping: with calibration, the fraction of the input second moments' mean diagonal added

@@ -42,6 +42,7 @@ directly), so it has no statistics and is decomposed plainly.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import itertools
 import logging
@@ -199,31 +200,34 @@ def _keys_hint(model: nn.Module, batch: Mapping) -> str:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return f" The batch's keys: {given}."
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return f" The batch's keys: {given}."
-    unknown = [k for k in given if k not in params]
     takes = [n for n, p in params.items()
              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    extra = f"; {unknown} are not arguments of {type(model).__name__}.forward" if unknown else ""
-    return f" The batch's keys: {given}{extra} (it takes {takes[:12]})."
+    unknown = [k for k in given if k not in takes]
+    if not unknown:
+        return f" The batch's keys: {given}."
+    named = "named " if any(p.kind is p.VAR_KEYWORD for p in params.values()) else ""
+    close = {k: difflib.get_close_matches(k, takes, n=1) for k in unknown}
+    hints = "".join(f" Did you mean {c[0]!r} for {k!r}?" for k, c in close.items() if c)
+    return (f" The batch's keys: {given}; {unknown} are not {named}arguments of "
+            f"{type(model).__name__}.forward (it takes {takes[:12]}).{hints}")
 
 
 def _run(model: nn.Module, batch: Any, index: int, held: Callable[[], int]) -> None:
     """One forward of ``model`` on ``batch``; whatever it raises becomes a ConfigError naming
     the batch (the hooks' own ConfigErrors pass through); running out of memory says so."""
+    if not isinstance(batch, Tensor | Mapping | list | tuple):
+        raise ConfigError(f"calibration batch {index} is a {type(batch).__name__}; a batch is a "
+                          "tensor, a dict of keyword arguments or a tuple of positional "
+                          "arguments.")
     try:
         if isinstance(batch, Tensor):
             model(batch)
         elif isinstance(batch, Mapping):
             model(**batch)
-        elif isinstance(batch, list | tuple):
-            model(*batch)
         else:
-            raise ConfigError(f"calibration batch {index} is a {type(batch).__name__}; a batch "
-                              "is a tensor, a dict of keyword arguments or a tuple of "
-                              "positional arguments.")
-    except ConfigError:
-        raise
+            model(*batch)
+    except ConfigError as exc:  # a hook's: name the batch
+        raise ConfigError(f"calibration batch {index}: {exc}") from None
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         if _out_of_memory(exc):
@@ -264,8 +268,8 @@ class _Collector:
         have = acc.sum.shape[0] if acc is not None and acc.sum is not None else width
         if not isinstance(x, Tensor) or x.dim() == 0 or have not in (None, x.shape[-1]):
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ConfigError(f"calibration: layer {name!r} received an input of shape "
-                              f"{shape}; it takes (..., {have or 'features'}).")
+            raise ConfigError(f"layer {name!r} received an input of shape {shape}; it takes "
+                              f"(..., {have or 'features'}).")
         ref = self.seen.get(id(x))
         known = ref is not None and ref[0]() is x
         token = ref[1] if known else next(self.counter)
@@ -275,9 +279,9 @@ class _Collector:
             self.first.setdefault(name, token)
             return
         if not known and not bool(torch.isfinite(x).all()):
-            raise ConfigError(f"calibration: the inputs of layer {name!r} hold NaN or "
-                              "infinite values; check the calibration batches (and the "
-                              "model's earlier layers).")
+            raise ConfigError(f"the inputs of layer {name!r} hold NaN or infinite values; "
+                              "check the calibration batches (and the model's earlier "
+                              "layers).")
         self.consumed.setdefault(name, set()).add(token)
         other = ref[2] if known else None
         if acc is None:  # the layer's first input: join the statistic that took it this batch

@@ -266,5 +266,6 @@ def test_running_out_of_memory_is_said_as_such():
 def test_a_misspelled_key_names_the_keys_given():
     model = TwoInputs()
     with pytest.raises(ConfigError, match=r"keys: \['x', 'scal'\]; \['scal'\] are not arguments "
-                                          r"of TwoInputs\.forward \(it takes \['x', 'scale'\]\)"):
+                                          r"of TwoInputs\.forward \(it takes \['x', 'scale'\]\)\. "
+                                          r"Did you mean 'scale' for 'scal'\?"):
         collect_input_stats(model, {"a": model.a}, [{"x": torch.randn(2, 6), "scal": 2.0}])
