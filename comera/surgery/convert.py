@@ -211,11 +211,11 @@ def _refuse_out_of_reach(parts: list[Part], target: float) -> None:
         if after > p.before / target:
             over.append(f"{p.name} ({p.format}: {p.before / after:.2f}x)")
     if over:
-        raise ConfigError(f"target_compression={target:g} is out of reach for {len(over)} "
-                          f"layer(s) even at rank 1: {_names(over)}; the largest target every "
-                          f"layer reaches is {min(reach):.4g}. Lower target_compression, choose "
-                          "modes or a format that factor them further, or leave them dense with "
-                          "exclude=[...].")
+        raise ConfigError(f"target_compression={target:g} cannot be reached: {len(over)} "
+                          f"layer(s) compress less even at rank 1: {_names(over)}; the largest "
+                          f"target every layer reaches is {min(reach):.4g}. Lower "
+                          "target_compression, choose modes or a format that factor them "
+                          "further, or leave them dense with exclude=[...].")
 
 
 def _names(items: list[str], most: int = 6) -> str:

@@ -353,7 +353,7 @@ def test_an_unreachable_uniform_target_is_refused_naming_the_largest_reachable()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(comera.ConfigError, match=r"target_compression=50 is out of reach for 2 "
+    with pytest.raises(comera.ConfigError, match=r"target_compression=50 cannot be reached: 2 "
                                                  r"layer\(s\).*largest target every layer "
                                                  r"reaches is (\d+\.?\d*)") as info:
         comera.convert_(model, target_compression=50, d=2)
