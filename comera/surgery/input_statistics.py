@@ -9,7 +9,8 @@ input ``X^T X`` and the row count ``n``, so a calibrated decomposition
 state; a gated MLP's gate and up projections) share one accumulation: the hooks see the tensor
 itself, and a layer whose input is a tensor another layer already took in this batch joins that
 layer's statistic (the same :class:`InputStats` object comes back for both). Should two layers
-that shared stop sharing in a later batch, the statistic is split exactly then.
+that shared stop sharing in a later batch, the statistic is split exactly then (a shared
+statistic keeps its batch's input tensors alive until the batch ends, to recompute them).
 
 **No finite input overflows or underflows.** Each batch's rows are scaled by a power of two
 (exact) so their largest entry is below 1, their product taken in float32 (float64 for
