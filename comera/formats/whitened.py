@@ -213,8 +213,8 @@ def kronecker_start(fmt, weight: Tensor, layout: Layout, gram: Tensor) -> list[T
     factors = [whitening(g) for g in mode_grams(gram, layout.in_modes)]
     cores = list(fmt.decompose(whiten_input_modes(weight, layout.in_modes, factors), layout))
     for (core, axis), s in zip(carriers, factors, strict=True):
-        s_inv_t = torch.linalg.solve_triangular(s, torch.eye(s.shape[0], dtype=s.dtype),
-                                                upper=False).T  # S_k^{-T}
+        eye = torch.eye(s.shape[0], dtype=s.dtype, device=s.device)
+        s_inv_t = torch.linalg.solve_triangular(s, eye, upper=False).T  # S_k^{-T}
         cores[core] = mode_product(cores[core].to(torch.float64), s_inv_t, axis)
     return cores
 

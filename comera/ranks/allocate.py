@@ -8,9 +8,12 @@ error is at most the root of the discarded energies summed over bonds. So, given
 bonds at once: starting from a floor (by default the uniform allocation, the largest uniform
 rank whose model fits the budget), it adds one slice at a time, the one whose share of its
 layer's energy (``sigma^2 / ||W||^2``) per parameter it costs is largest, until no slice fits.
-A slice's cost is what the two cores around its bond grow by (``n_k r_{k-1} + n_{k+1}
-r_{k+1}``), so it changes as the neighbours grow, and a bond never exceeds what its neighbours
-allow (``r_k <= r_{k-1} n_k`` and ``r_k <= n_{k+1} r_{k+1}``).
+That spend is the one rank allocator's (:func:`comera.ranks.global_budget.allocate_budget`,
+rule ``"energy_share"``, from the floor, one slice at a time, no dense limit), which
+``convert_``'s global allocation also calls (rule ``"squared_error"``). A slice's cost is what
+the two cores around its bond grow by (``n_k r_{k-1} + n_{k+1} r_{k+1}``), so it changes as the
+neighbours grow, and a bond never exceeds what its neighbours allow (``r_k <= r_{k-1} n_k`` and
+``r_k <= n_{k+1} r_{k+1}``).
 
 Starting from the uniform allocation means the result holds every slice the fixed uniform rank
 would: the allocation only spends the budget the uniform rank leaves unused (a uniform rank
@@ -35,10 +38,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from comera.errors import ConfigError
+from comera.errors import ConfigError, NonFiniteError
 from comera.formats.registry import get_format
 from comera.layers.linear import GatedLayer, GatedLinear
 from comera.ranks.budget import largest_rank
+from comera.ranks.global_budget import LayerSpectra, allocate_budget
 from comera.ranks.size import gated_layers, model_size
 from comera.ranks.truncate import live_cores, rebuild_stacks, round_layer_, rounds_exactly
 
@@ -100,16 +104,22 @@ def layer_size(layer: GatedLayer, ranks) -> int:
     return bias + layer.layout.parameters_at(tuple(ranks[1:-1]))
 
 
-def bond_spectra(layer: GatedLayer, rtol: float = 1e-10) -> tuple[Tensor, ...]:
+def bond_spectra(layer: GatedLayer, rtol: float = 1e-10, name: str = "") -> tuple[Tensor, ...]:
     """Per bond (gate order), the singular values of ``layer``'s weight unfolded at that bond
     (live slices, gates folded in; float64, descending; values below ``rtol`` times the
-    largest dropped). Read only: the layer is not changed."""
-    check_chains([("", layer)])
+    largest dropped). Read only: the layer is not changed. A core or gate holding NaN or
+    infinity is a :class:`NonFiniteError` naming the layer (``name``)."""
+    check_chains([(name, layer)])
     if layer.is_removed():
         return tuple(torch.zeros(0, dtype=torch.float64) for _ in layer.gates)
     with torch.no_grad():
         cores = [c.reshape(c.shape[0], -1, c.shape[-1])  # (r_{k-1}, n_k, r_k)
                  for c in live_cores(layer)]
+        if not all(bool(torch.isfinite(c).all()) for c in cores):
+            raise NonFiniteError(f"layer {name or '<model>'}: its cores (gates folded in) hold "
+                                 "NaN or infinite values, so its bond spectra do not exist. "
+                                 "Resume from a checkpoint before the divergence (or lower the "
+                                 "learning rate) before a spectrum allocation.")
         n = len(cores)
         for k in range(n - 1):  # left to right: QR, so the left part is orthonormal
             r0, m, r1 = cores[k].shape
@@ -201,39 +211,21 @@ def allocate(model: nn.Module, target_size: float, floor: str = "uniform",
     check_chains(layers)
     other = model_size(model) - sum(m.num_parameters() for _, m in layers)
     u_rank, uniform = uniform_ranks(model, target_size)
-    state = []
+    spectra, starts = [], {}
     for name, m in layers:
-        spectra = bond_spectra(m)
-        avail = [max(1, s.numel()) for s in spectra]
-        energy = [s.square() for s in spectra]
-        total = max(float(energy[0].sum()) if energy and energy[0].numel() else 0.0, 1e-300)
+        bonds = bond_spectra(m, name=name)
+        avail = [max(1, s.numel()) for s in bonds]
         start = uniform[name] if floor == "uniform" and u_rank > 0 else (1,) * len(m.ranks)
         start = [1, *(max(r, min_rank) for r in start[1:-1]), 1]
-        ranks = _capped(start, _inner(m), avail)
-        state.append((name, m, ranks, avail, [e / total for e in energy], _inner(m)))
-    size = other + sum(layer_size(m, ranks) for _, m, ranks, *_ in state)
-    while True:
-        best = None
-        for i, (_, _m, ranks, avail, share, inner) in enumerate(state):
-            for b in range(1, len(ranks) - 1):
-                r = ranks[b]
-                if r >= avail[b - 1] or r + 1 > ranks[b - 1] * inner[b - 1] or \
-                        r + 1 > inner[b] * ranks[b + 1]:
-                    continue
-                cost = inner[b - 1] * ranks[b - 1] + inner[b] * ranks[b + 1]
-                if size + cost > target_size:
-                    continue
-                score = float(share[b - 1][r]) / cost
-                if best is None or score > best[0]:
-                    best = (score, i, b, cost)
-        if best is None:
-            break
-        _, i, b, cost = best
-        state[i][2][b] += 1
-        size += cost
-    ranks = {name: tuple(r) for name, _, r, *_ in state}
+        starts[name] = tuple(_capped(start, _inner(m), avail)[1:-1])
+        spectra.append(LayerSpectra(name, m.layout, bonds))
+    fixed = other + sum(m.bias.numel() for _, m in layers if m.bias is not None)
+    spent = allocate_budget(spectra, target_size - fixed, rule="energy_share", start=starts,
+                            pairs=False, dense_limit=False)
+    ranks = {name: (1, *spent.ranks[name], 1) for name, _ in layers}
+    size = other + sum(layer_size(m, ranks[name]) for name, m in layers)
     return Allocation(ranks, int(size), float(target_size), u_rank,
-                      {name: uniform[name] for name, *_ in state})
+                      {name: uniform[name] for name, _ in layers})
 
 
 def rank_one_layers(model: nn.Module) -> list[str]:

@@ -35,9 +35,15 @@ Shape = tuple[int, int, bool]  # a linear layer: (in_features, out_features, bia
 def check_ratio(ratio: float, what: str = "ratio") -> float:
     """``ratio`` as a compression against dense (a finite number > 1), else a
     :class:`ConfigError` naming it."""
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not (
-            math.isfinite(ratio) and ratio > 1):
-        raise ConfigError(f"{what}={ratio!r}; a compression against dense is a finite number > 1 "
+    try:
+        finite = (not isinstance(ratio, bool) and isinstance(ratio, int | float)
+                  and math.isfinite(float(ratio)))
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not (finite and ratio > 1):
+        shown = (f"<an int of {len(str(abs(ratio)))} digits>" if isinstance(ratio, int)
+                 and not isinstance(ratio, bool) and abs(ratio) >= 10**30 else repr(ratio))
+        raise ConfigError(f"{what}={shown}; a compression against dense is a finite number > 1 "
                           "(10 keeps a tenth of the dense parameters).")
     return float(ratio)
 

@@ -3,6 +3,7 @@ field a :class:`~comera.errors.ConfigError` naming it), as PEFT's tuner configs 
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import json
 import math
@@ -22,6 +23,9 @@ IN_PROJ = ("split", "packed")
 DEFAULT_RANK = 16  # every layer's max rank when neither ranks nor target_compression is given
 ALLOCATIONS = ("uniform", "global")
 DEFAULT_DAMPING = 1e-2
+#: The most memory calibration's input statistics may hold, in bytes (ConvertConfig's
+#: ``statistics_memory``): above it ``convert_`` refuses before the first batch.
+DEFAULT_STATISTICS_MEMORY = 8 * 2**30
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,16 @@ class ConvertConfig:
     whose size is at most the layer's dense size / target. "global": one budget for all the
     linear layers converted (their dense weights / target_compression, or ``target_size``
     parameters), spent bond slice by bond slice where the most truncation error goes per
-    parameter (of the output error, with calibration); see :mod:`comera.ranks.global_budget`.
+    parameter (of the output error, with calibration), or the uniform allocation's ranks where
+    that spend's estimated error is not lower; see :mod:`comera.ranks.global_budget`. Either
+    refuses a target that rank 1 cannot reach, naming the largest that it can.
     target_size: with allocation="global", the budget as a number of parameters of the linear
     layers' cores (instead of target_compression).
     damping: with calibration, the fraction of the input second moments' mean diagonal added
     to their diagonal before whitening (regularises directions the inputs rarely visit).
+    statistics_memory: with calibration, the most bytes the input statistics may hold (one
+    float64 ``in x in`` matrix per distinct layer input); a model that needs more is refused
+    before the first batch (None: no limit).
     """
 
     include: Sequence[str] = ("*",)
@@ -68,6 +77,7 @@ class ConvertConfig:
     allocation: str = "uniform"
     target_size: int | None = None
     damping: float = DEFAULT_DAMPING
+    statistics_memory: int | None = DEFAULT_STATISTICS_MEMORY
 
     def __post_init__(self) -> None:
         check_parametrization(self.parametrization)
@@ -101,8 +111,9 @@ class ConvertConfig:
                               "or a mapping of pattern to rank.")
         if self.target_compression is not None and not (
                 _is_number(self.target_compression) and self.target_compression > 1):
-            raise ConfigError(f"target_compression={self.target_compression!r}; it must be a "
-                              "finite number > 1 (dense size / TT size), or None to use ranks.")
+            raise ConfigError(f"target_compression={show(self.target_compression)}; it must be "
+                              "a finite number > 1 (dense size / TT size), or None to use "
+                              "ranks.")
         if isinstance(self.d, bool) or not isinstance(self.d, int) or self.d < 1:
             raise ConfigError(f"d={self.d!r}; the number of modes per side is an int >= 1 "
                               "(a TT layer has at least one mode per side; default 3).")
@@ -126,9 +137,10 @@ class ConvertConfig:
             raise ConfigError(f"allocation={self.allocation!r}; choose one of "
                               f"{', '.join(ALLOCATIONS)}.")
         if self.target_size is not None:
-            if not _is_rank(self.target_size):
-                raise ConfigError(f"target_size={self.target_size!r}; it is a number of "
-                                  "parameters, an int >= 1 (or None: use target_compression).")
+            if not (_is_rank(self.target_size) and _is_number(self.target_size)):
+                raise ConfigError(f"target_size={show(self.target_size)}; it is a number of "
+                                  "parameters, an int >= 1 that a float holds (or None: use "
+                                  "target_compression).")
             if self.allocation != "global" or self.target_compression is not None:
                 raise ConfigError(f"target_size={self.target_size} is the budget of "
                                   "allocation='global' (set allocation='global' and leave "
@@ -138,9 +150,21 @@ class ConvertConfig:
                 self.target_size is None):
             raise ConfigError("allocation='global' spends a size budget across the layers: set "
                               "target_compression (e.g. 2) or target_size (parameters).")
+        if self.allocation == "global" and self.ranks is not None:
+            target = (f"target_size={self.target_size}" if self.target_size is not None
+                      else f"target_compression={self.target_compression!r}")
+            raise ConfigError(f"ranks={self.ranks!r} and allocation='global' ({target}): the "
+                              "global allocation chooses every layer's ranks from its budget, "
+                              "so ranks would be ignored; drop ranks, or use "
+                              "allocation='uniform' with ranks.")
         if not (_is_number(self.damping) and 0 < self.damping < 1e3):
-            raise ConfigError(f"damping={self.damping!r}; it is a finite number > 0 (a fraction "
-                              f"of the mean input second moment; default {DEFAULT_DAMPING}).")
+            raise ConfigError(f"damping={show(self.damping)}; it is a finite number in (0, 1000) "
+                              "(a fraction of the mean input second moment; default "
+                              f"{DEFAULT_DAMPING}).")
+        if self.statistics_memory is not None and not (
+                _is_rank(self.statistics_memory) and _is_number(self.statistics_memory)):
+            raise ConfigError(f"statistics_memory={show(self.statistics_memory)}; it is a number "
+                              "of bytes, an int >= 1 (e.g. 16 * 2**30), or None for no limit.")
 
     def rank_for(self, name: str) -> int:
         """The max rank for the layer named ``name``: ``ranks`` itself, or the value of the first
@@ -188,8 +212,36 @@ def _check_format(value: object) -> None:
 
 
 def _is_number(value: object) -> bool:
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value))
+    """A finite int or float that a float holds (an int of 400 digits does not)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def show(value: object) -> str:
+    """``repr(value)``, an int too long to read given by its digits instead."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"<an int of {len(str(abs(value)))} digits>"
+    return repr(value)
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Keyword options of ``convert_`` name fields of :class:`ConvertConfig`, else a
+    :class:`ConfigError` naming the unknown ones (with the closest known name) and listing the
+    known names, as ``comera convert --set`` does."""
+    known = sorted(f.name for f in dataclass_fields(ConvertConfig))
+    unknown = [k for k in options if k not in known]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    raise ConfigError(f"unknown convert option(s) {', '.join(hints)}; known: "
+                      f"{', '.join(known)}.")
 
 
 def _is_rank(value: object) -> bool:
@@ -288,4 +340,5 @@ def config_from_json(fields: Mapping[str, Any]) -> ConvertConfig:
         raise ConfigError(f"convert settings {json.dumps(fields)} were refused: {exc}") from None
 
 
-__all__ = ["ALLOCATIONS", "IN_PROJ", "ConvertConfig", "config_from_json"]
+__all__ = ["ALLOCATIONS", "DEFAULT_STATISTICS_MEMORY", "IN_PROJ", "ConvertConfig",
+           "check_options", "config_from_json", "show"]

@@ -13,11 +13,14 @@ A layer whose weight is tied to another module (GPT-2's ``lm_head`` shares ``wte
 left dense and listed in the report as skipped: converting it would silently untie the two.
 
 ``calibration=batches`` (any iterable of model inputs) first streams every converted layer's
-input statistics (:mod:`comera.surgery.input_statistics`), and the linear layers are decomposed to
-minimise the error of their outputs on those inputs; ``ConvertConfig(allocation="global")``
-spends one size budget across all the linear layers (:mod:`comera.surgery.decompose`). Every
-refusal (bad config, empty calibration, batches the model rejects, a budget no allocation can
-meet) comes before the first layer is swapped: on error the model is unchanged.
+input statistics (:mod:`comera.surgery.input_statistics`: one per distinct input, within
+``ConvertConfig.statistics_memory``), and the linear layers are decomposed to minimise the error
+of their outputs on those inputs; ``ConvertConfig(allocation="global")`` spends one size budget
+across all the linear layers, or keeps the uniform allocation's ranks where its estimate is not
+lower (:mod:`comera.surgery.decompose`). Every refusal (bad config or a misspelled option, a
+target no rank reaches under either allocation, empty calibration, batches the model rejects,
+statistics over the memory limit) comes before the first layer is swapped: on error the model is
+unchanged.
 """
 
 from __future__ import annotations
@@ -32,8 +35,7 @@ from torch import nn
 from comera.errors import ConfigError, ConversionError
 from comera.formats.registry import get_format
 from comera.layers.linear import check_finite_weight
-from comera.surgery.input_statistics import InputStats, collect_input_stats
-from comera.surgery.config import ConvertConfig
+from comera.surgery.config import ConvertConfig, check_options
 from comera.surgery.converters import (
     CONVERTERS,
     IN_PARTS,
@@ -42,9 +44,12 @@ from comera.surgery.converters import (
     converter_for,
     full_rank,
 )
-from comera.surgery.decompose import check_global, layer_errors, redecompose_
+from comera.surgery.decompose import check_budget, check_global, layer_errors, redecompose_
+from comera.surgery.input_statistics import InputStats, collect_input_stats, statistics_bytes
 from comera.surgery.swap import check_module, fast_paths_off_, swap_submodule
 from comera.surgery.table import text_table
+
+__all__ = ["HF_SAVE_WARNING", "ConversionReport", "LayerReport", "convert_"]
 
 HF_SAVE_WARNING = (
     "converted a HuggingFace model: its own save_pretrained does not keep the TT layers, and "
@@ -80,6 +85,11 @@ class ConversionReport:
     #: calibration batches seen (0: no calibration) and the allocation ("uniform" / "global")
     batches: int = 0
     allocation: str = "uniform"
+    #: with allocation="global", whose ranks were kept: "global", or "uniform" where the
+    #: global allocation's estimated error was not lower (see comera.ranks.global_budget)
+    kept: str = ""
+    #: bytes the calibration's input statistics held (one per distinct layer input)
+    statistics_bytes: int = 0
 
     @property
     def before(self) -> int:
@@ -104,8 +114,13 @@ class ConversionReport:
         if self.batches:
             lines.append(f"output err: each layer's relative output error on the {self.batches} "
                          "calibration batch(es) (*: no input reached it: weight error)")
-        if self.allocation == "global":
+        if self.allocation == "global" and self.kept == "uniform":
+            lines.append("ranks: the uniform allocation's (allocation='global' estimated no "
+                         "lower error at this budget)")
+        elif self.allocation == "global":
             lines.append("ranks: one size budget spent across the layers (allocation='global')")
+        if self.statistics_bytes:
+            lines.append(f"calibration statistics: {self.statistics_bytes / 2**20:.1f} MiB")
         if self.skipped:
             lines.append(f"left dense (weight tied to another module): {', '.join(self.skipped)}")
         return "\n".join(lines)
@@ -182,21 +197,25 @@ def _warn_oversized(parts: list[Part], config: ConvertConfig) -> None:
                   UserWarning, stacklevel=3)
 
 
-def _warn_out_of_reach(parts: list[Part], target: float) -> None:
-    """One warning naming the layers that hold more than dense / target parameters (biases
-    counted on both sides) at rank 1 (the smallest their format has): the target is out of
-    their reach."""
-    over = []
+def _refuse_out_of_reach(parts: list[Part], target: float) -> None:
+    """A :class:`ConfigError` naming the layers that hold more than dense / target parameters
+    (biases counted on both sides) at rank 1 (the smallest their format has), and the largest
+    target every layer reaches: a uniform allocation refuses an unreachable target, as the
+    global one does, rather than build rank-1 layers that miss it."""
+    over, reach = [], []
     for p in parts:
         layout, bias = p.layer.layout, p.layer.bias
-        after = layout.parameters_at(layout.bond_sizes) + (bias.numel() if bias is not None else 0)
+        after = (layout.parameters_at((1,) * len(layout.bonds))
+                 + (bias.numel() if bias is not None else 0))
+        reach.append(p.before / after)
         if after > p.before / target:
             over.append(f"{p.name} ({p.format}: {p.before / after:.2f}x)")
     if over:
-        warnings.warn(f"convert_: target_compression={target} is out of reach for {len(over)} "
-                      f"layer(s) even at rank 1: {_names(over)}. Choose modes or a format that "
-                      "factor them further, or leave them dense with exclude=[...].",
-                      UserWarning, stacklevel=3)
+        raise ConfigError(f"target_compression={target:g} cannot be reached: {len(over)} "
+                          f"layer(s) compress less even at rank 1: {_names(over)}; the largest "
+                          f"target every layer reaches is {min(reach):.4g}. Lower "
+                          "target_compression, choose modes or a format that factor them "
+                          "further, or leave them dense with exclude=[...].")
 
 
 def _names(items: list[str], most: int = 6) -> str:
@@ -249,10 +268,13 @@ def convert_(
     ``calibration``: an iterable of model inputs (tensors, dicts of keyword arguments as
     HuggingFace models take, tuples of arguments; e.g. a DataLoader): the linear layers are then
     decomposed to minimise the error of their outputs on these inputs (see the module
-    docstring). ``progress``: called with the number of calibration batches done."""
+    docstring). ``progress``: called with the number of calibration batches done.
+    ``**overrides``: the fields of :class:`ConvertConfig` (an unknown name is a
+    :class:`ConfigError` listing the known ones)."""
     check_module(model, "convert_(model, config=None, **options): load a saved model first (or "
                  "run `comera convert FILE -o OUT` on a file)")
     if config is None:
+        check_options(overrides)
         config = ConvertConfig(**overrides)
     elif overrides:
         raise ConfigError("pass either a ConvertConfig or keyword options, not both.")
@@ -277,28 +299,34 @@ def convert_(
         converter.check(name, module, config)
     linear = _linear_parts(chosen, config)
     check_global(list(linear), config)
-    taps = {name: module for name, module in linear.items() if module is not None}
-    stats: dict[str, InputStats] = {}
-    batches = 0
-    if calibration is not None:
-        stats, batches = collect_input_stats(model, taps, calibration,
-                                             config.attention_in_proj == "packed", progress)
     built, parts = [], []
     for name, module, converter in chosen:  # nothing is swapped until every layer is made
         layer, made = converter.convert(name, module, config)
         built.append((name, layer))
         parts += made
+    if config.allocation == "global":  # a budget no allocation meets: before calibrating
+        check_budget([p for p in parts if p.weight is not None], config)
+    elif config.target_compression:
+        _refuse_out_of_reach(parts, config.target_compression)
+    taps = {name: module for name, module in linear.items() if module is not None}
+    stats: dict[str, InputStats] = {}
+    batches, held = 0, 0
+    if calibration is not None:
+        stats, batches = collect_input_stats(model, taps, calibration,
+                                             config.attention_in_proj == "packed", progress,
+                                             limit=config.statistics_memory)
+        held = statistics_bytes(stats)
+    allocation = None
     if stats or config.allocation == "global":
-        redecompose_(parts, stats, config)
+        allocation = redecompose_(parts, stats, config)
     errors = layer_errors(parts, stats)
     for name, layer in built:
         swap_submodule(model, name, layer)
-    if config.target_compression and config.allocation == "uniform":
-        _warn_out_of_reach(parts, config.target_compression)
-    elif not config.target_compression and config.allocation == "uniform":
+    if not config.target_compression and config.allocation == "uniform":
         _warn_oversized(parts, config)
     fast_paths_off_(model)
     if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):
         warnings.warn(HF_SAVE_WARNING, UserWarning, stacklevel=2)
     return ConversionReport(tuple(_layer_report(p, errors, stats) for p in parts),
-                            tuple(sorted(tied)), batches, config.allocation)
+                            tuple(sorted(tied)), batches, config.allocation,
+                            allocation.kept if allocation is not None else "", held)

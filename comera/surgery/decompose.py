@@ -5,15 +5,17 @@ The converters build every gated layer at the config's uniform rank from the for
 decomposition. When ``convert_`` has input statistics (``calibration=``) or a global allocation,
 this pass re-decomposes each linear part from the dense weight it was made from: the bond sizes
 come from :func:`comera.ranks.global_budget.allocate_budget` over every part's (whitened) bond
-spectra (``allocation="global"``) or stay the layer's own, and the cores from the format's
-calibrated decomposition (:mod:`comera.formats.whitened`) where the part has statistics and
-the format calibrates, else its plain one. Nothing here touches the model: ``convert_`` swaps
-the layers in only after this pass has succeeded, so a budget no allocation can meet leaves the
-model as it was.
+spectra (``allocation="global"``; the uniform allocation's bonds, :func:`uniform_bonds`, come
+back where the greedy spend's estimated error is not lower) or stay the layer's own, and the
+cores from the format's calibrated decomposition (:mod:`comera.formats.whitened`) where the
+part has statistics and the format calibrates, else its plain one. Nothing here touches the
+model: ``convert_`` swaps the layers in only after this pass has succeeded, so a budget no
+allocation can meet leaves the model as it was.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -21,15 +23,24 @@ import torch
 from torch import Tensor
 
 from comera.errors import ConfigError
-from comera.formats.whitened import damped, output_error
 from comera.formats.registry import Format, format_names, get_format
+from comera.formats.whitened import damped, output_error
 from comera.layers.linear import load_cores_
-from comera.ranks.global_budget import BudgetAllocation, LayerSpectra, allocate_budget
-from comera.surgery.input_statistics import InputStats
+from comera.ranks.budget import largest_rank
+from comera.ranks.global_budget import (
+    BudgetAllocation,
+    LayerSpectra,
+    allocate_budget,
+    floor_size,
+)
 from comera.surgery.config import ConvertConfig
 from comera.surgery.converters import Part
+from comera.surgery.input_statistics import InputStats
 
-__all__ = ["check_global", "has_spectra", "layer_errors", "redecompose_"]
+log = logging.getLogger("comera.surgery.decompose")
+
+__all__ = ["allocate_parts", "check_budget", "check_global", "has_spectra", "layer_errors",
+           "redecompose_", "uniform_bonds"]
 
 
 def has_spectra(fmt: Format) -> bool:
@@ -57,31 +68,73 @@ def _gram(part: Part, stats: Mapping[str, InputStats], config: ConvertConfig) ->
     when needed: one layer's at a time, not a second set of every layer's)."""
     if part.name not in stats or not get_format(part.format).calibrates:
         return None
-    return damped(stats[part.name].gram, config.damping)
+    return damped(stats[part.name].moments, config.damping)  # scale-free: moments will do
+
+
+def check_budget(parts: Sequence[Part], config: ConvertConfig) -> float:
+    """The global allocation's budget over the linear ``parts`` (``target_size``, or their dense
+    size / target_compression less their biases, so that layers with biases land on the target
+    as the uniform allocation does), else a :class:`ConfigError` when not even every bond at
+    rank 1 fits it, naming the largest target that does. Needs only the layouts: raised before
+    calibration."""
+    floor = floor_size([LayerSpectra(p.name, p.layer.layout, tuple(
+        torch.ones(1, dtype=torch.float64) for _ in p.layer.layout.bonds)) for p in parts])
+    biases = sum(p.bias.numel() for p in parts if p.bias is not None)
+    dense = sum(p.weight.numel() for p in parts) + biases
+    if config.target_size is not None:
+        budget = float(config.target_size)
+        if floor > budget:
+            raise ConfigError(f"target_size={config.target_size:,} cannot be met: the "
+                              f"{len(parts)} linear layers need {floor:,} parameters with every "
+                              f"bond at rank 1; set target_size >= {floor:,} (or convert fewer "
+                              "layers).")
+        return budget
+    budget = dense / config.target_compression - biases
+    if floor > budget:
+        raise ConfigError(f"target_compression={config.target_compression:g} cannot be met: the "
+                          f"{len(parts)} linear layers need {floor:,} parameters (and {biases:,} "
+                          f"bias entries) with every bond at rank 1; the largest target they "
+                          f"reach is {dense / (floor + biases):.4g}. Lower target_compression, "
+                          "or convert fewer layers.")
+    return budget
+
+
+def uniform_bonds(parts: Sequence[Part], config: ConvertConfig) -> dict[str, tuple[int, ...]]:
+    """The bond sizes the uniform allocation gives ``parts`` at the global budget: with
+    target_compression, the layers as the converters built them (each at the largest uniform
+    rank within its own dense size / target); with target_size, the largest rank shared by all
+    whose layers fit it together."""
+    if config.target_size is None:
+        return {p.name: p.layer.layout.bond_sizes for p in parts}
+
+    def at(rank: int) -> dict[str, tuple[int, ...]]:
+        return {p.name: get_format(p.format).layout(p.layer.layout.in_modes,
+                                                    p.layer.layout.out_modes, rank).bond_sizes
+                for p in parts}
+
+    def size(rank: int) -> int:
+        bonds = at(rank)
+        return sum(p.layer.layout.parameters_at(bonds[p.name]) for p in parts)
+
+    return at(max(1, largest_rank(size, config.target_size)))
 
 
 def allocate_parts(parts: Sequence[Part], stats: Mapping[str, InputStats],
                    config: ConvertConfig) -> BudgetAllocation:
-    """One budget over ``parts`` (``target_size``, or their dense size / target_compression
-    less their biases, so that the layers with biases land on the target as the uniform
-    allocation does), spent on the bond slices of most (whitened, where statistics are given)
-    energy per parameter."""
+    """One budget over ``parts`` (:func:`check_budget`), spent on the bond slices of most
+    (whitened, where statistics are given) energy per parameter, or the uniform allocation's
+    bonds where its estimated error is not higher (:func:`allocate_budget`)."""
+    budget = check_budget(parts, config)
+    uniform = uniform_bonds(parts, config)
     layers = []
     for p in parts:
         fmt, layout = get_format(p.format), p.layer.layout
         spectra = fmt.spectra(p.weight.detach().to(torch.float64), layout,
                               _gram(p, stats, config))
         layers.append(LayerSpectra(p.name, layout, tuple(spectra)))
-    if config.target_size is not None:
-        return allocate_budget(layers, config.target_size)
-    biases = sum(p.bias.numel() for p in parts if p.bias is not None)
-    dense = sum(p.weight.numel() for p in parts) + biases
-    budget = dense / config.target_compression - biases
-    if budget <= 0:
-        raise ConfigError(f"target_compression={config.target_compression:g} cannot be met: "
-                          f"{dense:,} dense parameters / {config.target_compression:g} leaves "
-                          f"nothing beyond the layers' {biases:,} bias entries. Lower the target.")
-    return allocate_budget(layers, budget)
+    allocation = allocate_budget(layers, budget, uniform)
+    log.info("global allocation: %s", allocation)
+    return allocation
 
 
 def redecompose_(parts: Sequence[Part], stats: Mapping[str, InputStats],
@@ -118,7 +171,7 @@ def layer_errors(parts: Sequence[Part], stats: Mapping[str, InputStats]) -> dict
             w = p.weight.detach().to(torch.float64)
             approx = p.layer.to_dense().T.to(torch.float64)  # (in, out), as w
             if p.name in stats:
-                gram = stats[p.name].gram
+                gram = stats[p.name].moments  # the ratio below is free of its scale
                 scale = output_error(w, torch.zeros_like(w), gram)
                 out[p.name] = output_error(w, approx, gram) / scale if scale > 0 else 0.0
             else:

@@ -41,7 +41,7 @@ def test_calibrated_global_conversion_from_the_terminal(files):
     (None, "no such file"),
     ([], "holds no batches"),
     ("text", "holds str"),
-    ([torch.randn(4, 9)], "rejected it"),
+    ([torch.randn(4, 9)], "batch 0: layer '0' received an input of shape (4, 9)"),
     (nn.Linear(2, 2), "not a torch file of tensors"),
 ])
 def test_bad_calibration_files_exit_2_and_write_nothing(files, content, match):

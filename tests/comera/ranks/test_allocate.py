@@ -113,6 +113,20 @@ def test_a_budget_that_leaves_a_layer_at_rank_one_warns():
         allocate_(model, sum(layer_size(m, (1,) * 7) for m in model) + 40, floor="one")
 
 
+def test_a_nan_core_is_a_non_finite_error_naming_the_layer():
+    """A diverged model (a NaN core) under a spectrum allocation: a NonFiniteError naming the
+    layer, not torch's raw _LinAlgError from the QR sweep; nothing is changed."""
+    model = _model()
+    with torch.no_grad():
+        model[1].cores[2][0, 0, 0] = float("nan")
+    ranks = [m.ranks for m in model]
+    with pytest.raises(comera.NonFiniteError, match=r"layer 1: its cores .* NaN or infinite"):
+        allocate_(model, comera.model_size(model) // 2)
+    assert [m.ranks for m in model] == ranks
+    with pytest.raises(comera.NonFiniteError, match="layer <model>"):
+        bond_spectra(model[1])
+
+
 def test_allocate_rejects_bad_input():
     model = _model()
     with pytest.raises(comera.ConfigError, match="floor='two'"):

@@ -11,7 +11,7 @@ import torch
 
 from comera.errors import ConfigError
 from comera.formats.registry import get_format
-from comera.ranks.global_budget import LayerSpectra, allocate_budget, floor_size
+from comera.ranks.global_budget import LayerSpectra, allocate_budget, estimate, floor_size
 
 F64 = torch.float64
 
@@ -122,3 +122,62 @@ def test_no_layer_grows_past_its_dense_size():
     result = allocate_budget(layers, 10**6)
     for s in layers:
         assert s.layout.parameters_at(result.ranks[s.name]) <= 256
+
+
+# -- issue 41: Tucker leaves rank 1; uniform is the floor ---------------------------------------
+def test_tucker_bonds_leave_rank_one_in_pairs():
+    """A Tucker core holds a_k <= prod of the other a_j: from rank 1 no single bond may grow,
+    so the allocation stayed at rank 1 whatever the budget. Two bonds now grow together, and a
+    planted multilinear rank is found at its own size."""
+    fmt = get_format("tucker")
+    planted = (3, 2, 4, 3)
+    layout = fmt.layout((6, 6), (6, 6), list(planted))
+    gen = torch.Generator().manual_seed(0)
+    cores = [torch.randn(s, generator=gen, dtype=F64) for s in layout.core_shapes]
+    weight = layout.dense(cores)
+    layers = [LayerSpectra("t", layout, fmt.spectra(weight, layout))]
+    result = allocate_budget(layers, layout.parameters_at(planted))
+    assert result.ranks["t"] == planted
+    assert result.errors["t"] < 1e-6
+    roomy = allocate_budget(layers, 4 * floor_size(layers))
+    assert max(roomy.ranks["t"]) > 1
+
+
+def _spectra(name: str, n: int, shares: list[float]) -> LayerSpectra:
+    layout = get_format("lowrank").layout((n,), (n,), 1)
+    values = torch.zeros(n, dtype=F64)
+    values[:len(shares)] = torch.tensor(shares, dtype=F64).sqrt()
+    return LayerSpectra(name, layout, (values,))
+
+
+def test_uniform_ranks_come_back_where_their_estimate_is_lower():
+    """The greedy spend takes the small layer's cheap slices first (more gain per parameter)
+    and then has no room for the wide layer's one valuable slice: 0.25 against uniform's 0.16."""
+    layers = [_spectra("wide", 64, [0.5, 0.5]), _spectra("small", 16, [0.6, 0.1, 0.1, 0.1, 0.1])]
+    budget = 2 * 128 + 32
+    alone = allocate_budget(layers, budget)
+    assert alone.ranks == {"wide": (1,), "small": (5,)} and alone.kept == "global"
+    assert alone.estimate == pytest.approx(0.25)
+    uniform = {"wide": (2,), "small": (1,)}
+    result = allocate_budget(layers, budget, uniform)
+    assert result.kept == "uniform" and result.ranks == uniform
+    assert result.estimate == pytest.approx(0.25)
+    assert result.uniform_estimate == pytest.approx(0.16) == estimate(layers, uniform)
+    assert result.size == 2 * 128 + 32 and "uniform ranks kept" in str(result)
+    assert result.errors["wide"] < 1e-7 and result.errors["small"] == pytest.approx(0.4**0.5)
+
+
+def test_global_ranks_are_kept_where_their_estimate_is_lower():
+    layers = [_spectra("a", 32, [0.9, 0.1]), _spectra("b", 32, [0.25] * 4)]
+    uniform = {"a": (2,), "b": (2,)}  # two slices each
+    result = allocate_budget(layers, 4 * 64, uniform)
+    assert result.kept == "global" and result.ranks == {"a": (1,), "b": (3,)}
+    assert result.estimate < result.uniform_estimate == estimate(layers, uniform)
+
+
+def test_uniform_ranks_are_checked():
+    layers = [_spectra("a", 8, [1.0])]
+    with pytest.raises(ConfigError, match="uniform ranks for layer 'a'"):
+        allocate_budget(layers, 64, {"a": (0,)})
+    with pytest.raises(ConfigError, match="over the budget"):
+        allocate_budget(layers, 20, {"a": (2,)})

@@ -231,6 +231,9 @@ BAD_FIELDS = [
     ("allocation", "greedy"), ("allocation", None),
     ("target_size", 0), ("target_size", 2.5), ("target_size", 100),  # 100: needs "global"
     ("damping", 0), ("damping", -1.0), ("damping", float("nan")),
+    ("damping", 10**400), ("target_compression", 10**400), ("target_size", 10**400),
+    ("statistics_memory", 0), ("statistics_memory", 2.5), ("statistics_memory", 10**400),
+    ("statistics_memory", True),
 ]
 
 
@@ -317,3 +320,54 @@ def test_a_layer_asked_for_more_rank_than_it_holds_warns_as_convert_does():
         warnings.simplefilter("always")
         comera.convert_(model, ranks=10000, d=2)
     assert len(said) == 1 and "reaches the full rank of 1 layer" in str(said[0].message)
+
+
+# -- issue 42: one clear error for numbers too large, misspelled options, dropped ranks ----------
+@pytest.mark.parametrize(("field", "value"), [
+    ("damping", 10**400), ("target_compression", 10**400), ("target_size", 10**400)])
+def test_a_number_too_large_for_a_float_is_one_short_config_error(field, value):
+    options = {field: value, **({"allocation": "global"} if field == "target_size" else {})}
+    with pytest.raises(comera.ConfigError, match=f"{field}=<an int of 401 digits>") as info:
+        ConvertConfig(**options)
+    assert len(str(info.value)) < 300
+
+
+def test_ranks_with_a_global_target_are_refused_naming_both():
+    with pytest.raises(comera.ConfigError, match=r"ranks=4 and allocation='global' "
+                                                 r"\(target_size=5000\)"):
+        ConvertConfig(ranks=4, allocation="global", target_size=5000)
+
+
+def test_a_misspelled_option_lists_the_known_names():
+    model = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(comera.ConfigError, match=r"target_compresion \(did you mean "
+                                                 r"target_compression\?\); known: .*damping"):
+        comera.convert_(model, target_compresion=2)
+    assert type(model[0]) is nn.Linear
+
+
+def test_an_unreachable_uniform_target_is_refused_naming_the_largest_reachable():
+    """As the global allocation refuses a budget below rank 1, so does the uniform one (it
+    warned and built rank-1 layers that missed the target), naming the largest target every
+    layer reaches; the model is left as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(comera.ConfigError, match=r"target_compression=50 cannot be reached: 2 "
+                                                 r"layer\(s\).*largest target every layer "
+                                                 r"reaches is (\d+\.?\d*)") as info:
+        comera.convert_(model, target_compression=50, d=2)
+    assert all(type(m) is nn.Linear for m in (model[0], model[2]))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    reach = float(re.search(r"reaches is (\d+(?:\.\d+)?)", str(info.value)).group(1))
+    report = comera.convert_(model, target_compression=reach * 0.999, d=2)  # reachable: built
+    assert all(all(r == 1 for r in layer.ranks) for layer in report.layers)
+    assert report.before / report.after >= reach * 0.999
+
+
+def test_an_unreachable_global_target_names_the_largest_reachable():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    with pytest.raises(comera.ConfigError, match=r"cannot be met.*largest target they reach "
+                                                 r"is \d"):
+        comera.convert_(model, target_compression=50, d=2, allocation="global")
+    assert type(model[0]) is nn.Linear

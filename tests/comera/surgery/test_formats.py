@@ -118,19 +118,22 @@ def test_an_mlp_converts_saves_and_loads_in_every_format(fmt, tmp_path):
 def test_target_compression_picks_the_largest_rank_under_budget_in_every_format(fmt):
     model = MLP()
     target = 3.0
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
+    try:
         report = comera.convert_(model, target_compression=target, format=fmt, d=2)
+    except comera.ConfigError as exc:  # even rank 1 is above for some layer: refused, naming it
+        assert "cannot be reached" in str(exc) and f"({fmt}:" in str(exc)
+        probe = MLP()
+        rank_one = comera.convert_(probe, ranks=1, format=fmt, d=2)
+        assert any(r.before / r.after < target for r in rank_one.layers), str(exc)
+        assert all(type(m) is not type(probe.fc1) for m in (model.fc1,))  # model untouched
+        return
     fmt_ = get_format(fmt)
     for r in report.layers:
         layout, bias = model.get_submodule(r.name).layout, model.get_submodule(r.name).bias
         kept = bias.numel() if bias is not None else 0  # on both sides, as compression_ratio
         budget = (r.shape[0] * r.shape[1] + kept) / target - kept
         rank = max(layout.bond_sizes)
-        if layout.parameters_at(layout.bond_sizes) > budget:  # even rank 1 is above: said
-            assert rank == 1 and any(f"{r.name} ({fmt}:" in str(w.message) and
-                                     "out of reach" in str(w.message) for w in said), r.name
-            continue
+        assert layout.parameters_at(layout.bond_sizes) <= budget, r.name
         bigger = fmt_.layout(layout.in_modes, layout.out_modes, rank + 1)
         assert (bigger.parameters_at(bigger.bond_sizes) > budget
                 or bigger.bond_sizes == layout.bond_sizes), r.name

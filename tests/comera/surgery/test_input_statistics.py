@@ -13,7 +13,12 @@ import torch
 from torch import nn
 
 from comera.errors import ConfigError
-from comera.surgery.input_statistics import check_batches, collect_input_stats, gram_bytes
+from comera.surgery.input_statistics import (
+    check_batches,
+    collect_input_stats,
+    gram_bytes,
+    statistics_bytes,
+)
 
 F64 = torch.float64
 
@@ -75,7 +80,9 @@ def test_modes_and_hooks_are_restored():
     (torch.randn(4, 6), "one tensor of shape"),
     ({"x": torch.randn(4, 6)}, "calibration=\\[batch\\]"),
     (3, "iterable of batches"),
-    ([torch.randn(2, 9)], "batch 0: the model rejected it"),
+    ([torch.randn(2, 9)], r"layer 'a' received an input of shape \(2, 9\); it takes "
+                          r"\(\.\.\., 6\)"),
+    ([(torch.randn(2, 6), 1.0, 3)], "batch 0: the model rejected it"),
     (["text"], "batch 0 is a str"),
     ([torch.full((2, 6), float("nan"))], "NaN or infinite"),
 ])
@@ -99,6 +106,10 @@ def test_multihead_attention_projections_take_query_key_and_value():
     stats, _ = collect_input_stats(packed, {"attn.in_proj": packed}, [{"query": x, "key": x,
                                                                        "value": x}], True)
     torch.testing.assert_close(stats["attn.in_proj"].gram, _gram(x))
+    assert stats["attn.in_proj"].rows == 6  # one tensor as query, key and value: counted once
+    q2 = torch.randn(2, 3, 8)  # three tensors: averaged
+    stats, _ = collect_input_stats(packed, {"attn.in_proj": packed}, [(q2, x, 2 * x)], True)
+    torch.testing.assert_close(stats["attn.in_proj"].gram, _gram(torch.cat([q2, x, 2 * x])))
     assert stats["attn.in_proj"].rows == 3 * 6
 
 
@@ -139,3 +150,122 @@ def test_check_batches_passes_iterables_through():
     model = TwoInputs()
     stats, count = collect_input_stats(model, {"a": model.a}, loader)
     assert count == 3 and stats["a"].rows == 10
+
+
+# -- one statistic per distinct input; scale-free accumulation; memory stated and bounded -------
+class Attention(nn.Module):
+    """q/k/v fed one hidden state (as HF Llama's projections are), o fed another tensor;
+    ``split=True`` feeds k a different tensor (the sharing stops)."""
+
+    def __init__(self, width: int = 6):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, dtype=F64) for _ in range(4))
+
+    def forward(self, x, split=False):
+        key = x * 2 if split else x
+        return self.o(torch.tanh(self.q(x) + self.k(key) + self.v(x)))
+
+
+def _names(model: Attention) -> dict:
+    return {n: getattr(model, n) for n in "qkvo"}
+
+
+def test_layers_fed_one_tensor_share_one_statistic():
+    torch.manual_seed(0)
+    model = Attention()
+    batches = [torch.randn(5, 6, dtype=F64), torch.randn(3, 6, dtype=F64)]
+    stats, _ = collect_input_stats(model, _names(model), batches)
+    assert stats["q"] is stats["k"] is stats["v"] and stats["o"] is not stats["q"]
+    xs = torch.cat(batches)
+    torch.testing.assert_close(stats["q"].gram, _gram(xs), rtol=1e-13, atol=0)
+    assert stats["q"].rows == 8  # one accumulation, not three
+    assert statistics_bytes(stats) == gram_bytes([6, 6])  # two distinct inputs
+
+
+def test_a_shared_statistic_splits_exactly_when_its_layers_stop_sharing():
+    torch.manual_seed(0)
+    model = Attention()
+    x1, x2, x3 = (torch.randn(4, 6, dtype=F64) for _ in range(3))
+    stats, _ = collect_input_stats(model, _names(model), [x1, (x2, True), x3])
+    assert stats["q"] is stats["v"] and stats["k"] is not stats["q"]
+    torch.testing.assert_close(stats["q"].gram, _gram(torch.cat([x1, x2, x3])), rtol=1e-12,
+                               atol=1e-15)
+    torch.testing.assert_close(stats["k"].gram, _gram(torch.cat([x1, 2 * x2, x3])), rtol=1e-12,
+                               atol=1e-15)
+    assert stats["k"].rows == 12
+
+
+def test_memory_does_not_grow_with_the_number_of_batches():
+    torch.manual_seed(0)
+    model = Attention()
+    one, _ = collect_input_stats(model, _names(model), [torch.randn(4, 6, dtype=F64)])
+    many, _ = collect_input_stats(model, _names(model),
+                                  (torch.randn(4, 6, dtype=F64) for _ in range(50)))
+    assert statistics_bytes(one) == statistics_bytes(many) == gram_bytes([6, 6])
+    assert many["q"].moments.shape == (6, 6) and many["q"].rows == 200
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+@pytest.mark.parametrize("scale", [1e20, 1e-25])
+def test_no_finite_input_overflows_or_underflows(dtype, scale):
+    """A 1e20 or 1e-25 activation gives the same second moments, relative to its scale, as a
+    1.0 one (float16 cannot hold either: it is scaled to the ends of its own range)."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 6, generator=gen, dtype=F64)
+    if dtype == torch.float16:
+        scale = 2.0**-10 if scale < 1 else 2.0**12  # normal float16 values
+    layer = nn.Linear(6, 3).to(dtype)
+    ref, _ = collect_input_stats(layer, {"l": layer}, [base.to(dtype)])
+    got, _ = collect_input_stats(layer, {"l": layer}, [(base * scale).to(dtype)])
+    x = (base * scale).to(dtype).to(F64)
+    truth = _gram(x / scale)  # the inputs as stored, brought back to scale 1 in float64
+    moments = got["l"].moments * 4.0 ** got["l"].exponent / scale**2
+    rtol = {torch.float16: 1e-6, torch.bfloat16: 1e-6, torch.float32: 1e-6, F64: 1e-13}[dtype]
+    torch.testing.assert_close(moments, truth, rtol=rtol, atol=rtol * float(truth.abs().max()))
+    assert torch.isfinite(got["l"].moments).all() and got["l"].moments.abs().max() > 0
+    torch.testing.assert_close(got["l"].moments / got["l"].moments.abs().max(),
+                               ref["l"].moments / ref["l"].moments.abs().max(),
+                               rtol=1e-6, atol=1e-2 if dtype in (torch.float16,
+                                                                 torch.bfloat16) else 1e-6)
+
+
+def test_over_the_limit_is_refused_before_the_first_statistic():
+    torch.manual_seed(0)
+    model = Attention(8)
+    batches = [torch.randn(4, 8, dtype=F64)]
+    unshared, shared = gram_bytes([8] * 4), gram_bytes([8, 8])
+    with pytest.raises(ConfigError, match=r"calibration needs 0\.0 MiB .* over "
+                                          r"statistics_memory=1,000 bytes") as info:
+        collect_input_stats(model, _names(model), batches, limit=1000)
+    assert "widest" in str(info.value)
+    assert not model.q._forward_pre_hooks and model.training  # hooks removed, mode restored
+    # between the shared need and the unshared bound: the probe finds the sharing, and it runs
+    stats, _ = collect_input_stats(model, _names(model), batches, limit=(shared + unshared) // 2)
+    assert statistics_bytes(stats) == shared
+    with pytest.raises(ConfigError, match="statistics_memory"):
+        collect_input_stats(model, _names(model), batches, limit=shared - 1)
+
+
+def test_running_out_of_memory_is_said_as_such():
+    class Hungry(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.fc(x)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    model = Hungry()
+    with pytest.raises(ConfigError, match=r"batch 0: out of memory \(OutOfMemoryError: CUDA out "
+                                          r"of memory.*MiB of input statistics held") as info:
+        collect_input_stats(model, {"fc": model.fc}, [torch.randn(2, 4)])
+    assert "rejected" not in str(info.value)
+
+
+def test_a_misspelled_key_names_the_keys_given():
+    model = TwoInputs()
+    with pytest.raises(ConfigError, match=r"keys: \['x', 'scal'\]; \['scal'\] are not arguments "
+                                          r"of TwoInputs\.forward \(it takes \['x', 'scale'\]\)\. "
+                                          r"Did you mean 'scale' for 'scal'\?"):
+        collect_input_stats(model, {"a": model.a}, [{"x": torch.randn(2, 6), "scal": 2.0}])
