@@ -414,12 +414,15 @@ def _cmd_convert(args, argv) -> int:
                           "module itself with torch.save(model, path).")
     with warnings.catch_warnings(record=True) as said:  # shown once the conversion is kept
         warnings.simplefilter("always")
-        if batches is None:
-            report = comera.convert_(model, config)
-        else:
-            with progress_bar("calibration", len(batches)) as advance:
-                report = comera.convert_(model, config, calibration=batches,
-                                         progress=lambda _done: advance(1))
+        try:
+            if batches is None:
+                report = comera.convert_(model, config)
+            else:
+                with progress_bar("calibration", len(batches)) as advance:
+                    report = comera.convert_(model, config, calibration=batches,
+                                             progress=lambda _done: advance(1))
+        except ComeraError as exc:  # convert_ refuses before any swap: nothing is written
+            raise type(exc)(f"{str(exc).rstrip('.')}; nothing was written.") from None
     _check_reached(report, config.target_compression)
     print(report)
     for warning in said:

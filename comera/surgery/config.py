@@ -114,8 +114,9 @@ class ConvertConfig:
             raise ConfigError(f"target_compression={show(self.target_compression)}; it must be "
                               "a finite number > 1 (dense size / TT size), or None to use "
                               "ranks.")
-        if isinstance(self.d, bool) or not isinstance(self.d, int) or self.d < 1:
-            raise ConfigError(f"d={self.d!r}; the number of modes per side is an int >= 1 "
+        if isinstance(self.d, bool) or not isinstance(self.d, int) or not 1 <= self.d <= 64:
+            raise ConfigError(f"d={show(self.d)}; the number of modes per side is an int from 1 "
+                              "to 64 "
                               "(a TT layer has at least one mode per side; default 3).")
         check_tau(self.tau)
         _check_format(self.format)

@@ -221,7 +221,7 @@ BAD_FIELDS = [
     ("ranks", {"*": "16"}), ("ranks", {3: 16}), ("ranks", {}),
     ("target_compression", 1.0), ("target_compression", float("nan")),
     ("target_compression", float("inf")), ("target_compression", "10"),
-    ("d", 0), ("d", 2.0), ("d", True),
+    ("d", 0), ("d", 2.0), ("d", True), ("d", 10**300), ("d", 65),
     ("tau", -1e-3), ("tau", float("nan")), ("tau", float("inf")), ("tau", "0.01"),
     ("format", "nope"), ("format", {"*": "nope"}), ("format", {}), ("format", 3),
     ("modes", [(4, 4)]), ("modes", {"fc": (4, 4)}),
