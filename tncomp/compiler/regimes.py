@@ -9,7 +9,6 @@ the concrete size picks its regime without searching again.
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from tncomp.compiler.ir import Dim, Network, bind_dims
 from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.plan import lower
 from tncomp.compiler.problem import Tree, problem_for
-from tncomp.compiler.search import candidate_trees, sample_points, sound
+from tncomp.compiler.search import candidate_trees, prefer_lean, sample_points, sound
 from tncomp.errors import CacheError
 
 DEFAULT_MAX = 1 << 20  # upper end of the search for an unbounded Dim
@@ -97,9 +96,11 @@ def build_regimes(
         plans = [apply_memory(lower(problem, t, needs_grad, itemsize, swaps=sw), memory, model)
                  for t, sw in candidates]
         ok = sound(plans, problem)  # never a far worse tree, whatever the model says
-        times = [p.modelled_time(model, with_grad) if good else math.inf
-                 for p, good in zip(plans, ok, strict=True)]
-        return min(range(len(candidates)), key=times.__getitem__)
+        scored = sorted(((p.modelled_time(model, with_grad), k) for k, (p, good)
+                         in enumerate(zip(plans, ok, strict=True)) if good))
+        # the same choice as choose_plan's among the modelled times (prefer_lean)
+        chosen = prefer_lean([(t, plans[k]) for t, k in scored], model)[0][1]
+        return next(k for k, p in enumerate(plans) if p is chosen)
 
     winners = [best_at(v) for v in samples]
     regimes: list[Regime] = []
