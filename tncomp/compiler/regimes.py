@@ -23,6 +23,7 @@ from tncomp.compiler.search import candidate_trees, prefer_lean, sample_points, 
 from tncomp.errors import CacheError
 
 DEFAULT_MAX = 1 << 20  # upper end of the search for an unbounded Dim
+ORIENT_AT = 4096  # the size each candidate's GEMM orientations are chosen at (a training batch)
 
 
 @dataclass(frozen=True)
@@ -60,19 +61,24 @@ def upper_bound(dim: Dim) -> int:
 def regime_candidates(net: Network, needs_grad: Sequence[bool], itemsize: int,
                       model: DeviceModel) -> list[tuple[Tree, tuple[bool, ...]]]:
     """The trees the regime search compares and the GEMM orientations each is scored with:
-    candidates at sizes sampled over the one symbol's bounds, each lowered where first found.
+    candidates at sizes sampled over the one symbol's bounds, each oriented at a training-sized
+    batch (:data:`ORIENT_AT`, within the bounds): orientations chosen where a tree was first
+    found (often batch 1) can be far off where the time goes (a BTT layer's block order,
+    oriented as at batch 1, was modelled 3.8x slower at batch 2048 than in its own
+    orientations, and lost to rebuilding the dense weight).
     The samples share one search budget and one lowering budget (see
     :mod:`~tncomp.compiler.budget`): a large network gets greedy candidates once they are spent."""
     (dim,) = net.dims
     found: list[tuple[Tree, tuple[bool, ...]]] = []
     seen: set = set()
     search, lowering = Budget(), Budget()
+    anchor = problem_for(net, bind_dims(net, min(max(ORIENT_AT, dim.min), upper_bound(dim))))
     for value in sample_points(dim.min, upper_bound(dim), 1):
         problem = problem_for(net, bind_dims(net, value))
         for tree in candidate_trees(problem, budget=search):
             if tree.signature() not in seen:
                 seen.add(tree.signature())
-                found.append((tree, lower(problem, tree, needs_grad, itemsize, model=model,
+                found.append((tree, lower(anchor, tree, needs_grad, itemsize, model=model,
                                           budget=lowering).swaps))
     return found
 
