@@ -16,8 +16,8 @@ measure_step_memory`, tncomp's buffer pools off while measuring).
 Per layer (block 0's q, ffn_in and ffn_out: the three shapes), each format's plan at the step's
 rows (batch x tokens) is set beside its floor (:meth:`tncomp.compiler.plan.Plan.floor_time`
 under the device model the layer plans with) and the measured time of each of its steps
-(:func:`tncomp.runtime.profile.measure_plan`); the JSON holds every step, the table the
-heaviest.
+(:func:`tncomp.runtime.profile.measure_plan`); the JSON holds the eight heaviest steps of
+each plan (and the sum over all), the table the three heaviest.
 
     python -m benchmarks.speed.bench_gpt_step                  # d_model 128 and 512
     python -m benchmarks.speed.bench_gpt_step --d-model 256 --repeats 5
@@ -53,7 +53,8 @@ COMPRESSION = 8.0
 VOCAB = 256  # bytes
 HEADS = 4
 LAYERS = ("attn.q", "ffn_in", "ffn_out")  # the three shapes of a block's linear layers
-TOP_STEPS = 3  # steps per plan in the markdown table (the JSON holds all)
+TOP_STEPS = 3  # steps per plan in the markdown table ...
+JSON_STEPS = 8  # ... and in the JSON (the heaviest by measured time; a results file stays small)
 
 
 def config(d_model: int, tokens: int) -> CausalLMConfig:
@@ -135,8 +136,15 @@ def layer_profile(model: nn.Module, rows: int, repeats: int) -> list[dict]:
                     "flops": plan.forward_flops + plan.backward_flops,
                     "dense_flops": 3 * 2 * rows * layer.in_features * layer.out_features,
                     "floor_ms": plan.floor_time(model_) * 1e3, "ms": measured.total * 1e3,
-                    "steps": steps})
+                    "n_steps": len(steps), "steps_ms": sum(s["ms"] for s in steps),
+                    "steps": heaviest(steps, JSON_STEPS)})
     return out
+
+
+def heaviest(steps: list[dict], n: int) -> list[dict]:
+    """The ``n`` steps of the most measured time, in plan order."""
+    keep = sorted(range(len(steps)), key=lambda k: -steps[k]["ms"])[:n]
+    return [steps[k] for k in sorted(keep)]
 
 
 def run_width(d_model: int, batch: int, tokens: int, repeats: int, warmup: int,
