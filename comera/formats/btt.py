@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 
 from comera.errors import ConfigError
-from comera.formats.whitened import calibrated_decomposition
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
+from comera.formats.whitened import calibrated_decomposition
 
 __all__ = ["BlockTT", "btt_rank_bounds"]
 

@@ -13,6 +13,9 @@ from torch import Tensor
 
 import tncomp
 from comera.errors import ConfigError, tncomp_errors_as_config
+from comera.formats.layout import Layout
+from comera.formats.registry import Format, Ranks
+from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, paired_modes, tt_svd
 from comera.formats.whitened import (
     calibrated_decomposition,
     check_gram,
@@ -20,9 +23,6 @@ from comera.formats.whitened import (
     whitened_weight,
     whitening,
 )
-from comera.formats.layout import Layout
-from comera.formats.registry import Format, Ranks
-from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, paired_modes, tt_svd
 
 
 def chain_layout(inputs: tuple[str, ...], outputs: tuple[str, ...],

@@ -79,9 +79,9 @@ def add_bias(y: Tensor, bias: Tensor | None, source: Tensor) -> Tensor:
     ``y`` itself when ``y`` is a contraction result that nothing else references.
 
     Why: on the CPU an out-of-place add allocates a second output-sized tensor, and torch hands
-    large tensors fresh pages each time. At B=4096 a 768->3072 layer's ``y + bias`` took 18 ms
-    (fresh pages) where ``y.add_(bias)`` took 2 ms and the layer's own forward about 10 ms; the
-    second buffer also raised the peak by one output. ``nn.Linear`` folds its bias into addmm.
+    large tensors fresh pages each time, which can cost more than the layer's own forward
+    (figures in docs/results.md, "Measured rules of the CPU executor"); the second buffer also
+    raises the peak by one output. ``nn.Linear`` folds its bias into addmm.
     The sum is the same op in the same order, so results are bit-identical either way.
 
     Out of place when in-place is not safe or not wanted: under ``torch.compile`` (inductor

@@ -34,8 +34,8 @@ from comera.layers.linear import GatedLinear, add_bias
 from tncomp import autocast_cast, autocast_dtype, stack_siblings
 
 # Stack while the padded bonds sum to at most this many times the stored ones (the work that
-# grows with the batch is linear in each bond). Measured on CPU, 1 thread, 768x768 q/k/v at
-# B = 16..4096: stacking was as fast or faster up to a ratio of 2.15 (ranks 30, 6 and 3).
+# grows with the batch is linear in each bond); the measurement that set it is in
+# docs/results.md, "Measured rules of the CPU executor".
 MAX_PADDING = 2.25
 
 

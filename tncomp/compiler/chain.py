@@ -3,7 +3,7 @@
 TT layers are chains: cores joined by their bonds ``r_k`` in a line, and at most one *hub*
 operand (the input ``x``) attached to some of them (the input-side cores of a TT layer, every
 core of a TT-matrix layer). An exact search over subsets costs exponential time in the number of
-cores (a cold rank-16 plan took 22 s at d=6 and 128 s at d=7); here every node of a tree is an
+cores (docs/results.md has cold planning times by d); here every node of a tree is an
 interval of the chain, alone or with the hub, so a dynamic program over the O(n^2) intervals
 finds the best tree of that family in O(n^3) steps, for each of a few objectives.
 

@@ -25,10 +25,13 @@ from dataclasses import dataclass
 from tncomp.compiler.ops import MatView, Permute
 from tncomp.compiler.problem import Problem, Tree
 
+__all__ = ["COPY_WEIGHT", "Pairing", "layout_greedy", "matrix_view", "pair", "permute_op",
+           "split"]
+
 COPY_WEIGHT = 2.0  # layout_greedy: a copied element costs a read and a write
 
 
-def _runs(layout: Sequence[str], groups: Sequence[set]) -> list[int] | None:
+def _runs(layout: Sequence[str], groups: Sequence[set[str]]) -> list[int] | None:
     """The group of each run of ``layout`` (one run per group), or None when a group's indices
     are not adjacent."""
     runs: list[int] = []
@@ -41,7 +44,7 @@ def _runs(layout: Sequence[str], groups: Sequence[set]) -> list[int] | None:
     return runs
 
 
-def split(layout: Sequence[str], batch: set, free: set, contr: set,
+def split(layout: Sequence[str], batch: set[str], free: set[str], contr: set[str],
           ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None:
     """``(batch order, free order, contracted order)`` as ``layout`` stores them, if it stores
     each group adjacent and a matrix view of it exists (:func:`matrix_view`: the batch group
@@ -53,8 +56,8 @@ def split(layout: Sequence[str], batch: set, free: set, contr: set,
     return b, f, c
 
 
-def matrix_view(slot: int, layout: Sequence[str], sizes: Mapping[str, int], bo, ro, co,
-                ) -> MatView | None:
+def matrix_view(slot: int, layout: Sequence[str], sizes: Mapping[str, int],
+                bo: Sequence[str], ro: Sequence[str], co: Sequence[str]) -> MatView | None:
     """The value ``(slot, layout)`` read as the batched matrix ``(bo; ro x co)`` (each group
     in exactly that index order) without a copy, or None. ``layout`` must be the groups
     concatenated as ``bo ro co``, ``bo co ro`` (transposed), ``ro bo co`` or ``co bo ro`` (a
@@ -99,7 +102,8 @@ class Pairing:
         return (*self.bo, *self.fo_a, *self.fo_b), (*self.bo, *self.fo_b, *self.fo_a)
 
 
-def pair(a: Sequence[str], b: Sequence[str], kept: set, sizes: Mapping[str, int]) -> Pairing:
+def pair(a: Sequence[str], b: Sequence[str], kept: set[str],
+         sizes: Mapping[str, int]) -> Pairing:
     """The GEMM contracting the values of layouts ``a`` and ``b`` (their non-unit indices)
     into the non-unit ``kept`` indices: the batch and contracted orders of whichever operand
     stores them readably (the one whose copy would cost more, when both do), the other
@@ -112,7 +116,7 @@ def pair(a: Sequence[str], b: Sequence[str], kept: set, sizes: Mapping[str, int]
     options = [(s[0], s[2]) for s in (sa, sb) if s]
     options.append((tuple(i for i in a if i in batch), tuple(i for i in a if i in contr)))
 
-    def copies(opt) -> int:
+    def copies(opt: tuple[tuple[str, ...], tuple[str, ...]]) -> int:
         return sum(math.prod(sizes[i] for i in v) for s, v in ((sa, a), (sb, b))
                    if not (s and (s[0], s[2]) == opt))
 

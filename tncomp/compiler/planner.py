@@ -36,6 +36,10 @@ log = logging.getLogger("tncomp.compiler.planner")
 
 OPTIMIZE_CHOICES = ("auto", "search", "flops")
 AUTOTUNE_TOP_K = 3  # candidates timed by autotune: the modelled best and the next two
+# The rules that choose among candidates (search.choose_plan, regimes.build_regimes) as part
+# of the disk keys of what they chose: a change of rule must not read the old choices back.
+# 2: search.prefer_lean on uncalibrated device models.
+CHOICE_RULES = ("choice rules", 2)
 
 Timer = Callable[[Sequence[Plan], Sequence[tuple[int, ...]]], Sequence[float]]
 """Measured seconds of each plan run on operands of the given shapes (the runtime's autotune)."""
@@ -104,12 +108,12 @@ class Planner:
                  model: DeviceModel) -> tuple:
         """The disk key of a searched tree."""
         return ("tree", self.structure, self.bound(sizes), tuple(needs_grad), itemsize,
-                self.options.optimize, model, *self.options.memory_part)
+                self.options.optimize, model, *self.options.memory_part, CHOICE_RULES)
 
     def regimes_key(self, needs_grad: Sequence[bool], itemsize: int, model: DeviceModel) -> tuple:
         """The disk key of a regime table."""
         return ("regimes", self.structure, tuple(needs_grad), itemsize, model,
-                *self.options.memory_part)
+                *self.options.memory_part, CHOICE_RULES)
 
     def autotune_key(self, sizes: Mapping[str, int], needs_grad: Sequence[bool], dtype_name: str,
                      device_type: str) -> tuple:

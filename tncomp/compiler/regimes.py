@@ -9,7 +9,6 @@ the concrete size picks its regime without searching again.
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,10 +19,11 @@ from tncomp.compiler.ir import Dim, Network, bind_dims
 from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.plan import lower
 from tncomp.compiler.problem import Tree, problem_for
-from tncomp.compiler.search import candidate_trees, sample_points, sound
+from tncomp.compiler.search import candidate_trees, prefer_lean, sample_points, sound
 from tncomp.errors import CacheError
 
 DEFAULT_MAX = 1 << 20  # upper end of the search for an unbounded Dim
+ORIENT_AT = 4096  # the size each candidate's GEMM orientations are chosen at (a training batch)
 
 
 @dataclass(frozen=True)
@@ -61,19 +61,24 @@ def upper_bound(dim: Dim) -> int:
 def regime_candidates(net: Network, needs_grad: Sequence[bool], itemsize: int,
                       model: DeviceModel) -> list[tuple[Tree, tuple[bool, ...]]]:
     """The trees the regime search compares and the GEMM orientations each is scored with:
-    candidates at sizes sampled over the one symbol's bounds, each lowered where first found.
+    candidates at sizes sampled over the one symbol's bounds, each oriented at a training-sized
+    batch (:data:`ORIENT_AT`, within the bounds): orientations chosen where a tree was first
+    found (often batch 1) can be far off where the time goes (a BTT layer's block order,
+    oriented as at batch 1, was modelled 3.8x slower at batch 2048 than in its own
+    orientations, and lost to rebuilding the dense weight).
     The samples share one search budget and one lowering budget (see
     :mod:`~tncomp.compiler.budget`): a large network gets greedy candidates once they are spent."""
     (dim,) = net.dims
     found: list[tuple[Tree, tuple[bool, ...]]] = []
     seen: set = set()
     search, lowering = Budget(), Budget()
+    anchor = problem_for(net, bind_dims(net, min(max(ORIENT_AT, dim.min), upper_bound(dim))))
     for value in sample_points(dim.min, upper_bound(dim), 1):
         problem = problem_for(net, bind_dims(net, value))
         for tree in candidate_trees(problem, budget=search):
             if tree.signature() not in seen:
                 seen.add(tree.signature())
-                found.append((tree, lower(problem, tree, needs_grad, itemsize, model=model,
+                found.append((tree, lower(anchor, tree, needs_grad, itemsize, model=model,
                                           budget=lowering).swaps))
     return found
 
@@ -97,9 +102,11 @@ def build_regimes(
         plans = [apply_memory(lower(problem, t, needs_grad, itemsize, swaps=sw), memory, model)
                  for t, sw in candidates]
         ok = sound(plans, problem)  # never a far worse tree, whatever the model says
-        times = [p.modelled_time(model, with_grad) if good else math.inf
-                 for p, good in zip(plans, ok, strict=True)]
-        return min(range(len(candidates)), key=times.__getitem__)
+        scored = sorted(((p.modelled_time(model, with_grad), k) for k, (p, good)
+                         in enumerate(zip(plans, ok, strict=True)) if good))
+        # the same choice as choose_plan's among the modelled times (prefer_lean)
+        chosen = prefer_lean([(t, plans[k]) for t, k in scored], model)[0][1]
+        return next(k for k, p in enumerate(plans) if p is chosen)
 
     winners = [best_at(v) for v in samples]
     regimes: list[Regime] = []

@@ -24,7 +24,7 @@ import opt_einsum
 
 from tncomp.compiler.budget import Budget, OutOfBudget
 from tncomp.compiler.chain import chain_trees
-from tncomp.compiler.device_model import DeviceModel
+from tncomp.compiler.device_model import CPU_DEFAULT, DeviceModel
 from tncomp.compiler.layouts import layout_greedy
 from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.plan import Plan, lower, slot_elements
@@ -85,9 +85,8 @@ def candidate_trees(problem: Problem, structured: bool = True,
         keep(tree)
     if n <= EXACT_OPTIMAL_LIMIT:
         add(opt_einsum.paths.optimal(inputs, output, sizes))
-    if chain is not None:
-        pass  # the interval DP replaces the exponential exact search on chains
-    elif n <= EXACT_DP_LIMIT:
+    # on a chain the interval DP above replaces the exponential exact search
+    if chain is None and n <= EXACT_DP_LIMIT:
         # Outer products only on small networks: with them the program visits every subset.
         searches = [("flops", True), ("size", True)] if n <= OUTER_DP_LIMIT else [("flops", False)]
         for minimize, outer in searches:
@@ -98,9 +97,9 @@ def candidate_trees(problem: Problem, structured: bool = True,
                 budget.stopped(what, n)
             else:
                 add(path)
-    elif budget.spent:
+    elif chain is None and budget.spent:
         budget.stopped("cotengra", n)
-    else:
+    elif chain is None:
         add(_cotengra_path(inputs, output, sizes, min(budget.remaining(), COTENGRA_MAX_S)))
     add(opt_einsum.paths.greedy(inputs, output, sizes))  # cheap: always a candidate
     if n <= LAYOUT_GREEDY_LIMIT:
@@ -173,14 +172,46 @@ def choose_plan(
     budget = budget if budget is not None else Budget()
     plans = [apply_memory(lower(problem, tree, needs_grad, itemsize, model=model, budget=budget),
                           memory, model) for tree in trees]
-    scored = [(plan.modelled_time(model, backward=any(needs_grad)), plan)
+    backward = any(needs_grad)
+    scored = [(plan.modelled_time(model, backward=backward), plan)
               for plan, ok in zip(plans, sound(plans, problem), strict=True) if ok]
     if not scored:
         raise PlanError(f"none of {len(plans)} candidate trees could be scored (internal).")
     scored.sort(key=lambda sp: sp[0])
+    scored = prefer_lean(scored, model)
     log.debug("scored %d candidate trees; best %.3g s", len(scored), scored[0][0])
     return Choice(scored[0][1], tuple((p.tree, t) for t, p in scored),
                   tuple(p for _, p in scored))
+
+
+LEAN_FLOPS = 4.0  # a candidate needing this many times fewer FLOPs than the modelled best ...
+LEAN_SLACK = 2.5  # ... and modelled at most this many times slower wins, on a model not measured
+
+
+def prefer_lean(scored: list[tuple[float, Plan]], model: DeviceModel
+                ) -> list[tuple[float, Plan]]:
+    """``scored`` (modelled time, plan; best first) with the best replaced, when ``model`` is
+    the CPU's default guess (:data:`~tncomp.compiler.device_model.CPU_DEFAULT`, not measured),
+    by the fastest-modelled candidate that needs :data:`LEAN_FLOPS` times fewer FLOPs (forward
+    + backward) and is modelled at most :data:`LEAN_SLACK` times slower.
+
+    Why: an uncalibrated model guesses the GEMM rate and the bandwidth, and the guess of their
+    ratio is what decides between a tree of few FLOPs and many copies and one of many FLOPs and
+    few copies. One CPU thread runs GEMMs at a fraction of the default rate while it copies
+    near the default bandwidth, so the guess favours FLOP-heavy trees there: it chose to rebuild
+    a BTT layer's dense weight (8x the FLOPs of its block-by-block order, which ran faster). A
+    measured model (``tncomp calibrate``) knows that ratio: its choice stands."""
+    if len(scored) < 2 or model.source != CPU_DEFAULT.source:
+        return scored
+    best_time, best = scored[0]
+    flops = lambda p: p.forward_flops + p.backward_flops  # noqa: E731
+    lean = [(t, p) for t, p in scored[1:]
+            if flops(p) * LEAN_FLOPS <= flops(best) and t <= LEAN_SLACK * best_time]
+    if not lean:
+        return scored
+    log.debug("a tree of %d FLOP modelled %.2fx slower replaces one of %d FLOP (model not "
+              "calibrated)", flops(lean[0][1]), lean[0][0] / best_time, flops(best))
+    return [lean[0], *(tp for tp in scored if tp[1] is not lean[0][1])]
 
 
 FAR_WORSE = 16.0  # the planner never chooses a tree needing this many times the best's

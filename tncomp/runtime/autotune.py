@@ -7,10 +7,9 @@ in (plans, shapes, dtype, device), seconds out.
 
 It also picks the orientation of the winner's heaviest GEMMs (:func:`orient_gemms`): ``C = A B``
 or ``C = (B^T A^T)^T``, the same values from the other BLAS orientation. CPU BLAS is far from
-symmetric on thin shapes (measured on a 2-core AVX2 CPU, 1 thread, MKL: dY R^T with dY
-4096x768, R 30x768 took 20 ms direct, 5.5 ms transposed; x^T dT with x 4096x768 15 vs 12 ms; the
-other way round dT L^T 4096x30x768 12 vs 44 ms), and no rule of thumb predicts which way wins,
-so each is timed in isolation on operands of its own layout.
+symmetric on thin shapes (either orientation can be several times the other:
+docs/results.md, "Measured rules of the CPU executor"), and no rule of thumb predicts which way
+wins, so each is timed in isolation on operands of its own layout.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ import torch
 
 from tncomp.compiler.ops import MatMul, MatView
 from tncomp.compiler.plan import Plan
-from tncomp.runtime.device_timing import median_time
 from tncomp.runtime.codegen import generate, runs_transposed
+from tncomp.runtime.device_timing import median_time
 
 REPEATS = 5
 ORIENT_TOP = 6  # the heaviest GEMMs whose orientation is measured

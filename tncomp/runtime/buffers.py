@@ -1,12 +1,11 @@
 """A pool of reusable output buffers per plan step: a small caching allocator for the CPU.
 
 On the CPU torch allocates large tensors with fresh pages each time, and the page faults cost
-as much as the GEMM writing them (measured: a 4096x30 @ 30x3072 product took 40 ms into fresh
-memory and 17 ms into a reused buffer). A pool hands a step a buffer whose storage nobody else
-references any more (``use count == 1``: the pool's own reference), else a new one, keeping at
-most ``limit`` of them. Outputs that leave the plan are returned as base tensors over the
-pooled storage (not views), so autograd and in-place ops treat them like fresh tensors; their
-storage returns to the pool only once every user reference is gone.
+as much as the GEMM writing them (docs/results.md, "Measured rules of the CPU executor"). A pool
+hands a step a buffer whose storage nobody else references any more (``use count == 1``: the pool's
+own reference), else a new one, keeping at most ``limit`` of them. Outputs that leave the plan are
+returned as base tensors over the pooled storage (not views), so autograd and in-place ops treat
+them like fresh tensors; their storage returns to the pool only once every user reference is gone.
 
 Thread safety: one compiled network may be called from several threads at once. ``take()``
 checks a storage is free and takes a reference to it under the pool's lock, so two threads

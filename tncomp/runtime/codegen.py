@@ -25,6 +25,7 @@ from tncomp.runtime.transpose import permute_into
 THIN_COLS = 32  # a CPU GEMM with this few output columns (and more rows) ...
 THIN_MIN_INNER = 128  # ... and at least this long an inner size is run transposed ...
 THIN_ALIGNED_MIN_ROWS = 1024  # ... unless A B / A B^T, columns a multiple of 8, rows this many
+NARROW_SIDE = 16  # a batched GEMM with an output side this narrow puts it as rows
 REDUCTION_MAX_OUT = 0.05  # a GEMM of two transposed operands with an output this small
 FUSE_MIN_BYTES = 4 << 20  # a shared GEMM operand this large (out of cache) ...
 FUSE_MAX_THIN = 64  # ... read by two GEMMs with outputs this thin ...
@@ -34,14 +35,10 @@ FUSE_BLOCK = 256  # ... is read once, in blocks of this many rows (fused_rows)
 def thin_transposed(op: MatMul, device: torch.device) -> bool:
     """A CPU GEMM ``C = A B`` with a thin output (at most ``THIN_COLS`` columns, more rows, an
     inner size of at least ``THIN_MIN_INNER``) runs as ``(B^T A^T)^T``: CPU BLAS (MKL, AVX2)
-    handles the thin side far better as rows than as columns.
-
-    Measured on a 2-core AMD EPYC, 1 thread, medians of 7-11 interleaved rounds, direct time
-    over transposed time: ``A^T B`` (the weight gradient x^T dT) 1.26-1.81 for 16 and 30
-    columns at inner sizes 128-4096 (768 and 3072 rows), ~1.0 at 64 columns (x^T dz with 8
-    columns, x 4096x1024: 33 vs 4 ms, the rule's first case); ``A B`` and ``A B^T`` with 128
-    rows 1.2-2.9 at 8-30 columns, with 4096 rows 1.1-1.5 at 12, 20 and 30 columns but
-    0.87-1.5 at 8, 16 and 24 (a multiple of 8 suits the BLAS kernel), so those stay direct.
+    handles the thin side far better as rows than as columns. The weight gradient ``A^T B``
+    always flips; ``A B`` and ``A B^T`` with many rows and a multiple of 8 columns stay direct
+    (that suits the BLAS kernel); the measurements are in docs/results.md, "Measured rules of the
+    CPU executor".
     ``compile(..., autotune=True)`` measures other GEMMs (:attr:`MatMul.transposed`)."""
     m, k = op.lhs.rows_cols
     n = op.rhs.rows_cols[1]
@@ -63,10 +60,34 @@ def reduction_transposed(op: MatMul, device: torch.device) -> bool:
     return m * n <= REDUCTION_MAX_OUT * k * (m + n)
 
 
+def narrow_batch_side(op: MatMul, device: torch.device) -> bool | None:
+    """For a CPU batched GEMM (``bmm``) with an output side of at most ``NARROW_SIDE``: whether
+    to run it transposed, so that the wider side is the output's columns (True when the direct
+    product has fewer columns than rows, False when it has more); None for other GEMMs (the
+    thin and reduction rules decide those).
+
+    Why: a block format (BTT) runs many small GEMMs per block, e.g. 64 blocks of (2048 x 16) @
+    (16 x 8), and MKL's batched kernel runs them several times faster with the 8-wide side as
+    rows than as columns, in both the forward shapes and the weight gradients' long reductions
+    (figures in docs/results.md, "Measured rules of the CPU executor")."""
+    if device.type != "cpu" or op.lhs.batch <= 1:
+        return None
+    m = op.lhs.rows_cols[0]
+    n = op.rhs.rows_cols[1]
+    if min(m, n) > NARROW_SIDE or m == n:
+        return None
+    return n < m
+
+
 def runs_transposed(op: MatMul, device: torch.device) -> bool:
-    """Whether codegen emits ``op`` as ``(rhs^T @ lhs^T)^T``: marked so, or by the thin or the
-    reduction rule."""
-    return op.transposed or thin_transposed(op, device) or reduction_transposed(op, device)
+    """Whether codegen emits ``op`` as ``(rhs^T @ lhs^T)^T``: marked so, or by the narrow
+    batched rule, else the thin or the reduction rule."""
+    if op.transposed:
+        return True
+    narrow = narrow_batch_side(op, device)
+    if narrow is not None:
+        return narrow
+    return thin_transposed(op, device) or reduction_transposed(op, device)
 
 
 def fused_rows(v: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
@@ -76,9 +97,8 @@ def fused_rows(v: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
     for ``(x^T v_rows^T)^T`` and once for ``y[:, rows] @ v_rows``, summed over the blocks.
 
     The backward of a TT layer's widest step reads its output gradient dY this way twice
-    (dT = dY R^T, dR = T^T dY). Measured on a 2-core AVX2 CPU, 1 thread, TT layer rank 30,
-    B=4096, whole fwd+bwd, 15 interleaved rounds, unfused time over fused: 768x3072 (dY 50 MB)
-    1.27 (quartiles 1.09-1.39), 768x768 (dY 12.6 MB) 1.09 (0.93-1.34)."""
+    (dT = dY R^T, dR = T^T dY); what it saves is in docs/results.md, "Measured rules of the CPU
+    executor"."""
     m = v.shape[0]
     out1_t = torch.empty((x.shape[1], m), dtype=v.dtype, device=v.device)  # (n1, M)
     out2 = None

@@ -1,11 +1,12 @@
 """Permute copies on the CPU as 2-D transposes, the one copy torch runs cache-blocked.
 
 torch copies a permuted view element by element in the output's order; when the permute moves
-the innermost axis, every read then jumps by a large stride, and a 25 MB copy of a BTT
-intermediate ``(8, 12, 16, 4096) -> (4096, 12, 16, 8)`` ran at 1/30 of a plain copy's speed.
-Its 2-D transpose (``out.copy_(a.t())`` of a contiguous matrix) is blocked. A plan's permute
-is usually one swap of two blocks of axes (:func:`tncomp.compiler.ops.as_swap`): it runs as
-``lead`` such 2-D transposes, into a buffer the caller owns (a pooled one).
+the innermost axis, every read then jumps by a large stride, and a copy of a BTT
+intermediate ``(8, 12, 16, 4096) -> (4096, 12, 16, 8)`` runs many times slower than a plain
+copy (docs/results.md, "Measured rules of the CPU executor"). Its 2-D transpose
+(``out.copy_(a.t())`` of a contiguous matrix) is blocked. A plan's permute is usually one swap of
+two blocks of axes (:func:`tncomp.compiler.ops.as_swap`): it runs as ``lead`` such 2-D transposes,
+into a buffer the caller owns (a pooled one).
 """
 
 from __future__ import annotations

@@ -125,3 +125,33 @@ def test_tt_linear_names_its_device_and_refuses_cuda_without_one(payloads, tmp_p
     assert proc.returncode == 2
     assert "--device cuda" in proc.stderr and "--device cpu" in proc.stderr
     assert not out.with_suffix(".json").exists()
+
+
+def test_gpt_step_compares_every_format_with_dense_and_a_narrower_model(payloads):
+    payload = payloads["bench_gpt_step"]
+    (width,) = payload["widths"]
+    rows = {r["model"]: r for r in width["rows"]}
+    assert set(rows) == {"dense", "ttm", "btt", "tt", "lowrank", "narrow"}
+    assert rows["dense"]["block_compression"] == 1.0
+    assert rows["narrow"]["d_model"] < rows["dense"]["d_model"]
+    for name, row in rows.items():
+        spread = row["vs_dense"]
+        assert spread["min"] <= spread["q1"] <= spread["q3"] <= spread["max"]
+        assert row["peak_extra_mib"] > 0
+        assert bool(row["layers"]) == (name not in ("dense", "narrow"))
+        for layer in row["layers"]:
+            assert layer["floor_ms"] > 0 and layer["ms"] > 0
+            assert {s["pass"] for s in layer["steps"]} == {"fwd", "bwd"}
+    assert "The machine" in payload["note_machine"]
+
+
+@pytest.mark.parametrize("args", [["--d-model", "30"], ["--repeats", "0"], ["--threads", "0"]])
+def test_gpt_step_refuses_bad_arguments_before_measuring(args, tmp_path, capsys):
+    from benchmarks.speed.bench_gpt_step import main
+
+    out = tmp_path / "gpt"
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--out", str(out)])
+    assert exc.value.code == 2
+    assert args[0] in capsys.readouterr().err
+    assert not out.with_suffix(".json").exists()

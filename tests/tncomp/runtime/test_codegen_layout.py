@@ -127,3 +127,48 @@ def test_backward_reads_a_large_dy_once_for_both_gemms_with_exact_gradients():
     (wgx,) = torch.autograd.grad((want_y * dy).sum(), x, create_graph=True)
     torch.testing.assert_close(ggx, torch.autograd.grad(wgx.square().sum(), cores[0])[0],
                                rtol=1e-9, atol=1e-9)
+
+
+def test_narrow_batched_gemms_put_their_narrow_side_as_rows():
+    """Issue 40: a BTT layer's batched GEMMs (64 blocks of (2048 x 16) @ (16 x 8), and the
+    weight gradients' (16 x 2048) @ (2048 x 8)) run with the 8-wide side as rows."""
+    from tncomp.compiler.ops import MatMul, MatView
+    from tncomp.runtime.codegen import narrow_batch_side, runs_transposed
+
+    cpu = torch.device("cpu")
+
+    def bmm(m, k, n, batch=64, transposed=False):
+        return MatMul(2, MatView(0, (batch, m, k), False), MatView(1, (batch, k, n), False),
+                      2 * batch * m * k * n, 0, transposed=transposed)
+
+    assert narrow_batch_side(bmm(2048, 16, 8), cpu) is True  # 8 columns: flip
+    assert narrow_batch_side(bmm(16, 2048, 8), cpu) is True  # weight gradient, 16 x 8
+    assert narrow_batch_side(bmm(8, 2048, 16), cpu) is False  # already 8 x 16: keep
+    assert not runs_transposed(bmm(8, 2048, 16), cpu)  # over the reduction rule's flip
+    assert narrow_batch_side(bmm(16, 2048, 16), cpu) is None  # square: the other rules
+    assert narrow_batch_side(bmm(2048, 16, 64), cpu) is None  # no narrow side
+    assert narrow_batch_side(bmm(2048, 16, 8, batch=1), cpu) is None  # a plain GEMM
+    assert narrow_batch_side(bmm(2048, 16, 8), torch.device("meta")) is None
+    assert runs_transposed(bmm(8, 2048, 16, transposed=True), cpu)  # autotune's mark wins
+
+
+def test_btt_plans_with_flipped_batched_gemms_give_einsums_values_and_gradients():
+    from tests.helpers.tn import bind, operands, reference
+    from tests.tncomp.compiler.test_layouts import btt
+
+    net = btt((4, 2, 4), (4, 4, 2), rank=2)
+    compiled = tncomp.compile(net, disk_cache=False)
+    ts = operands(net, 300, requires_grad=True)
+    plan = compiled.plan_for(bind(net, 300), (True,) * 4, dtype=torch.float64)
+    from tncomp.compiler.ops import MatMul
+    from tncomp.runtime.codegen import narrow_batch_side
+
+    assert any(isinstance(op, MatMul) and narrow_batch_side(op, torch.device("cpu"))
+               for op in (*plan.forward, *plan.backward))  # the rule is exercised
+    y = compiled(*ts)
+    want = reference(net, ts)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    dy = torch.randn_like(y)
+    for got, expected in zip(torch.autograd.grad(y, ts, dy),
+                             torch.autograd.grad(want, ts, dy), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
