@@ -41,6 +41,7 @@ from comera.surgery.convert import ConversionReport, convert_
 from comera.surgery.pretrained import from_pretrained, save_pretrained
 from comera.training.controller import RankController, clear_moments_, late_stage_for
 from comera.training.early import EarlyStage
+from comera.training.relative_updates import UpdateSizeLog, UpdateSizes, update_sizes
 from comera.training.trainers import (
     CoMERATrainer,
     DenseTrainer,
@@ -49,7 +50,6 @@ from comera.training.trainers import (
     make_optimizer,
     param_groups,
 )
-from comera.training.relative_updates import UpdateSizeLog, UpdateSizes, update_sizes
 
 __all__ = [
     "BoolMaskDropout",

@@ -29,11 +29,11 @@ import torch
 from torch import Tensor
 
 from comera.errors import ConfigError
-from comera.formats.whitened import calibrated_decomposition
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 from comera.formats.tt import round_chain
 from comera.formats.ttsvd import tt_svd
+from comera.formats.whitened import calibrated_decomposition
 
 __all__ = ["TensorRing", "ring_rank_cap", "round_ring", "tr_svd"]
 

@@ -18,9 +18,9 @@ from torch import Tensor
 import tncomp
 from comera.errors import tncomp_errors_as_config
 from comera.formats.bond_ranks import resolve_bond_ranks
-from comera.formats.whitened import calibrated_decomposition, mode_product, whitened_weight
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
+from comera.formats.whitened import calibrated_decomposition, mode_product, whitened_weight
 
 __all__ = ["Tucker", "hosvd", "mode_product", "round_tucker"]
 

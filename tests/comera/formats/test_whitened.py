@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from comera.errors import ConfigError
+from comera.formats.registry import format_names, get_format
 from comera.formats.whitened import (
     calibrated_decomposition,
     check_gram,
@@ -22,7 +23,6 @@ from comera.formats.whitened import (
     refit,
     whitening,
 )
-from comera.formats.registry import format_names, get_format
 
 F64 = torch.float64
 IN, OUT = 24, 30  # 24 = 2*3*4, 30 = 2*3*5
