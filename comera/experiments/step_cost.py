@@ -16,6 +16,7 @@ the allocator's own overhead, Python objects, plan caches.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -93,7 +94,8 @@ def peak_allocated_bytes(fn: Callable[[], object], device: torch.device | str = 
         raise ConfigError(f"peak memory is measured on cpu or cuda, not {device.type!r}.")
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU],
+                                  profile_memory=True) as prof:
         fn()
     # the raw allocation records (signed byte counts in time order): prof.events() attaches
     # allocations to ops and keeps only the frees at top level, so it cannot give a peak
@@ -103,6 +105,21 @@ def peak_allocated_bytes(fn: Callable[[], object], device: torch.device | str = 
         live += e.nbytes()
         peak = max(peak, live)
     return peak
+
+
+@contextlib.contextmanager
+def _quiet_kineto() -> Iterator[None]:
+    """The profiler's library (kineto) prints a start and a stop line to stderr per profile at
+    its default log level; it reads ``KINETO_LOG_LEVEL`` when it first starts. Raised inside
+    (a level the user set is kept), restored on exit."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = "99"
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import comera
 from comera.experiments.dlrm_task import SCALE_FACTORS, DLRMTask, DLRMTaskConfig
 from comera.experiments.engine import EngineConfig
 from comera.experiments.results import at_scale_table, run_experiment, summary_table
-from comera.experiments.step_cost import measure_step, probe_step
+from comera.experiments.step_cost import probe_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,10 +114,3 @@ def test_probing_a_trained_model_keeps_its_function():
     cost = probe_step(model, lambda m: task.loss(m, batch), ENGINE, True, batch)
     torch.testing.assert_close(model(batch[0], batch[1]).detach(), before, rtol=0, atol=0)
     assert cost.peak_bytes > cost.resident_bytes > 0 and len(cost.step_ms) == 2
-
-
-def test_measure_step_refuses_no_warm_up():
-    model = torch.nn.Linear(2, 2)
-    opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(comera.ConfigError, match="warmup=0"):
-        measure_step(model, opt, lambda: None, warmup=0)
