@@ -30,9 +30,10 @@ Batch = tuple[Tensor, Tensor, Tensor]  # dense (B, 13) float32, sparse (B, T) in
 
 # DLRMTask.at_scale: table caps as multiples of the run's max_rows (quick: 20,000 to 200,000
 # rows per table; the dense step's time and memory grow with the rows, the TT step's barely),
-# and the training examples whose ids choose the hot rows of the TT tables there
+# the training examples whose ids choose the hot rows of the TT tables there, and the steps timed
 SCALE_FACTORS = (1, 3, 10)
 SCALE_SAMPLE = 16_384
+SCALE_STEPS = 3  # timed steps per model (after one warm-up; then one for the memory)
 
 
 def binary_auc(scores: Tensor, labels: Tensor) -> float:
@@ -243,7 +244,7 @@ class DLRMTask(Task):
                 if format != DENSE and capped.tt_cache_rows:
                     model.choose_hot_rows_(sample.sparse)
                 cost = probe_step(model, lambda m, b=batch: self.loss(m, b), config,
-                                  format != DENSE, batch)
+                                  format != DENSE, batch, steps=SCALE_STEPS)
                 rung[name] = {"ms": cost.ms, "step_ms": list(cost.step_ms),
                               "peak_bytes": cost.peak_bytes,
                               "table_parameters": model.table_parameters()}

@@ -118,7 +118,8 @@ def _peak_bytes(task: Task, model: nn.Module, stage: str, config: EngineConfig) 
             next(model.parameters()).device)
     batch = _to_device(task.step_batch(IndexStream(task.train_size(), config.batch_size,
                                                    config.seed), 0), model)
-    cost = probe_step(model, lambda m: task.loss(m, batch), config, tt, _tensors(batch))
+    cost = probe_step(model, lambda m: task.loss(m, batch), config, tt, _tensors(batch),
+                      steps=1)  # the row's time is the run's own median
     return cost.peak_bytes
 
 
