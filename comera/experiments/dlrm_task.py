@@ -243,6 +243,7 @@ class DLRMTask(Task):
                 model = DLRM(capped.model_config(format))
                 if format != DENSE and capped.tt_cache_rows:
                     model.choose_hot_rows_(sample.sparse)
+                model = model.to(config.device)
                 cost = probe_step(model, lambda m, b=batch: self.loss(m, b), config,
                                   format != DENSE, batch, steps=SCALE_STEPS)
                 rung[name] = {"ms": cost.ms, "step_ms": list(cost.step_ms),
