@@ -290,12 +290,10 @@ def summary_table(summary: dict[str, Any]) -> str:
             f"{_fmt_int(s.get('tt_params'))} | {_ratio(s, 'tt')} | "
             f"{_ratio(s, 'linear')} | {_ratio(s, 'embedding')} | "
             f"{_fmt_int(s.get('model_params'))} |")
-    threads = summary.get("machine", {}).get("threads")
-    lines += ["", "ms/step: median of the stage's training steps"
-              + (f" ({threads} thread{'s' * (threads != 1)})" if threads else "")
-              + "; peak MiB: one training step of the row's model (parameters, optimizer "
-              "state, batch, and the most allocated during the step); params at the effective "
-              "ranks."]
+    # no thread count here: each run picks its own (engine), and the summary does not see it
+    lines += ["", "ms/step: median of the stage's training steps; peak MiB: one training step "
+              "of the row's model (parameters, optimizer state, batch, and the most allocated "
+              "during the step); params at the effective ranks."]
     if summary.get("at_scale"):
         lines += ["", at_scale_table(summary["at_scale"])]
     return "\n".join(lines)
