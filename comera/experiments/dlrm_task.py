@@ -9,7 +9,8 @@ binary cross-entropy and the accuracy at logit 0 beside it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from comera import ConfigError, NonFiniteLossError
 from comera.data import CriteoData, SyntheticCriteo, load_criteo_tsv, load_synthetic_criteo
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, SPLITS, describe_data
+from comera.experiments.step_cost import probe_step
 from comera.experiments.task import Task, model_format
 from comera.formats.registry import DENSE
 from comera.models import DLRM, DLRMConfig
@@ -25,6 +27,13 @@ from comera.models import DLRM, DLRMConfig
 log = logging.getLogger("comera.experiments")
 
 Batch = tuple[Tensor, Tensor, Tensor]  # dense (B, 13) float32, sparse (B, T) int64, labels (B,)
+
+# DLRMTask.at_scale: table caps as multiples of the run's max_rows (quick: 20,000 to 200,000
+# rows per table; the dense step's time and memory grow with the rows, the TT step's barely),
+# the training examples whose ids choose the hot rows of the TT tables there, and the steps timed
+SCALE_FACTORS = (1, 3, 10)
+SCALE_SAMPLE = 16_384
+SCALE_STEPS = 3  # timed steps per model (after one warm-up; then one for the memory)
 
 
 def binary_auc(scores: Tensor, labels: Tensor) -> float:
@@ -205,6 +214,54 @@ class DLRMTask(Task):
         accuracy = ((scores > 0).float() == labels).float().mean()
         return {"loss": float(loss), "accuracy": float(accuracy),
                 "auc": binary_auc(scores, labels)}
+
+    def at_scale(self, config: Any) -> dict[str, Any] | None:
+        """What the table cap hides: one training step of this DLRM, dense and TT, with every
+        table capped at ``SCALE_FACTORS`` times the run's ``max_rows`` (time and peak memory,
+        :func:`~comera.experiments.step_cost.probe_step`; ``config``: the run's
+        :class:`~comera.experiments.engine.EngineConfig`). The TT tables are at their initial
+        ranks, as the early stage trains them; the batch is ``config.batch_size`` examples of
+        the synthetic generator at those sizes. None for uncapped tables or a TSV file, whose
+        run measures its own tables."""
+        cfg = self.cfg
+        if cfg.max_rows is None or cfg.tsv_path is not None:
+            return None
+        load = [round(x, 2) for x in os.getloadavg()]
+        rungs = []
+        for factor in SCALE_FACTORS:
+            capped = replace(cfg, max_rows=cfg.max_rows * factor)
+            sizes = capped.model_config(DENSE).table_sizes
+            sample = SyntheticCriteo(cardinalities=sizes, zipf_exponent=cfg.zipf_exponent,
+                                     seed=cfg.data_seed).generate(SCALE_SAMPLE, "train")
+            batch = (sample.dense[: config.batch_size].clone(),
+                     sample.sparse[: config.batch_size].long(),
+                     sample.labels[: config.batch_size].clone())
+            rung: dict[str, Any] = {"max_rows": capped.max_rows, "table_rows": sum(sizes),
+                                    "dense_table_parameters": sum(sizes) * cfg.embedding_dim}
+            for name, format in (("dense", DENSE), ("tt", config.format)):
+                torch.manual_seed(config.seed)
+                model = DLRM(capped.model_config(format))
+                if format != DENSE and capped.tt_cache_rows:
+                    model.choose_hot_rows_(sample.sparse)
+                model = model.to(config.device)
+                cost = probe_step(model, lambda m, b=batch: self.loss(m, b), config,
+                                  format != DENSE, batch, steps=SCALE_STEPS)
+                rung[name] = {"ms": cost.ms, "step_ms": list(cost.step_ms),
+                              "peak_bytes": cost.peak_bytes,
+                              "table_parameters": model.table_parameters()}
+                del model
+            rungs.append(rung)
+        faster = None  # the smallest cap from which TT was faster at every larger one too
+        for rung in reversed(rungs):
+            if rung["tt"]["ms"] >= rung["dense"]["ms"]:
+                break
+            faster = rung["max_rows"]
+        return {"batch_size": config.batch_size, "threads": torch.get_num_threads(),
+                "load_average": [load, [round(x, 2) for x in os.getloadavg()]],
+                "rungs": rungs, "tt_faster_from": faster,
+                "kaggle_rows": sum(CRITEO_KAGGLE_CARDINALITIES),
+                "kaggle_dense_table_bytes": sum(CRITEO_KAGGLE_CARDINALITIES) * cfg.embedding_dim
+                * 4, "tt_ranks": cfg.tt_ranks, "tt_cache_rows": cfg.tt_cache_rows}
 
     def describe(self) -> dict[str, Any]:
         dense = self.cfg.model_config(DENSE)

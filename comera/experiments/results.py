@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from comera.errors import CheckpointError, ConfigError, TrainingStopped
 from comera.experiments.distributed import current_world
@@ -39,7 +40,8 @@ from comera.experiments.engine import (
     train_model,
 )
 from comera.experiments.rundir import check_run_directory, hold_run_directory
-from comera.experiments.task import Task
+from comera.experiments.step_cost import probe_step
+from comera.experiments.task import IndexStream, Task, build_task_model
 from tncomp.files import atomic_write_text
 
 log = logging.getLogger("comera.experiments")
@@ -103,6 +105,45 @@ def machine(device: str | torch.device = "cpu") -> dict[str, Any]:
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
 
+def _peak_bytes(task: Task, model: nn.Module, stage: str, config: EngineConfig) -> int | None:
+    """Peak memory of one training step of the row's model (:func:`~comera.experiments.
+    step_cost.probe_step`): the trained model, except an early-stage row whose run went on to
+    the late stage (its ranks were truncated since), measured on a fresh model of the shapes
+    the early stage trained. None under data parallelism (a worker alone cannot step)."""
+    if current_world().size > 1:
+        return None
+    tt = stage != "dense"
+    if stage == "early" and config.stage != "early" and config.steps_late:
+        model = build_task_model(task, config.model_format(True)).to(
+            next(model.parameters()).device)
+    batch = _to_device(task.step_batch(IndexStream(task.train_size(), config.batch_size,
+                                                   config.seed), 0), model)
+    cost = probe_step(model, lambda m: task.loss(m, batch), config, tt, _tensors(batch),
+                      steps=1)  # the row's time is the run's own median
+    return cost.peak_bytes
+
+
+def _to_device(batch: Any, model: nn.Module) -> Any:
+    device = next(model.parameters()).device
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, list | tuple):
+        return type(batch)(_to_device(b, model) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, model) for k, v in batch.items()}
+    return batch
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, list | tuple):
+        return [t for b in batch for t in _tensors(b)]
+    if isinstance(batch, dict):
+        return [t for b in batch.values() for t in _tensors(b)]
+    return []
+
+
 def check_experiment(config: EngineConfig, out: Path, variants: tuple[str, ...] = VARIANTS,
                      resume: bool = False, world_size: int = 1) -> None:
     """Refuse, before any training and without writing, an experiment that cannot run: bad
@@ -140,11 +181,14 @@ def run_experiment(task: Task, config: EngineConfig, out: Path,
 
 def _run(task: Task, config: EngineConfig, out: Path, variants: tuple[str, ...], resume: bool,
          progress: Progress | None) -> dict[str, Any]:
-    records = []
+    records, rows = [], []
     for name in variants:
-        _, record = train_model(task, name, name != "dense", config, out, resume, progress)
+        model, record = train_model(task, name, name != "dense", config, out, resume, progress)
         records.append(record)
-    rows = [row for r in records for row in rows_of(r, config)]
+        for row in rows_of(record, config):
+            row["peak_bytes"] = _peak_bytes(task, model, row["stage"], config)
+            rows.append(row)
+        del model
     dense = next((r for r in rows if r["stage"] == "dense"), None)
     for row in rows:
         row["speedup"] = (dense["ms_per_step"] / row["ms_per_step"]
@@ -153,6 +197,12 @@ def _run(task: Task, config: EngineConfig, out: Path, variants: tuple[str, ...],
                "higher_is_better": task.higher_is_better, "data": task.describe(),
                "config": asdict(config), "machine": machine(), "rows": rows,
                "runs": [asdict(r) for r in records]}
+    at_scale = getattr(task, "at_scale", None)
+    if at_scale is not None and current_world().size == 1 and "comera" in variants \
+            and "dense" in variants:
+        scale = at_scale(config)
+        if scale is not None:
+            summary["at_scale"] = scale
     if current_world().is_main:
         write_summary(summary, out)
     return summary
@@ -218,19 +268,62 @@ def _ratio(sizes: dict[str, float], kind: str) -> str:
     return _fmt(sizes[f"{kind}_compression"], ".1f", "x")
 
 
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:,.1f}"
+
+
 def summary_table(summary: dict[str, Any]) -> str:
-    """The headline table in markdown: speed, scores, sizes and compression per row."""
+    """The headline table in markdown: speed, peak memory, scores, sizes and compression per
+    row, what each column measures under it, and (:func:`at_scale_table`) the step at larger
+    tables when the task measured it."""
     metric = summary["metric"]
-    lines = [f"| model | ms/step | speed-up | val {metric} | test {metric} | TT-layer params "
-             "| compression (TT layers) | linear layers | embeddings | model params |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| model | ms/step | speed-up | peak MiB | val {metric} | test {metric} "
+             "| TT-layer params | compression (TT layers) | linear layers | embeddings "
+             "| model params |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary["rows"]:
         s = row["sizes"]
         lines.append(
             f"| {row['name']} | {_fmt(row['ms_per_step'], '.1f')} | "
-            f"{_fmt(row['speedup'], '.2f', 'x')} | "
+            f"{_fmt(row['speedup'], '.2f', 'x')} | {_mib(row.get('peak_bytes'))} | "
             f"{_fmt(row['val'][metric], '.4f')} | {_fmt(row['test'][metric], '.4f')} | "
             f"{_fmt_int(s.get('tt_params'))} | {_ratio(s, 'tt')} | "
             f"{_ratio(s, 'linear')} | {_ratio(s, 'embedding')} | "
             f"{_fmt_int(s.get('model_params'))} |")
+    # no thread count here: each run picks its own (engine), and the summary does not see it
+    lines += ["", "ms/step: median of the stage's training steps; peak MiB: one training step "
+              "of the row's model (parameters, optimizer state, batch, and the most allocated "
+              "during the step); params at the effective ranks."]
+    if summary.get("at_scale"):
+        lines += ["", at_scale_table(summary["at_scale"])]
     return "\n".join(lines)
+
+
+def at_scale_table(scale: dict[str, Any]) -> str:
+    """The training step of the same model at larger tables (a task's ``at_scale``, e.g.
+    :meth:`~comera.experiments.dlrm_task.DLRMTask.at_scale`): dense vs TT time and peak
+    memory per table cap, and the cap from which the TT tables were faster."""
+    rungs = scale["rungs"]
+    lines = [f"The same step at larger tables (every table capped at more rows; batch "
+             f"{scale['batch_size']}, {scale['threads']} thread{'s' * (scale['threads'] != 1)}, "
+             f"load average {scale['load_average'][0][0]}; TT tables at their initial ranks "
+             f"{scale['tt_ranks']}, {scale['tt_cache_rows']} hot rows; median of "
+             f"{len(rungs[0]['dense']['step_ms'])} steps):", "",
+             "| rows per table | table rows | dense ms/step | TT ms/step | TT speed-up "
+             "| dense peak MiB | TT peak MiB | TT memory saving |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rungs:
+        dense, tt = r["dense"], r["tt"]
+        lines.append(f"| {r['max_rows']:,} | {r['table_rows']:,} | {dense['ms']:,.1f} | "
+                     f"{tt['ms']:,.1f} | {dense['ms'] / tt['ms']:.2f}x | "
+                     f"{_mib(dense['peak_bytes'])} | {_mib(tt['peak_bytes'])} | "
+                     f"{dense['peak_bytes'] / tt['peak_bytes']:.1f}x |")
+    kaggle = (f"the full Kaggle tables hold {scale['kaggle_rows']:,} rows, "
+              f"{scale['kaggle_dense_table_bytes'] / 1e9:.2f} GB as dense fp32 tables")
+    if scale["tt_faster_from"] is None:
+        verdict = (f"TT tables were slower at every size measured (up to "
+                   f"{rungs[-1]['max_rows']:,} rows per table); {kaggle}.")
+    else:
+        verdict = (f"TT tables were faster than dense ones from {scale['tt_faster_from']:,} "
+                   f"rows per table on (at every larger size measured); {kaggle}.")
+    return "\n".join([*lines, "", verdict])

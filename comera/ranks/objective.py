@@ -201,13 +201,17 @@ class LateStage:
         return "size" if size_gap > loss_gap else "loss"
 
     def objective(self, model: nn.Module, loss: Tensor, size_reference: float | None = None,
-                  decision_loss: float | None = None) -> tuple[Tensor, str]:
+                  decision_loss: float | None = None,
+                  size: float | None = None) -> tuple[Tensor, str]:
         """The scalar to minimise this step and which term it weighted.
 
         ``decision_loss`` is the loss the choice is made on (default: ``loss``); data-parallel
         workers pass the loss averaged over all workers, so every worker chooses alike.
+        ``size``: the model's size now (``model_size(model)``) when the caller knows it, as a
+        controller does from its last step; counted here otherwise.
         """
-        size = model_size(model)
+        if size is None:
+            size = model_size(model)
         seen = float(loss.detach()) if decision_loss is None else float(decision_loss)
         which = self.choose(seen, float(size))
         if which == "loss":
@@ -255,11 +259,15 @@ def rounded_ranks(layer) -> tuple[int, ...]:
 
 
 def _layer_size(layer, rounding: bool) -> int:
-    """Effective parameters of a layer, after rounding when ``rounding``."""
-    if not rounding or layer.is_removed():
+    """Effective parameters of a layer, after rounding when ``rounding`` (its gates read
+    once)."""
+    if not rounding:
         return layer.num_parameters()
+    ranks = layer.bond_ranks
     bias = layer.bias.numel() if layer.bias is not None else 0
-    return bias + layer.layout.parameters_at(rounded_bond_ranks(layer))
+    if 0 in ranks:  # removed: the bias alone, as num_parameters counts it
+        return bias
+    return bias + layer.layout.parameters_at(rounded_bond_ranks(layer, ranks))
 
 
 def _round_excess_(model: nn.Module, optimizer) -> None:
@@ -285,27 +293,37 @@ def prune_to_(model: nn.Module, size_limit: float, min_rank: int = 1,
     """
     if rounding:
         _round_excess_(model, optimizer)
-    pruned = _prune_pass_(model, size_limit, min_rank, lower, rounding)
-    if lower is not None and _model_size(model, rounding) > size_limit:
-        pruned += _prune_pass_(model, size_limit, min_rank, -math.inf, rounding)
-    if rounding:
+    pruned, size = _prune_pass_(model, size_limit, min_rank, lower, rounding)
+    if lower is not None and size > size_limit:
+        more, _ = _prune_pass_(model, size_limit, min_rank, -math.inf, rounding)
+        pruned += more
+    if rounding and pruned:  # nothing changed since the first rounding when nothing was pruned
         _round_excess_(model, optimizer)
     return pruned
 
 
 def _model_size(model: nn.Module, rounding: bool) -> float:
+    """The model's size, its gated layers at the ranks rounding leaves (``rounding``); each
+    layer's gates are read once."""
+    size = model_size(model)
     if not rounding:
-        return model_size(model)
-    layers = [m for _, m in gated_layers(model)]
-    return model_size(model) - sum(m.num_parameters() for m in layers) + sum(
-        _layer_size(m, True) for m in layers)
+        return size
+    for _, layer in gated_layers(model):
+        ranks = layer.bond_ranks
+        if 0 not in ranks:  # a removed layer counts its bias alone either way
+            layout = layer.layout
+            size += (layout.parameters_at(rounded_bond_ranks(layer, ranks))
+                     - layout.parameters_at(ranks))
+    return size
 
 
-def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int,
-                 lower: float | None, rounding: bool = False) -> list[tuple[Tensor, int]]:
+def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int, lower: float | None,
+                 rounding: bool = False) -> tuple[list[tuple[Tensor, int]], float]:
+    """One pass of :func:`prune_to_`: the (gate, index) pairs it zeroed, and the size it left
+    (NaN after the closing single slice of the last pass, which nothing reads)."""
     size = _model_size(model, rounding)
     if size <= size_limit:
-        return []
+        return [], size
     layers = [m for _, m in gated_layers(model) if not m.is_removed()]
     candidates = []
     for layer in layers:
@@ -336,10 +354,10 @@ def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int,
             if lower == -math.inf and size + change <= size_limit:
                 gate[i] = value  # the last slice: take the one landing closest below the limit
                 return pruned + _closest_landing_(candidates, size, size_limit, min_rank,
-                                                  rounding)
+                                                  rounding), math.nan
             size += change
             pruned.append((gate, i))
-    return pruned
+    return pruned, size
 
 
 def _closest_landing_(candidates, size: float, size_limit: float,

@@ -24,6 +24,7 @@ slices. The late stage's pruning does it as it goes (``LateStage(rounding=True)`
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -122,8 +123,16 @@ def truncate_(model: nn.Module, optimizer=None, fold_gates: bool = True) -> Trun
 
 def check_finite_gates(model: nn.Module) -> None:
     """Every TT layer's gates are finite, else a :class:`~comera.errors.NonFiniteError` naming
-    the first layer that is not (see :meth:`GatedLayer.check_finite_gates`)."""
-    for name, layer in gated_layers(model):
+    the first layer that is not (see :meth:`GatedLayer.check_finite_gates`).
+
+    One test over all the gates at once; the layers are named one by one only when it fails
+    (the late stage checks every step, and a test per gate costs more than the step's other
+    bookkeeping)."""
+    layers = list(gated_layers(model))
+    gates = [g.detach().reshape(-1) for _, layer in layers for g in layer.gates]
+    if not gates or bool(torch.isfinite(torch.cat(gates)).all()):
+        return
+    for name, layer in layers:
         layer.check_finite_gates(name)
 
 
@@ -144,12 +153,15 @@ def rounds_exactly(layer: GatedLayer | Format) -> bool:
     return type(fmt).round is not Format.round
 
 
-def rounded_bond_ranks(layer: GatedLayer) -> tuple[int, ...]:
+def rounded_bond_ranks(layer: GatedLayer,
+                       ranks: Sequence[int] | None = None) -> tuple[int, ...]:
     """Per bond, the effective rank exact rounding leaves: each bond between two cores capped
     by the smaller of their other indices' products, repeated until no cap moves (a chain's:
     ``r_k <= r_{k-1} n_{k-1}`` and ``r_k <= n_k r_{k+1}``, as the QR and SVD sweeps leave
-    them). The effective ranks as they are for a format without an exact rounding."""
-    ranks = layer.bond_ranks
+    them). The effective ranks as they are for a format without an exact rounding.
+    ``ranks``: the layer's ``bond_ranks`` when the caller has just read them (saves reading
+    the gates again)."""
+    ranks = layer.bond_ranks if ranks is None else tuple(ranks)
     if not rounds_exactly(layer):
         return ranks
     while True:
@@ -161,12 +173,13 @@ def rounded_bond_ranks(layer: GatedLayer) -> tuple[int, ...]:
         ranks = capped
 
 
-def excess_bonds(layer: GatedLayer) -> list[int]:
+def excess_bonds(layer: GatedLayer, ranks: Sequence[int] | None = None) -> list[int]:
     """Bonds (0-based gate indices) carried by two cores whose effective rank exceeds what those
     cores allow (:meth:`Layout.bond_caps`; a chain's: ``r_k > min(r_{k-1} * n_k, n_{k+1} *
     r_{k+1})``, ``n_k`` the inner size of core k). The extra slices cost parameters but add
-    nothing to the weight; :func:`round_layer_` drops them exactly."""
-    ranks = layer.bond_ranks
+    nothing to the weight; :func:`round_layer_` drops them exactly. ``ranks``: the layer's
+    ``bond_ranks`` when the caller has just read them."""
+    ranks = layer.bond_ranks if ranks is None else tuple(ranks)
     caps = layer.layout.bond_caps(ranks)
     return [k for k, (r, cap) in enumerate(zip(ranks, caps, strict=True))
             if cap is not None and r > cap]
@@ -253,12 +266,17 @@ def round_(model: nn.Module, optimizer=None, only_excess: bool = True) -> Trunca
     first, as in :func:`truncate_`."""
     check_finite_gates(model)
     rows = []
+    rounded = False
     for name, layer in gated_layers(model):
-        before = layer.ranks
-        if (not layer.is_removed() and rounds_exactly(layer)
-                and (not only_excess or excess_bonds(layer))):
+        ranks = layer.bond_ranks  # the gates are read once per layer: 0 is a removed layer
+        before = (1, *ranks, 1) if layer.layout.is_chain else ranks
+        after = before
+        if (0 not in ranks and rounds_exactly(layer)
+                and (not only_excess or excess_bonds(layer, ranks))):
             round_layer_(layer, optimizer)
             layer.build_compiled()
-        rows.append((name, before, layer.ranks))
-    rebuild_stacks(model)
+            after, rounded = layer.ranks, True
+        rows.append((name, before, after))
+    if rounded:  # nothing changed otherwise: the sibling stacks are as they were
+        rebuild_stacks(model)
     return TruncationReport(tuple(rows))
