@@ -214,8 +214,18 @@ class GatedLayer(nn.Module):
 
     @property
     def bond_ranks(self) -> tuple[int, ...]:
-        """Effective size of each bond (its gate entries above tau), in gate order."""
-        return tuple(int(m.sum()) for m in self.gate_masks())
+        """Effective size of each bond (its gate entries above tau, a NaN counting as alive as
+        in :meth:`gate_masks`), in gate order. The gates are read in one test: sizes are
+        counted several times a step, and a test per gate costs more than the counting."""
+        if not self.gates:
+            return ()
+        gates = torch.cat([g.detach().reshape(-1) for g in self.gates])
+        alive = (~(gates.abs() <= self.tau)).tolist()
+        ranks, start = [], 0
+        for g in self.gates:
+            ranks.append(sum(alive[start:start + g.numel()]))
+            start += g.numel()
+        return tuple(ranks)
 
     @property
     def bonds(self) -> tuple[int, ...]:
@@ -298,7 +308,7 @@ class GatedLayer(nn.Module):
     def is_removed(self) -> bool:
         """True when some gate is entirely zero: the weight is then exactly zero (every term
         of the network sums over that bond)."""
-        return any(not bool(m.any()) for m in self.gate_masks())
+        return 0 in self.bond_ranks
 
     def num_parameters(self, effective: bool = True) -> int:
         """Parameters of the layer. ``effective``: cores at the effective ranks (gates fold into
@@ -306,9 +316,10 @@ class GatedLayer(nn.Module):
         bias = self.bias.numel() if self.bias is not None else 0
         if not effective:
             return sum(p.numel() for p in self.parameters())
-        if self.is_removed():
+        ranks = self.bond_ranks
+        if 0 in ranks:  # removed (is_removed): the weight is exactly zero
             return bias
-        return bias + self.layout.parameters_at(self.bond_ranks)
+        return bias + self.layout.parameters_at(ranks)
 
     def dense_num_parameters(self) -> int:
         """Parameters of the equivalent dense layer: ``in_features * out_features`` + bias."""
