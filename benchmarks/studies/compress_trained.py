@@ -262,9 +262,9 @@ def cmd_starts(args) -> int:
     (on one calibration set, at the uniform rank of ``--target``) for each start of the
     calibrated decomposition and after the refit: the measurement behind
     :mod:`comera.formats.whitened`'s choices."""
-    from comera.formats.whitened import damped, kronecker_start, output_error, refit
     from comera.formats.registry import get_format
     from comera.formats.tt import split_whitened
+    from comera.formats.whitened import damped, kronecker_start, output_error, refit
     from comera.surgery.input_statistics import collect_input_stats
 
     task = make_task(args.task, args.smoke, args.root)
