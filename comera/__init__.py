@@ -28,12 +28,12 @@ from comera.formats.registry import Format, register_format
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.layers.embedding import GatedEmbedding, TTEmbedding
-from comera.layers.linear import GatedLayer, GatedLinear, GatedTrain, TTLinear, TTMLinear
+from comera.layers.linear import GatedLayer, GatedLinear, TTLinear, TTMLinear
 from comera.layers.siblings import Siblings
 from comera.lean.dropout import BoolMaskDropout
 from comera.lean.sdpa import scaled_dot_product_attention
 from comera.ranks.objective import LateStage, rank_regularizer, soft_size
-from comera.ranks.size import compression_ratio, dense_size, gated_layers, model_size, tt_modules
+from comera.ranks.size import compression_ratio, dense_size, gated_layers, model_size
 from comera.ranks.truncate import TruncationReport, truncate_
 from comera.surgery.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from comera.surgery.config import ConvertConfig
@@ -41,6 +41,7 @@ from comera.surgery.convert import ConversionReport, convert_
 from comera.surgery.pretrained import from_pretrained, save_pretrained
 from comera.training.controller import RankController, clear_moments_, late_stage_for
 from comera.training.early import EarlyStage
+from comera.training.relative_updates import RelativeUpdateLog, RelativeUpdates, relative_updates
 from comera.training.trainers import (
     CoMERATrainer,
     DenseTrainer,
@@ -49,7 +50,7 @@ from comera.training.trainers import (
     make_optimizer,
     param_groups,
 )
-from comera.training.relative_updates import UpdateSizeLog, UpdateSizes, update_sizes
+from tncomp.extend import renamed
 
 __all__ = [
     "BoolMaskDropout",
@@ -69,7 +70,6 @@ __all__ = [
     "GatedEmbedding",
     "GatedLayer",
     "GatedLinear",
-    "GatedTrain",
     "LateStage",
     "LookupIndexError",
     "NonFiniteError",
@@ -77,6 +77,8 @@ __all__ = [
     "NonFiniteLossError",
     "OptimizerConfig",
     "RankController",
+    "RelativeUpdateLog",
+    "RelativeUpdates",
     "Siblings",
     "StepStats",
     "TTEmbedding",
@@ -85,8 +87,6 @@ __all__ = [
     "TTMultiheadAttention",
     "TrainingStopped",
     "TruncationReport",
-    "UpdateSizeLog",
-    "UpdateSizes",
     "clear_moments_",
     "compression_ratio",
     "convert_",
@@ -103,12 +103,20 @@ __all__ = [
     "rank_regularizer",
     "read_checkpoint",
     "register_format",
+    "relative_updates",
     "save_checkpoint",
     "save_pretrained",
     "scaled_dot_product_attention",
     "soft_size",
     "suggest_padded_size",
     "truncate_",
-    "tt_modules",
-    "update_sizes",
 ]
+
+#: Deprecated names, outside ``__all__``: each warns, naming its replacement, until 0.3.0.
+__getattr__ = renamed("comera", {
+    "GatedTrain": ("comera:GatedLayer", "0.3.0"),
+    "tt_modules": ("comera:gated_layers", "0.3.0"),
+    "UpdateSizeLog": ("comera:RelativeUpdateLog", "0.3.0"),
+    "UpdateSizes": ("comera:RelativeUpdates", "0.3.0"),
+    "update_sizes": ("comera:relative_updates", "0.3.0"),
+})

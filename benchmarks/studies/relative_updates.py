@@ -7,7 +7,7 @@ The causal LM of the frontier (``benchmarks/studies/lm_frontier.py``): every blo
 in one format at the largest uniform rank within ``--target``, built with each parametrization
 (``plain``: one Gaussian scale for every core, as before issue 30; ``balanced``:
 :mod:`comera.formats.scaling`), and the dense model, trained ``--steps`` steps on the engine with
-plain AdamW at ``--lr`` (warm-up, then constant). :class:`comera.UpdateSizeLog` measures every
+plain AdamW at ``--lr`` (warm-up, then constant). :class:`comera.RelativeUpdateLog` measures every
 ``--every``-th step: per layer, ``||dW|| / ||W||`` of the product weight and ``||dG_k|| /
 ||G_k||`` of every core. Reported per format and parametrization: each core's relative update
 (the median over the block layers and the measured steps), the spread between a format's
@@ -50,7 +50,7 @@ def measure(task, study: Study, fmt: str, parametrization: str | None, args) -> 
     model = (task.build(DENSE) if fmt == DENSE
              else task.build(fmt, rank, parametrization=parametrization))
     blocks = dict(task.block_linears(model))
-    with comera.UpdateSizeLog(model, every=args.every) as log:
+    with comera.RelativeUpdateLog(model, every=args.every) as log:
         name = f"{fmt}-{parametrization or 'dense'}"
         study.run(name, fmt, study.config_for(args.seed, args.lr, args.steps),
                   lambda: model)
