@@ -3,11 +3,18 @@
 Layers (``GatedLinear`` and ``GatedEmbedding`` in any weight format, ``TTLinear``,
 ``TTMLinear``, ``TTEmbedding``) carry diagonal rank gates; a new format is a ``Format`` subclass
 given to ``register_format`` (or one line in the registry's built-in list); the objective
-(``rank_regularizer``, ``LateStage``) drives ranks down; ``truncate_`` removes pruned ranks
-physically; ``convert_`` turns an existing torch model into a TT model; ``RankController`` runs
-the rank-adaptive stages inside any training loop (``CoMERATrainer`` is one such loop).
+(``LateStage``; ``comera.ranks.objective.rank_regularizer``) drives ranks down; ``truncate_``
+removes pruned ranks physically; ``convert_`` turns an existing torch model into a TT model;
+``RankController`` runs the rank-adaptive stages inside any training loop (``CoMERATrainer`` is
+one such loop).
 ``scaled_dot_product_attention`` and ``BoolMaskDropout`` are torch's attention and dropout,
 bit for bit, keeping less for the CPU backward.
+
+``__all__`` holds what the documentation calls; a few more names live in their submodules
+(``comera.ranks.objective.rank_regularizer``, ``comera.ranks.truncate.TruncationReport``,
+``comera.formats.factorize.factorize_pair`` and ``suggest_padded_size``,
+``comera.training.controller.clear_moments_``): ``comera.<name>`` still works until 0.3.0,
+with a DeprecationWarning naming the submodule.
 """
 
 from comera.errors import (
@@ -23,25 +30,25 @@ from comera.errors import (
     NonFiniteLossError,
     TrainingStopped,
 )
-from comera.formats.factorize import factorize, factorize_pair, suggest_padded_size
+from comera.formats.factorize import factorize
 from comera.formats.registry import Format, register_format
 from comera.layers.attention import TTMultiheadAttention
 from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.layers.embedding import GatedEmbedding, TTEmbedding
-from comera.layers.linear import GatedLayer, GatedLinear, GatedTrain, TTLinear, TTMLinear
+from comera.layers.linear import GatedLayer, GatedLinear, TTLinear, TTMLinear
 from comera.layers.siblings import Siblings
 from comera.lean.dropout import BoolMaskDropout
 from comera.lean.sdpa import scaled_dot_product_attention
-from comera.ranks.objective import LateStage, rank_regularizer, soft_size
-from comera.ranks.size import compression_ratio, dense_size, gated_layers, model_size, tt_modules
-from comera.ranks.truncate import TruncationReport, truncate_
+from comera.ranks.objective import LateStage, soft_size
+from comera.ranks.size import compression_ratio, dense_size, gated_layers, model_size
+from comera.ranks.truncate import truncate_
 from comera.surgery.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from comera.surgery.config import ConvertConfig
 from comera.surgery.convert import ConversionReport, convert_
 from comera.surgery.pretrained import from_pretrained, save_pretrained
-from comera.training.controller import RankController, clear_moments_, late_stage_for
+from comera.training.controller import RankController, late_stage_for
 from comera.training.early import EarlyStage
-from comera.training.relative_updates import UpdateSizeLog, UpdateSizes, update_sizes
+from comera.training.relative_updates import RelativeUpdateLog, RelativeUpdates, relative_updates
 from comera.training.trainers import (
     CoMERATrainer,
     DenseTrainer,
@@ -50,6 +57,7 @@ from comera.training.trainers import (
     make_optimizer,
     param_groups,
 )
+from tncomp.extend import renamed
 
 __all__ = [
     "BoolMaskDropout",
@@ -69,7 +77,6 @@ __all__ = [
     "GatedEmbedding",
     "GatedLayer",
     "GatedLinear",
-    "GatedTrain",
     "LateStage",
     "LookupIndexError",
     "NonFiniteError",
@@ -77,6 +84,8 @@ __all__ = [
     "NonFiniteLossError",
     "OptimizerConfig",
     "RankController",
+    "RelativeUpdateLog",
+    "RelativeUpdates",
     "Siblings",
     "StepStats",
     "TTEmbedding",
@@ -84,15 +93,10 @@ __all__ = [
     "TTMLinear",
     "TTMultiheadAttention",
     "TrainingStopped",
-    "TruncationReport",
-    "UpdateSizeLog",
-    "UpdateSizes",
-    "clear_moments_",
     "compression_ratio",
     "convert_",
     "dense_size",
     "factorize",
-    "factorize_pair",
     "from_pretrained",
     "gated_layers",
     "late_stage_for",
@@ -100,15 +104,28 @@ __all__ = [
     "make_optimizer",
     "model_size",
     "param_groups",
-    "rank_regularizer",
     "read_checkpoint",
     "register_format",
+    "relative_updates",
     "save_checkpoint",
     "save_pretrained",
     "scaled_dot_product_attention",
     "soft_size",
-    "suggest_padded_size",
     "truncate_",
-    "tt_modules",
-    "update_sizes",
 ]
+
+#: Names outside ``__all__``, each warning until 0.3.0: the deprecated aliases, naming their
+#: replacement, and the names that left the face in 0.2.0 (no page of the documentation calls
+#: them from ``comera``), naming the submodule that keeps them.
+__getattr__ = renamed("comera", {
+    "GatedTrain": ("comera:GatedLayer", "0.3.0"),
+    "tt_modules": ("comera:gated_layers", "0.3.0"),
+    "UpdateSizeLog": ("comera:RelativeUpdateLog", "0.3.0"),
+    "UpdateSizes": ("comera:RelativeUpdates", "0.3.0"),
+    "update_sizes": ("comera:relative_updates", "0.3.0"),
+    "TruncationReport": ("comera.ranks.truncate:TruncationReport", "0.3.0"),
+    "clear_moments_": ("comera.training.controller:clear_moments_", "0.3.0"),
+    "factorize_pair": ("comera.formats.factorize:factorize_pair", "0.3.0"),
+    "rank_regularizer": ("comera.ranks.objective:rank_regularizer", "0.3.0"),
+    "suggest_padded_size": ("comera.formats.factorize:suggest_padded_size", "0.3.0"),
+})

@@ -3,8 +3,9 @@
     python docs/gen_api.py            # rewrite docs/api.md
     python docs/gen_api.py --check    # exit 1 (and say so) when docs/api.md is out of date
 
-The public API is ``tncomp.__all__``, ``comera.__all__``, and the public classes and functions
-defined in ``comera.experiments.engine``, ``comera.experiments.checks``,
+The public API is ``tncomp.__all__`` (and ``tncomp.inspect``), ``comera.__all__``, and the
+public classes and functions defined in ``comera.experiments.engine``,
+``comera.experiments.checks``,
 ``comera.experiments.task``, ``comera.experiments.results``, ``comera.experiments.rundir``,
 ``comera.surgery.report`` and the trainer callbacks' ``comera.integrations.hf`` and
 ``comera.integrations.lightning`` (names without a leading underscore). Each name gets its
@@ -32,7 +33,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "docs" / "api.md"
 PROJECT_PACKAGES = ("tncomp", "comera")
-# (namespace, where its public names come from): a package's __all__, or a module's definitions
+# (namespace, where its public names come from): a package's __all__, a module's definitions,
+# or the names listed
 NAMESPACES = (
     ("tncomp", "__all__"),
     ("comera", "__all__"),
@@ -44,7 +46,15 @@ NAMESPACES = (
     ("comera.surgery.report", "defined"),
     ("comera.integrations.hf", "defined"),  # the trainer callbacks (the hf / lightning extras)
     ("comera.integrations.lightning", "defined"),
+    # names that left comera's face (comera.__getattr__ warns): documented in their homes
+    ("comera.formats.factorize", ("factorize_pair", "suggest_padded_size")),
+    ("comera.ranks.objective", ("rank_regularizer",)),
+    ("comera.ranks.truncate", ("TruncationReport",)),
+    ("comera.training.controller", ("clear_moments_",)),
 )
+# public names a package keeps outside its __all__ (``from tncomp import *`` must not shadow the
+# standard library's ``inspect``): documented with the package all the same
+OUTSIDE_ALL = {"tncomp": ("inspect",)}
 HIDDEN_MEMBERS = frozenset({"extra_repr"})  # nn.Module's repr hook: not something users call
 SHOWN_DUNDERS = ("__call__",)  # a callable object's call is its main entry point
 ONE_LINE = 96  # longer signatures are written one parameter per line
@@ -87,7 +97,9 @@ def _defining_module(obj: Any) -> str:
 
 def _names(module: types.ModuleType, source: str) -> list[str]:
     if source == "__all__":
-        return list(module.__all__)
+        return [*module.__all__, *OUTSIDE_ALL.get(module.__name__, ())]
+    if isinstance(source, tuple):  # the names listed
+        return list(source)
     return [name for name, obj in vars(module).items()
             if not name.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj))
             and getattr(obj, "__module__", None) == module.__name__]

@@ -1,8 +1,8 @@
 """tncomp: a tensor-network compiler for fast, memory-lean tensor-compressed layers.
 
 Declare a layer as a network (``tt_linear``, ``ttm_linear``, ``ttm_embedding``, ``from_eq``),
-inspect its costs (``inspect``), and ``compile`` it into a differentiable torch callable whose
-forward and backward passes are planned together. ``draw_network`` and ``plot_costs`` make
+inspect its costs (``tncomp.inspect``), and ``compile`` it into a differentiable torch callable
+whose forward and backward passes are planned together. ``draw_network`` and ``plot_costs`` make
 pictures (matplotlib, imported only when a picture is drawn).
 
 This module only re-exports what users call. The compiler's intermediate forms stay importable
@@ -10,6 +10,9 @@ from their modules: ``Problem``, ``problem_for`` and ``Tree`` from :mod:`tncomp.
 ``Costs`` and ``tree_costs`` from :mod:`tncomp.compiler.cost`, ``Plan`` and ``lower`` from
 :mod:`tncomp.compiler.plan`. What a package building its own layers on tncomp needs besides
 (mode and rank rules, the autocast rule) is :mod:`tncomp.extend`.
+
+``tncomp.inspect`` is not in ``__all__``: ``from tncomp import *`` would otherwise shadow the
+standard library's :mod:`inspect`. Call it as ``tncomp.inspect``.
 """
 
 from tncomp import errors
@@ -18,13 +21,16 @@ from tncomp.compiler.builders import from_eq, stack_siblings, tt_linear, ttm_emb
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Dim, Network, Role, TensorSpec, make_network
 
-# The extension interface (tncomp.extend), importable from here for one release:
+# The extension interface (tncomp.extend), importable from here until 0.3.0:
 from tncomp.extend import autocast_cast as autocast_cast
 from tncomp.extend import autocast_dtype as autocast_dtype
 from tncomp.extend import check_memory as check_memory
 from tncomp.extend import check_modes as check_modes
 from tncomp.extend import resolve_ranks as resolve_ranks
-from tncomp.inspection import cost_curves, draw_network, drawing_of, inspect, plot_costs
+from tncomp.inspection import cost_curves, draw_network, drawing_of, plot_costs
+
+# tncomp.inspect, outside __all__: `from tncomp import *` must not shadow the stdlib's inspect
+from tncomp.inspection import inspect as inspect
 from tncomp.views.report import describe_tree
 
 __version__ = "0.1.0"
@@ -46,7 +52,6 @@ __all__ = [
     "drawing_of",
     "errors",
     "from_eq",
-    "inspect",
     "make_network",
     "plot_costs",
     "stack_siblings",

@@ -13,7 +13,6 @@ import gc
 import json
 import logging
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.lib.measure import interleaved_times, spread
 
 log = logging.getLogger("benchmarks.gpu")
 
@@ -69,25 +70,9 @@ def _sync(device: str) -> None:
 def time_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int) -> list[float]:
     """Milliseconds of ``repeats`` calls of ``fn`` after ``warmup`` calls: CUDA events around
     each call on a GPU (device time, no host sync inside the timed region), the wall clock on
-    the CPU."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    out = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            out.append(start.elapsed_time(stop))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-    return out
+    the CPU (:func:`benchmarks.lib.measure.interleaved_times`, one function)."""
+    times = interleaved_times({"fn": fn}, repeats, warmup, device=device)["fn"]
+    return [t * 1e3 for t in times]
 
 
 def peak_bytes(fn: Callable[[], object], device: str) -> int | None:
@@ -104,9 +89,9 @@ def peak_bytes(fn: Callable[[], object], device: str) -> int | None:
 
 
 def summary(times: list[float]) -> dict[str, float]:
-    """Median and range of a list of milliseconds."""
-    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
-            "repeats": len(times)}
+    """Median and range of a list of milliseconds (:func:`benchmarks.lib.measure.spread`)."""
+    s = spread(times)
+    return {"ms": s["median"], "ms_min": s["min"], "ms_max": s["max"], "repeats": s["repeats"]}
 
 
 class PartWriter:

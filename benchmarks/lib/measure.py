@@ -1,5 +1,9 @@
-"""Shared timing and memory measurement for the benchmarks (median of interleaved repeats;
-resident bytes plus the profiled peak of one training step), and writing their results."""
+"""Shared timing and memory measurement for the benchmarks, and writing their results.
+
+The one home of the benchmarks' timers: :func:`interleaved_times` (round-robin repeats after
+warm-up, on the wall clock or CUDA events), :func:`spread` and :func:`ratio_spread` (medians
+with quartiles and range), :func:`timed` (one call: a first call, a plan built). Memory:
+resident bytes plus the profiled peak of one training step."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -40,21 +45,65 @@ def square_rate_model(model: tncomp.DeviceModel) -> tncomp.DeviceModel:
     return dataclasses.replace(model, gemm_dims=(), gemm_rates=())
 
 
-def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int,
-                      warmup: int = 3) -> dict[str, list[float]]:
-    """Seconds of every call of each function, timed round-robin (round k calls every function
-    once, in order) after ``warmup`` untimed calls each, so drift hits all alike."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ConfigError(f"repeats={repeats!r}; time each function at least once.")
+class Timed(NamedTuple):
+    """One measured call: what it returned, its wall-clock seconds and the process's CPU
+    seconds over it."""
+
+    value: Any
+    seconds: float
+    cpu_seconds: float
+
+
+def timed(fn: Callable[[], object]) -> Timed:
+    """Call ``fn`` once and time it (a first call, a plan built: what happens once)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    value = fn()
+    return Timed(value, time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def _is_cuda(device: str | torch.device | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def time_call(fn: Callable[[], object], *, inner: int = 1,
+              device: str | torch.device | None = None) -> float:
+    """Seconds per call of ``inner`` calls of ``fn`` in a row: the wall clock, or on a CUDA
+    ``device`` CUDA events around the calls (device time; the queue drained first, no host
+    synchronization inside the timed region)."""
+    if _is_cuda(device):
+        torch.cuda.synchronize(device)
+        start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        for _ in range(inner):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1e3 / inner
+    start_s = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - start_s) / inner
+
+
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3, *,
+                      inner: int = 1,
+                      device: str | torch.device | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each function in each of ``repeats`` rounds, timed round-robin
+    (round k times every function once, in order: ``inner`` calls in a row, averaged;
+    :func:`time_call`) after ``warmup`` untimed calls each, so drift hits all alike. The one
+    timing loop of the benchmarks: a single function is timed as a dict of one."""
+    for name, value in (("repeats", repeats), ("inner", inner)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r}; time each function at least once.")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"warmup={warmup!r}; give a count of untimed calls, 0 or more.")
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(time_call(fn, inner=inner, device=device))
     return times
 
 
@@ -65,6 +114,17 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int,
             for name, ts in interleaved_times(fns, repeats, warmup).items()}
 
 
+def spread(times: list[float]) -> dict[str, float | int]:
+    """The median of repeated times, with their quartiles and range: what a timing reports."""
+    if not times:
+        raise ConfigError("spread of no times; time at least once.")
+    ordered = sorted(times)
+    q1, _, q3 = (statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1
+                 else (ordered[0],) * 3)
+    return {"median": statistics.median(ordered), "q1": q1, "q3": q3, "min": ordered[0],
+            "max": ordered[-1], "repeats": len(ordered)}
+
+
 def ratio_spread(num: list[float], den: list[float]) -> dict[str, float | int]:
     """How much a time ratio ``num / den`` moves over interleaved repeats: the ratio of the
     medians, and the quartiles and range of the per-round ratios ``num[k] / den[k]`` (round k
@@ -72,11 +132,9 @@ def ratio_spread(num: list[float], den: list[float]) -> dict[str, float | int]:
     if len(num) != len(den) or not num:
         raise ConfigError(f"ratio_spread needs two equal, non-empty lists of times; got "
                           f"{len(num)} and {len(den)}.")
-    rounds = sorted(ratio(a, b) for a, b in zip(num, den, strict=True))
-    q1, _, q3 = (statistics.quantiles(rounds, n=4, method="inclusive") if len(rounds) > 1
-                 else (rounds[0],) * 3)
-    return {"ratio": ratio(statistics.median(num), statistics.median(den)), "q1": q1, "q3": q3,
-            "min": rounds[0], "max": rounds[-1], "repeats": len(rounds)}
+    rounds = spread([ratio(a, b) for a, b in zip(num, den, strict=True)])
+    return {"ratio": ratio(statistics.median(num), statistics.median(den)),
+            **{k: rounds[k] for k in ("q1", "q3", "min", "max", "repeats")}}
 
 
 def spread_text(spread: dict) -> str:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
 import tncomp
 from benchmarks.lib.measure import (
+    interleaved_times,
     markdown_table,
     num_threads,
     publish,
@@ -63,17 +63,8 @@ def _calls(eq: str, shapes, mode: str) -> dict[str, Callable[[], object]]:
 def measure(eq: str, shapes, mode: str, rounds: int, inner: int) -> dict:
     """Median seconds per call of contract and einsum, each round a batch of ``inner`` calls
     of one then the other."""
-    fns = _calls(eq, shapes, mode)
-    for fn in fns.values():  # warm-up: the plan is built and cached, caches are hot
-        for _ in range(max(inner, 50)):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times[name].append((time.perf_counter() - start) / inner)
+    # warm-up: the plan is built and cached, caches are hot
+    times = interleaved_times(_calls(eq, shapes, mode), rounds, max(inner, 50), inner=inner)
     spread = ratio_spread(times["contract"], times["einsum"])
     return {"contract_us": statistics.median(times["contract"]) * 1e6,
             "einsum_us": statistics.median(times["einsum"]) * 1e6, "spread": spread}

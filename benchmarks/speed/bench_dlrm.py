@@ -18,7 +18,7 @@ synthetic Zipf generator (``comera.data.criteo.SyntheticCriteo``) at the model's
 
 Learning rates and the regulariser weight are the registry's full DLRM run (they do not change
 the cost of a step). Time: median of interleaved repeats after warm-up
-(``harness.interleaved_medians``). Memory: resident bytes before the step plus the peak allocated
+(``measure.interleaved_times``). Memory: resident bytes before the step plus the peak allocated
 during one step (see ``MEMORY_COUNTED``). Writes benchmarks/results/dlrm_step_cpu.{json,md}
 (with ``--max-rows N``: dlrm_step_rows{N}_cpu).
 

@@ -43,7 +43,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -58,6 +57,7 @@ from benchmarks.lib.measure import (
     peak_allocated_bytes,
     ratio_spread,
     spread_text,
+    timed,
     unpooled,
     write_results_to,
 )
@@ -104,10 +104,7 @@ def measure_point(batch: int, rank: int, d: int, repeats: int, warmup: int, cach
         return run
 
     calls = {name: call(layer) for name, layer in layers.items()}
-    one = time.perf_counter()
-    for fn in calls.values():
-        fn()
-    one = time.perf_counter() - one
+    one = timed(lambda: [fn() for fn in calls.values()]).seconds  # one call of each
     repeats = max(3, min(repeats, int(POINT_BUDGET_S / max(one, 1e-6))))
     times = interleaved_times(calls, repeats, warmup)
     memory = {}
@@ -138,14 +135,9 @@ def measure_planning(d: int, rank: int, batch: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         tncomp.clear_cache()
         layer = tt_layer(rank, d, cache)
-        start = time.perf_counter()
-        compiled = layer.compiled()
-        table = compiled.regimes()
-        plan_s = time.perf_counter() - start
+        table, plan_s, _ = timed(lambda: layer.compiled().regimes())
         x = torch.randn(batch, IN_FEATURES, requires_grad=True)
-        start = time.perf_counter()
-        layer(x).sum().backward()
-        first = time.perf_counter() - start
+        first = timed(lambda: layer(x).sum().backward()).seconds
     return {"d": d, "rank": rank, "batch": batch, "plan_s": plan_s, "first_call_s": first,
             "regimes": len(table.regimes), "in_modes": list(layer.in_modes),
             "out_modes": list(layer.out_modes)}

@@ -18,12 +18,11 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 
 import torch
 
 import tncomp
-from benchmarks.lib.measure import markdown_table, publish, run_fresh
+from benchmarks.lib.measure import markdown_table, publish, run_fresh, timed
 from comera.experiments.results import machine
 
 KINDS = ("tt_linear", "ttm_linear")
@@ -38,14 +37,10 @@ def measure_one(kind: str, d: int) -> dict:
     net = build((MODE,) * d, (MODE,) * d, RANK)
     with tempfile.TemporaryDirectory() as cache:
         f = tncomp.compile(net, disk_cache=cache)
-        wall, cpu = time.perf_counter(), time.process_time()
-        table = f.regimes()
-        plan_wall, plan_cpu = time.perf_counter() - wall, time.process_time() - cpu
+        table, plan_wall, plan_cpu = timed(f.regimes)
         x = torch.randn(BATCH, *(MODE,) * d, requires_grad=True)
         cores = [torch.randn(*net.shape(t), requires_grad=True) for t in net.operands[1:]]
-        wall = time.perf_counter()
-        f(x, *cores).sum().backward()
-        first = time.perf_counter() - wall
+        first = timed(lambda: f(x, *cores).sum().backward()).seconds
     return {"kind": kind, "d": d, "operands": len(net.operands), "plan_s": plan_wall,
             "plan_cpu_s": plan_cpu, "first_call_s": first, "regimes": len(table.regimes),
             "breakpoints": list(table.breakpoints)}

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
@@ -34,7 +32,9 @@ from benchmarks.lib.measure import (
     markdown_table,
     publish,
     ratio_spread,
+    spread,
     spread_text,
+    timed,
 )
 from comera.experiments.results import machine
 
@@ -76,15 +76,13 @@ def variants(dense: nn.Module, tt: nn.Module, batch: tuple, backend: str) -> dic
 def time_case(steps: dict[str, Callable[[], float]], repeats: int, warmup: int) -> dict:
     """First-call seconds (planning, compiling), then ``repeats`` interleaved timed steps after
     ``warmup`` more (:func:`~benchmarks.lib.measure.interleaved_times`)."""
-    first = {}
-    for name, step in steps.items():
-        start = time.perf_counter()
-        step()
-        first[name] = time.perf_counter() - start
+    first = {name: timed(step).seconds for name, step in steps.items()}
     times = interleaved_times(steps, repeats, warmup)
     base = times["tt eager fp32"]
-    return {name: {"first_call_s": first[name], "median_s": statistics.median(ts),
-                   "min_s": min(ts), "max_s": max(ts), "repeats": len(ts),
+    stats = {name: spread(ts) for name, ts in times.items()}
+    return {name: {"first_call_s": first[name], "median_s": stats[name]["median"],
+                   "min_s": stats[name]["min"], "max_s": stats[name]["max"],
+                   "repeats": stats[name]["repeats"],
                    "speed_vs_tt_eager": ratio_spread(base, ts)}
             for name, ts in times.items()}
 

@@ -16,7 +16,7 @@ random token ids (no padding). Variants (``--variants``):
   (reconstructed) or BlockTT (factorized einsum) layer at CoMERA's initial max rank, and the
   token embedding as tltorch's BlockTT embedding at the modes and ranks of CoMERA's.
 
-Time: median of interleaved repeats after warm-up (harness.interleaved_medians). Memory, two
+Time: median of interleaved repeats after warm-up (``measure.interleaved_times``). Memory, two
 ways: the torch accounting (resident bytes before the step plus the profiler's peak allocated
 during one step, see ``MEMORY_COUNTED``) and, next to it, what the system sees: the peak RSS of
 dense, GaLore and CoMERA each measured in a process of its own (see ``PROCESS_COUNTED``;
@@ -38,7 +38,6 @@ import logging
 import math
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
@@ -57,6 +56,7 @@ from benchmarks.lib.measure import (
     run_fresh,
     spread_text,
     start_run,
+    timed,
 )
 from benchmarks.lib.memory import MEMORY_MODES, check_memory_mode, peak_rss_of, set_memory_mode_
 from benchmarks.lib.model_baselines import (
@@ -367,9 +367,7 @@ def galore_refresh_ms(variant: Variant, batch: Batch) -> float:
             state = opt.state.get(p)
             if state is not None and "step" in state:
                 state["step"] = math.ceil(state["step"] / gap) * gap  # refresh on this step
-    start = time.perf_counter()
-    variant.step(batch)
-    return (time.perf_counter() - start) * 1e3
+    return timed(lambda: variant.step(batch)).seconds * 1e3
 
 
 def run_batch(variants: dict[str, Variant], batch: Batch, bench: BenchConfig,

@@ -24,7 +24,6 @@ import math
 import statistics
 import string
 import sys
-import time
 
 import torch
 
@@ -185,24 +184,13 @@ def dispatch_overhead(repeats: int = 2000) -> dict:
     eq = (",".join("".join(letter[i] for i in t.indices) for t in net.operands) + "->"
           + "".join(letter[i] for i in net.output.indices))
 
-    def per_call(fn):
-        for _ in range(min(200, repeats)):
-            fn()
-        best = math.inf
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            best = min(best, (time.perf_counter() - start) / repeats)
-        return best
-
-    called = per_call(lambda: f(*ops))
-    einsum = per_call(lambda: torch.einsum(eq, *ops))
     grad_ops = [o.clone().requires_grad_() for o in ops]
-    called_g = per_call(lambda: f(*grad_ops))
-    einsum_g = per_call(lambda: torch.einsum(eq, *grad_ops))
-    return {"call_us": called * 1e6, "einsum_us": einsum * 1e6,
-            "call_with_autograd_us": called_g * 1e6, "einsum_with_autograd_us": einsum_g * 1e6}
+    calls = {"call": lambda: f(*ops), "einsum": lambda: torch.einsum(eq, *ops),
+             "call_with_autograd": lambda: f(*grad_ops),
+             "einsum_with_autograd": lambda: torch.einsum(eq, *grad_ops)}
+    # five interleaved rounds of ``repeats`` calls each: the median round's time per call
+    times = interleaved_times(calls, 5, min(200, repeats), inner=repeats)
+    return {f"{name}_us": statistics.median(ts) * 1e6 for name, ts in times.items()}
 
 
 def main(argv=None) -> int:

@@ -38,7 +38,6 @@ are still read and reported.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
@@ -47,7 +46,7 @@ import torch
 import comera
 from benchmarks.lib.measure import RESULTS
 from benchmarks.studies.harness.methods import Study
-from benchmarks.studies.harness.results import mean_sd
+from benchmarks.studies.harness.results import mean_sd, read_summary, write_summary
 from benchmarks.studies.harness.reviews import SmallReviews, training_args
 from comera.experiments.engine import EngineConfig
 from comera.experiments.results import machine
@@ -80,8 +79,7 @@ def run(args) -> dict:
               "settings": vars(args) | {"out": str(args.out), "work": str(args.work)},
               "machine": machine(), "rows": []}
     if args.append and (args.out / "frontier.json").is_file():
-        result["rows"] = [upgrade(r) for r in
-                          json.loads((args.out / "frontier.json").read_text())["rows"]]
+        result["rows"] = [upgrade(r) for r in read_summary(args.out / "frontier.json")["rows"]]
     config = EngineConfig(batch_size=args.batch, lr=args.lr, lr_gates=args.lr_gates,
                           warmup=args.warmup, eval_every=args.eval_every, max_grad_norm=1.0,
                           threads=args.threads)
@@ -97,7 +95,7 @@ def run(args) -> dict:
     def save(*rows):
         result["rows"].extend(rows)
         args.out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out / "frontier.json", json.dumps(result, indent=1, default=str))
+        write_summary(args.out / "frontier.json", result)
 
     lr = args.lr
     for seed in args.seeds:
@@ -142,7 +140,7 @@ def merge(paths: list[Path]) -> dict:
     """One result from several results files: the first's data and machine, every file's rows
     (dense rows of the earlier frontier format, sizes under ``sizes``, are read as well) and
     every file's settings and plan, by path."""
-    parts = [json.loads(Path(p).read_text()) for p in paths]
+    parts = [read_summary(p) for p in paths]
     rows = []
     for part in parts:
         for row in part["rows"]:
@@ -297,12 +295,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.merge:
         result = merge(args.merge)
-        args.out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out / "frontier.json", json.dumps(result, indent=1, default=str))
+        write_summary(args.out / "frontier.json", result)
     elif args.summarise_only:
         if not (args.out / "frontier.json").is_file():
             p.error(f"--summarise-only: no {args.out / 'frontier.json'} to summarise")
-        result = json.loads((args.out / "frontier.json").read_text())
+        result = read_summary(args.out / "frontier.json")
         result["rows"] = [upgrade(r) for r in result["rows"]]
     else:
         result = run(args)

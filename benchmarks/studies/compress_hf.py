@@ -26,7 +26,6 @@ import json
 import shlex
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 import comera
+from benchmarks.lib.measure import timed
 from benchmarks.studies.harness.trained import (
     CALIB_BATCH,
     OUT,
@@ -81,12 +81,12 @@ def cmd_small(args) -> int:
     model = small_gpt2(task.vocab, task.config.seq_len)
     config = EngineConfig(steps_early=args.steps, steps_late=0, stage="early", batch_size=32,
                           lr=1e-3, warmup=50, eval_every=args.steps, seed=0, threads=1)
-    start = time.time()
     with tempfile.TemporaryDirectory() as out:
-        trained, _ = train_model(ForEngine(task, model), "dense", False, config, Path(out))
+        (trained, _), seconds, _ = timed(
+            lambda: train_model(ForEngine(task, model), "dense", False, config, Path(out)))
     trained.eval()
     result = {"machine": machine(), "command": _command(args), "train_seconds":
-              round(time.time() - start, 1), "dense": score(task, trained), "rows": []}
+              round(seconds, 1), "dense": score(task, trained), "rows": []}
     for fmt in args.formats:
         budget = None
         for arm, seed in [("uniform/plain", args.seeds[0])] + [
@@ -131,11 +131,9 @@ def cmd_124m(args) -> int:
               if n.startswith("transformer.h.") and type(m).__name__ == "Conv1D"]
     config = comera.ConvertConfig(include=["transformer.h.*"], format=args.format,
                                   target_compression=2.0, allocation="global")
-    start = time.time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = comera.convert_(model, config, calibration=batches)
-    seconds = time.time() - start
+        report, seconds, _ = timed(lambda: comera.convert_(model, config, calibration=batches))
     phases["converted"] = peak_rss_mib()
     result = {"machine": machine(), "command": _command(args), "parameters": total,
               "layers": len(report.layers), "batches": report.batches,

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import hashlib
 import json
 import math
 import shlex
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 import comera
+from benchmarks.lib.measure import timed
 from benchmarks.studies.harness.trained import (
     CALIB_BATCH,
     OUT,
@@ -109,11 +110,11 @@ def pretrained(spec: Pretrain, cache: Path, root: Path | None = None,
                           batch_size=spec.batch, lr=spec.lr, warmup=spec.warmup,
                           eval_every=spec.eval_every, seed=spec.seed, threads=1,
                           max_grad_norm=1.0)
-    start = time.time()
     with tempfile.TemporaryDirectory() as out:
-        model, record = train_model(ForEngine(task), "dense", False, config, Path(out))
+        (model, record), seconds, _ = timed(
+            lambda: train_model(ForEngine(task), "dense", False, config, Path(out)))
     model.eval()
-    info = {"spec": asdict(spec), "seconds": round(time.time() - start, 1),
+    info = {"spec": asdict(spec), "seconds": round(seconds, 1),
             "val_curve": record.val_curve, "stage_ends": record.stage_ends,
             "machine": machine(), "command": _command()}
     cache.mkdir(parents=True, exist_ok=True)
@@ -209,6 +210,34 @@ def cmd_compress(args) -> int:
         tmp.write_text(json.dumps(payload, indent=1, default=str))
         tmp.replace(own)
 
+    def one_arm(dense, fmt, target, arm, seed, budget, chosen, batches) -> dict:
+        """Convert (and refine, fine-tune) one arm: its row."""
+        torch.manual_seed(seed)
+        if arm.endswith("+gates"):
+            model, report = convert_arm(dense, fmt, arm, target,
+                                        int(budget * args.gate_headroom), batches,
+                                        args.damping, args.parametrization)
+            goal = budget + sum(m.bias.numel() for _, m in comera.gated_layers(model)
+                                if m.bias is not None)
+            model = refine_with_gates(task, model, chosen, goal, args, seed)
+        else:
+            model, report = convert_arm(dense, fmt, arm, target, budget, batches,
+                                        args.damping, args.parametrization)
+        params, dense_params = linear_sizes(model)
+        row = {"format": fmt, "target": target, "arm": arm, "seed": seed,
+               "parametrization": args.parametrization,
+               "params": params, "dense_params": dense_params,
+               "compression": dense_params / params, "budget": budget,
+               "calib_rows": args.calib_rows,
+               "ranks": {n: list(m.ranks) for n, m in comera.gated_layers(model)},
+               "errors": {r.name: r.error for r in report.layers},
+               "before": score(task, model)}
+        if args.finetune:
+            tuned = finetune(task, model, args.finetune, args, seed)
+            row["after"] = score(task, tuned)
+            row["finetune"] = args.finetune
+        return row
+
     save()
     for fmt in args.formats:
         for target in args.targets:
@@ -220,32 +249,9 @@ def cmd_compress(args) -> int:
                 for arm in args.arms:
                     if "calibrated" not in arm and not args.finetune and seed != args.seeds[0]:
                         continue  # a plain arm before fine-tuning does not depend on the seed
-                    start = time.time()
-                    torch.manual_seed(seed)
-                    if arm.endswith("+gates"):
-                        model, report = convert_arm(dense, fmt, arm, target,
-                                                    int(budget * args.gate_headroom), batches,
-                                                    args.damping, args.parametrization)
-                        goal = budget + sum(m.bias.numel() for _, m in comera.gated_layers(model)
-                                            if m.bias is not None)
-                        model = refine_with_gates(task, model, chosen, goal, args, seed)
-                    else:
-                        model, report = convert_arm(dense, fmt, arm, target, budget, batches,
-                                                    args.damping, args.parametrization)
-                    params, dense_params = linear_sizes(model)
-                    row = {"format": fmt, "target": target, "arm": arm, "seed": seed,
-                           "parametrization": args.parametrization,
-                           "params": params, "dense_params": dense_params,
-                           "compression": dense_params / params, "budget": budget,
-                           "calib_rows": args.calib_rows,
-                           "ranks": {n: list(m.ranks) for n, m in comera.gated_layers(model)},
-                           "errors": {r.name: r.error for r in report.layers},
-                           "before": score(task, model)}
-                    if args.finetune:
-                        tuned = finetune(task, model, args.finetune, args, seed)
-                        row["after"] = score(task, tuned)
-                        row["finetune"] = args.finetune
-                    row["seconds"] = round(time.time() - start, 1)
+                    row, seconds, _ = timed(functools.partial(
+                        one_arm, dense, fmt, target, arm, seed, budget, chosen, batches))
+                    row["seconds"] = round(seconds, 1)
                     rows.append(row)
                     save()
                     after = (f", after {row['after']['perplexity']:.2f}" if "after" in row

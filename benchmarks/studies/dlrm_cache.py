@@ -13,7 +13,6 @@ with its curves against step and training wall-clock).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.lib.measure import RESULTS
+from benchmarks.studies.harness.results import read_summary, write_summary
 from benchmarks.studies.harness.runs import curves, train
 from comera.experiments.dlrm_task import DLRMTask, DLRMTaskConfig
 from comera.experiments.registry import EXPERIMENTS
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                            "target_compression": args.target_compression,
                            "engine": engine.__dict__}, "rows": []}
     if args.append and (args.out / "dlrm_cache.json").is_file():
-        result["rows"] = json.loads((args.out / "dlrm_cache.json").read_text())["rows"]
+        result["rows"] = read_summary(args.out / "dlrm_cache.json")["rows"]
         result["settings"]["seeds"] = sorted({r["seed"] for r in result["rows"]} | set(args.seeds))
     variants = [(f"tt+cache{args.cache_rows}" if name == "tt+cache" else name, task, tt)
                 for name, task, tt in (("dense", plain, False), ("tt", plain, True),
@@ -92,8 +92,7 @@ def main(argv=None) -> int:
                                    "seconds": round(record.train_seconds, 1),
                                    "curves": curves(record)})
             args.out.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(args.out / "dlrm_cache.json",
-                              json.dumps(result, indent=1, default=str))
+            write_summary(args.out / "dlrm_cache.json", result)
             atomic_write_text(args.out / "dlrm_cache.md", summarise(result) + "\n")
     print(summarise(result))
     return 0

@@ -26,12 +26,12 @@ skipped).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 from benchmarks.lib.measure import RESULTS, markdown_table
 from benchmarks.studies.harness.methods import Study
+from benchmarks.studies.harness.results import read_summary, write_summary
 from benchmarks.studies.harness.reviews import SmallReviews, training_args
 from comera.data.stdlib_pairs import PairDataset
 from comera.errors import ConfigError
@@ -103,11 +103,11 @@ def run(args) -> dict:
               "settings": vars(args) | {"out": str(args.out), "work": str(args.work)},
               "machine": machine(), "plan": the_plan, "rows": []}
     if args.append and path.is_file():
-        result["rows"] = json.loads(path.read_text())["rows"]
+        result["rows"] = read_summary(path)["rows"]
 
     def save() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(result, indent=1, default=str) + "\n")
+        write_summary(path, result)
         atomic_write_text(args.out / "formats.md", summarise(result) + "\n")
 
     save()
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.steps, args.warmup = 2, 1
     if args.summarise_only:
-        result = json.loads((args.out / "formats.json").read_text())
+        result = read_summary(args.out / "formats.json")
     else:
         try:
             result = run(args)

@@ -22,14 +22,14 @@ positions, tied head, normal(0, 0.02) initialisation, the residual projections s
   anew (``reset_cores_``), as a layer built at that rank starts: it separates what the
   decomposition of random weights does to training from what the parametrization does.
 
-Writes ``benchmarks/results/heldout_gpt/heldout.{json,md}``.
+Writes ``benchmarks/results/heldout_gpt/heldout.{json,md}`` (the rows without their curves; the
+whole payload to the git-ignored ``curves/heldout.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import shutil
 import statistics
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 import comera
 from benchmarks.lib.measure import RESULTS
-from benchmarks.studies.harness.results import mean_sd
+from benchmarks.studies.harness.results import mean_sd, write_summary
 from benchmarks.studies.harness.runs import row, train
 from comera.errors import ConfigError, TrainingStopped
 from comera.experiments.engine import EngineConfig
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     command = "python -m benchmarks.studies.heldout_gpt " + " ".join(
         sys.argv[1:] if argv is None else argv)
     payload = {"command": command, "machine": machine(), "narrow_width": width, "rows": rows}
-    atomic_write_text(args.out / "heldout.json", json.dumps(payload, indent=1, default=str))
+    write_summary(args.out / "heldout.json", payload)  # the curves to curves/heldout.json
     atomic_write_text(args.out / "heldout.md", report(payload, args) + "\n")
     print(report(payload, args))
     return 0

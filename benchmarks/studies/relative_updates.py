@@ -7,19 +7,19 @@ The causal LM of the frontier (``benchmarks/studies/lm_frontier.py``): every blo
 in one format at the largest uniform rank within ``--target``, built with each parametrization
 (``plain``: one Gaussian scale for every core, as before issue 30; ``balanced``:
 :mod:`comera.formats.scaling`), and the dense model, trained ``--steps`` steps on the engine with
-plain AdamW at ``--lr`` (warm-up, then constant). :class:`comera.UpdateSizeLog` measures every
+plain AdamW at ``--lr`` (warm-up, then constant). :class:`comera.RelativeUpdateLog` measures every
 ``--every``-th step: per layer, ``||dW|| / ||W||`` of the product weight and ``||dG_k|| /
 ||G_k||`` of every core. Reported per format and parametrization: each core's relative update
 (the median over the block layers and the measured steps), the spread between a format's
 fastest and slowest core (``imbalance``), and the weight's relative update next to dense's.
 
-Writes ``benchmarks/results/relative_updates/relative_updates.{json,md,png}``.
+Writes ``benchmarks/results/relative_updates/relative_updates.{json,md,png}`` (each row's
+measurements per step, its ``curves``, to the git-ignored ``curves/relative_updates.json``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -29,6 +29,7 @@ import torch
 import comera
 from benchmarks.lib.measure import RESULTS
 from benchmarks.studies.harness.methods import Study
+from benchmarks.studies.harness.results import write_summary
 from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 from comera.experiments.results import machine
@@ -49,7 +50,7 @@ def measure(task, study: Study, fmt: str, parametrization: str | None, args) -> 
     model = (task.build(DENSE) if fmt == DENSE
              else task.build(fmt, rank, parametrization=parametrization))
     blocks = dict(task.block_linears(model))
-    with comera.UpdateSizeLog(model, every=args.every) as log:
+    with comera.RelativeUpdateLog(model, every=args.every) as log:
         name = f"{fmt}-{parametrization or 'dense'}"
         study.run(name, fmt, study.config_for(args.seed, args.lr, args.steps),
                   lambda: model)
@@ -64,7 +65,7 @@ def measure(task, study: Study, fmt: str, parametrization: str | None, args) -> 
     return {"format": fmt, "parametrization": parametrization, "rank": rank,
             "cores": cores, "imbalance": max(cores) / min(cores),
             "weight": statistics.median(weight),
-            "steps": [[s, {n: {"weight": u.weight, "cores": list(u.cores)}
+            "curves": [[s, {n: {"weight": u.weight, "cores": list(u.cores)}
                            for n, u in sizes.layers.items() if n in blocks}]
                       for s, sizes in log.steps]}
 
@@ -135,8 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="a tiny model and corpus for a test")
     p.add_argument("--root", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=RESULTS / "update_sizes")
-    p.add_argument("--work", type=Path, default=Path("/tmp/update_sizes_work"))
+    p.add_argument("--out", type=Path, default=RESULTS / "relative_updates")
+    p.add_argument("--work", type=Path, default=Path("/tmp/relative_updates_work"))
     args = p.parse_args(argv)
     if args.steps < 1 or args.every < 1 or args.target <= 1 or args.lr <= 0:
         p.error("--steps and --every at least 1, --target above 1, --lr above 0")
@@ -166,17 +167,17 @@ def main(argv=None) -> int:
         sys.argv[1:] if argv is None else argv)
     payload = {"command": command, "machine": machine(), "settings": {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows}
-    atomic_write_text(args.out / "update_sizes.json", json.dumps(payload, indent=1))
+    write_summary(args.out / "relative_updates.json", payload)  # per step: curves/
     title = (f"Relative update per step, LM d_model {config.d_model}, {args.target:g}x, AdamW "
              f"lr {args.lr:g}, {args.steps} steps")
-    plotted = plot(rows, args.out / "update_sizes.png", title)
+    plotted = plot(rows, args.out / "relative_updates.png", title)
     text = (f"# {title}\n\nEach core's ||dG_k|| / ||G_k|| per optimizer step (median over the "
             "block layers and the measured steps); imbalance = fastest / slowest core; the "
             "weight's ||dW|| / ||W|| next to the dense model's.\n\n" + table(rows)
-            + ("\n\n![update sizes](update_sizes.png)" if plotted else "")
+            + ("\n\n![relative updates](relative_updates.png)" if plotted else "")
             + f"\n\nMachine: {payload['machine']['cpu']}, torch {payload['machine']['torch']}; "
             f"command:\n\n    {command}\n")
-    atomic_write_text(args.out / "update_sizes.md", text)
+    atomic_write_text(args.out / "relative_updates.md", text)
     print(table(rows))
     return 0
 

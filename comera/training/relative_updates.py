@@ -3,20 +3,23 @@
 A compressed layer trains like dense when its product weight W moves by about what a dense
 layer's weight moves under the same optimizer and learning rate, and no core of the product
 moves much faster or slower than the others (the fastest core then sets the usable learning
-rate, the slowest barely learns). :func:`update_sizes` measures both around one step::
+rate, the slowest barely learns). :func:`relative_updates` measures both around one step::
 
     loss.backward()
-    sizes = comera.update_sizes(model, optimizer.step)
-    print(sizes)            # per layer: ||dW|| / ||W|| and ||dG_k|| / ||G_k|| per core
+    updates = comera.relative_updates(model, optimizer.step)
+    print(updates)          # per layer: ||dW|| / ||W|| and ||dG_k|| / ||G_k|| per core
 
 Dense ``nn.Linear`` layers are measured too (their weight is their only "core"), so a
 converted model and its dense original can be compared step for step. Inside a training loop
-you do not own (HuggingFace ``Trainer``, Lightning, the engine), :class:`UpdateSizeLog` measures
+you do not own (HuggingFace ``Trainer``, Lightning, the engine), :class:`RelativeUpdateLog` measures
 every k-th optimizer step through torch's global optimizer step hooks::
 
-    with comera.UpdateSizeLog(model, every=10) as log:
+    with comera.RelativeUpdateLog(model, every=10) as log:
         trainer.train()
-    log.steps          # [(step, UpdateSizes), ...]
+    log.steps          # [(step, RelativeUpdates), ...]
+
+The names before 0.2.0 (``update_sizes``, ``UpdateSizes``, ``UpdateSizeLog``: "size" means a
+parameter count everywhere else) still work, with a DeprecationWarning, until 0.3.0.
 """
 
 from __future__ import annotations
@@ -29,8 +32,16 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.layers.linear import GatedLayer
+from tncomp.extend import renamed
 
-__all__ = ["LayerUpdate", "UpdateSizeLog", "UpdateSizes", "update_sizes"]
+__all__ = ["LayerUpdate", "RelativeUpdateLog", "RelativeUpdates", "relative_updates"]
+
+#: The names before 0.2.0, served with a DeprecationWarning until 0.3.0.
+__getattr__ = renamed(__name__, {
+    "update_sizes": (f"{__name__}:relative_updates", "0.3.0"),
+    "UpdateSizes": (f"{__name__}:RelativeUpdates", "0.3.0"),
+    "UpdateSizeLog": (f"{__name__}:RelativeUpdateLog", "0.3.0"),
+})
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,7 @@ class LayerUpdate:
 
 
 @dataclass(frozen=True)
-class UpdateSizes:
+class RelativeUpdates:
     """Every measured layer's :class:`LayerUpdate`, by qualified name."""
 
     layers: dict[str, LayerUpdate]
@@ -81,7 +92,7 @@ def _relative(after: Tensor, before: Tensor) -> float:
     return float((after - before).norm()) / norm if norm > 0 else float("inf")
 
 
-def update_sizes(model: nn.Module, step: Callable[[], object]) -> UpdateSizes:
+def relative_updates(model: nn.Module, step: Callable[[], object]) -> RelativeUpdates:
     """Run ``step()`` (e.g. ``optimizer.step``) and return how far it moved every gated layer's
     weight and cores, and every ``nn.Linear`` weight, relative to their size before the step.
 
@@ -89,11 +100,11 @@ def update_sizes(model: nn.Module, step: Callable[[], object]) -> UpdateSizes:
     a constant, so the relative change is the same either way. Costs one dense reconstruction
     of every gated layer before and after the step: a diagnostic, not a per-step hook."""
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"update_sizes takes the model (an nn.Module) first, got "
+        raise ConfigError(f"relative_updates takes the model (an nn.Module) first, got "
                           f"{type(model).__name__}.")
     if not callable(step):
         raise ConfigError(f"step={step!r} is not callable; pass the optimizer's step method, "
-                          "e.g. update_sizes(model, optimizer.step).")
+                          "e.g. relative_updates(model, optimizer.step).")
     layers = _measured(model)
     if not layers:
         raise ConfigError("the model has no gated layer and no nn.Linear to measure.")
@@ -102,7 +113,7 @@ def update_sizes(model: nn.Module, step: Callable[[], object]) -> UpdateSizes:
     return _compare(layers, before)
 
 
-def _compare(layers: list[tuple[str, nn.Module]], before: dict) -> UpdateSizes:
+def _compare(layers: list[tuple[str, nn.Module]], before: dict) -> RelativeUpdates:
     out = {}
     for name, module in layers:
         w0, cores0 = before[name]
@@ -114,18 +125,18 @@ def _compare(layers: list[tuple[str, nn.Module]], before: dict) -> UpdateSizes:
         out[name] = LayerUpdate(kind, _relative(w1, w0),
                                 tuple(_relative(b, a) for a, b in zip(cores0, cores1,
                                                                       strict=True)))
-    return UpdateSizes(out)
+    return RelativeUpdates(out)
 
 
-class UpdateSizeLog:
-    """Measure :func:`update_sizes` of ``model`` at every ``every``-th optimizer step (the
+class RelativeUpdateLog:
+    """Measure :func:`relative_updates` of ``model`` at every ``every``-th optimizer step (the
     first included) while the context is open, whatever loop steps the optimizer: torch's
     global optimizer step hooks snapshot the layers before a measured step and compare after.
     Every optimizer's steps count (one optimizer per model is the usual case)."""
 
     def __init__(self, model: nn.Module, every: int = 1):
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"UpdateSizeLog takes the model (an nn.Module), got "
+            raise ConfigError(f"RelativeUpdateLog takes the model (an nn.Module), got "
                               f"{type(model).__name__}.")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ConfigError(f"every={every!r}; measure every k-th step with an int k >= 1.")
@@ -133,7 +144,7 @@ class UpdateSizeLog:
         if not self.layers:
             raise ConfigError("the model has no gated layer and no nn.Linear to measure.")
         self.every = every
-        self.steps: list[tuple[int, UpdateSizes]] = []
+        self.steps: list[tuple[int, RelativeUpdates]] = []
         self._count = 0
         self._before: dict | None = None
         self._handles: list = []
@@ -148,7 +159,7 @@ class UpdateSizeLog:
             self._before = None
         self._count += 1
 
-    def __enter__(self) -> UpdateSizeLog:
+    def __enter__(self) -> RelativeUpdateLog:
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,

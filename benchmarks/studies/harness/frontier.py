@@ -16,9 +16,11 @@ the model has them). ``--lrs``: the grid; every method trains at every rate, and
 each method at the rate of its best mean validation loss. ``--schedule cosine``, ``--optimizer
 adamw`` (plain AdamW over ``model.parameters()``, what a user does) and ``--eval-every`` are the
 engine's. Every row holds its curves (training loss per step; validation loss and perplexity at
-each evaluation, against the step and the measured training wall-clock). Results:
-``frontier.json``, ``frontier.md``, ``frontier.png`` (loss vs compression) and
-``frontier_curves.png`` (loss vs step and vs wall-clock at the first target).
+each evaluation, against the step and the measured training wall-clock) in the runs files
+(``curves/runs/<tag>.json``, git-ignored). Results: ``frontier.json`` (the rows without
+curves), ``frontier.md``, ``frontier.png`` (loss vs compression) and ``frontier_curves.png``
+(loss vs step and vs wall-clock at the first target; redrawn only where every row's curves are
+in this checkout).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from benchmarks.studies.harness.results import (
     merge,
     plot_curves,
     plot_points,
+    write_summary,
 )
 from comera.experiments.engine import EngineConfig
 from comera.experiments.optim_schedule import OPTIMIZERS, SCHEDULES
@@ -221,10 +224,11 @@ def clock_key(method: str, target: float | None) -> str:
 
 
 def _clocked(rows: list[dict], ms: float) -> list[dict]:
-    """``rows`` with each evaluation's wall-clock replaced by its step times ``ms``."""
+    """``rows`` with each evaluation's wall-clock replaced by its step times ``ms`` (rows
+    without curves here as they are)."""
     return [r | {"curves": r["curves"] | {"val": [[s, s * ms / 1000, scores] for s, _, scores
                                                  in r["curves"]["val"]]}}
-            for r in rows if r.get("curves")]
+            if r.get("curves") else r for r in rows]
 
 
 def plot(spec: Spec, result: dict, out: Path, clock: dict | None = None) -> None:
@@ -267,7 +271,7 @@ def plot(spec: Spec, result: dict, out: Path, clock: dict | None = None) -> None
 
 def write_report(spec: Spec, out: Path, clock: Path | None = None) -> dict:
     result = merge(out, spec.title, upgrade)
-    atomic_write_text(out / "frontier.json", json.dumps(result, indent=1, default=str))
+    write_summary(out / "frontier.json", result, curves=False)  # the runs files hold them
     atomic_write_text(out / "frontier.md", summarise(spec, result) + "\n")
     plot(spec, result, out, None if clock is None else json.loads(clock.read_text()))
     return result
@@ -319,7 +323,8 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
                    help="a folder of .py files to read instead of the standard library")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny model (d_model 16, 1 block, 16 tokens) for a fast test")
-    p.add_argument("--tag", default="run", help="this call's rows go to <out>/runs/<tag>.json")
+    p.add_argument("--tag", default="run",
+                   help="this call's rows go to <out>/curves/runs/<tag>.json")
     p.add_argument("--out", type=Path, default=spec.out)
     p.add_argument("--work", type=Path, default=Path(f"/tmp/{spec.name}_frontier_work"),
                    help="the engine's run folder (a checkpoint per model)")

@@ -1,12 +1,18 @@
-"""A study's results: runs files, the learning rate each method takes from the shared grid,
-and the plots.
+"""A study's results: the committed summary and the git-ignored curves, runs files, the
+learning rate each method takes from the shared grid, and the plots.
 
-Every call of a study writes its rows to ``<out>/runs/<tag>.json`` after every model (so a
-cut-off run keeps what it finished, and calls with different tags run side by side) and merges
-every runs file into the study's results (:func:`merge`). Each row carries the learning rate it
-trained at; where a method ran at several, :func:`at_best_lr` keeps the rows of the rate whose
-mean validation score is best on the seeds the rates share (one shared grid, each method its own
-rate, chosen on validation data only).
+Results are data, not history: what is committed under ``benchmarks/results/<study>/`` is the
+tables, the plots and a summary JSON whose rows carry no per-step curves
+(:func:`write_summary`); the curves, and every per-run copy, go to the study's ``curves/``
+folder beside it, which git ignores and the study's command regenerates.
+
+Every call of a study writes its rows, curves included, to ``<out>/curves/runs/<tag>.json``
+after every model (so a cut-off run keeps what it finished, and calls with different tags run
+side by side), and :func:`merge` joins them with the rows the committed summary holds for the
+tags not run here. Each row carries the learning rate it trained at; where a method ran at
+several, :func:`at_best_lr` keeps the rows of the rate whose mean validation score is best on
+the seeds the rates share (one shared grid, each method its own rate, chosen on validation
+data only).
 """
 
 from __future__ import annotations
@@ -22,8 +28,56 @@ from typing import Any
 from comera.experiments.results import machine
 from tncomp.files import atomic_write_text
 
-__all__ = ["RunsFile", "at_best_lr", "best_lrs", "by_method", "mean_sd", "merge",
-           "plot_curves", "plot_points"]
+__all__ = ["CURVES", "RunsFile", "at_best_lr", "best_lrs", "by_method", "curves_path",
+           "mean_sd", "merge", "plot_curves", "plot_points", "read_summary", "without_curves",
+           "write_summary"]
+
+CURVES = "curves"  # the git-ignored folder beside a study's committed results
+
+
+def without_curves(value: Any) -> Any:
+    """``value`` with every ``"curves"`` entry dropped, at any depth (a row's per-step data
+    lives under that one key in every study)."""
+    if isinstance(value, dict):
+        return {k: without_curves(v) for k, v in value.items() if k != CURVES}
+    if isinstance(value, list):
+        return [without_curves(v) for v in value]
+    return value
+
+
+def curves_path(path: Path) -> Path:
+    """Where the whole payload of the summary ``path`` goes: ``<folder>/curves/<name>``."""
+    path = Path(path)
+    return path.parent / CURVES / path.name
+
+
+def write_summary(path: Path, payload: dict, *, curves: bool = True) -> Path:
+    """Write the committed summary ``path``: ``payload`` without per-step curves. With
+    ``curves`` (and curves in ``payload``), the whole payload goes to :func:`curves_path`
+    too, where :func:`read_summary` finds it. Returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    summary = without_curves(payload)
+    atomic_write_text(path, json.dumps(summary, indent=1, default=str) + "\n")
+    if curves and summary != payload:
+        full = curves_path(path)
+        full.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(full, json.dumps(payload, indent=1, default=str) + "\n")
+    return path
+
+
+def read_summary(path: Path) -> dict:
+    """The summary ``path`` with its curves where this checkout has them: the whole payload
+    at :func:`curves_path` when it matches the summary once its curves are dropped (the two
+    were written together), else the summary alone."""
+    path = Path(path)
+    summary = json.loads(path.read_text())
+    full = curves_path(path)
+    if full.is_file():
+        payload = json.loads(full.read_text())
+        if json.loads(json.dumps(without_curves(payload), default=str)) == summary:
+            return payload
+    return summary
 
 
 def mean_sd(values: list[float], digits: int = 4) -> str:
@@ -33,12 +87,13 @@ def mean_sd(values: list[float], digits: int = 4) -> str:
 
 
 class RunsFile:
-    """One call's rows, in ``<out>/runs/<tag>.json``: the data described, the machine, the
-    command that made them and its settings; :meth:`save` rewrites it (atomically)."""
+    """One call's rows, curves included, in ``<out>/curves/runs/<tag>.json`` (git-ignored):
+    the data described, the machine, the command that made them and its settings;
+    :meth:`save` rewrites it (atomically)."""
 
     def __init__(self, out: Path, tag: str, module: str, data: dict, settings: dict,
                  argv: list[str] | None = None):
-        self.path = Path(out) / "runs" / f"{tag}.json"
+        self.path = Path(out) / CURVES / "runs" / f"{tag}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         args = sys.argv[1:] if argv is None else argv
         self.payload = {"tag": tag, "data": data, "machine": machine(),
@@ -59,13 +114,29 @@ class RunsFile:
         atomic_write_text(self.path, json.dumps(self.payload, indent=1, default=str))
 
 
-def merge(out: Path, title: str, upgrade: Callable[[dict], dict] = lambda r: r) -> dict:
-    """Every ``runs/*.json`` under ``out`` in one result (rows concatenated, each passed
-    through ``upgrade``; the settings, machine and command of every run)."""
-    runs = [json.loads(p.read_text()) for p in sorted((Path(out) / "runs").glob("*.json"))]
-    rows = [upgrade(row) for r in runs for row in r["rows"]]
-    return {"task": title, "data": runs[0]["data"] if runs else {},
-            "runs": [{k: v for k, v in r.items() if k != "rows"} for r in runs], "rows": rows}
+def merge(out: Path, title: str, upgrade: Callable[[dict], dict] = lambda r: r,
+          summary: str = "frontier.json") -> dict:
+    """One result of every run: the runs files under ``<out>/curves/runs/`` (rows with
+    curves) and, for each tag without one here, the runs and rows the committed summary
+    ``<out>/<summary>`` holds (rows whose curves are not here: ``"curves": None``). Runs in
+    the order of their files' names, rows concatenated,
+    each tagged with its run and passed through ``upgrade``; the settings, machine and command
+    of every run."""
+    out = Path(out)
+    runs: dict[str, dict] = {}
+    if (out / summary).is_file():
+        committed = json.loads((out / summary).read_text())
+        for run in committed.get("runs", []):  # curves None: made, but not here
+            runs[run["tag"]] = run | {"rows": [r | {CURVES: None} for r in committed["rows"]
+                                               if r.get("tag") == run["tag"]]}
+    for path in sorted((out / CURVES / "runs").glob("*.json")):
+        run = json.loads(path.read_text())
+        runs[run["tag"]] = run  # a run made here replaces the committed one of its tag
+    ordered = [runs[tag] for tag in sorted(runs, key=lambda t: f"{t}.json")]  # file order
+    rows = [upgrade({"tag": r["tag"], **row}) for r in ordered for row in r["rows"]]
+    return {"task": title, "data": ordered[0]["data"] if ordered else {},
+            "runs": [{k: v for k, v in r.items() if k != "rows"} for r in ordered],
+            "rows": rows}
 
 
 def by_method(rows: Iterable[dict], key: str = "method") -> dict[tuple, list[dict]]:
@@ -165,9 +236,13 @@ def plot_curves(series: dict[str, list[dict]], path: Path, *, title: str, metric
                 time_label: str = "training wall-clock (s, this CPU)") -> bool:
     """Validation ``metric`` against the step (left) and the measured training wall-clock
     (right), one line per labelled group of rows (the mean over its seeds at each evaluation);
-    False without matplotlib or curves."""
+    rows without curves (made before rows had them) are left out. False, and ``path`` left as
+    it is, without matplotlib, without curves, or when a row's curves are not in this checkout
+    (``"curves": None``, as :func:`merge` marks the committed rows: the committed plot stays)."""
     plt = _pyplot()
-    if plt is None or not any(series.values()):
+    rows = [r for group in series.values() for r in group]
+    if (plt is None or not any(r.get(CURVES) for r in rows)
+            or any(CURVES in r and r[CURVES] is None for r in rows)):
         return False
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for label, rows in series.items():

@@ -60,4 +60,6 @@ def test_the_study_runs_end_to_end(rst_root, tmp_path):
     assert code == 0
     payload = json.loads((out / "heldout.json").read_text())
     assert [r["method"] for r in payload["rows"]] == ["dense", "tt:fresh"]
-    assert all(r["val"]["loss"] > 0 for r in payload["rows"])
+    assert all(r["val"]["loss"] > 0 and "curves" not in r for r in payload["rows"])
+    full = json.loads((out / "curves" / "heldout.json").read_text())
+    assert all(r["curves"]["train"] for r in full["rows"])  # in the git-ignored copy

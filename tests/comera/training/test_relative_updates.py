@@ -1,6 +1,7 @@
-"""The update-size diagnostic (comera/training/relative_updates.py): it measures what one optimizer
-step did to every weight and core, by hand-checkable numbers; the log measures every k-th step of
-a loop it does not own, and stops when its context closes."""
+"""The relative-update diagnostic (comera/training/relative_updates.py): it measures what one
+optimizer step did to every weight and core, by hand-checkable numbers; the log measures every
+k-th step of a loop it does not own, and stops when its context closes; the names before 0.2.0
+warn."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 import comera
-from comera.training.relative_updates import UpdateSizeLog, update_sizes
+from comera.training.relative_updates import RelativeUpdateLog, relative_updates
 
 F64 = torch.float64
 
@@ -25,7 +26,7 @@ def test_a_dense_step_is_the_relative_change_of_its_weight():
     before = model[2].weight.detach().clone()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(8, 16, dtype=F64)).square().sum().backward()
-    step = update_sizes(model, opt.step)
+    step = relative_updates(model, opt.step)
     want = float((model[2].weight.detach() - before).norm() / before.norm())
     assert step.layers["2"].kind == "dense"
     assert step.layers["2"].weight == pytest.approx(want, rel=1e-12)
@@ -39,7 +40,7 @@ def test_a_gated_step_measures_the_product_weight_and_every_core():
     cores0 = [c.detach().clone() for c in layer.cores]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(8, 16, dtype=F64)).square().sum().backward()
-    update = update_sizes(model, opt.step).layers["0"]
+    update = relative_updates(model, opt.step).layers["0"]
     assert update.kind == "tt" and len(update.cores) == len(layer.cores)
     assert update.weight == pytest.approx(float((layer.to_dense() - w0).norm() / w0.norm()))
     for got, c0, c1 in zip(update.cores, cores0, layer.cores, strict=True):
@@ -50,7 +51,7 @@ def test_a_gated_step_measures_the_product_weight_and_every_core():
 def test_the_log_measures_every_kth_step_and_stops_with_its_context():
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with UpdateSizeLog(model, every=3) as log:
+    with RelativeUpdateLog(model, every=3) as log:
         for _ in range(7):
             model(torch.randn(8, 16, dtype=F64)).square().sum().backward()
             opt.step()
@@ -62,12 +63,27 @@ def test_the_log_measures_every_kth_step_and_stops_with_its_context():
 
 
 @pytest.mark.parametrize(("call", "match"), [
-    (lambda: update_sizes("model", lambda: None), "nn.Module"),
-    (lambda: update_sizes(nn.Linear(2, 2), None), "not callable"),
-    (lambda: update_sizes(nn.Tanh(), lambda: None), "nothing|no gated layer"),
-    (lambda: UpdateSizeLog(nn.Linear(2, 2), every=0), "every=0"),
-    (lambda: UpdateSizeLog(nn.Linear(2, 2), every=True), "every=True"),
+    (lambda: relative_updates("model", lambda: None), "nn.Module"),
+    (lambda: relative_updates(nn.Linear(2, 2), None), "not callable"),
+    (lambda: relative_updates(nn.Tanh(), lambda: None), "nothing|no gated layer"),
+    (lambda: RelativeUpdateLog(nn.Linear(2, 2), every=0), "every=0"),
+    (lambda: RelativeUpdateLog(nn.Linear(2, 2), every=True), "every=True"),
 ])
 def test_bad_arguments_are_config_errors(call, match):
     with pytest.raises(comera.ConfigError, match=match):
         call()
+
+
+@pytest.mark.parametrize(("old", "new"), [("update_sizes", "relative_updates"),
+                                          ("UpdateSizes", "RelativeUpdates"),
+                                          ("UpdateSizeLog", "RelativeUpdateLog")])
+def test_the_names_before_the_rename_warn_and_give_the_new_object(old, new):
+    import comera.training.relative_updates as home
+
+    for where in (comera, home):
+        with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated: use .*\.{new}; "
+                                                    r"the old name goes in 0\.3\.0"):
+            assert getattr(where, old) is getattr(home, new)
+        assert old not in where.__all__ and new in where.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'update_size'"):
+        home.update_size  # noqa: B018 (a typo is still an AttributeError)
