@@ -21,12 +21,8 @@ from tncomp.compiler.builders import from_eq, stack_siblings, tt_linear, ttm_emb
 from tncomp.compiler.device_model import DeviceModel
 from tncomp.compiler.ir import Dim, Network, Role, TensorSpec, make_network
 
-# The extension interface (tncomp.extend), importable from here until 0.3.0:
-from tncomp.extend import autocast_cast as autocast_cast
-from tncomp.extend import autocast_dtype as autocast_dtype
-from tncomp.extend import check_memory as check_memory
-from tncomp.extend import check_modes as check_modes
-from tncomp.extend import resolve_ranks as resolve_ranks
+# The extension interface moved to tncomp.extend: the old names warn until 0.3.0.
+from tncomp.extend import tncomp_getattr as __getattr__  # noqa: F401 (PEP 562)
 from tncomp.inspection import cost_curves, draw_network, drawing_of, plot_costs
 
 # tncomp.inspect, outside __all__: `from tncomp import *` must not shadow the stdlib's inspect

@@ -11,8 +11,8 @@ layers accept tncomp's memory modes and follow the autocast rule tncomp's operat
 - :func:`renamed`: a module ``__getattr__`` that serves old names with a DeprecationWarning
   naming the new one and the release the old one goes in.
 
-These names were in ``tncomp.__all__`` before; ``from tncomp import check_modes`` (and the
-others) still works until 0.3.0.
+These names were in ``tncomp.__all__`` before; ``tncomp.check_modes`` (and the others) still
+works until 0.3.0, with a DeprecationWarning (:data:`tncomp_getattr`).
 """
 
 from __future__ import annotations
@@ -51,3 +51,7 @@ def renamed(module: str, names: Mapping[str, tuple[str, str]]) -> Callable[[str]
 
     return __getattr__
 
+
+#: ``tncomp.__getattr__``: the extension names, importable from ``tncomp`` until 0.3.0.
+tncomp_getattr = renamed("tncomp", {name: (f"tncomp.extend:{name}", "0.3.0") for name in (
+    "autocast_cast", "autocast_dtype", "check_memory", "check_modes", "resolve_ranks")})

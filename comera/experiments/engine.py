@@ -1,6 +1,6 @@
 """The training engine: one loop for every task, dense or CoMERA, alone or data-parallel.
 
-    task = PairTask(PairTaskConfig())
+    task = CodePairTask(CodePairTaskConfig())
     record = train_model(task, "comera", tt=True, config=EngineConfig(format="tt"),
                          out=Path("runs/x"))
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from comera.data import load_stdlib_pairs
 from comera.experiments.transformer_task import PairClassificationTask, TransformerTaskConfig
+from tncomp.extend import renamed
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,6 @@ def _encode_with(tokenizer, max_len: int, config: CodePairTaskConfig):
                  for s in ("train", "val", "test"))
 
 
-# the names before the reviews task became the default transformer task
-PairTask = CodePairTask
-PairTaskConfig = CodePairTaskConfig
+#: The names before the reviews task became the default transformer task: warned until 0.3.0.
+__getattr__ = renamed(__name__, {"PairTask": (f"{__name__}:CodePairTask", "0.3.0"),
+                                 "PairTaskConfig": (f"{__name__}:CodePairTaskConfig", "0.3.0")})

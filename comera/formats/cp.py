@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-import tncomp
+import tncomp.extend
 from comera.errors import ConfigError, tncomp_errors_as_config
 from comera.formats.bond_ranks import resolve_bond_ranks
 from comera.formats.layout import Layout
@@ -36,8 +36,8 @@ class CP(Format):
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         with tncomp_errors_as_config():
-            in_modes = tncomp.check_modes(in_modes, "in_modes")
-            out_modes = tncomp.check_modes(out_modes, "out_modes")
+            in_modes = tncomp.extend.check_modes(in_modes, "in_modes")
+            out_modes = tncomp.extend.check_modes(out_modes, "out_modes")
         modes = in_modes + out_modes
         (rank,) = resolve_bond_ranks(ranks, [math.prod(modes) // max(modes)], "ranks")
         ins = tuple(f"i{k + 1}" for k in range(len(in_modes)))

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-import tncomp
+import tncomp.extend
 from comera.errors import tncomp_errors_as_config
 from comera.formats.bond_ranks import resolve_bond_ranks
 from comera.formats.layout import Layout
@@ -34,8 +34,8 @@ class LowRank(Format):
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         with tncomp_errors_as_config():
-            n_in = math.prod(tncomp.check_modes(in_modes, "in_modes"))
-            n_out = math.prod(tncomp.check_modes(out_modes, "out_modes"))
+            n_in = math.prod(tncomp.extend.check_modes(in_modes, "in_modes"))
+            n_out = math.prod(tncomp.extend.check_modes(out_modes, "out_modes"))
         (rank,) = resolve_bond_ranks(ranks, [min(n_in, n_out)], "ranks")
         return Layout(("i",), ("o",), (("i", "r"), ("r", "o")),
                       (("i", n_in), ("o", n_out), ("r", rank)), ("r",))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-import tncomp
+import tncomp.extend
 from comera.errors import ConfigError, tncomp_errors_as_config
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
@@ -49,7 +49,7 @@ class TT(Format):
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         modes = tuple(in_modes) + tuple(out_modes)
         with tncomp_errors_as_config():
-            bonds = tncomp.resolve_ranks(ranks, modes, "ranks")
+            bonds = tncomp.extend.resolve_ranks(ranks, modes, "ranks")
         d = len(in_modes)
         names = [f"i{k + 1}" for k in range(d)] + [f"o{k + 1}" for k in range(len(out_modes))]
         return chain_layout(tuple(names[:d]), tuple(names[d:]), [(n,) for n in names],
@@ -96,7 +96,7 @@ class TTM(Format):
                               "with d output modes.")
         pairs = list(zip(in_modes, out_modes, strict=True))
         with tncomp_errors_as_config():
-            bonds = tncomp.resolve_ranks(ranks, [m * n for m, n in pairs], "ranks")
+            bonds = tncomp.extend.resolve_ranks(ranks, [m * n for m, n in pairs], "ranks")
         d = len(pairs)
         ins = tuple(f"i{k + 1}" for k in range(d))
         outs = tuple(f"o{k + 1}" for k in range(d))

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from comera.errors import ConfigError, tncomp_errors_as_config
-from tncomp import check_modes
+from tncomp.extend import check_modes
 
 MaxRanks = int | Sequence[int] | None
 

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-import tncomp
+import tncomp.extend
 from comera.errors import tncomp_errors_as_config
 from comera.formats.bond_ranks import resolve_bond_ranks
 from comera.formats.layout import Layout
@@ -34,8 +34,8 @@ class Tucker(Format):
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         with tncomp_errors_as_config():
-            in_modes = tncomp.check_modes(in_modes, "in_modes")
-            out_modes = tncomp.check_modes(out_modes, "out_modes")
+            in_modes = tncomp.extend.check_modes(in_modes, "in_modes")
+            out_modes = tncomp.extend.check_modes(out_modes, "out_modes")
         modes = in_modes + out_modes
         total = math.prod(modes)
         caps = [min(n, total // n) for n in modes]  # the rank of the mode-k unfolding at most

@@ -35,11 +35,10 @@ from comera.formats.scaling import (
     orthogonal_cores,
 )
 from comera.formats.ttsvd import tt_to_matrix, ttm_to_matrix
-from tncomp import autocast_cast, autocast_dtype, check_modes
-from tncomp import check_memory as _check_tncomp_memory
+from tncomp.extend import autocast_cast, autocast_dtype, check_modes, renamed
+from tncomp.extend import check_memory as _check_tncomp_memory
 
-__all__ = ["DEFAULT_TAU", "GatedLayer", "GatedLinear", "GatedTrain", "TTLinear", "TTMLinear",
-           "load_cores_"]
+__all__ = ["DEFAULT_TAU", "GatedLayer", "GatedLinear", "TTLinear", "TTMLinear", "load_cores_"]
 
 DEFAULT_TAU = 1e-2
 Ranks = int | Sequence[int]
@@ -500,8 +499,9 @@ def _adopt_saved_scales(module: GatedLayer, state_dict, prefix, local_metadata, 
         module.parametrization = "balanced"
 
 
-#: The name of :class:`GatedLayer` before every format shared it; kept for one release.
-GatedTrain = GatedLayer
+#: ``GatedTrain``, the name of :class:`GatedLayer` before every format shared it: warned
+#: until 0.3.0.
+__getattr__ = renamed(__name__, {"GatedTrain": (f"{__name__}:GatedLayer", "0.3.0")})
 
 
 def check_finite_weight(module: nn.Module, weight: Tensor, bias: Tensor | None = None) -> None:

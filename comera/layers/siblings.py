@@ -31,7 +31,8 @@ from torch import Tensor, nn
 import tncomp
 from comera.formats.layout import Layout
 from comera.layers.linear import GatedLinear, add_bias
-from tncomp import autocast_cast, autocast_dtype, stack_siblings
+from tncomp import stack_siblings
+from tncomp.extend import autocast_cast, autocast_dtype
 
 # Stack while the padded bonds sum to at most this many times the stored ones (the work that
 # grows with the batch is linear in each bond); the measurement that set it is in

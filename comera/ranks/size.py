@@ -23,6 +23,7 @@ from torch import nn
 
 from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.layers.linear import GatedLayer
+from tncomp.extend import renamed
 
 
 def gated_layers(model: nn.Module) -> Iterator[tuple[str, GatedLayer]]:
@@ -33,8 +34,9 @@ def gated_layers(model: nn.Module) -> Iterator[tuple[str, GatedLayer]]:
             yield name, module
 
 
-#: The name of :func:`gated_layers` before every format shared it; kept for one release.
-tt_modules = gated_layers
+#: ``tt_modules``, the name of :func:`gated_layers` before every format shared it: warned until
+#: 0.3.0.
+__getattr__ = renamed(__name__, {"tt_modules": (f"{__name__}:gated_layers", "0.3.0")})
 
 
 def _caches(model: nn.Module) -> dict[int, int]:

@@ -18,6 +18,7 @@ from comera import (
     TTLinear,
     TTMLinear,
 )
+from comera.ranks.objective import rank_regularizer
 
 LAYERS = (TTLinear, TTMLinear)
 
@@ -146,7 +147,7 @@ def test_convert_config_other_errors():
 def test_unknown_regularizer():
     model = nn.Sequential(TTLinear(15, 14, (3, 5), (7, 2), ranks=2))
     with pytest.raises(ConfigError, match="regularizer 'l2'; choose one of l1, size_weighted"):
-        comera.rank_regularizer(model, "l2")
+        rank_regularizer(model, "l2")
     with pytest.raises(ConfigError, match="regularizer 'l2'"):  # caught at construction
         comera.CoMERATrainer(model, regularizer="l2")
 
@@ -157,7 +158,7 @@ def test_trainer_without_tt_layers():
     with pytest.raises(ConfigError, match=pattern):
         comera.CoMERATrainer(model)
     with pytest.raises(ConfigError, match="no TT layers"):
-        comera.rank_regularizer(model)
+        rank_regularizer(model)
     with pytest.raises(ConfigError, match="no TT layers"):
         comera.soft_size(model)
 

@@ -82,3 +82,18 @@ def test_star_import_and_every_public_name_are_quiet():
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="module 'comera' has no attribute 'GatedTrian'"):
         comera.GatedTrian  # noqa: B018
+
+
+@pytest.mark.parametrize(("home", "old", "new"), [
+    ("comera.layers.linear", "GatedTrain", "GatedLayer"),
+    ("comera.ranks.size", "tt_modules", "gated_layers"),
+    ("comera.experiments.pair_task", "PairTask", "CodePairTask"),
+    ("comera.experiments.pair_task", "PairTaskConfig", "CodePairTaskConfig")])
+def test_an_alias_warns_from_its_home_module_too(home, old, new):
+    import importlib
+
+    module = importlib.import_module(home)
+    assert old not in getattr(module, "__all__", ()) and old not in vars(module)
+    with pytest.warns(DeprecationWarning, match=rf"{home}\.{old} is deprecated: use "
+                                                rf"{home}\.{new}"):
+        assert getattr(module, old) is getattr(module, new)

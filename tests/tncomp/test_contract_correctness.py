@@ -103,7 +103,7 @@ def test_int_rank_is_clipped_to_reachable_bonds():
     net = tncomp.tt_linear([12, 8, 8], [12, 16, 16], 30)
     bonds = [net.shape(t)[0] for t in net.operands[1:]] + [1]
     assert bonds == [1, 12, 30, 30, 30, 16, 1]
-    assert tncomp.resolve_ranks(5, [2, 3]) == (1, 2, 1)
+    assert tncomp.extend.resolve_ranks(5, [2, 3]) == (1, 2, 1)
 
 
 @pytest.mark.parametrize("d", [1, 2, 3])

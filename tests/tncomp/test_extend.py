@@ -49,3 +49,23 @@ def test_star_import_does_not_shadow_the_standard_library_inspect():
     assert namespace["inspect"] is inspect  # still the standard library's
     assert callable(tncomp.inspect) and tncomp.inspect is not inspect
     assert "inspect" in dir(tncomp)
+
+
+@pytest.mark.parametrize("name", ["autocast_cast", "autocast_dtype", "check_memory",
+                                  "check_modes", "resolve_ranks"])
+def test_the_extension_names_warn_from_tncomp(name):
+    import tncomp.extend
+
+    assert name not in tncomp.__all__
+    with pytest.warns(DeprecationWarning, match=rf"tncomp\.{name} is deprecated: use "
+                                                rf"tncomp\.extend\.{name}; .* 0\.3\.0"):
+        assert getattr(tncomp, name) is getattr(tncomp.extend, name)
+
+
+def test_comera_imports_without_a_deprecation_of_ours():
+    import subprocess
+
+    code = "import warnings; warnings.simplefilter('error', DeprecationWarning); import comera"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]

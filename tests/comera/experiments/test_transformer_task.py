@@ -61,9 +61,12 @@ def test_the_registry_names_agree():
     from comera.experiments.registry import EXPERIMENTS
 
     assert {"transformer", "transformer-code"} <= set(EXPERIMENTS)
-    from comera.experiments.pair_task import CodePairTask, PairTask
+    from comera.experiments import pair_task
+    from comera.experiments.pair_task import CodePairTask
 
-    assert PairTask is CodePairTask and CodePairTask.name == "transformer-code"
+    with pytest.warns(DeprecationWarning, match="PairTask is deprecated: use .*CodePairTask"):
+        assert pair_task.PairTask is CodePairTask
+    assert CodePairTask.name == "transformer-code"
 
 
 @pytest.mark.parametrize("tt", [pytest.param(True, marks=pytest.mark.slow), False])

@@ -15,7 +15,7 @@ from torch import nn
 import comera
 from comera.formats.registry import format_names, get_format
 from comera.formats.scaling import balance_gauge, core_scaling, orthogonal_cores
-from comera.training.relative_updates import update_sizes
+from comera.training.relative_updates import relative_updates
 
 FORMATS = [f for f in format_names() if get_format(f).from_modes]
 F64 = torch.float64
@@ -77,7 +77,7 @@ def test_every_core_moves_alike_under_adam(fmt):
     model = nn.Sequential(_layer(fmt, dtype=F64))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     model(torch.randn(32, 24, dtype=F64)).square().sum().backward()
-    update = update_sizes(model, opt.step).layers["0"]
+    update = relative_updates(model, opt.step).layers["0"]
     assert update.imbalance <= 2.0 * (1 + 1e-6), (fmt, update.cores)
 
 
@@ -93,7 +93,7 @@ def test_a_converted_layer_moves_its_cores_alike_where_plain_does_not(fmt):
                                                              parametrization=parametrization))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
         model(torch.randn(32, 256, dtype=F64)).square().sum().backward()
-        return update_sizes(model, opt.step).layers["0"]
+        return relative_updates(model, opt.step).layers["0"]
 
     assert step("balanced").imbalance <= 2.0 * (1 + 1e-6) < 3.0 < step("plain").imbalance
 

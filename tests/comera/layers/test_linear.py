@@ -13,6 +13,7 @@ from torch.func import functional_call
 
 import comera
 from comera import TTEmbedding, TTLinear, TTMLinear
+from comera.formats.factorize import suggest_padded_size
 
 F64 = torch.float64
 LAYERS = (TTLinear, TTMLinear)
@@ -257,7 +258,7 @@ def test_prime_in_features_raises_factorization_error_with_padding_hint(cls):
         cls(769, 768)
     message = str(info.value)
     assert "769" in message and "prime" in message
-    padded = comera.suggest_padded_size(769, 3)
+    padded = suggest_padded_size(769, 3)
     assert padded > 769
     assert f"pad the dimension to {padded}" in message
 

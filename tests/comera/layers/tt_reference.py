@@ -40,7 +40,7 @@ class Net(nn.Module):
 def _gates_(model, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, layer in comera.tt_modules(model):
+        for _, layer in comera.gated_layers(model):
             for k, gate in enumerate(layer.gates):
                 gate.copy_(torch.rand(gate.shape, generator=g) * 1.5 - 0.25)
                 if gate.numel() > 2:
@@ -94,7 +94,7 @@ def _compute() -> dict[str, torch.Tensor]:
     model.zero_grad()
     out["model_size"] = torch.tensor(comera.model_size(model))
     out["tensor_size"] = _tensor_size(model, 7).detach().clone()
-    for name, layer in comera.tt_modules(model):
+    for name, layer in comera.gated_layers(model):
         for k in range(len(layer.gates)):
             out[f"saliency.{name}.{k}"] = objective._saliency(layer, k).clone()
         out[f"dense.{name}"] = layer.to_dense().detach().clone()
@@ -124,7 +124,7 @@ def _compute() -> dict[str, torch.Tensor]:
     torch.manual_seed(2)
     model = Net()
     _gates_(model, 3)
-    for name, layer in comera.tt_modules(model):
+    for name, layer in comera.gated_layers(model):
         for k, s in enumerate(bond_spectra(layer)):
             out[f"spectrum.{name}.{k}"] = s.clone()
         out[f"excess.{name}"] = torch.tensor([*truncate.excess_bonds(layer), -1])

@@ -16,6 +16,7 @@ from comera.data.stdlib_pairs import CLS, PAD, SEP, SPECIALS, UNK, tokenize
 from comera.errors import ConfigError
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig, step_epochs
 from comera.experiments.task import IndexStream
+from comera.formats.factorize import suggest_padded_size
 from comera.models.mlm import MaskedLM
 from comera.models.transformer import TransformerConfig
 
@@ -255,7 +256,7 @@ def test_masked_lm_shapes(tt):
     torch.testing.assert_close(selected, model(ids)[select])
     if tt:
         assert isinstance(model.tokens, comera.TTEmbedding)
-        assert model.decoder.out_features == comera.suggest_padded_size(61, 3) > 61
+        assert model.decoder.out_features == suggest_padded_size(61, 3) > 61
     with pytest.raises(ConfigError, match="max_len"):
         model(torch.ones(1, 13, dtype=torch.long))
     with pytest.raises(ConfigError, match="select"):

@@ -8,6 +8,7 @@ from torch import nn
 
 import comera
 from comera import LateStage, TTEmbedding, TTLinear, TTMLinear
+from comera.ranks.objective import rank_regularizer
 
 F64 = torch.float64
 
@@ -28,7 +29,7 @@ def test_rank_regularizer_l1_by_hand():
     model = _two_layer_model()
     # surviving |d|: 0.5 + 2 + 1.5 + 0.25 + 3 (TT) + 1 + 0.75 (TTM) = 9.0
     # normalised by the number of gate entries: 2 + 3 + 2 + 2 = 9
-    r = comera.rank_regularizer(model)
+    r = rank_regularizer(model)
     assert r.item() == pytest.approx(9.0 / 9.0)
     r.backward()
     tt, ttm = model[0], model[1]
@@ -43,7 +44,7 @@ def test_rank_regularizer_l1_by_hand():
 def test_rank_regularizer_single_layer_by_hand():
     layer = _two_layer_model()[0]
     # (0.5 + 2 + 1.5 + 0.25 + 3) / 7
-    assert comera.rank_regularizer(layer).item() == pytest.approx(7.25 / 7)
+    assert rank_regularizer(layer).item() == pytest.approx(7.25 / 7)
 
 
 def test_rank_regularizer_size_weighted_by_hand():
@@ -52,12 +53,12 @@ def test_rank_regularizer_size_weighted_by_hand():
     # slice cost of bond k: inner_k * r_{k-1} + inner_{k+1} * r_{k+1}
     #   bond 1: 2*1 + 3*2 = 8;  bond 2: 3*2 + 2*1 = 8;  bond 3: 2*2 + 2*1 = 6
     # R = (8*(0.5+2) + 8*(1.5+0.25) + 6*3) / (8*2 + 8*3 + 6*2) = 52 / 52
-    r = comera.rank_regularizer(layer, "size_weighted")
+    r = rank_regularizer(layer, "size_weighted")
     assert r.item() == pytest.approx(52 / 52)
     with torch.no_grad():
         layer.gates[2][0] = 1.0
     # (8*2.5 + 8*1.75 + 6*1) / 52 = 40 / 52
-    assert comera.rank_regularizer(layer, "size_weighted").item() == pytest.approx(40 / 52)
+    assert rank_regularizer(layer, "size_weighted").item() == pytest.approx(40 / 52)
 
 
 def _all_kinds_model(bias):
@@ -209,7 +210,7 @@ def test_trainer_early_step(lam):
     x, target = torch.randn(8, 15), torch.randn(8, 3)
     before = [p.detach().clone() for p in model.parameters()]
     loss = (model(x) - target).square().mean()
-    reg = comera.rank_regularizer(model).item()
+    reg = rank_regularizer(model).item()
     stats = trainer.step(loss)
     assert isinstance(stats, comera.StepStats)
     assert stats.stage == "early"
