@@ -75,7 +75,7 @@ def test_signatures_read_as_inspect_reports_them(gen, rendered):
     assert "    *,\n    optimize: str = 'auto'," in text  # keyword-only marker kept
     assert text.endswith(") -> CompiledNetwork") and text in rendered
     short = gen.signature_text("clear_cache", tncomp.clear_cache)
-    assert short == "clear_cache(disk: bool = False) -> None"
+    assert short == "clear_cache(disk: bool = False, calibration: bool = False) -> None"
     # a method is shown without self; a class with the arguments of its constructor
     assert gen.signature_text("step", comera.CoMERATrainer.step, drop_first=True) == (
         "step(loss: Tensor, decision_loss: float | None = None) -> StepStats")
