@@ -24,9 +24,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-import comera
 import tncomp
 from comera.errors import ConfigError
+from comera.experiments import step_cost
+from comera.experiments.step_cost import storage_bytes, tensors_in, unpooled
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -144,40 +145,11 @@ def spread_text(spread: dict) -> str:
 
 
 def peak_allocated_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes torch allocated during one call above what was live before it (measured
-    from the profiler's allocation events, which cover CPU tensors)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()  # warm: steady-state allocations only
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    # The raw allocation records (signed byte counts with timestamps); prof.events() attaches
-    # allocations to ops and keeps only the frees at top level, so it cannot give a peak.
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
-def tensors_in(value: object, depth: int = 0) -> Iterator[Tensor]:
-    """Every tensor inside optimizer state: dicts, sequences and plain objects (GaLore keeps
-    its projection matrix on a projector object); modules and anything nested deeper than five
-    levels are skipped."""
-    if isinstance(value, Tensor):
-        yield value
-    elif depth > 4 or isinstance(value, str | bytes | nn.Module):
-        return
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from tensors_in(v, depth + 1)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            yield from tensors_in(v, depth + 1)
-    elif hasattr(value, "__dict__"):
-        yield from tensors_in(vars(value), depth + 1)
+    """Peak bytes torch allocated during one call above what was live before it, after one
+    warm-up call (steady-state allocations only): :func:`comera.experiments.step_cost.
+    peak_allocated_bytes`, the one home of the measurement."""
+    fn()
+    return step_cost.peak_allocated_bytes(fn)
 
 
 def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -186,18 +158,7 @@ def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer state and ``inputs``, plus their ``total``; a storage shared by two groups counts
     in the first."""
     seen: set = set()
-
-    def total(tensors: Iterable[Tensor]) -> int:
-        n = 0
-        for t in tensors:
-            storage = t.untyped_storage()
-            key = (t.device, storage.data_ptr())
-            if storage.data_ptr() == 0 or key in seen:
-                continue
-            seen.add(key)
-            n += storage.nbytes()
-        return n
-
+    total = lambda tensors: storage_bytes(tensors, seen)  # noqa: E731
     params = list(model.parameters())
     out = {
         "params": total(params),
@@ -208,21 +169,6 @@ def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
     }
     out["total"] = sum(out.values())
     return out
-
-
-@contextlib.contextmanager
-def unpooled(model: nn.Module) -> Iterator[None]:
-    """tncomp's buffer pools keep buffers between calls, where the profiler cannot see them:
-    turn pooling off for the TT layers while measuring (plans are cached per option set).
-    The layers' options are restored on exit; a model without TT layers is left alone."""
-    saved = [(m, dict(m.compile_options)) for _, m in comera.gated_layers(model)]
-    for m, opts in saved:
-        m.compile_options = {**opts, "pool_buffers": False}
-    try:
-        yield
-    finally:
-        for m, opts in saved:
-            m.compile_options = opts
 
 
 def measure_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -30,7 +30,7 @@ from comera.errors import ConfigError
 from comera.ranks.size import gated_layers
 
 __all__ = ["StepCost", "measure_step", "peak_allocated_bytes", "probe_step", "resident_bytes",
-           "unpooled"]
+           "storage_bytes", "tensors_in", "unpooled"]
 
 
 @dataclass(frozen=True)
@@ -48,28 +48,30 @@ class StepCost:
         return self.resident_bytes + self.peak_extra_bytes
 
 
-def _tensors_in(value: object, depth: int = 0) -> Iterator[Tensor]:
-    """Every tensor inside optimizer state (dicts and sequences, five levels deep)."""
+def tensors_in(value: object, depth: int = 0) -> Iterator[Tensor]:
+    """Every tensor inside optimizer state: dicts, sequences and plain objects (GaLore keeps
+    its projection matrix on a projector object); modules and anything nested deeper than five
+    levels are skipped."""
     if isinstance(value, Tensor):
         yield value
-    elif depth < 5 and isinstance(value, dict):
+    elif depth > 4 or isinstance(value, str | bytes | nn.Module):
+        return
+    elif isinstance(value, dict):
         for v in value.values():
-            yield from _tensors_in(v, depth + 1)
-    elif depth < 5 and isinstance(value, list | tuple):
+            yield from tensors_in(v, depth + 1)
+    elif isinstance(value, list | tuple):
         for v in value:
-            yield from _tensors_in(v, depth + 1)
+            yield from tensors_in(v, depth + 1)
+    elif hasattr(value, "__dict__"):
+        yield from tensors_in(vars(value), depth + 1)
 
 
-def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                   inputs: Iterable[Tensor] = ()) -> int:
-    """Bytes of the unique storages held by ``model`` (parameters, buffers, gradients), the
-    optimizer's state and ``inputs``; a storage shared by two of them counts once."""
-    seen: set = set()
+def storage_bytes(tensors: Iterable[Tensor], seen: set | None = None) -> int:
+    """Bytes of the storages behind ``tensors``, each counted once (also across calls that
+    share ``seen``)."""
+    seen = set() if seen is None else seen
     total = 0
-    params = list(model.parameters())
-    state = list(optimizer.state.values()) if optimizer is not None else []
-    for t in (*params, *model.buffers(), *(p.grad for p in params if p.grad is not None),
-              *_tensors_in(state), *inputs):
+    for t in tensors:
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
         if storage.data_ptr() == 0 or key in seen:
@@ -77,6 +79,16 @@ def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         seen.add(key)
         total += storage.nbytes()
     return total
+
+
+def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                   inputs: Iterable[Tensor] = ()) -> int:
+    """Bytes of the unique storages held by ``model`` (parameters, buffers, gradients), the
+    optimizer's state and ``inputs``; a storage shared by two of them counts once."""
+    params = list(model.parameters())
+    state = list(optimizer.state.values()) if optimizer is not None else []
+    grads = (p.grad for p in params if p.grad is not None)
+    return storage_bytes((*params, *model.buffers(), *grads, *tensors_in(state), *inputs))
 
 
 def peak_allocated_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
