@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,6 +28,7 @@ import tncomp
 from comera.errors import ConfigError
 from comera.experiments import step_cost
 from comera.experiments.step_cost import storage_bytes, tensors_in, unpooled
+from tncomp.runtime.device_timing import using_threads
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -203,17 +204,10 @@ def measure_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
             "peak_total_bytes": resident["total"] + extra}
 
 
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    """Run the body with ``torch.set_num_threads(n)``, restoring the previous count on exit."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"num_threads({n!r}); give a positive integer thread count.")
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+def num_threads(n: int) -> contextlib.AbstractContextManager[None]:
+    """Run the body with ``torch.set_num_threads(n)``, restoring the previous count on exit
+    (:func:`tncomp.runtime.device_timing.using_threads`: a count from 1 to the usable CPUs)."""
+    return using_threads(n)
 
 
 def start_run(parser, threads: int | None) -> None:

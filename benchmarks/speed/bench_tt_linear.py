@@ -39,13 +39,13 @@ from benchmarks.lib.baselines import (
 from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
-    peak_allocated_bytes,
     publish,
     ratio_spread,
     smoke_device_model,
     spread_text,
     square_rate_model,
 )
+from comera.experiments import step_cost
 from comera.experiments.results import machine
 from tncomp.runtime.device_timing import calibrate
 
@@ -84,17 +84,11 @@ def synchronized(fn, device: torch.device):
 
 
 def peak_bytes(fn, device: torch.device) -> int:
-    """Peak bytes allocated during one call of ``fn`` above what was live before it: the CPU
-    profiler's allocation events, or the CUDA caching allocator's statistics."""
-    if device.type != "cuda":
-        return peak_allocated_bytes(fn)
+    """Peak bytes allocated during one call of ``fn`` above what was live before it, after a
+    warm-up call (:func:`comera.experiments.step_cost.peak_allocated_bytes`: the CPU profiler's
+    allocation events, or the CUDA caching allocator's statistics)."""
     fn()  # warm: steady-state allocations only
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    return step_cost.peak_allocated_bytes(fn, device)
 
 
 def run_case(label, in_modes, out_modes, rank, batch, repeats, model, slow_baselines,
