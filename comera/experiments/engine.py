@@ -43,6 +43,7 @@ from comera import (
     NonFiniteGradientError,
     TrainingStopped,
 )
+from comera.batches import to_device
 from comera.experiments.checks import (
     MAX_INT,
     MAX_THREADS,
@@ -269,16 +270,6 @@ def sizes_of(model: nn.Module) -> dict[str, float]:
     return out
 
 
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, list | tuple):
-        return type(batch)(_to(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch
-
-
 class _Run:
     """State of one training run; ``train_model`` drives it."""
 
@@ -389,7 +380,7 @@ class _Run:
 
     def _train_step(self) -> None:
         batch = self.task.step_batch(self.stream, self.step, self.world.rank, self.world.size)
-        batch = _to(batch, self.device)
+        batch = to_device(batch, self.device, non_blocking=True)
         self._set_lr()
         start = time.perf_counter()
         with self._autocast():
@@ -587,8 +578,8 @@ def _set_threads(run: _Run, config: EngineConfig) -> None:
         return
     if run.world.size > 1 or torch.get_num_threads() == 1:
         return
-    batch = _to(run.task.step_batch(run.stream, run.step, run.world.rank, run.world.size),
-                run.device)
+    batch = to_device(run.task.step_batch(run.stream, run.step, run.world.rank, run.world.size),
+                      run.device, non_blocking=True)
     rng = torch.get_rng_state(), random.getstate()
 
     def probe() -> None:

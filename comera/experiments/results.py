@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera.batches import to_device
 from comera.errors import CheckpointError, ConfigError, TrainingStopped
 from comera.experiments.distributed import current_world
 from comera.experiments.engine import (
@@ -116,22 +117,11 @@ def _peak_bytes(task: Task, model: nn.Module, stage: str, config: EngineConfig) 
     if stage == "early" and config.stage != "early" and config.steps_late:
         model = build_task_model(task, config.model_format(True)).to(
             next(model.parameters()).device)
-    batch = _to_device(task.step_batch(IndexStream(task.train_size(), config.batch_size,
-                                                   config.seed), 0), model)
+    batch = to_device(task.step_batch(IndexStream(task.train_size(), config.batch_size,
+                                                  config.seed), 0), next(model.parameters()).device)
     cost = probe_step(model, lambda m: task.loss(m, batch), config, tt, _tensors(batch),
                       steps=1)  # the row's time is the run's own median
     return cost.peak_bytes
-
-
-def _to_device(batch: Any, model: nn.Module) -> Any:
-    device = next(model.parameters()).device
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, list | tuple):
-        return type(batch)(_to_device(b, model) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, model) for k, v in batch.items()}
-    return batch
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:

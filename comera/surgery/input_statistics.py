@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from comera.batches import to_device
 from comera.errors import ConfigError
 from comera.surgery.converters import IN_PARTS
 
@@ -177,16 +178,6 @@ def check_batches(batches: Any) -> Iterable:
                           "dicts of keyword arguments or tuples of arguments), e.g. a list or "
                           "a DataLoader.")
     return batches
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, Mapping):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_to(v, device) for v in value)
-    return value
 
 
 def _out_of_memory(exc: BaseException) -> bool:
@@ -403,7 +394,7 @@ def _passes(model: nn.Module, layers: Mapping[str, nn.Module], batches: Iterator
         with torch.no_grad():
             for count, batch in enumerate(batches, 1):
                 collector.begin_batch()
-                _run(model, _to(batch, device), count - 1, collector.held)
+                _run(model, to_device(batch, device), count - 1, collector.held)
                 collector.end_batch()
                 if progress is not None:
                     progress(count)
@@ -428,7 +419,7 @@ def _check_memory(model: nn.Module, layers: Mapping[str, nn.Module], widths: dic
     try:
         with torch.no_grad():
             probe.begin_batch()
-            _run(model, _to(first, device), 0, lambda: 0)
+            _run(model, to_device(first, device), 0, lambda: 0)
     finally:
         for handle in handles:
             handle.remove()
