@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smoke", action="store_true",
-                        help="d_model 32, batch 4 x 16 tokens, one round: checks the script")
+                        help="d_model 128, batch 4 x 16 tokens, one round: checks the script")
     parser.add_argument("--note", default="The machine was shared with other jobs (loaded): "
                         "compare ratios within one run only.",
                         help="what the machine was doing (written with the results)")
