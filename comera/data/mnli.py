@@ -34,6 +34,7 @@ from comera.data.progress import preparing_progress
 from comera.data.stdlib_pairs import PairDataset
 from comera.data.tokenizer import PAD, Tokenizer
 from comera.errors import ConfigError, DataFormatError
+from comera.numbers import is_int
 
 log = logging.getLogger("comera.data")
 
@@ -234,7 +235,7 @@ def load_mnli(path: Path | str | None = None, tokenizer: Tokenizer | None = None
     ``tokenizer``: the vocabulary to encode with; None builds one of ``vocab_size`` entries
     from the training split.
     """
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 3:
+    if not is_int(max_len, 3):
         raise ConfigError(f"max_len={max_len!r}; a pair needs [CLS] [SEP] [SEP], so >= 3.")
     files = None
     if path is not None:

@@ -49,6 +49,7 @@ from comera.data.progress import preparing_progress, progress_enabled  # noqa: F
 from comera.data.stdlib_pairs import STDLIB_SKIP_DIRS, split_of
 from comera.data.tokenizer import CLS, PAD, SEP, SPECIALS, Tokenizer
 from comera.errors import ConfigError
+from comera.numbers import is_int
 
 log = logging.getLogger("comera.data")
 
@@ -262,12 +263,12 @@ def _fingerprint(root: Path) -> str:
 
 
 def _check_params(seq_len: int, vocab_size: int, min_tokens: int) -> None:
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 3:
+    if not is_int(seq_len, 3):
         raise ConfigError(f"seq_len={seq_len!r}; a sequence holds [CLS], at least one token "
                           "and [SEP], so seq_len >= 3.")
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
+    if not is_int(min_tokens):
         raise ConfigError(f"min_tokens={min_tokens!r}; it must be an int >= 1.")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+    if not is_int(vocab_size, None):
         raise ConfigError(f"vocab_size={vocab_size!r}; it must be an int.")
 
 

@@ -13,6 +13,7 @@ import torch
 import comera
 from comera import CheckpointError, ConfigError
 from comera.experiments.task import Task, build_task_model
+from comera.numbers import is_int
 from comera.ranks.objective import floor_size
 
 __all__ = ["MAX_INT", "ON_NONFINITE", "PRECISIONS", "STAGES", "check_device", "check_int",
@@ -28,7 +29,7 @@ MAX_THREADS = 1024
 
 def check_int(name: str, value: Any, low: int, high: int) -> None:
     """``value`` is an int (not a bool) in ``[low, high]``, or a ConfigError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value, None):
         raise ConfigError(f"{name}={value!r}; it is a whole number >= {low}.")
     if not low <= value <= high:
         raise ConfigError(f"{name}={value}; it must be between {low} and {high}.")

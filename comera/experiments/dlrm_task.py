@@ -23,6 +23,7 @@ from comera.experiments.step_cost import probe_step
 from comera.experiments.task import Task, model_format
 from comera.formats.registry import DENSE
 from comera.models import DLRM, DLRMConfig
+from comera.numbers import is_int
 
 log = logging.getLogger("comera.experiments")
 
@@ -100,11 +101,11 @@ class DLRMTaskConfig:
     def __post_init__(self) -> None:
         for name in ("n_train", "eval_batch_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value):
                 raise ConfigError(f"{name}={value!r}; it must be an int >= 1.")
         for name in ("n_val", "n_test"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value):
                 raise ConfigError(f"{name}={value!r}; evaluate() scores this split, so it "
                                   "needs at least one example (both classes for the AUC).")
         self.model_config(DENSE)  # the model settings are checked there

@@ -34,6 +34,7 @@ from comera.formats.scaling import RANK_ADAPTIVE
 from comera.models import MaskedLM, TransformerConfig
 from comera.models.mlm import masked_logits
 from comera.models.transformer import linear_layer
+from comera.numbers import is_int
 
 EVAL_SPLITS = ("val", "test")
 _BLOCK_LINEARS = ("attn.q", "attn.k", "attn.v", "attn.o", "ffn_in", "ffn_out")
@@ -127,7 +128,7 @@ class MLMTask(Task):
         format = model_format(format)
         config = replace(self.config, **sizes) if sizes else self.config
         rank = self.config.rank if rank is None else rank
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        if not is_int(rank):
             raise ConfigError(f"rank={rank!r}; give a rank >= 1.")
         model = MaskedLM(config.model_config(self.vocab, DENSE))
         if format == DENSE:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
+from comera.numbers import is_int
 from comera.ranks.size import gated_layers
 
 __all__ = ["StepCost", "measure_step", "peak_allocated_bytes", "probe_step", "resident_bytes",
@@ -155,7 +156,7 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Calla
     measured (``warmup + steps + 1`` calls of ``step()``, which trains ``model`` with
     ``optimizer``). ``inputs``: the batch's tensors (counted as resident)."""
     for name, value, low in (("steps", steps, 1), ("warmup", warmup, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not is_int(value, low):
             raise ConfigError(f"{name}={value!r}; give an int >= {low} (warm-up allocates the "
                               "optimizer's state, which a measured step must not count).")
     device = torch.device(device)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from comera.errors import ConfigError
+from comera.numbers import is_int
 
 if TYPE_CHECKING:
     from comera.formats.layout import Layout
@@ -35,7 +36,7 @@ def warn_full_rank(fmt: Any, layout: Layout, ranks: Ranks, what: str) -> None:
     """Warn (:class:`FullRankWarning`, naming ``what``) when the int ``ranks`` reaches the full
     rank of ``layout`` in ``fmt``: a layer asked for more rank than its bonds can hold is
     clipped, and should say so rather than compress nothing silently."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int):
+    if not is_int(ranks, None):
         return
     cap = full_rank(fmt, layout, ranks)
     if cap is not None:

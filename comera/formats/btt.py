@@ -34,6 +34,7 @@ from comera.errors import ConfigError
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 from comera.formats.whitened import calibrated_decomposition
+from comera.numbers import is_int
 
 __all__ = ["BlockTT", "btt_rank_bounds"]
 
@@ -59,7 +60,7 @@ def _check_ranks(ranks: Ranks, caps: tuple[int, ...]) -> tuple[int, ...]:
         raise ConfigError(f"ranks {ranks} has {len(ranks)} entries for a BTT of {n + 1} cores; "
                           f"give {n} (r1 ... r{n}) or one int.")
     for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        if not is_int(r):
             raise ConfigError(f"ranks {ranks} holds {r!r}; every BTT rank is an int >= 1.")
     return ranks
 

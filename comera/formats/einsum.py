@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from comera.errors import ConfigError
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
+from comera.numbers import is_int
 
 __all__ = ["Declared", "layout_from_eq"]
 
@@ -68,7 +69,7 @@ def _bond_names(bonds: object, eq: str) -> tuple[str, ...]:
 
 
 def _size(name: str | None, value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value):
         where = what if name is None else f"{what}[{name!r}]"
         raise ConfigError(f"{where}={value!r}; give an int >= 1.")
     return operator.index(value)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 import tncomp
 from comera.errors import ConfigError
+from comera.numbers import is_int
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Layout:
         if missing:
             raise ConfigError(f"indices {missing} have no size; give every index a size.")
         for name, size in self.sizes:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            if not is_int(size):
                 raise ConfigError(f"index {name!r} has size {size!r}; sizes are ints >= 1.")
         for bond in self.bonds:
             if not any(bond in core for core in self.cores):

@@ -34,6 +34,7 @@ from comera.formats.registry import Format, Ranks
 from comera.formats.tt import round_chain
 from comera.formats.ttsvd import tt_svd
 from comera.formats.whitened import calibrated_decomposition
+from comera.numbers import is_int
 
 __all__ = ["TensorRing", "ring_rank_cap", "round_ring", "tr_svd"]
 
@@ -61,7 +62,7 @@ def _check_ranks(ranks: Ranks, modes: tuple[int, ...]) -> tuple[int, ...]:
         raise ConfigError(f"ranks {ranks} has {len(ranks)} entries for a ring of {n} cores; give "
                           f"{n} (r0, the closing bond, then r1 ... r{n - 1}) or one int.")
     for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        if not is_int(r):
             raise ConfigError(f"ranks {ranks} holds {r!r}; every ring rank is an int >= 1.")
     return ranks
 

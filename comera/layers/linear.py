@@ -35,6 +35,7 @@ from comera.formats.scaling import (
     orthogonal_cores,
 )
 from comera.formats.ttsvd import tt_to_matrix, ttm_to_matrix
+from comera.numbers import is_int
 from tncomp.extend import autocast_cast, autocast_dtype, check_modes, renamed
 from tncomp.extend import check_memory as _check_tncomp_memory
 
@@ -46,7 +47,7 @@ Ranks = int | Sequence[int]
 
 def check_features(name: str, value: int) -> int:
     """``value`` as a feature size (an int >= 1), else :class:`ConfigError` naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value):
         raise ConfigError(f"{name}={value!r}; a feature size is an int >= 1.")
     return value
 

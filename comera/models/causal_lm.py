@@ -24,6 +24,7 @@ from comera.formats.registry import check_layer_format
 from comera.formats.scaling import RANK_ADAPTIVE, check_parametrization
 from comera.layers.linear import DEFAULT_TAU
 from comera.models.transformer import check_token_ids, linear_layer
+from comera.numbers import is_int
 
 EMBEDDING_STD = 0.02  # GPT-2's initializer_range
 
@@ -52,7 +53,7 @@ class CausalLMConfig:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "rank",
                      "tt_order"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value):
                 raise ConfigError(f"{name}={value!r}; it must be an int >= 1.")
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads="

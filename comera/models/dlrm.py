@@ -33,6 +33,7 @@ from comera.errors import ConfigError, LookupIndexError
 from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.layers.embedding import embedding_class, gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLayer
+from comera.numbers import is_int
 
 log = logging.getLogger("comera.models")
 
@@ -43,13 +44,13 @@ def _positive_ints(name: str, values, minimum: int = 1) -> tuple[int, ...]:
     except TypeError:
         raise ConfigError(f"{name}={values!r}; give a sequence of ints.") from None
     for v in out:
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        if not is_int(v, minimum):
             raise ConfigError(f"{name}={out} holds {v!r}; every entry is an int >= {minimum}.")
     return out
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value, minimum):
         raise ConfigError(f"{name}={value!r}; it must be an int >= {minimum}.")
     return value
 

@@ -23,6 +23,7 @@ from torch import nn
 from comera.errors import ConfigError
 from comera.formats.registry import Format, get_format
 from comera.layers.linear import resolve_modes
+from comera.numbers import is_int
 from comera.ranks.size import gated_layers, layers_size, model_size
 
 __all__ = ["MAX_RANK", "Shape", "check_ratio", "dense_linear_size", "largest_rank",
@@ -89,7 +90,7 @@ def largest_rank(size: Callable[[int], float], budget: float, limit: int = MAX_R
     stops growing, the smallest rank of that size; 0 when not even rank 1 fits.
 
     ``size`` must not shrink as the rank grows (it is called O(log limit) times)."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+    if not is_int(limit):
         raise ConfigError(f"limit={limit!r}; the highest rank tried is an int >= 1.")
     seen: dict[int, float] = {}
 

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from comera.errors import ConfigError
 from comera.formats.layout import Layout
+from comera.numbers import is_int
 
 __all__ = ["RULES", "BudgetAllocation", "LayerSpectra", "Rule", "allocate_budget", "estimate",
            "floor_size", "get_rule", "register_rule"]
@@ -179,7 +180,7 @@ def _check_sizes(layers: Sequence[LayerSpectra], sizes: Mapping[str, Sequence[in
     for s in layers:
         got = tuple(sizes.get(s.name, ()))
         if len(got) != len(s.layout.bonds) or any(
-                isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in got):
+                not is_int(r) for r in got):
             raise ConfigError(f"{what} ranks for layer {s.name!r}: {list(got)}; give one int "
                               f">= 1 per bond ({len(s.layout.bonds)}).")
         out[s.name] = got

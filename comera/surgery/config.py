@@ -18,6 +18,7 @@ from comera.errors import ConfigError
 from comera.formats.registry import format_names, get_format
 from comera.formats.scaling import DECOMPOSED, check_parametrization
 from comera.layers.linear import DEFAULT_TAU, check_memory, check_tau
+from comera.numbers import is_int
 
 IN_PROJ = ("split", "packed")
 DEFAULT_RANK = 16  # every layer's max rank when neither ranks nor target_compression is given
@@ -114,7 +115,7 @@ class ConvertConfig:
             raise ConfigError(f"target_compression={show(self.target_compression)}; it must be "
                               "a finite number > 1 (dense size / TT size), or None to use "
                               "ranks.")
-        if isinstance(self.d, bool) or not isinstance(self.d, int) or not 1 <= self.d <= 64:
+        if not is_int(self.d, 1, 64):
             raise ConfigError(f"d={show(self.d)}; the number of modes per side is an int from 1 "
                               "to 64 "
                               "(a TT layer has at least one mode per side; default 3).")

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteLossError
+from comera.numbers import is_int
 from comera.ranks.objective import rank_regularizer, soft_size
 from comera.ranks.size import gated_layers, model_size
 from comera.training.trainers import CoMERATrainer
@@ -123,7 +124,7 @@ class CapturedStep:
         if trainer.grad_hook is not None or trainer.scaler is not None:
             raise ConfigError("CapturedStep runs no grad_hook and no GradScaler (float16): "
                               "capture a single-process bf16/fp32 step, or use trainer.step.")
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+        if not is_int(check_every):
             raise ConfigError(f"check_every={check_every!r}; give an int >= 1.")
         if mode == "graphs" and not torch.cuda.is_available():
             raise ConfigError("mode='graphs' captures CUDA graphs and needs a CUDA device; use "

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteLossError
 from comera.layers.linear import GatedLayer
+from comera.numbers import is_int
 from comera.ranks.budget import check_ratio
 from comera.ranks.objective import (
     REGULARIZERS,
@@ -154,7 +155,7 @@ class RankController:
         if regularizer not in REGULARIZERS:
             raise ConfigError(f"regularizer {regularizer!r}; choose one of "
                               f"{', '.join(REGULARIZERS)}.")
-        if isinstance(min_rank, bool) or not isinstance(min_rank, int) or min_rank < 0:
+        if not is_int(min_rank, 0):
             raise ConfigError(f"min_rank={min_rank!r}; the rank floor is an int >= 0 (default 1; "
                               "0 lets a layer be pruned away).")
         if early is not None and not isinstance(early, EarlyStage):

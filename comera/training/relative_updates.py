@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.layers.linear import GatedLayer
+from comera.numbers import is_int
 from tncomp.extend import renamed
 
 __all__ = ["LayerUpdate", "RelativeUpdateLog", "RelativeUpdates", "relative_updates"]
@@ -138,7 +139,7 @@ class RelativeUpdateLog:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"RelativeUpdateLog takes the model (an nn.Module), got "
                               f"{type(model).__name__}.")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not is_int(every):
             raise ConfigError(f"every={every!r}; measure every k-th step with an int k >= 1.")
         self.layers = _measured(model)
         if not self.layers:

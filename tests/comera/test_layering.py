@@ -14,7 +14,7 @@ A module may import its own floor and the floors below it, never one above:
     layers        comera/layers/*                       torch modules with rank gates
     formats       comera/formats/*                      how a weight is factored
     lean          comera/lean/*                         memory-lean versions of torch ops
-    base          comera/{errors,torchfile,batches}.py   exceptions, torch files, batches
+    base          comera/{errors,torchfile,batches,numbers}.py  exceptions, files, batches, ints
 
 Function-level (lazy) and typing-only imports count like module-level ones. Besides: no import
 cycle between comera modules, and comera/__init__.py only re-exports.
@@ -32,7 +32,8 @@ from tests.helpers.imports import first_cycle, imports, package_modules, reach_i
 FLOORS = ("base", "lean", "formats", "layers", "ranks", "training", "surgery", "integrations",
           "data", "models", "api", "experiments", "cli")
 SPECIAL = {"comera": "api", "comera.cli": "cli", "comera.errors": "base",
-           "comera.torchfile": "base", "comera.batches": "base"}
+           "comera.torchfile": "base", "comera.batches": "base",
+           "comera.numbers": "base"}
 MODULES = package_modules("comera")
 IMPORTS = {m: imports(p, MODULES) for m, p in MODULES.items()}
 

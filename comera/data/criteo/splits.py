@@ -17,6 +17,7 @@ from torch import Tensor
 
 from comera.data.cache import cache_file, read_cached, write_cached
 from comera.errors import ConfigError
+from comera.numbers import is_int
 
 VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -109,7 +110,7 @@ def check_cardinalities(cardinalities: Sequence[int]) -> tuple[int, ...]:
 
 def check_count(name: str, value: int, minimum: int = 0) -> int:
     """``value``, checked to be an int >= ``minimum`` (the error names ``name``)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value, minimum):
         raise ConfigError(f"{name}={value!r}; it must be an int >= {minimum}.")
     return value
 
