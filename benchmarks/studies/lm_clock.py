@@ -9,7 +9,10 @@ blocks, 64 tokens, batch 16): dense, and per target the narrower dense model of 
 and every format at its largest uniform rank (the frontier's methods, built by its harness).
 Each model takes its steps round-robin with the others (:func:`benchmarks.lib.measure.
 interleaved_times`), on the frontier's batches; the table gives the median step and its ratio
-to dense with the spread of the per-round ratios. A training run's own clock is only as quiet as
+to dense with the spread of the per-round ratios, the step's peak memory
+(:func:`comera.experiments.step_cost.measure_step`: resident plus the most allocated during a
+step) and its FLOPs as torch's ``FlopCounterMode`` counts them (matrix products of the forward
+and backward: what the frontier's "loss against FLOPs" axis multiplies by the steps). A training run's own clock is only as quiet as
 the machine it ran on; this one is measured in one process on a quiet machine, and the
 frontier's "loss against wall-clock" curves are the steps times these medians.
 
@@ -39,6 +42,7 @@ from benchmarks.studies.harness.methods import Study, narrow_sizes
 from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 from comera.experiments.results import machine
+from comera.experiments.step_cost import measure_step
 from comera.experiments.task import IndexStream
 from comera.formats.registry import DENSE
 
@@ -61,7 +65,7 @@ def models(task: LMTask, targets) -> dict[str, torch.nn.Module]:
 
 
 def stepper(task: LMTask, model: torch.nn.Module, batch_size: int):
-    """One AdamW step of ``model`` on the next of the frontier's batches."""
+    """(the optimizer, one AdamW step of ``model`` on the next of the frontier's batches)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     stream = IndexStream(task.train_size(), batch_size, 0)
     state = {"step": 0}
@@ -73,7 +77,17 @@ def stepper(task: LMTask, model: torch.nn.Module, batch_size: int):
         optimizer.step()
         state["step"] += 1
 
-    return step
+    return optimizer, step
+
+
+def step_flops(step) -> int:
+    """The FLOPs of one call of ``step`` as torch's flop counter counts them (matrix products,
+    forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops()
 
 
 def main(argv=None) -> int:
@@ -101,27 +115,33 @@ def main(argv=None) -> int:
         config = LMTaskConfig(d_model=args.d_model, d_ff=4 * args.d_model)
     task = LMTask(config, root=args.root)
     built = models(task, args.targets)
-    times = interleaved_times({name: stepper(task, m, args.batch) for name, m in built.items()},
+    steppers = {name: stepper(task, m, args.batch) for name, m in built.items()}
+    times = interleaved_times({name: step for name, (_, step) in steppers.items()},
                               args.repeats, warmup=5)
     results = {}
     for name, ts in times.items():
         spread = ratio_spread(ts, times["dense"])
+        optimizer, step = steppers[name]
+        cost = measure_step(built[name], optimizer, step, steps=1)
         results[name] = {"ms": 1000 * statistics.median(ts), "vs_dense": spread,
-                         "params": sum(p.numel() for p in built[name].parameters())}
+                         "params": sum(p.numel() for p in built[name].parameters()),
+                         "peak_mib": cost.peak_bytes / 2**20, "gflops": step_flops(step) / 1e9}
     payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
                "d_model": config.d_model, "batch": args.batch, "seq_len": config.seq_len,
                "repeats": args.repeats, "results": results,
                "command": "python -m benchmarks.studies.lm_clock " + shlex.join(
                    sys.argv[1:] if argv is None else argv)}
-    rows = [[name, r["params"], f"{r['ms']:.1f}", spread_text(r["vs_dense"])]
-            for name, r in results.items()]
+    rows = [[name, r["params"], f"{r['ms']:.1f}", spread_text(r["vs_dense"]),
+             f"{r['peak_mib']:.1f}", f"{r['gflops']:.3f}"] for name, r in results.items()]
     m = payload["machine"]
     markdown = (f"# One training step of the LM frontier's models (d_model {config.d_model}, "
                 f"batch {args.batch} x {config.seq_len} tokens)\n\n"
                 + markdown_table(["model", "parameters", "median step (ms)",
-                                  "time / dense (spread)"], rows)
+                                  "time / dense (spread)", "step peak (MiB)",
+                                  "GFLOPs per step"], rows)
                 + f"\n\nForward, backward and an AdamW step; interleaved, {args.repeats} "
-                f"rounds after 5 warm-up steps. {m['cpu']}, torch {m['torch']}, "
+                f"rounds after 5 warm-up steps. Step peak: resident (parameters, optimizer "
+                f"state, batch) plus the most allocated during one step (gradients included). FLOPs: torch's flop counter over one step. {m['cpu']}, torch {m['torch']}, "
                 f"{m['threads']} thread(s). Command: `{payload['command']}`.\n")
     return publish(args.out, payload, markdown)
 

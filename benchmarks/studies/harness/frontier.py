@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.studies.harness.equal_time import budget_entry, clock_key, steps_from_clock
 from benchmarks.studies.harness.methods import Study, method_names
 from benchmarks.studies.harness.results import (
     RunsFile,
@@ -128,18 +129,32 @@ def study(spec: Spec, args, task) -> Study:
                           warmup=args.warmup, eval_every=args.eval_every, max_grad_norm=1.0,
                           threads=args.threads, optimizer=args.optimizer, schedule=args.schedule,
                           late_allocation=args.late_allocation, late_landing=args.late_landing)
+    steps_of = None
+    if args.equal_time:
+        clock = json.loads(args.clock.read_text())
+        sizes = {"d_model": task.config.d_model, "batch": args.batch}
+        if any(clock.get(k) != v for k, v in sizes.items()):
+            print(f"--clock {args.clock} timed d_model {clock.get('d_model')}, batch "
+                  f"{clock.get('batch')}; this study trains d_model {sizes['d_model']}, batch "
+                  f"{sizes['batch']}: measure its models with python -m "
+                  "benchmarks.studies.lm_clock --d-model ... --batch ...", file=sys.stderr)
+            raise SystemExit(2)
+        steps_of = steps_from_clock(clock, args.early + args.late, args.evals)
     return Study(task, config, args.work, steps=args.early + args.late, early=args.early,
                  decide=args.decide, lam=args.lam, max_rank=args.max_rank, floor=args.floor,
-                 resume=args.resume)
+                 resume=args.resume, steps_of=steps_of, evals=args.evals)
 
 
 def run(spec: Spec, args, task, runs: RunsFile) -> None:
     """Train and score every (seed, learning rate, method, target) of ``args``."""
     plan = study(spec, args, task)
+    clock = json.loads(args.clock.read_text()) if args.equal_time else None
     for seed in args.seeds:
         for lr in args.lrs:
             for method in args.methods:
                 rows = plan.method(method, args.targets, seed, lr)
+                if clock is not None:
+                    rows = [r | {"budget": budget_entry(r, clock)} for r in rows]
                 runs.add(rows)
                 write_report(spec, args.out, args.clock)
                 for r in rows:
@@ -212,15 +227,6 @@ def summarise(spec: Spec, result: dict) -> str:
         lines += ["", f"Machine: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s); "
                   "commands:", ""] + [f"    {r['command']}" for r in result["runs"]]
     return "\n".join(lines)
-
-
-def clock_key(method: str, target: float | None) -> str:
-    """The name ``benchmarks.studies.lm_clock`` gives a method's model: ``dense``, ``narrow
-    8x``, ``tt 8x`` (a format's, whatever its parametrization); "" for an untargeted row."""
-    base = method.partition(":")[0].partition(" ")[0]
-    if base == "dense":
-        return "dense"
-    return "" if target is None else f"{base} {target:g}x"
 
 
 def _clocked(rows: list[dict], ms: float) -> list[dict]:
@@ -334,11 +340,28 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
     p.add_argument("--summarise-only", action="store_true")
     p.add_argument("--clock", type=Path, default=None,
                    help="an lm_clock results JSON: draw the wall-clock curves at its step times")
+    p.add_argument("--equal-time", action="store_true",
+                   help="with --clock: every model trains the steps its clock step time buys in "
+                        "dense's --early + --late steps (evaluated at each 1/--evals of them); "
+                        "dense, narrow and the formats only")
+    p.add_argument("--evals", type=int, default=8,
+                   help="with --equal-time: evaluations per run, at every 1/evals of its steps")
     args = p.parse_args(argv)
     if args.clock is not None and not args.clock.is_file():
         p.error(f"--clock {args.clock}: no such file; write one with "
                 "python -m benchmarks.studies.lm_clock")
     args.methods = list(dict.fromkeys(ALIASES.get(m, m) for m in args.methods))
+    if args.equal_time:
+        if args.clock is None:
+            p.error("--equal-time needs --clock: an lm_clock results JSON of these models")
+        adaptive = [m for m in args.methods if m.partition(":")[0] in ("comera", "spectrum",
+                                                                        "early")]
+        if adaptive:
+            p.error(f"--equal-time with --methods {' '.join(adaptive)}: their step time changes "
+                    "as their ranks fall, so no one clock gives their steps; run them without "
+                    "--equal-time")
+        if args.evals < 1:
+            p.error(f"--evals {args.evals}: give at least 1")
     args.lrs = args.lrs or [args.lr]
     if args.smoke:
         args.early, args.late = min(args.early, 4), min(args.late, 3)

@@ -27,12 +27,18 @@
 
 Every model is built by the engine right after it seeds the RNG with the seed (``build``), so a
 method's model is drawn exactly as it was by the scripts before the harness.
+
+At equal wall-clock (``Study.steps_of``, from a side-by-side clock of the models' steps), dense,
+narrow and every format train for the steps their measured step time buys in dense's ``steps``,
+each evaluated at every ``1 / evals`` of its budget; the adaptive methods are refused there (their
+step time changes as their ranks fall).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -79,6 +85,8 @@ class Study:
     floor: str = "uniform"
     early_landing: float = 0.5
     resume: bool = False
+    steps_of: Callable[[str, float | None], int] | None = None  # (method, target) -> steps
+    evals: int = 8  # with steps_of: evaluations per run, one at every 1 / evals of it
 
     def __post_init__(self) -> None:
         if not 0 <= self.early < self.steps or not 0 <= self.decide < self.steps:
@@ -92,6 +100,15 @@ class Study:
         return replace(self.config, **{"seed": seed, "lr": lr, "stage": "early",
                                        "steps_early": steps, "steps_late": 0, "lam": 0.0,
                                        **changes})
+
+    def budget_config(self, method: str, target: float | None, seed: int,
+                      lr: float) -> EngineConfig:
+        """A dense, narrow or fixed-rank model's settings: all ``steps``, or with ``steps_of``
+        the steps its clock buys, evaluated at every ``1 / evals`` of them."""
+        if self.steps_of is None:
+            return self.config_for(seed, lr, self.steps)
+        steps = self.steps_of(method, target)
+        return self.config_for(seed, lr, steps, eval_every=steps // self.evals)
 
     def run(self, name: str, format: str, config: EngineConfig, build=None,
             start_step: int = 0):
@@ -121,7 +138,7 @@ class Study:
     # -- the methods -------------------------------------------------------------------------
     def dense(self, seed: int, lr: float) -> dict:
         name = _name("dense", None, seed, lr)
-        model, record = self.run(name, DENSE, self.config_for(seed, lr, self.steps),
+        model, record = self.run(name, DENSE, self.budget_config("dense", None, seed, lr),
                                  lambda: self.task.build(DENSE))
         return row(self.task, model, record, seed=seed, method="dense", target=None, lr=lr)
 
@@ -134,7 +151,7 @@ class Study:
             return None
         sizes = {} if parametrization is None else {"parametrization": parametrization}
         name = _name(method or fmt, target, seed, lr)
-        model, record = self.run(name, fmt, self.config_for(seed, lr, self.steps),
+        model, record = self.run(name, fmt, self.budget_config(fmt, target, seed, lr),
                                  lambda: self.task.build(fmt, rank, **sizes))
         return row(self.task, model, record, seed=seed, method=method or fmt, target=target,
                    lr=lr, rank=rank, format=fmt)
@@ -149,7 +166,7 @@ class Study:
     def narrow(self, target: float, seed: int, lr: float) -> dict:
         sizes = narrow_sizes(self.task, self.whole_budget(target), whole=True)
         model, record = self.run(_name("narrow", target, seed, lr), DENSE,
-                                 self.config_for(seed, lr, self.steps),
+                                 self.budget_config("narrow", target, seed, lr),
                                  lambda: self.task.build(DENSE, **sizes))
         out = row(self.task, model, record, seed=seed, method="narrow", target=target, lr=lr,
                   **sizes)
@@ -206,6 +223,11 @@ class Study:
 
     def method(self, name: str, targets, seed: int, lr: float) -> list[dict]:
         """The rows of method ``name`` (see the module docstring) at ``targets``."""
+        if self.steps_of is not None and name.partition(":")[0] in (
+                "comera", "spectrum", "early"):
+            raise ConfigError(f"method {name!r} at equal wall-clock: its step time changes as "
+                              "its ranks fall, so no one clock gives its steps; run it without "
+                              "the clock budget.")
         if name == "dense":
             return [self.dense(seed, lr)]
         if name in ("comera", "spectrum"):
