@@ -11,9 +11,17 @@ clock's step time, peak memory and FLOPs of the model, and the validation loss a
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["FRACTIONS", "budget_entry", "clock_key", "steps_from_clock", "val_at"]
+import torch
+from torch import Tensor, nn
+
+from benchmarks.studies.harness.results import at_best_lr, by_method, mean_sd
+
+__all__ = ["FRACTIONS", "Unigram", "at_budget", "budget_entry", "clock_key", "plot",
+           "steps_from_clock", "summarise", "unigram_scores", "val_at"]
 
 FRACTIONS = (0.25, 0.5, 1.0)  # the budgets the report reads, as fractions of dense's wall-clock
 
@@ -59,3 +67,156 @@ def budget_entry(row: dict, clock: dict) -> dict:
     return {"step_ms": entry["ms"], "peak_mib": entry.get("peak_mib"),
             "gflops_step": entry.get("gflops"), "seconds": row["steps"] * entry["ms"] / 1000,
             "val_at": val_at(row)}
+
+
+# -- the baseline a model must beat ----------------------------------------------------------------
+class Unigram(nn.Module):
+    """Every position predicts the training tokens' frequencies (add-one smoothed): the language
+    model's majority-class baseline, scored by the task's own evaluation."""
+
+    def __init__(self, log_probs: Tensor):
+        super().__init__()
+        self.log_probs = nn.Parameter(log_probs, requires_grad=False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.log_probs.expand(*ids.shape, -1)
+
+
+def unigram_scores(task) -> dict[str, float]:
+    """The validation and test loss of :class:`Unigram` on ``task`` (an LM task: ``train.ids``,
+    ``next_token_targets``' ignore rule, ``evaluate``)."""
+    from comera.experiments.lm_task import next_token_targets
+
+    targets = next_token_targets(task.train.ids)[1]
+    counts = torch.bincount(targets[targets >= 0], minlength=task.vocab).double() + 1
+    model = Unigram((counts / counts.sum()).log().float())
+    return {split: task.evaluate(model, split)["loss"] for split in ("val", "test")}
+
+
+# -- the report --------------------------------------------------------------------------------------
+def _loss_at(row: dict, fraction: float) -> float:
+    return next(loss for f, loss in row["budget"]["val_at"] if abs(f - fraction) < 1e-6)
+
+
+def _has(row: dict, fraction: float) -> bool:
+    return any(abs(f - fraction) < 1e-6 for f, _ in row["budget"]["val_at"])
+
+
+def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows with a budget, by (target, method); dense (no target) joins every target."""
+    rows = [r for r in rows if r.get("budget")]
+    return by_method(rows)
+
+
+def at_budget(rows: list[dict], fraction: float) -> dict[tuple, tuple[list[dict], str]]:
+    """Per (target, method): its rows at the learning rate whose mean validation loss at
+    ``fraction`` of the budget is best, and how that rate was chosen."""
+    return {key: at_best_lr(group, lambda r: _loss_at(r, fraction))
+            for key, group in _groups(rows).items()}
+
+
+def summarise(result: dict, label: Callable[[str], str], unigram: dict | None = None) -> str:
+    """The equal wall-clock tables, one per budget: every model at its best rate at that
+    budget, its loss against dense's and against the narrower dense model of its size."""
+    rows = [r for r in result["rows"] if r.get("budget")]
+    if not rows:
+        return ""
+    dense_ms = next(r["budget"]["step_ms"] for r in rows if r["method"] == "dense")
+    dense_steps = next(r["steps"] for r in rows if r["method"] == "dense")
+    run = next(r for r in reversed(result["runs"]) if "--equal-time" in r["command"])
+    m, settings = run["machine"], run.get("settings", {})
+    d_model = settings.get("d_model") or "the task's"
+    lines = [f"# Causal LM (d_model {d_model}) at equal wall-clock: every model trains the steps "
+             "its step time buys", "",
+             f"Each model trains for as many steps as its median training step (measured side "
+             f"by side on a quiet machine by `benchmarks.studies.lm_clock`, {m['cpu']}, "
+             f"{m['threads']} thread) buys in dense's {dense_steps} steps "
+             f"({dense_steps * dense_ms / 1000:.0f} s), {settings.get('schedule', '?')} "
+             f"learning rate after {settings.get('warmup', '?')} warm-up steps: with the "
+             "constant schedule the run cut at a fraction of its steps is the run of that "
+             "budget. Each model at the rate of one shared grid whose mean validation loss is "
+             "best at that budget (\"at the edge\" where it is the grid's first or last); the "
+             "spread is the sd over seeds. The formats' block linear layers at the largest "
+             "uniform rank within dense / target; narrow: dense at the width whose whole model "
+             "holds as many parameters as the compressed one. Step ms, peak and FLOPs per step "
+             "from the clock (`lm_clock_cpu.md`); GFLOPs: to this budget.", ""]
+    if unigram:
+        lines += [f"Majority-class baseline (every position predicts the training tokens' "
+                  f"frequencies): val loss {unigram['val']:.4f}, test {unigram['test']:.4f}.",
+                  ""]
+    for fraction in [f for f in FRACTIONS if all(_has(r, f) for r in rows)]:
+        groups = at_budget(rows, fraction)
+        dense_rows = next((g for (t, meth), (g, _) in groups.items() if meth == "dense"), [])
+        dense = statistics.fmean(_loss_at(r, fraction) for r in dense_rows) if dense_rows \
+            else float("nan")
+        narrow = {t: statistics.fmean(_loss_at(r, fraction) for r in g)
+                  for (t, meth), (g, _) in groups.items() if meth == "narrow"}
+        seconds = fraction * dense_steps * dense_ms / 1000
+        lines += [f"## Budget {fraction:g} of dense's wall-clock ({seconds:.0f} s)", "",
+                  "| target | model | seeds | steps | lr | val loss (mean ± sd) | vs dense "
+                  "| vs narrow (same size) | step ms | step peak MiB | GFLOPs |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for (target, method), (group, lr) in sorted(
+                groups.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] != "narrow",
+                                                kv[0][1])):
+            losses = [_loss_at(r, fraction) for r in group]
+            mean = statistics.fmean(losses)
+            b = group[0]["budget"]
+            steps = round(fraction * group[0]["steps"])
+            vs_narrow = (f"{mean / narrow[target] - 1:+.2%}"
+                         if target in narrow and method != "narrow" else "-")
+            gflops = "-" if b.get("gflops_step") is None else f"{steps * b['gflops_step']:,.0f}"
+            peak = "-" if b.get("peak_mib") is None else f"{b['peak_mib']:.0f}"
+            lines.append(
+                f"| {f'{target:g}x' if target else '-'} | {label(method)} | {len(group)} | "
+                f"{steps} | {lr} | {mean_sd(losses)} | {mean / dense - 1:+.2%} | {vs_narrow} | "
+                f"{b['step_ms']:.0f} | {peak} | {gflops} |")
+        lines.append("")
+    lines += ["Commands (one per model and rate):", ""]
+    lines += [f"    {r['command']}" for r in result["runs"] if "--equal-time" in r["command"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path, label: Callable[[str], str]) -> bool:
+    """Validation loss against wall-clock (top) and against FLOPs (bottom), one panel per
+    target: each model's mean over seeds at its best rate at the full budget; dense in every
+    panel. False without matplotlib or rows."""
+    from benchmarks.studies.harness.results import _pyplot
+
+    plt = _pyplot()
+    rows = [r for r in result["rows"] if r.get("budget")]
+    targets = sorted({r["target"] for r in rows if r.get("target")})
+    if plt is None or not targets:
+        return False
+    groups = at_budget(rows, 1.0)
+    fig, axes = plt.subplots(2, len(targets), figsize=(4.2 * len(targets), 7.2), sharey=True,
+                             squeeze=False)
+    for col, target in enumerate(targets):
+        for (t, method), (group, _) in sorted(groups.items(), key=lambda kv: kv[0][1]):
+            if t not in (None, target):
+                continue
+            b = group[0]["budget"]
+            fractions = [f for f, _ in b["val_at"] if f > 0]
+            losses = [statistics.fmean(_loss_at(r, f) for r in group) for f in fractions]
+            steps = [f * group[0]["steps"] for f in fractions]
+            style = {"color": "k", "lw": 2} if method == "dense" else (
+                {"color": "grey", "lw": 2, "ls": "--"} if method == "narrow" else {})
+            name = label(method).replace(" at a uniform rank", "")
+            axes[0][col].plot([s * b["step_ms"] / 1000 for s in steps], losses, marker=".",
+                              label=name, **style)
+            if b.get("gflops_step"):
+                axes[1][col].plot([s * b["gflops_step"] / 1000 for s in steps], losses,
+                                  marker=".", label=name, **style)
+        axes[0][col].set_title(f"formats at {target:g}x (block layers)", fontsize=10)
+        axes[0][col].set_xlabel("training wall-clock (s; steps x measured step time)")
+        axes[1][col].set_xlabel("training TFLOPs (counted)")
+        axes[1][col].set_xscale("log")
+    for row in axes:
+        row[0].set_ylabel("validation loss")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Causal LM: validation loss at equal wall-clock (mean over seeds, each model "
+                 "at its best rate)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

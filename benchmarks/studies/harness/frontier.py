@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.studies.harness import equal_time
 from benchmarks.studies.harness.equal_time import budget_entry, clock_key, steps_from_clock
 from benchmarks.studies.harness.methods import Study, method_names
 from benchmarks.studies.harness.results import (
@@ -145,9 +146,9 @@ def study(spec: Spec, args, task) -> Study:
                  resume=args.resume, steps_of=steps_of, evals=args.evals)
 
 
-def run(spec: Spec, args, task, runs: RunsFile) -> None:
-    """Train and score every (seed, learning rate, method, target) of ``args``."""
-    plan = study(spec, args, task)
+def run(spec: Spec, args, plan: Study, runs: RunsFile, baseline: dict | None = None) -> None:
+    """Train and score every (seed, learning rate, method, target) of ``args`` on ``plan``
+    (``baseline``: the equal-time report's majority-class scores)."""
     clock = json.loads(args.clock.read_text()) if args.equal_time else None
     for seed in args.seeds:
         for lr in args.lrs:
@@ -156,7 +157,7 @@ def run(spec: Spec, args, task, runs: RunsFile) -> None:
                 if clock is not None:
                     rows = [r | {"budget": budget_entry(r, clock)} for r in rows]
                 runs.add(rows)
-                write_report(spec, args.out, args.clock)
+                write_report(spec, args.out, args.clock, baseline)
                 for r in rows:
                     print(f"seed {seed} lr {lr:g} {r['method']} {r['target']}: val loss "
                           f"{r['val']['loss']:.4f}, test loss {r['test']['loss']:.4f} "
@@ -275,11 +276,17 @@ def plot(spec: Spec, result: dict, out: Path, clock: dict | None = None) -> None
                     title=f"{spec.title}: validation loss at {targets[0]:g}x (mean over seeds)")
 
 
-def write_report(spec: Spec, out: Path, clock: Path | None = None) -> dict:
+def write_report(spec: Spec, out: Path, clock: Path | None = None,
+                 baseline: dict | None = None) -> dict:
+    """frontier.{json,md,png}, and where rows trained at equal wall-clock, equal_time.{md,png}
+    (``baseline``: the majority-class scores it states)."""
     result = merge(out, spec.title, upgrade)
     write_summary(out / "frontier.json", result, curves=False)  # the runs files hold them
     atomic_write_text(out / "frontier.md", summarise(spec, result) + "\n")
     plot(spec, result, out, None if clock is None else json.loads(clock.read_text()))
+    if any(r.get("budget") for r in result["rows"]):
+        atomic_write_text(out / "equal_time.md", equal_time.summarise(result, label, baseline))
+        equal_time.plot(result, out / "equal_time.png", label)
     return result
 
 
@@ -356,7 +363,7 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
             p.error("--equal-time needs --clock: an lm_clock results JSON of these models")
         adaptive = [m for m in args.methods if m.partition(":")[0] in ("comera", "spectrum",
                                                                         "early")]
-        if adaptive:
+        if adaptive and not args.summarise_only:
             p.error(f"--equal-time with --methods {' '.join(adaptive)}: their step time changes "
                     "as their ranks fall, so no one clock gives their steps; run them without "
                     "--equal-time")
@@ -386,11 +393,13 @@ def main(spec: Spec, argv=None, doc: str | None = None) -> int:
     """Parse, train (unless ``--summarise-only``), write the runs file and the report."""
     args = parse(spec, argv, doc)
     torch.set_num_threads(args.threads)
+    task = spec.make_task(args) if not args.summarise_only or args.equal_time else None
+    baseline = equal_time.unigram_scores(task) if args.equal_time else None
     if not args.summarise_only:
-        task = spec.make_task(args)
+        plan = study(spec, args, task)  # checks the clock before any file is written
         runs = RunsFile(args.out, args.tag, f"benchmarks.studies.{spec.name}_frontier",
                         task.describe(), vars(args), argv)
         runs.save()
-        run(spec, args, task, runs)
-    print(summarise(spec, write_report(spec, args.out, args.clock)))
+        run(spec, args, plan, runs, baseline)
+    print(summarise(spec, write_report(spec, args.out, args.clock, baseline)))
     return 0

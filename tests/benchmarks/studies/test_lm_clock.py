@@ -1,0 +1,31 @@
+"""benchmarks/studies/lm_clock.py: every frontier model timed side by side, with its step's
+peak memory and its counted FLOPs (the equal-time frontier's clock)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.studies import lm_clock
+from tests.helpers.tiny_corpus import write_tiny_corpus
+
+
+def test_the_clock_times_every_model_and_counts_its_flops_and_memory(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    write_tiny_corpus(root)
+    out = tmp_path / "clock"
+    assert lm_clock.main(["--smoke", "--root", str(root), "--threads", "1",
+                          "--out", str(out)]) == 0
+    payload = json.loads(out.with_suffix(".json").read_text())
+    results = payload["results"]
+    assert {"dense", "narrow 2x", "tt 2x", "lowrank 2x"} <= results.keys()
+    tokens = payload["batch"] * (payload["seq_len"] - 1)
+    d, f = 16, 64  # the smoke model: one block, d_model 16, FFN 64
+    block = 4 * d * d + 2 * d * f
+    # forward 2, backward 4 FLOPs per weight and token: the block layers alone bound it below
+    assert results["dense"]["gflops"] * 1e9 >= 6 * tokens * block
+    assert results["narrow 2x"]["gflops"] < results["dense"]["gflops"]
+    for r in results.values():
+        assert r["ms"] > 0 and r["peak_mib"] > 0
+        assert r["peak_mib"] * 2**20 > 4 * r["params"]  # at least the float32 parameters
+    assert "GFLOPs per step" in out.with_suffix(".md").read_text()
