@@ -69,7 +69,7 @@ def budget_entry(row: dict, clock: dict) -> dict:
             "val_at": val_at(row)}
 
 
-# -- the baseline a model must beat ----------------------------------------------------------------
+# -- the baseline a model must beat -----------------------------------------------------------
 class Unigram(nn.Module):
     """Every position predicts the training tokens' frequencies (add-one smoothed): the language
     model's majority-class baseline, scored by the task's own evaluation."""
@@ -93,7 +93,7 @@ def unigram_scores(task) -> dict[str, float]:
     return {split: task.evaluate(model, split)["loss"] for split in ("val", "test")}
 
 
-# -- the report --------------------------------------------------------------------------------------
+# -- the report ---------------------------------------------------------------------------------
 def _loss_at(row: dict, fraction: float) -> float:
     return next(loss for f, loss in row["budget"]["val_at"] if abs(f - fraction) < 1e-6)
 
