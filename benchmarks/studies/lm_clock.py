@@ -13,8 +13,9 @@ to dense with the spread of the per-round ratios, the step's peak memory
 (:func:`comera.experiments.step_cost.measure_step`: resident plus the most allocated during a
 step) and its FLOPs as torch's ``FlopCounterMode`` counts them (matrix products of the forward
 and backward: what the frontier's "loss against FLOPs" axis multiplies by the steps). A
-training run's own clock is only as quiet as the machine it ran on; this one is measured in one process on a quiet machine, and the
-frontier's "loss against wall-clock" curves are the steps times these medians.
+training run's own clock is only as quiet as the machine it ran on; this one is measured in one
+process on a quiet machine, and the frontier's "loss against wall-clock" curves are the steps
+times these medians.
 
 Writes ``benchmarks/results/lm_clock_cpu.{json,md}`` (a study's companion, so it lives with the
 studies: it builds the frontier's models through their harness).
@@ -141,8 +142,8 @@ def main(argv=None) -> int:
                                   "GFLOPs per step"], rows)
                 + f"\n\nForward, backward and an AdamW step; interleaved, {args.repeats} "
                 f"rounds after 5 warm-up steps. Step peak: resident (parameters, optimizer "
-                f"state, batch) plus the most allocated during one step (gradients included). FLOPs: torch's flop "
-                f"counter over one step. {m['cpu']}, torch {m['torch']}, "
+                f"state, batch) plus the most allocated during one step (gradients "
+                f"included). FLOPs: torch's flop counter over one step. {m['cpu']}, torch {m['torch']}, "
                 f"{m['threads']} thread(s). Command: `{payload['command']}`.\n")
     return publish(args.out, payload, markdown)
 
