@@ -143,8 +143,8 @@ def main(argv=None) -> int:
                 + f"\n\nForward, backward and an AdamW step; interleaved, {args.repeats} "
                 f"rounds after 5 warm-up steps. Step peak: resident (parameters, optimizer "
                 f"state, batch) plus the most allocated during one step (gradients "
-                f"included). FLOPs: torch's flop counter over one step. {m['cpu']}, torch {m['torch']}, "
-                f"{m['threads']} thread(s). Command: `{payload['command']}`.\n")
+                f"included). FLOPs: torch's flop counter over one step. {m['cpu']}, torch "
+                f"{m['torch']}, {m['threads']} thread(s). Command: `{payload['command']}`.\n")
     return publish(args.out, payload, markdown)
 
 
