@@ -8,6 +8,8 @@ layers accept tncomp's memory modes and follow the autocast rule tncomp's operat
 - :func:`check_modes`, :func:`resolve_ranks`: the mode and TT-rank rules of the builders.
 - :func:`check_memory`: a ``memory=`` mode of ``compile``, checked.
 - :func:`autocast_dtype`, :func:`autocast_cast`: the autocast rule of every call path.
+- :func:`register_tree_finder`, :class:`SearchSpace`: a tree finder of one's own among the
+  planner's candidates (:mod:`tncomp.compiler.finders`).
 - :func:`renamed`: a module ``__getattr__`` that serves old names with a DeprecationWarning
   naming the new one and the release the old one goes in.
 
@@ -23,11 +25,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tncomp.compiler.builders import check_modes, resolve_ranks
+from tncomp.compiler.finders import SearchSpace, register_tree_finder
 from tncomp.compiler.memory import check_memory
 from tncomp.runtime.library import autocast_cast, autocast_dtype
 
-__all__ = ["autocast_cast", "autocast_dtype", "check_memory", "check_modes", "renamed",
-           "resolve_ranks"]
+__all__ = ["SearchSpace", "autocast_cast", "autocast_dtype", "check_memory", "check_modes",
+           "register_tree_finder", "renamed", "resolve_ranks"]
 
 
 def renamed(module: str, names: Mapping[str, tuple[str, str]]) -> Callable[[str], Any]:

@@ -1,9 +1,10 @@
 """Search contraction trees for a bound problem, and choose among them by modelled time.
 
-Candidates come from exact search where the network is small (opt_einsum 'optimal', then 'dp'
-minimising FLOPs and size), cotengra's hyper-optimizer beyond that, opt_einsum's greedy, and the
-plain left-to-right order. Each candidate is lowered with its backward pass and scored by the
-device model on forward + backward time, not forward FLOPs alone.
+Candidates come from the registered tree finders (:mod:`tncomp.compiler.finders`): exact
+search where the network is small (opt_einsum 'optimal', then 'dp' minimising FLOPs and size),
+cotengra's hyper-optimizer beyond that, opt_einsum's greedy, and the plain left-to-right order.
+Each candidate is lowered with its backward pass and scored by the device model on forward +
+backward time, not forward FLOPs alone.
 
 The exact searches are exponential in the number of operands, so they run against a time
 budget (:mod:`~tncomp.compiler.budget`); when it is spent the greedy and left-to-right trees
@@ -20,12 +21,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import opt_einsum
-
-from tncomp.compiler.budget import Budget, OutOfBudget
+from tncomp.compiler.budget import Budget
 from tncomp.compiler.chain import chain_trees
 from tncomp.compiler.device_model import CPU_DEFAULT, DeviceModel
-from tncomp.compiler.layouts import layout_greedy
+from tncomp.compiler.finders import SearchSpace, tree_finders
+from tncomp.compiler.finders.greedy import greedy_finder
 from tncomp.compiler.memory import Memory, apply_memory
 from tncomp.compiler.plan import Plan, lower, slot_elements
 from tncomp.compiler.problem import Problem, Tree
@@ -33,112 +33,32 @@ from tncomp.errors import PlanError
 
 log = logging.getLogger("tncomp.compiler.search")
 
-EXACT_OPTIMAL_LIMIT = 5  # opt_einsum 'optimal' up to this many operands ('dp' is as exact)
-EXACT_DP_LIMIT = 16  # opt_einsum 'dp' up to this many; cotengra beyond
-OUTER_DP_LIMIT = 10  # 'dp' searches outer products up to this many operands (3^n subsets)
-LAYOUT_GREEDY_LIMIT = 64  # layout_greedy (O(n^3) pair scores) up to this many operands
-COTENGRA_MAX_S = 0.5  # cotengra's share of the budget (its greedy trials, then it stops)
-
-
-def _opt_inputs(problem: Problem):
-    inputs = [frozenset(term) for term in problem.leaf_kept]
-    output = frozenset(problem.output)
-    sizes = {i: int(s) for i, s in problem.size_dict.items()}
-    return inputs, output, sizes
-
-
-def _sequential(n: int) -> Tree:
-    steps, node = [], 0
-    for k in range(1, n):
-        steps.append((node, k))
-        node = n + k - 1
-    return Tree(n, tuple(steps))
+def _space(problem: Problem, structured: bool, budget: Budget) -> SearchSpace:
+    return SearchSpace(problem=problem,
+                       inputs=tuple(frozenset(term) for term in problem.leaf_kept),
+                       output=frozenset(problem.output),
+                       sizes={i: int(s) for i, s in problem.size_dict.items()}, budget=budget,
+                       chain=chain_trees(problem) if structured else None)
 
 
 def candidate_trees(problem: Problem, structured: bool = True,
                     budget: Budget | None = None) -> list[Tree]:
-    """Distinct trees from several optimizers for a problem whose sizes are all ints.
+    """Distinct trees of every registered finder (:mod:`tncomp.compiler.finders`, in their
+    order) for a problem whose sizes are all ints.
 
     A chain network (a TT layer) gets the interval dynamic program of :mod:`chain` (polynomial
     time) in place of the exponential exact search, unless ``structured`` is False. The exact
     searches run against ``budget`` (default: a fresh :class:`~tncomp.compiler.budget.Budget`
     of ``$TNCOMP_PLAN_BUDGET_S`` seconds): one that runs out is dropped and logged, and the
     greedy and left-to-right trees are always among the candidates."""
-    n = problem.n_leaves
-    if n == 1:
+    if problem.n_leaves == 1:
         return [Tree(1, ())]
-    budget = budget if budget is not None else Budget()
-    inputs, output, sizes = _opt_inputs(problem)
-    found: list[Tree] = []
-    seen: set = set()
-
-    def keep(tree: Tree) -> None:
-        if tree.signature() not in seen:
-            seen.add(tree.signature())
-            found.append(tree)
-
-    def add(path) -> None:
-        keep(Tree.from_linear_path(n, path))
-
-    chain = chain_trees(problem) if structured else None
-    for tree in chain or ():
-        keep(tree)
-    if n <= EXACT_OPTIMAL_LIMIT:
-        add(opt_einsum.paths.optimal(inputs, output, sizes))
-    # on a chain the interval DP above replaces the exponential exact search
-    if chain is None and n <= EXACT_DP_LIMIT:
-        # Outer products only on small networks: with them the program visits every subset.
-        searches = [("flops", True), ("size", True)] if n <= OUTER_DP_LIMIT else [("flops", False)]
-        for minimize, outer in searches:
-            what = f"dp ({minimize}{', outer products' if outer else ''})"
-            path = None if budget.spent else _bounded_dp(inputs, output, sizes, minimize, outer,
-                                                          budget)
-            if path is None:
-                budget.stopped(what, n)
-            else:
-                add(path)
-    elif chain is None and budget.spent:
-        budget.stopped("cotengra", n)
-    elif chain is None:
-        add(_cotengra_path(inputs, output, sizes, min(budget.remaining(), COTENGRA_MAX_S)))
-    add(opt_einsum.paths.greedy(inputs, output, sizes))  # cheap: always a candidate
-    if n <= LAYOUT_GREEDY_LIMIT:
-        keep(layout_greedy(problem))  # the same, but avoiding copies
-    keep(_sequential(n))
-    return found
-
-
-def _bounded_dp(inputs, output, sizes, minimize: str, outer: bool, budget: Budget):
-    """opt_einsum's dynamic program (``minimize`` is ``"flops"`` or ``"size"``), stopped when
-    ``budget`` is spent: its path, or None when it ran out. The budget is read from inside the
-    program's comparison of two subgraphs, its innermost step."""
-    compare = getattr(opt_einsum.paths, f"_dp_compare_{minimize}", None)
-    if compare is None:  # another opt_einsum: no hook, so only what cannot take long
-        if len(inputs) > OUTER_DP_LIMIT // 2:
-            return None
-        compare = minimize
-
-    def checked(*args):
-        budget.check()
-        return compare(*args)
-
-    dp = opt_einsum.paths.DynamicProgramming(
-        minimize=checked if callable(compare) else compare, search_outer=outer)
-    try:
-        return dp(list(inputs), output, sizes)
-    except OutOfBudget:
-        return None
-
-
-def _cotengra_path(inputs, output, sizes, max_time: float):
-    import cotengra  # imported lazily: it is slow to import and only large networks need it
-
-    # greedy trials only (no subtree reconfiguration: at 64 operands one trial of it took 1 s)
-    opt = cotengra.HyperOptimizer(max_repeats=64, max_time=max(max_time, 1e-3), progbar=False,
-                                  minimize="flops", methods=["greedy"], parallel=False,
-                                  reconf_opts=None)
-    tree = opt.search([tuple(t) for t in inputs], tuple(output), sizes)
-    return tree.get_path()
+    space = _space(problem, structured, budget if budget is not None else Budget())
+    found: dict[tuple, Tree] = {}
+    for finder in tree_finders().values():
+        for tree in finder(space):
+            found.setdefault(tree.signature(), tree)
+    return list(found.values())
 
 
 @dataclass(frozen=True)
@@ -272,9 +192,7 @@ def implausible(problem: Problem, tree: Tree, needs_grad: Sequence[bool],
     margin; a planted tree that makes an intermediate of N^4 elements where greedy makes N^2
     is refused. Lowering is arithmetic only: no tensor is made, and the device model plays no
     part."""
-    inputs, output, sizes = _opt_inputs(problem)
-    greedy = Tree.from_linear_path(problem.n_leaves,
-                                   opt_einsum.paths.greedy(inputs, output, sizes))
+    (greedy,) = greedy_finder(_space(problem, False, Budget()))
     if tree == greedy:
         return None
     stored, fresh = (footprint(lower(problem, t, needs_grad, itemsize,
