@@ -5,12 +5,22 @@ r"""The compression frontier of the causal language model (issues 23, 30).
         --methods tt lowrank comera --tag rest-s0
     python -m benchmarks.studies.lm_frontier --seeds 0 --targets 8 --lrs 1e-3 3e-3 1e-2 \
         --schedule cosine --methods dense narrow tt ttm btt lowrank comera --tag grid-s0
+    # equal wall-clock: each model the steps its measured step time buys in dense's 800
+    python -m benchmarks.studies.lm_clock --targets 4 8 16 --threads 1
+    python -m benchmarks.studies.lm_frontier --d-model 256 --early 1 --late 799 --warmup 100 \
+        --optimizer adamw --equal-time --clock benchmarks/results/lm_clock_cpu.json \
+        --out benchmarks/results/lm_equal_time_d256 --seeds 0 --targets 8 \
+        --methods dense narrow tt:balanced ttm:balanced btt:balanced lowrank:balanced \
+        --lrs 3e-4 1e-3 3e-3 --tag grid-s0
 
 The quick causal LM of ``comera train lm --quick`` (d_model 128, 2 blocks, 64 tokens, batch 16,
 lr 2e-3, warm-up 50, 300 + 150 steps); its block linear layers have no biases, so compression
 is of weight parameters. Methods, protocol and outputs:
 :mod:`benchmarks.studies.harness.frontier`.
-The metric is the validation loss (perplexity); the test loss is reported beside.
+The metric is the validation loss (perplexity); the test loss is reported beside. With
+``--equal-time`` (:mod:`benchmarks.studies.harness.equal_time`) every model trains for dense's
+wall-clock instead of dense's steps, and ``equal_time.md`` / ``equal_time.png`` give the loss at
+each budget.
 """
 
 from __future__ import annotations
