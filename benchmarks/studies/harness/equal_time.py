@@ -201,7 +201,8 @@ def plot(result: dict, path: Path, label: Callable[[str], str]) -> bool:
             steps = [f * group[0]["steps"] for f in fractions]
             style = {"color": "k", "lw": 2} if method == "dense" else (
                 {"color": "grey", "lw": 2, "ls": "--"} if method == "narrow" else {})
-            name = label(method).replace(" at a uniform rank", "")
+            name = label(method).replace(" at a uniform rank", "").replace(
+                " (balanced parametrization)", "")
             axes[0][col].plot([s * b["step_ms"] / 1000 for s in steps], losses, marker=".",
                               label=name, **style)
             if b.get("gflops_step"):
@@ -214,8 +215,8 @@ def plot(result: dict, path: Path, label: Callable[[str], str]) -> bool:
     for row in axes:
         row[0].set_ylabel("validation loss")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Causal LM: validation loss at equal wall-clock (mean over seeds, each model "
-                 "at its best rate)", fontsize=10)
+    fig.suptitle("Causal LM: validation loss at equal wall-clock\n(mean over seeds, each "
+                 "model at its best rate)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
