@@ -214,7 +214,8 @@ class EngineConfig:
         True for ``format``, False for ``"dense"``.)"""
         if tt is None:
             return self.format
-        return format_from_tt(tt, self.format, "EngineConfig(format={}).format")
+        return format_from_tt(tt, self.format,
+                              "model_format() with the kind in config.format={}")
 
     @property
     def total_steps(self) -> int:

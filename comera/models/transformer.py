@@ -27,7 +27,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
-from comera.formats.registry import DENSE, check_layer_format, get_format
+from comera.formats.registry import DENSE, check_layer_format, format_names, get_format
 from comera.formats.scaling import RANK_ADAPTIVE, check_parametrization
 from comera.layers.embedding import gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLinear, TTLinear
@@ -121,7 +121,7 @@ class TransformerConfig:
             object.__setattr__(self, "linear_format", format_from_tt(
                 tt, self.linear_format, "TransformerConfig(linear_format={})", stacklevel=4))
         check_parametrization(self.parametrization)
-        if self.linear_format != DENSE and not get_format(self.linear_format).from_modes:
+        if self.linear_format in format_names() and not get_format(self.linear_format).from_modes:
             raise ConfigError(f"linear_format={self.linear_format!r} is a declared network; "
                               "choose a format built from modes, e.g. 'tt' or 'tucker' (or "
                               "'dense').")

@@ -73,10 +73,10 @@ def test_an_unreachable_target_compression_is_refused_before_training(tmp_path):
                                                  r"reached.*choose target_compression <= "):
         run_experiment(task, config, tmp_path / "out")
     with pytest.raises(comera.ConfigError, match="cannot be reached"):
-        train_model(task, "comera", True, config, tmp_path / "out")
+        train_model(task, "comera", config, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     check_task(task, dataclasses.replace(config, target_compression=2.0))  # reachable
-    check_task(task, config, tt=False)  # dense: no target
+    check_task(task, dataclasses.replace(config, format="dense"))  # dense: no target
 
 
 def test_a_batch_larger_than_the_training_split_is_refused(tmp_path):
