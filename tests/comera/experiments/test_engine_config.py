@@ -25,7 +25,7 @@ BY_TYPE = {
 }
 EXTRA = {"batch_size": [0], "eval_every": [0], "lr": [0.0], "lr_gates": [0.0],
          "target_compression": [0.0, 1.0], "max_grad_norm": [0.0], "seed": [2**63],
-         "threads": [10**6], "device": ["tpu:0 x"], "format": ["dense", "einsum"],
+         "threads": [10**6], "device": ["tpu:0 x"], "format": ["einsum", "nope"],
          "early_target": [1.0, 0.5], "early_landing": [0.0, 1.5]}
 FINE = {"late_target_loss": [0.0]}  # values of a type's bad list that a field takes
 

@@ -55,7 +55,7 @@ def test_bf16_run_trains_close_to_fp32_and_records_the_precision(tmp_path):
 
 
 def test_bf16_step_runs_under_autocast_and_keeps_parameters_in_their_dtype(tmp_path):
-    run = _Run(Toy32(), "comera", True, replace(CFG, precision="bf16"), tmp_path,
+    run = _Run(Toy32(), "comera", replace(CFG, precision="bf16"), tmp_path,
                current_world(), None)
     seen = []
     run.model[0].register_forward_hook(lambda m, i, out: seen.append(out.dtype))
@@ -66,7 +66,7 @@ def test_bf16_step_runs_under_autocast_and_keeps_parameters_in_their_dtype(tmp_p
 
 
 def test_compile_wraps_the_training_forward_only(tmp_path):
-    run = _Run(Toy32(), "comera", True, replace(CFG, compile=True), tmp_path,
+    run = _Run(Toy32(), "comera", replace(CFG, compile=True), tmp_path,
                current_world(), None)
     assert isinstance(run.forward_model, torch._dynamo.eval_frame.OptimizedModule)
     assert run.forward_model._orig_mod is run.model  # checkpoints keep the model's own names
