@@ -16,8 +16,8 @@ from comera.experiments.engine import EngineConfig, RunRecord, train_model
 from comera.experiments.optim_schedule import base_rates, run_optimizer
 from comera.experiments.results import run_experiment
 from comera.experiments.step_cost import probe_step
-from comera.surgery.checkpoint import checkpoint_payload
-from comera.torchfile import read_torch_file, write_torch_file
+from comera.torchfile import read_torch_file
+from tests.helpers.checkpoints_before import write_engine_state_as_before_formats
 from tests.helpers.toy_task import ToyTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,30 +121,13 @@ def test_a_run_record_of_before_reads_as_its_format():
 
 
 # -- checkpoints of before ----------------------------------------------------------------------
-def _as_written_before(path) -> None:
-    """Rewrite the engine state of the checkpoint at ``path`` as the code before the format
-    word wrote it: a ``"tt"`` flag, no ``"format"``; the config's format the CoMERA run's
-    ("tt") in the dense run too; the record with ``tt``."""
-    payload = read_torch_file(path)
-    engine = payload["extra"]["engine"]
-    flag = engine.pop("format") != "dense"
-    engine["tt"] = flag
-    engine["config"]["format"] = "tt"
-    engine["record"].pop("format")
-    engine["record"]["tt"] = flag
-    optimizer = {k: payload[k] for k in ("optimizer", "optimizer_class",
-                                         "optimizer_param_names")}
-    write_torch_file(path, checkpoint_payload(payload["model"], payload["layers"], optimizer,
-                                              payload["extra"]))
-
-
 @pytest.mark.parametrize(("name", "config"), [("comera", CFG), ("dense", DENSE)])
 def test_an_engine_checkpoint_written_with_the_tt_flag_resumes(tmp_path, name, config):
     task = ToyTask(dropout=0.2)
     whole, rec_whole = train_model(task, name, config, tmp_path / "a")
     train_model(task, name, config, tmp_path / "b", stop_after=7)
     path = tmp_path / "b" / "checkpoints" / f"{name}.pt"
-    _as_written_before(path)
+    write_engine_state_as_before_formats(path)
     assert "tt" in read_torch_file(path)["extra"]["engine"]
     resumed, rec_resumed = train_model(task, name, config, tmp_path / "b", resume=True)
     _assert_identical(_params(whole), _params(resumed))
@@ -154,7 +137,7 @@ def test_an_engine_checkpoint_written_with_the_tt_flag_resumes(tmp_path, name, c
 
 def test_a_checkpoint_of_before_refuses_another_format(tmp_path):
     train_model(ToyTask(), "comera", CFG, tmp_path, stop_after=2)
-    _as_written_before(tmp_path / "checkpoints" / "comera.pt")
+    write_engine_state_as_before_formats(tmp_path / "checkpoints" / "comera.pt")
     same_model = lambda: ToyTask().build_model("tt")  # noqa: E731  (only the format differs)
     with pytest.raises(comera.CheckpointError, match=r"\(format 'tt'\), not 'toy' "
                                                      r"\(format 'tucker'\)"):

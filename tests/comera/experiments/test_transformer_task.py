@@ -11,6 +11,7 @@ from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.init_from import classifier_config, load_encoder_, read_pretrained
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 from comera.models import PairClassifier
+from tests.helpers.checkpoints_before import write_engine_state_as_before_formats
 from tests.helpers.toy_task import ToyTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,6 +100,9 @@ def test_init_from_an_mlm_checkpoint_loads_the_encoder_as_saved(tmp_path, corpus
     hidden = mlm.encode(ids)  # segments at zero: the classifier sees the pretrained features
     assert torch.allclose(classifier.head(hidden[:, 0]),
                           classifier(ids, torch.zeros_like(ids)), atol=1e-5)
+    write_engine_state_as_before_formats(path)  # a checkpoint of before: the tt flag
+    assert read_pretrained(path, TINY_MLM, root=corpus, use_cache=False).config.linear_format \
+        == format
 
 
 def test_init_from_refuses_a_checkpoint_of_another_task(tmp_path):
