@@ -32,7 +32,7 @@ def run(writer: PartWriter, deadline: Deadline, args) -> None:
     for size in ((64,) if args.smoke else BATCHES):
         bench = (BenchConfig(batch=size, max_rows=2000, cache_rows=16) if args.smoke
                  else BenchConfig(batch=size))
-        cpu_batch = make_batch(bench.model_config(tt=False), bench.batch, bench.seed)
+        cpu_batch = make_batch(bench.model_config("dense"), bench.batch, bench.seed)
         batch = Batch(*(t.to(device) for t in cpu_batch.tensors()))
         for name in VARIANTS:
 

@@ -67,14 +67,14 @@ def build(variant: str, cfg: TransformerConfig, bench: BenchConfig, device: str)
     """(model, optimizer, trainer or None, info) of one variant, seeded, on ``device``."""
     torch.manual_seed(bench.seed)
     if variant in ("dense", "galore"):
-        model = PairClassifier(replace(cfg, tt=False)).to(device)
+        model = PairClassifier(replace(cfg, linear_format="dense")).to(device)
         if variant == "dense":
             opt = torch.optim.AdamW(model.parameters(), lr=bench.lr, weight_decay=0.0)
         else:
             opt = make_galore_optimizer(model, GaLoreConfig(
                 rank=bench.galore_rank or default_galore_rank(cfg.d_model), lr=bench.lr))
         return model, opt, None, {"params": sum(p.numel() for p in model.parameters())}
-    model = PairClassifier(replace(cfg, tt=True)).to(device)
+    model = PairClassifier(cfg).to(device)  # the layers in cfg's format (TT by default)
     opt = comera.make_optimizer(model)
     trainer = comera.CoMERATrainer(model, opt, lam=bench.lam)
     info: dict = {}

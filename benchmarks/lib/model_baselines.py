@@ -86,7 +86,8 @@ def galore_targets(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     if not targets:
         raise ConfigError(
             f"found no nn.Linear under 'blocks.' in {type(model).__name__}; GaLore projects the "
-            "attention and FFN weights of a dense PairClassifier (build it with tt=False)."
+            "attention and FFN weights of a dense PairClassifier (build it with "
+            "linear_format='dense')."
         )
     return targets
 
@@ -198,7 +199,7 @@ def tltorch_transformer(cfg: TransformerConfig, factorization: TTFormat = "tt",
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ConfigError(f"rank={rank!r}; give the max TT rank as an int >= 1.")
     torch.manual_seed(seed)
-    model = PairClassifier(replace(cfg, tt=False))
+    model = PairClassifier(replace(cfg, linear_format="dense"))
     d, f = cfg.d_model, cfg.d_ff
     shapes = {"q": (d, d, cfg.attn_modes), "k": (d, d, cfg.attn_modes),
               "v": (d, d, cfg.attn_modes), "o": (d, d, cfg.attn_modes),

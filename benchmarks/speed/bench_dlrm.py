@@ -113,7 +113,7 @@ class BenchConfig:
                                       or value < 1):
                 raise ConfigError(f"{name}={value!r}; give an int >= 1 (or None).")
         if {"tt", "tt_cache"} & set(self.variants):
-            cfg = self.model_config(tt=True)
+            cfg = self.model_config("tt")
             if not any(cfg.is_tt_table(k) for k in range(cfg.num_tables)):
                 raise ConfigError(
                     f"tt_min_rows={cfg.tt_min_rows} with max_rows={self.max_rows} leaves no TT "
@@ -128,8 +128,10 @@ class BenchConfig:
             threshold = min(threshold, self.max_rows)
         return DLRMTaskConfig.full(max_rows=self.max_rows, tt_min_rows=threshold)
 
-    def model_config(self, tt: bool) -> DLRMConfig:
-        return self.task_config().model_config(tt)
+    def model_config(self, format: str) -> DLRMConfig:
+        """The model of :meth:`task_config` with its large tables of the kind ``format``
+        (``"dense"``, or a format that holds tables: ``"tt"``'s are TT-matrix tables)."""
+        return self.task_config().model_config(format)
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,7 @@ def build_variant(name: str, bench: BenchConfig) -> Variant:
         raise ConfigError(f"variant {name!r}; choose from {', '.join(VARIANTS)}.")
     engine = experiment("dlrm").full
     torch.manual_seed(bench.seed)
-    cfg = bench.model_config(tt=name != "dense")
+    cfg = bench.model_config("dense" if name == "dense" else "tt")
     if name == "tt_cache":
         cfg = replace(cfg, tt_cache_rows=bench.cache_rows)
     model = DLRM(cfg)
@@ -264,7 +266,7 @@ def run_benchmark(bench: BenchConfig) -> dict:
     for name in bench.variants:
         log.info("building %s", name)
         variants[name] = build_variant(name, bench)
-    cfg = bench.model_config(tt=False)
+    cfg = bench.model_config("dense")
     batch = make_batch(cfg, bench.batch, bench.seed)
     log.info("timing %s: %d warm-up and %d interleaved steps each", ", ".join(variants),
              bench.warmup, bench.repeats)

@@ -105,7 +105,7 @@ def transformer_case(backend: str, repeats: int, warmup: int, batch: int = 8,
 
     torch.manual_seed(0)
     tt = PairClassifier(TransformerConfig(tt_embedding=False, dropout=0.0))
-    dense = PairClassifier(TransformerConfig(tt=False, dropout=0.0))
+    dense = PairClassifier(TransformerConfig(linear_format="dense", dropout=0.0))
     ids = torch.randint(1, tt.cfg.vocab_size, (batch, seq))
     result = time_case(variants(dense, tt, (ids,), backend), repeats, warmup)
     return {"case": f"paper-size transformer (TT layers, dense embedding) batch {batch} x {seq}",

@@ -220,7 +220,8 @@ def tt_layer_compression(model: nn.Module, cap: int | None = None) -> float:
     with every rank capped at ``cap``: the paper's compression of the tensorized layers."""
     layers = [m for _, m in comera.gated_layers(model)]
     if not layers:
-        raise ConfigError("the model has no TT layers; build it with TransformerConfig(tt=True).")
+        raise ConfigError("the model has no TT layers; build it with "
+                          "TransformerConfig(linear_format='tt').")
     dense = sum(m.dense_num_parameters() for m in layers)
     size = sum(_size_at_cap(m, cap) if cap is not None else m.num_parameters() for m in layers)
     return dense / max(size, 1)
@@ -259,7 +260,7 @@ def _build_variant(name: str, cfg: TransformerConfig, bench: BenchConfig) -> Var
     if name not in VARIANTS:
         raise ConfigError(f"variant {name!r}; choose from {', '.join(VARIANTS)}.")
     torch.manual_seed(bench.seed)
-    dense_cfg = replace(cfg, tt=False)
+    dense_cfg = replace(cfg, linear_format="dense")
     if name == "dense":
         model = PairClassifier(dense_cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=bench.lr, weight_decay=0.0)
@@ -279,7 +280,7 @@ def _build_variant(name: str, cfg: TransformerConfig, bench: BenchConfig) -> Var
                     "each projection matrix is a view into its SVD factor (min(m, n)^2 floats), "
                     "which stays resident and is counted"})
     if name in COMERA_VARIANTS:
-        model = PairClassifier(replace(cfg, tt=True))
+        model = PairClassifier(cfg)  # the layers in cfg's format (TT by default)
         set_memory_mode_(model, bench.memory)
         opt = comera.make_optimizer(model)
         trainer = comera.CoMERATrainer(model, opt, lam=bench.lam)

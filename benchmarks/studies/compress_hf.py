@@ -80,10 +80,11 @@ def cmd_small(args) -> int:
     torch.manual_seed(0)
     model = small_gpt2(task.vocab, task.config.seq_len)
     config = EngineConfig(steps_early=args.steps, steps_late=0, stage="early", batch_size=32,
-                          lr=1e-3, warmup=50, eval_every=args.steps, seed=0, threads=1)
+                          lr=1e-3, warmup=50, eval_every=args.steps, seed=0, threads=1,
+                          format="dense")
     with tempfile.TemporaryDirectory() as out:
         (trained, _), seconds, _ = timed(
-            lambda: train_model(ForEngine(task, model), "dense", False, config, Path(out)))
+            lambda: train_model(ForEngine(task, model), "dense", config, Path(out)))
     trained.eval()
     result = {"machine": machine(), "command": _command(args), "train_seconds":
               round(seconds, 1), "dense": score(task, trained), "rows": []}

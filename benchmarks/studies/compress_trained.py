@@ -109,10 +109,10 @@ def pretrained(spec: Pretrain, cache: Path, root: Path | None = None,
     config = EngineConfig(steps_early=spec.steps, steps_late=0, stage="early",
                           batch_size=spec.batch, lr=spec.lr, warmup=spec.warmup,
                           eval_every=spec.eval_every, seed=spec.seed, threads=1,
-                          max_grad_norm=1.0)
+                          max_grad_norm=1.0, format="dense")
     with tempfile.TemporaryDirectory() as out:
         (model, record), seconds, _ = timed(
-            lambda: train_model(ForEngine(task), "dense", False, config, Path(out)))
+            lambda: train_model(ForEngine(task), "dense", config, Path(out)))
     model.eval()
     info = {"spec": asdict(spec), "seconds": round(seconds, 1),
             "val_curve": record.val_curve, "stage_ends": record.stage_ends,
@@ -166,7 +166,7 @@ def engine_run(task: Task, model: nn.Module, config: EngineConfig,
                rows: Tensor | None = None) -> nn.Module:
     """``model`` trained by the engine as ``config`` says (on ``rows`` only, if given)."""
     with tempfile.TemporaryDirectory() as out:
-        trained, _ = train_model(ForEngine(task, model, rows), "comera", True, config, Path(out))
+        trained, _ = train_model(ForEngine(task, model, rows), "comera", config, Path(out))
     return trained.eval()
 
 

@@ -12,7 +12,8 @@ import torch
 
 import comera
 from comera import CheckpointError, ConfigError
-from comera.experiments.task import Task, build_task_model
+from comera.experiments.task import Task, build_task_model, run_format
+from comera.formats.registry import DENSE
 from comera.numbers import is_int
 from comera.ranks.objective import floor_size
 
@@ -67,11 +68,13 @@ def check_device(device: str) -> torch.device:
     return parsed
 
 
-def check_settings(config: Any, tt: bool = True, world_size: int = 1) -> None:
+def check_settings(config: Any, tt: bool | None = None, world_size: int = 1) -> None:
     """Refuse, before any training, settings that cannot run to the end: an unknown or absent
-    device, a run of no steps, a late stage without early steps to take its loss target from, a
-    global batch that the workers cannot split evenly. ``tt``: a CoMERA run is among those to
-    come. Each check names the setting and the fix; every engine option is checked here."""
+    device, a run of no steps, a late stage without early steps to take its loss target from (a
+    CoMERA run's: ``config.format`` not ``"dense"``), a global batch that the workers cannot
+    split evenly. Each check names the setting and the fix; every engine option is checked here.
+    ``tt``: the flag of before, deprecated (see :func:`~comera.experiments.task.run_format`)."""
+    compressed = run_format(config, tt, "check_settings(replace(config, format={}))") != DENSE
     check_device(config.device)
     if world_size < 1:
         raise ConfigError(f"{world_size} worker processes; use at least 1.")
@@ -88,24 +91,26 @@ def check_settings(config: Any, tt: bool = True, world_size: int = 1) -> None:
         raise ConfigError(f"steps_early={config.steps_early}, steps_late={config.steps_late} "
                           f"with stage={config.stage!r}: nothing would be trained; set "
                           "steps_early >= 1.")
-    if tt and config.stage != "early" and config.steps_late and config.steps_early < 1:
+    if compressed and config.stage != "early" and config.steps_late and config.steps_early < 1:
         raise ConfigError(f"steps_early={config.steps_early}: the late stage takes its loss "
                           "target from the early stage's last steps; set steps_early >= 1.")
 
 
-def check_task(task: Task, config: Any, tt: bool = True) -> None:
+def check_task(task: Task, config: Any, tt: bool | None = None) -> None:
     """Refuse, before any training, settings that ``task`` cannot meet: a batch larger than its
-    training split, or (``tt`` with a late stage) a ``target_compression`` beyond what its TT
-    layers reach with every rank at 1. Builds the TT model once to measure it; the RNG states
-    are left as they were."""
+    training split, or (a CoMERA run with a late stage) a ``target_compression`` beyond what its
+    gated layers reach with every rank at 1. Builds the model of ``config.format`` once to
+    measure it; the RNG states are left as they were. ``tt``: the flag of before, deprecated
+    (see :func:`~comera.experiments.task.run_format`)."""
+    format = run_format(config, tt, "check_task(task, replace(config, format={}))")
     size = task.train_size()
     if config.batch_size > size:
         raise ConfigError(f"batch_size={config.batch_size} exceeds the {size} training examples "
                           f"of task {task.name!r}; use batch_size <= {size}.")
-    if not (tt and config.stage != "early" and config.steps_late):
+    if not (format != DENSE and config.stage != "early" and config.steps_late):
         return
     with torch.random.fork_rng(devices=[]):
-        model = build_task_model(task, config.model_format(True))
+        model = build_task_model(task, format)
     dense = comera.dense_size(model, only=comera.GatedLayer)
     non_tt = comera.model_size(model) - comera.model_size(model, only=comera.GatedLayer)
     floor = max(1, floor_size(model, 1) - non_tt)  # the TT layers with every rank at 1

@@ -133,11 +133,9 @@ class DLRMTaskConfig:
     def model_config(self, format: str = "tt") -> DLRMConfig:
         """The DLRM's config with its large tables of the kind ``format`` ("dense" or a format
         that holds tables: "tt" and "ttm" give TT-matrix tables)."""
-        format = model_format(format)
-        tt = format != DENSE
         return DLRMConfig(cardinalities=self.cardinalities, embedding_dim=self.embedding_dim,
                           bottom_mlp=self.bottom_mlp, top_mlp=self.top_mlp,
-                          max_rows=self.max_rows, tt=tt, table_format=format if tt else "ttm",
+                          max_rows=self.max_rows, table_format=model_format(format),
                           tt_ranks=self.tt_ranks,
                           tt_min_rows=self.tt_min_rows, tt_d=self.tt_d, tau=self.tau,
                           tt_cache_rows=self.tt_cache_rows)
@@ -176,7 +174,7 @@ class DLRMTask(Task):
     def build_model(self, format: str = "tt") -> nn.Module:
         config = self.cfg.model_config(format)
         model = DLRM(config)
-        if config.tt and self.cfg.tt_cache_rows:
+        if config.table_format != DENSE and self.cfg.tt_cache_rows:
             shares = model.choose_hot_rows_(self.data.train.sparse)
             log.info("hot-row caches of %d rows answer %s%% of the training lookups per table",
                      self.cfg.tt_cache_rows, shares)
@@ -245,8 +243,9 @@ class DLRMTask(Task):
                 if format != DENSE and capped.tt_cache_rows:
                     model.choose_hot_rows_(sample.sparse)
                 model = model.to(config.device)
-                cost = probe_step(model, lambda m, b=batch: self.loss(m, b), config,
-                                  format != DENSE, batch, steps=SCALE_STEPS)
+                cost = probe_step(model, lambda m, b=batch: self.loss(m, b),
+                                  replace(config, format=format), inputs=batch,
+                                  steps=SCALE_STEPS)
                 rung[name] = {"ms": cost.ms, "step_ms": list(cost.step_ms),
                               "peak_bytes": cost.peak_bytes,
                               "table_parameters": model.table_parameters()}

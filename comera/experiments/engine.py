@@ -1,8 +1,8 @@
 """The training engine: one loop for every task, dense or CoMERA, alone or data-parallel.
 
     task = CodePairTask(CodePairTaskConfig())
-    record = train_model(task, "comera", tt=True, config=EngineConfig(format="tt"),
-                         out=Path("runs/x"))
+    model, record = train_model(task, "comera", EngineConfig(format="tt"), Path("runs/x"))
+    dense, _ = train_model(task, "dense", EngineConfig(format="dense"), Path("runs/x"))
 
 Per run it owns: the batches of each step (:class:`~comera.experiments.task.IndexStream`, a pure
 function of seed and step), the optimizer and its learning-rate schedule (a pure function of the
@@ -28,7 +28,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ from comera.experiments.rundir import hold_run_directory
 from comera.experiments.task import IndexStream, Task, build_task_model
 from comera.formats.registry import DENSE, check_layer_format
 from comera.layers.linear import check_memory
+from comera.models.transformer import format_from_tt
 from comera.ranks.allocate import check_chain_format
 from comera.ranks.objective import ALLOCATIONS, REGULARIZERS
 from comera.training.early import EarlyStage
@@ -123,8 +124,8 @@ class EngineConfig:
     # transformers); like memory, it trades time for memory and leaves the results unchanged
     checkpoint_blocks: bool = False
     fsdp: bool = False  # FSDP2 over the workers: dense parts sharded, TT layers replicated
-    # the CoMERA run's layer kind: a registered format ("tt", "tucker", ...; the dense run is
-    # the other variant), from the CLI through Task.build_model to the layers
+    # the run's layer kind: a registered format ("tt", "tucker", ...: a CoMERA run) or "dense"
+    # (the dense baseline), from the CLI through Task.build_model to the layers
     format: str = "tt"
     # the optimizer and the rate after the warm-up (comera.experiments.optim_schedule): "groups"
     # (named AdamW groups) or "adamw" (AdamW over model.parameters()); "constant" or "cosine"
@@ -196,20 +197,25 @@ class EngineConfig:
         if not isinstance(self.memory, str):
             raise ConfigError(f"memory={self.memory!r}; choose one of fast, balanced, min.")
         check_memory(self.memory)
-        if self.format == DENSE:
-            raise ConfigError("format='dense': the dense model is the run without CoMERA (tt="
-                              "False, variant dense); give the CoMERA run a registered format, "
-                              "e.g. 'tt'.")
         check_layer_format(self.format)
-        if self.late_allocation == "spectrum":  # the shape is read from chains' spectra
+        if self.late_allocation == "spectrum" and self.compressed:  # read from chains' spectra
             try:
                 check_chain_format(self.format)
             except ConfigError as exc:
                 raise ConfigError(f"late_allocation='spectrum' with {exc}") from None
 
-    def model_format(self, tt: bool) -> str:
-        """The layer kind a run builds: ``format`` for a CoMERA run, ``"dense"`` otherwise."""
-        return self.format if tt else DENSE
+    @property
+    def compressed(self) -> bool:
+        """Whether the run is a CoMERA run (its layers in a format), not the dense baseline."""
+        return self.format != DENSE
+
+    def model_format(self, tt: bool | None = None) -> str:
+        """The layer kind a run builds: ``format``. (Deprecated until 0.3.0: a ``tt`` flag,
+        True for ``format``, False for ``"dense"``.)"""
+        if tt is None:
+            return self.format
+        return format_from_tt(tt, self.format,
+                              "model_format() with the kind in config.format={}")
 
     @property
     def total_steps(self) -> int:
@@ -222,7 +228,7 @@ class RunRecord:
     """Everything measured in one run; plain data (it goes into checkpoints and JSON)."""
 
     name: str
-    tt: bool
+    format: str  # the run's layer kind: "dense" or a registered format (a CoMERA run)
     steps: int = 0
     skipped: int = 0
     step_times: list = field(default_factory=list)  # seconds, training steps only
@@ -235,6 +241,24 @@ class RunRecord:
     # left out) by the end of the run, and at each point of val_curve
     train_seconds: float = 0.0
     val_seconds: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.format, bool):  # RunRecord(name, tt) of before
+            self.format = format_from_tt(self.format, "tt", "RunRecord(name, format={})",
+                                         stacklevel=4)
+        if not isinstance(self.format, str):
+            raise ConfigError(f"RunRecord format={self.format!r}; give the run's layer kind, "
+                              "'dense' or a registered format.")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], format: str = "tt") -> RunRecord:
+        """The record ``asdict`` wrote. One of before the layer kind was one word (a ``"tt"``
+        flag, no ``"format"``) reads as ``format`` (True; the run's, from its config) or
+        ``"dense"`` (False)."""
+        data = dict(data)
+        if "tt" in data and "format" not in data:
+            data["format"] = format if data.pop("tt") else DENSE
+        return cls(**data)
 
     @property
     def step_ms(self) -> float:
@@ -273,16 +297,16 @@ def sizes_of(model: nn.Module) -> dict[str, float]:
 class _Run:
     """State of one training run; ``train_model`` drives it."""
 
-    def __init__(self, task: Task, name: str, tt: bool, config: EngineConfig, out: Path,
+    def __init__(self, task: Task, name: str, config: EngineConfig, out: Path,
                  world: World, progress: Progress | None,
                  build: Callable[[], nn.Module] | None = None, start_step: int = 0):
-        self.task, self.name, self.tt, self.config, self.world = task, name, tt, config, world
+        self.task, self.name, self.config, self.world = task, name, config, world
         self.progress = progress
         self.device = check_device(config.device)
         self.checkpoint_path = out / "checkpoints" / f"{name}.pt"
         torch.manual_seed(config.seed)
         random.seed(config.seed)
-        built = build_task_model(task, config.model_format(tt)) if build is None else build()
+        built = build_task_model(task, config.format) if build is None else build()
         if not isinstance(built, nn.Module):
             raise ConfigError(f"build() gave a {type(built).__name__}; it must return the "
                               "nn.Module to train.")
@@ -299,14 +323,14 @@ class _Run:
                     "(the transformer models have: PairClassifier, MaskedLM); train it "
                     "without checkpoint_blocks.")
             self.model.checkpoint_blocks = True
-        if tt and not any(True for _ in comera.gated_layers(self.model)):
+        if config.compressed and not any(True for _ in comera.gated_layers(self.model)):
             raise ConfigError(f"the model of task {task.name!r} has no gated layers for a "
                               f"CoMERA run (format {config.format!r}); build_model(format) (or "
                               "build) must use comera's layers of that format.")
         hook, clip = prepare_model_(self.model, config.fsdp, config.max_grad_norm)
-        self.base_lr = base_rates(config, tt)
-        opt = run_optimizer(self.model, config, tt)
-        if tt:
+        self.base_lr = base_rates(config)
+        opt = run_optimizer(self.model, config)
+        if config.compressed:
             lam = config.lam if config.stage != "late" else 0.0
             early = (EarlyStage.for_compression(self.model, config.early_target,
                                                 config.steps_early, config.early_landing)
@@ -322,7 +346,7 @@ class _Run:
         # the training forward; checkpoints, sizes and evaluation use the model itself
         self.forward_model = torch.compile(self.model) if config.compile else self.model
         self.stream = IndexStream(task.train_size(), config.batch_size, config.seed)
-        self.record = RunRecord(name, tt)
+        self.record = RunRecord(name, config.format)
         self.step = start_step
         self.consecutive_skips = 0
         self.resumed_threads: int | None = None  # the CPU thread count a checkpoint was run at
@@ -332,7 +356,7 @@ class _Run:
         """(stage, first step, end step) of this run. ``stage="late"`` trains the early steps
         without the rank regulariser (lam 0) before the late stage."""
         c = self.config
-        if not self.tt:  # as many steps as the CoMERA run it is compared with
+        if not c.compressed:  # as many steps as the CoMERA run it is compared with
             return [("dense", 0, c.steps_early if c.stage == "early" else c.total_steps)]
         if c.stage == "early":
             return [("early", 0, c.steps_early)]
@@ -483,7 +507,7 @@ class _Run:
             engine={"step": self.step, "trainer": self.trainer.state_dict(),
                     "rng_torch": torch.get_rng_state(), "rng_python": random.getstate(),
                     "record": asdict(self.record), "config": asdict(self.config),
-                    "task": self.task.name, "tt": self.tt,
+                    "task": self.task.name, "format": self.config.format,
                     "consecutive_skips": self.consecutive_skips,
                     "threads": torch.get_num_threads(),
                     "scaler": self.scaler.state_dict() if self.scaler is not None else None})
@@ -502,11 +526,13 @@ class _Run:
             raise CheckpointError(f"{self.checkpoint_path} was not written by the training "
                                   "engine (no 'engine' state); resume needs one of its "
                                   "checkpoints, or start without --resume.")
+        state = _current_engine_state(state, self.checkpoint_path)
         _check_engine_state(state, self.checkpoint_path)
-        if state["task"] != self.task.name or state["tt"] != self.tt:
+        if state["task"] != self.task.name or state["format"] != self.config.format:
             raise CheckpointError(
-                f"{self.checkpoint_path} belongs to task {state['task']!r} (tt={state['tt']}), "
-                f"not {self.task.name!r} (tt={self.tt}); point --out at that run's directory.")
+                f"{self.checkpoint_path} belongs to task {state['task']!r} (format "
+                f"{state['format']!r}), not {self.task.name!r} (format "
+                f"{self.config.format!r}); point --out at that run's directory.")
         defaults = asdict(EngineConfig())  # settings a checkpoint predates have their default
         # settings that leave the results unchanged
         free = ("device", "compile", "memory", "threads", "checkpoint_blocks", "fsdp")
@@ -528,7 +554,7 @@ class _Run:
                 self.scaler.load_state_dict(state["scaler"])
             torch.set_rng_state(state["rng_torch"])
             random.setstate(_as_tuple(state["rng_python"]))
-            self.record = RunRecord(**state["record"])
+            self.record = RunRecord.from_dict(state["record"], state["format"])
         except (KeyError, AttributeError, TypeError, ValueError, IndexError,
                 RuntimeError) as exc:  # an edited state that passed its (recomputed) checksum
             raise CheckpointError(f"{self.checkpoint_path}: its engine state cannot be "
@@ -541,8 +567,26 @@ class _Run:
 
 
 # what a checkpoint's engine state holds, by type (checked before any of it is used)
-_ENGINE_STATE = {"task": str, "tt": bool, "config": dict, "trainer": dict, "step": int,
+_ENGINE_STATE = {"task": str, "format": str, "config": dict, "trainer": dict, "step": int,
                  "rng_torch": Tensor, "rng_python": list | tuple, "record": dict}
+
+
+def _current_engine_state(state: dict, path: Path) -> dict:
+    """An engine state written before the layer kind was one word (a ``"tt"`` flag beside the
+    config's CoMERA ``format``) as it is written now: ``"format"`` the run's kind, in the
+    config too (a dense run's config named the CoMERA run's format)."""
+    if "format" in state or "tt" not in state:
+        return state
+    flag, config = state["tt"], state.get("config")
+    if not isinstance(flag, bool) or not isinstance(config, dict):
+        return state  # refused, as damaged, by _check_engine_state
+    state = dict(state)
+    del state["tt"]
+    state["format"] = str(config.get("format", "tt")) if flag else DENSE
+    state["config"] = {**config, "format": state["format"]}
+    log.info("%s: an engine state with a tt flag (before 0.2.0), read as format %r", path,
+             state["format"])
+    return state
 
 
 def _check_engine_state(state: dict, path: Path) -> None:
@@ -600,11 +644,17 @@ def _as_tuple(value: Any) -> Any:
     return value
 
 
-def train_model(task: Task, name: str, tt: bool, config: EngineConfig, out: Path,
+# train_model's arguments after ``out`` in the order of the call of before (task, name, tt,
+# config, out, resume, progress, stop_after, build, start_step)
+_LEGACY_ORDER = ("resume", "progress", "stop_after", "build", "start_step")
+
+
+def train_model(task: Task, name: str, config: EngineConfig, out: Path | str, *legacy: Any,
                 resume: bool = False, progress: Progress | None = None,
                 stop_after: int | None = None, build: Callable[[], nn.Module] | None = None,
-                start_step: int = 0) -> tuple[nn.Module, RunRecord]:
-    """Train one model of ``task`` (dense, or CoMERA with ``tt``); return it and its record.
+                start_step: int = 0, tt: bool | None = None) -> tuple[nn.Module, RunRecord]:
+    """Train one model of ``task``, of the layer kind ``config.format`` (a registered format: a
+    CoMERA run; ``"dense"``: the dense baseline); return it and its record.
 
     ``stop_after``: leave after this many steps of this call (a checkpoint is written first),
     e.g. to split a long run over sessions; ``resume`` continues from ``out``'s checkpoint if
@@ -616,16 +666,58 @@ def train_model(task: Task, name: str, tt: bool, config: EngineConfig, out: Path
     ``late_target_loss``). The settings are checked before anything is
     built, and ``out`` is held for the call (:func:`~comera.experiments.rundir.hold_run_directory`):
     a second run on it is refused at once.
+
+    The call of before, ``train_model(task, name, tt, config, out, ...)`` or ``tt=`` (True: the
+    run of ``config.format``; False: the dense one), works until 0.3.0 with a
+    DeprecationWarning naming this one.
     """
-    check_settings(config, tt, current_world().size)
-    check_task(task, config, tt)
-    _check_start(config, tt, build, start_step)
+    if isinstance(config, bool) or tt is not None or legacy:
+        config, out, options = _legacy_call(config, out, legacy, tt, dict(
+            resume=resume, progress=progress, stop_after=stop_after, build=build,
+            start_step=start_step))
+        resume, progress, stop_after, build, start_step = (options[k] for k in _LEGACY_ORDER)
+    if not isinstance(config, EngineConfig):
+        raise ConfigError(f"train_model(task, name, config, out): config is a "
+                          f"{type(config).__name__}, not an EngineConfig; the run's layer kind "
+                          "is config.format.")
+    check_settings(config, world_size=current_world().size)
+    check_task(task, config)
+    _check_start(config, build, start_step)
     with _holding(out):
-        return _train(task, name, tt, config, Path(out), resume, progress, stop_after, build,
+        return _train(task, name, config, Path(out), resume, progress, stop_after, build,
                       start_step)
 
 
-def _check_start(config: EngineConfig, tt: bool, build: Callable[[], nn.Module] | None,
+def _legacy_call(config: Any, out: Any, legacy: tuple, tt: bool | None,
+                 options: dict[str, Any]) -> tuple[EngineConfig, Any, dict[str, Any]]:
+    """(config, out, options) of a call of before: ``(task, name, tt, config, out, resume,
+    ...)`` positionally, or with ``tt=``; the flag becomes ``config.format``, with a
+    DeprecationWarning naming the call of now."""
+    if isinstance(config, bool):  # the flag in the third place: everything after it moves
+        if tt is not None:
+            raise ConfigError("train_model: tt given twice (third argument and tt=); give "
+                              "train_model(task, name, config, out) with config.format.")
+        tt, config, (out, *legacy) = config, out, (legacy or (None,))
+    if len(legacy) > len(_LEGACY_ORDER):
+        raise ConfigError(f"train_model takes {len(_LEGACY_ORDER)} arguments after out, "
+                          f"got {len(legacy)}; give them by name: {', '.join(_LEGACY_ORDER)}.")
+    for key, value in zip(_LEGACY_ORDER, legacy, strict=False):
+        options[key] = value
+    if out is None:
+        raise ConfigError("train_model(task, name, config, out): out, the run directory, is "
+                          "missing.")
+    if tt is not None:
+        if not isinstance(config, EngineConfig):
+            raise ConfigError(f"train_model(task, name, config, out): config is a "
+                              f"{type(config).__name__}, not an EngineConfig.")
+        format = format_from_tt(tt, config.format, "train_model(task, name, replace(config, "
+                                "format={}), out), the kind in config.format", stacklevel=4)
+        if format != config.format:
+            config = replace(config, format=format)
+    return config, out, options
+
+
+def _check_start(config: EngineConfig, build: Callable[[], nn.Module] | None,
                  start_step: int) -> None:
     """``build`` is callable; a start step lies inside the run, and one inside the late stage
     has a loss target that needs no early losses."""
@@ -637,7 +729,7 @@ def _check_start(config: EngineConfig, tt: bool, build: Callable[[], nn.Module] 
     if start_step >= end:
         raise ConfigError(f"start_step={start_step}: the run ends at step {end}; start before "
                           "its end.")
-    late = tt and config.stage != "early" and config.steps_late
+    late = config.compressed and config.stage != "early" and config.steps_late
     if late and start_step >= config.steps_early and config.late_target_loss is None:
         raise ConfigError(f"start_step={start_step} starts inside the late stage, whose loss "
                           "target comes from the early stage's last losses; set "
@@ -651,13 +743,13 @@ def _holding(out: Path | str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext(Path(out))
 
 
-def _train(task: Task, name: str, tt: bool, config: EngineConfig, out: Path, resume: bool,
+def _train(task: Task, name: str, config: EngineConfig, out: Path, resume: bool,
            progress: Progress | None, stop_after: int | None,
            build: Callable[[], nn.Module] | None,
            start_step: int) -> tuple[nn.Module, RunRecord]:
     """``train_model`` inside a held run directory."""
     world = current_world()
-    run = _Run(task, name, tt, config, Path(out), world, progress, build, start_step)
+    run = _Run(task, name, config, Path(out), world, progress, build, start_step)
     resumed = run.resume() if resume else False
     if not resumed and resume:
         log.info("%s: no checkpoint at %s; starting fresh", name, run.checkpoint_path)

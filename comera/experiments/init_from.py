@@ -55,8 +55,11 @@ def _engine_state(path: Path) -> dict:
         raise CheckpointError(f"--init-from {path}: a checkpoint of task {task!r}; it must be "
                               "one written by `comera train mlm`.")
     config = engine.get("config") if isinstance(engine.get("config"), dict) else {}
-    return {"format": str(config.get("format", "tt")) if engine["tt"] else "dense",
-            "state": payload["model"]}
+    if "format" in engine:
+        format = str(engine["format"])
+    else:  # written before the layer kind was one word: a tt flag beside the CoMERA format
+        format = str(config.get("format", "tt")) if engine.get("tt") else "dense"
+    return {"format": format, "state": payload["model"]}
 
 
 def read_pretrained(path: Path | str, task_config=None, root: Path | str | None = None,

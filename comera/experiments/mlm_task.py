@@ -85,7 +85,7 @@ class MLMTaskConfig:
         return TransformerConfig(
             vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
             n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout,
-            tt=format != DENSE, linear_format=format if format != DENSE else "tt",
+            linear_format=format,
             tt_embedding=self.tt_embedding, rank=self.rank, embedding_rank=self.embedding_rank,
             attn_modes=None, ffn_in_modes=None, ffn_out_modes=None, embedding_modes=None,
             parametrization=self.parametrization)

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 import comera
+from comera.experiments.task import run_format
+from comera.formats.registry import DENSE
 
 OPTIMIZERS = ("groups", "adamw")
 SCHEDULES = ("constant", "cosine")
@@ -40,20 +42,30 @@ def lr_factor(step: int, warmup: int, total: int = 0, schedule: str = "constant"
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def base_rates(config: Any, tt: bool) -> dict[str, float]:
-    """Each named parameter group's base learning rate (a group without a name: ``"other"``)."""
-    if not tt or config.optimizer == "adamw":
+def base_rates(config: Any, tt: bool | None = None) -> dict[str, float]:
+    """Each named parameter group's base learning rate (a group without a name: ``"other"``) in a
+    run of ``config`` (a CoMERA run unless ``config.format`` is ``"dense"``; ``tt``: the flag of
+    before, deprecated, see :func:`~comera.experiments.task.run_format`)."""
+    return _rates(config, run_format(config, tt, "base_rates(replace(config, format={}))"))
+
+
+def _rates(config: Any, format: str) -> dict[str, float]:
+    if format == DENSE or config.optimizer == "adamw":
         return {"cores": config.lr, "gates": config.lr, "other": config.lr}
     return {"cores": config.lr, "gates": config.lr_gates,
             "other": config.lr if config.lr_other is None else config.lr_other}
 
 
-def run_optimizer(model: nn.Module, config: Any, tt: bool) -> torch.optim.Optimizer:
-    """The optimizer ``config.optimizer`` names for ``model`` (a CoMERA model with ``tt``)."""
+def run_optimizer(model: nn.Module, config: Any, tt: bool | None = None
+                  ) -> torch.optim.Optimizer:
+    """The optimizer ``config.optimizer`` names for ``model`` (a CoMERA model unless
+    ``config.format`` is ``"dense"``; ``tt``: the flag of before, deprecated, see
+    :func:`~comera.experiments.task.run_format`)."""
+    format = run_format(config, tt, "run_optimizer(model, replace(config, format={}))")
     if config.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=config.lr)
-    rates = base_rates(config, tt)
-    if tt:
+    rates = _rates(config, format)
+    if format != DENSE:
         return comera.make_optimizer(model, comera.OptimizerConfig(
             rates["cores"], rates["gates"], rates["other"]))
     return torch.optim.AdamW([{"params": list(model.parameters()), "lr": config.lr,

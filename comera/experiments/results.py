@@ -22,7 +22,7 @@ import statistics
 import subprocess
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from comera.experiments.engine import (
 from comera.experiments.rundir import check_run_directory, hold_run_directory
 from comera.experiments.step_cost import probe_step
 from comera.experiments.task import IndexStream, Task, build_task_model
+from comera.formats.registry import DENSE
 from tncomp.files import atomic_write_text
 
 log = logging.getLogger("comera.experiments")
@@ -113,13 +114,12 @@ def _peak_bytes(task: Task, model: nn.Module, stage: str, config: EngineConfig) 
     the early stage trained. None under data parallelism (a worker alone cannot step)."""
     if current_world().size > 1:
         return None
-    tt = stage != "dense"
+    config = variant_config(config, "dense" if stage == "dense" else "comera")
     if stage == "early" and config.stage != "early" and config.steps_late:
-        model = build_task_model(task, config.model_format(True)).to(
-            next(model.parameters()).device)
+        model = build_task_model(task, config.format).to(next(model.parameters()).device)
     batch = to_device(task.step_batch(IndexStream(task.train_size(), config.batch_size,
                                                   config.seed), 0), next(model.parameters()).device)
-    cost = probe_step(model, lambda m: task.loss(m, batch), config, tt, _tensors(batch),
+    cost = probe_step(model, lambda m: task.loss(m, batch), config, inputs=_tensors(batch),
                       steps=1)  # the row's time is the run's own median
     return cost.peak_bytes
 
@@ -134,6 +134,12 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
+def variant_config(config: EngineConfig, variant: str) -> EngineConfig:
+    """The config of one variant of an experiment on ``config`` (whose ``format`` is the CoMERA
+    run's): ``"comera"`` runs it as it is, ``"dense"`` with ``format="dense"``."""
+    return replace(config, format=DENSE) if variant == "dense" else config
+
+
 def check_experiment(config: EngineConfig, out: Path, variants: tuple[str, ...] = VARIANTS,
                      resume: bool = False, world_size: int = 1) -> None:
     """Refuse, before any training and without writing, an experiment that cannot run: bad
@@ -142,7 +148,12 @@ def check_experiment(config: EngineConfig, out: Path, variants: tuple[str, ...] 
     bad = [v for v in variants if v not in VARIANTS]
     if bad or not variants:
         raise ConfigError(f"variants {','.join(variants)!r}: choose from {','.join(VARIANTS)}.")
-    check_settings(config, "comera" in variants, world_size)
+    if "comera" in variants and config.format == DENSE:
+        raise ConfigError("format='dense' for the comera variant: it is the compressed model; "
+                          "give format a registered format, e.g. 'tt' (the dense variant is "
+                          "the dense one).")
+    for variant in variants:
+        check_settings(variant_config(config, variant), world_size=world_size)
     out = Path(out)
     if resume and not any((out / "checkpoints" / f"{v}.pt").is_file() for v in variants):
         raise CheckpointError(f"--resume: {out / 'checkpoints'} holds no checkpoint of "
@@ -163,7 +174,8 @@ def run_experiment(task: Task, config: EngineConfig, out: Path,
     """
     out = Path(out)
     check_experiment(config, out, variants, resume, current_world().size)
-    check_task(task, config, "comera" in variants)
+    for variant in variants:
+        check_task(task, variant_config(config, variant))
     holding = hold_run_directory(out) if current_world().is_main else nullcontext(out)
     with holding:
         return _run(task, config, out, variants, resume, progress)
@@ -173,7 +185,8 @@ def _run(task: Task, config: EngineConfig, out: Path, variants: tuple[str, ...],
          progress: Progress | None) -> dict[str, Any]:
     records, rows = [], []
     for name in variants:
-        model, record = train_model(task, name, name != "dense", config, out, resume, progress)
+        model, record = train_model(task, name, variant_config(config, name), out,
+                                    resume=resume, progress=progress)
         records.append(record)
         for row in rows_of(record, config):
             row["peak_bytes"] = _peak_bytes(task, model, row["stage"], config)

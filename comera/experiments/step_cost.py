@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -187,23 +187,30 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Calla
     return StepCost(statistics.median(times), tuple(times), resident, extra)
 
 
-def probe_step(model: nn.Module, loss: Callable[[nn.Module], Tensor], config: Any, tt: bool,
-               inputs: Iterable[Tensor] = (), steps: int = 2) -> StepCost:
+def probe_step(model: nn.Module, loss: Callable[[nn.Module], Tensor], config: Any,
+               tt: bool | None = None, inputs: Iterable[Tensor] = (),
+               steps: int = 2) -> StepCost:
     """:func:`measure_step` of the training step a run of ``config`` (an
-    :class:`~comera.experiments.engine.EngineConfig`) takes on ``model`` (CoMERA's with ``tt``,
-    at its early-stage objective), ``loss(model)`` giving the step's loss, at the learning rates
+    :class:`~comera.experiments.engine.EngineConfig`) takes on ``model`` (CoMERA's, at its
+    early-stage objective, unless ``config.format`` is ``"dense"``; ``tt``: the flag of before,
+    deprecated, see :func:`~comera.experiments.task.run_format`), ``loss(model)`` giving the
+    step's loss, at the learning rates
     of 0: the optimizer's state is allocated and every update computed, but ``model`` keeps the
     function it computes (CoMERA's bookkeeping may set pruned gate entries to exactly zero), so
     a trained model can be measured after its run."""
     from comera.experiments.checks import PRECISIONS
     from comera.experiments.optim_schedule import run_optimizer
+    from comera.experiments.task import run_format
+    from comera.formats.registry import DENSE
     from comera.training.trainers import CoMERATrainer, DenseTrainer
 
-    optimizer = run_optimizer(model, config, tt)
+    format = run_format(config, tt, "probe_step(model, loss, replace(config, format={}), ...)")
+    optimizer = run_optimizer(model, config if format == config.format
+                              else replace(config, format=format))
     for group in optimizer.param_groups:
         group["lr"] = 0.0
     trainer = (CoMERATrainer(model, optimizer, config.lam, config.regularizer,
-                             config.max_grad_norm) if tt
+                             config.max_grad_norm) if format != DENSE
                else DenseTrainer(model, optimizer, config.max_grad_norm))
     device = next(model.parameters()).device
     dtype = PRECISIONS[config.precision]

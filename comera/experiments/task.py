@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from comera import ConfigError
 from comera.formats.registry import DENSE, check_layer_format
+from comera.models.transformer import format_from_tt
 
 Batch = Any  # whatever ``Task.batch`` returns and ``Task.loss`` takes (tensors, tuples of them)
 
@@ -35,6 +36,16 @@ def model_format(format: str | bool) -> str:
                       DeprecationWarning, stacklevel=3)
         return "tt" if format else DENSE
     return check_layer_format(format)
+
+
+def run_format(config: Any, tt: bool | None = None, call: str = "config.format={}") -> str:
+    """The layer kind of a run of ``config`` (an
+    :class:`~comera.experiments.engine.EngineConfig`): ``config.format``, ``"dense"`` for the
+    dense baseline. ``tt``: the flag of before (True: ``config.format``; False: ``"dense"``),
+    read until 0.3.0 with a DeprecationWarning naming ``call`` (formatted with the kind)."""
+    if tt is None:
+        return config.format
+    return format_from_tt(tt, config.format, call, stacklevel=4)
 
 
 def build_task_model(task: Task, format: str) -> nn.Module:

@@ -68,23 +68,22 @@ class PairClassificationTask(Task):
     def model_config(self, format: str = "tt") -> TransformerConfig:
         """The classifier's config with its layers (and token table) of the kind ``format``."""
         format = model_format(format)
-        tt = format != DENSE
         c = self.config
         if self.pretrained is not None:
             from comera.experiments.init_from import classifier_config
 
             saved = self.pretrained.config
-            saved_format = saved.linear_format if saved.tt else DENSE
+            saved_format = saved.linear_format
             if format != saved_format:
-                variant = "comera" if saved.tt else "dense"
+                variant = "dense" if saved_format == DENSE else "comera"
                 raise ConfigError(f"--init-from {c.init_from} holds an encoder of format "
                                   f"{saved_format!r}; train the {variant} variant from it "
                                   f"(--variants {variant}, format {saved_format!r}), or "
                                   "pretrain the other one.")
             return classifier_config(self.pretrained, self.n_classes, c.dropout)
-        changes: dict[str, Any] = dict(max_len=c.max_len, n_classes=self.n_classes, tt=tt,
-                                       tt_embedding=tt, dropout=c.dropout,
-                                       linear_format=format if tt else "tt")
+        changes: dict[str, Any] = dict(max_len=c.max_len, n_classes=self.n_classes,
+                                       tt_embedding=format != DENSE, dropout=c.dropout,
+                                       linear_format=format)
         if c.rank is not None:
             changes["rank"] = c.rank
         vocab = len(self.tokenizer.vocab)

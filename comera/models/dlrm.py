@@ -1,5 +1,5 @@
-"""DLRM (Naumov et al. 2019) with its embedding tables as TT-matrix tables (or in another
-format that holds tables, ``table_format``; or dense).
+"""DLRM (Naumov et al. 2019) with its large embedding tables in a format that holds tables
+(``table_format``, e.g. TT-matrix tables), or dense (``table_format="dense"``, the default).
 
 One example is 13 dense features and one categorical id per table. The model:
 
@@ -7,8 +7,8 @@ One example is 13 dense features and one categorical id per table. The model:
    layer, as in the reference implementation);
 2. each categorical id is looked up in its table: a plain ``nn.Embedding``, or a
    :class:`~comera.layers.embedding.TTEmbedding` (a table in ``table_format``) for tables of at
-   least ``tt_min_rows`` rows when ``tt=True`` (a TT table of a few hundred rows saves nothing
-   and costs a contraction);
+   least ``tt_min_rows`` rows when ``table_format`` is not ``"dense"`` (a TT table of a few
+   hundred rows saves nothing and costs a contraction);
 3. the interaction takes the dot product of every pair of the ``1 + T`` vectors (the strict
    upper triangle of their Gram matrix) and concatenates them to the bottom MLP's output;
 4. a top MLP maps that to one logit (ReLU between layers, none after the last).
@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import InitVar, dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, CRITEO_NUM_DENSE
 from comera.errors import ConfigError, LookupIndexError
+from comera.formats.registry import DENSE
 from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.layers.embedding import embedding_class, gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLayer
+from comera.models.transformer import NO_FLAG, format_from_tt
 from comera.numbers import is_int
 
 log = logging.getLogger("comera.models")
@@ -55,9 +58,20 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+class _Default(str):
+    """A field's default as the class wrote it: a value the caller did not give."""
+
+
+# the tables the deprecated tt=True meant when no table_format was given
+_TT_TABLES = "ttm"
+
+
 @dataclass(frozen=True)
 class DLRMConfig:
-    """Sizes of a DLRM and its TT settings; ``tt=False`` is the dense baseline of the same model.
+    """Sizes of a DLRM and the kind of its large tables; ``table_format="dense"`` (the default)
+    is the dense baseline of the same model. ``tt`` (deprecated until 0.3.0, with a
+    DeprecationWarning): ``tt=False`` reads as ``table_format="dense"``, ``tt=True`` as the
+    given ``table_format`` (``"ttm"`` when none is given).
 
     ``bottom_mlp`` and ``top_mlp`` list the output width of every layer: the bottom one ends at
     ``embedding_dim`` (its output joins the interaction), the top one at 1 (the logit).
@@ -69,19 +83,28 @@ class DLRMConfig:
     bottom_mlp: tuple[int, ...] = (512, 256, 64, 16)
     top_mlp: tuple[int, ...] = (512, 256, 1)
     max_rows: int | None = None  # cap on every table's rows (dense and TT alike), for small runs
-    tt: bool = False
-    # with tt: the format of the large tables, a format that holds tables (table_formats();
-    # a format word is read as the table it takes: "tt" holds TT-matrix tables, "ttm")
-    table_format: str = "ttm"
+    # the large tables' kind: "dense", or a format that holds tables (table_formats(); a format
+    # word is read as the table it takes: "tt" holds TT-matrix tables, "ttm")
+    table_format: str = _Default(DENSE)
     tt_ranks: int = 32
-    tt_min_rows: int = 10_000  # smaller tables stay nn.Embedding when tt=True
+    tt_min_rows: int = 10_000  # smaller tables stay nn.Embedding in a compressed model
     tt_d: int = 3  # number of TT-matrix cores per table
     tau: float = DEFAULT_TAU
     # TT-Rec hot-row cache: dense rows for this many most frequent ids of each TT table
     # (comera.layers.cached_embedding); choose them from the training data with choose_hot_rows_
     tt_cache_rows: int = 0
+    tt: InitVar[Any] = NO_FLAG  # deprecated: see the class docstring
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, tt: Any) -> None:
+        kind = self.table_format
+        if tt is not NO_FLAG and tt is not None:
+            given = _TT_TABLES if tt is True and isinstance(kind, _Default) else kind
+            kind = format_from_tt(tt, given, "DLRMConfig(table_format={})", stacklevel=4)
+        if not isinstance(kind, str):
+            raise ConfigError(f"table_format={kind!r}; give 'dense' or a format that holds "
+                              "tables, e.g. 'ttm'.")
+        object.__setattr__(self, "table_format", DENSE if kind == DENSE
+                           else table_format(kind, "table_format"))
         _positive_int("num_dense", self.num_dense)
         cards = _positive_ints("cardinalities", self.cardinalities)
         if not cards:
@@ -102,14 +125,20 @@ class DLRMConfig:
         object.__setattr__(self, "top_mlp", top)
         if self.max_rows is not None:
             _positive_int("max_rows", self.max_rows)
-        object.__setattr__(self, "table_format", table_format(self.table_format,
-                                                              "table_format"))
         _positive_int("tt_ranks", self.tt_ranks)
         _positive_int("tt_min_rows", self.tt_min_rows)
         _positive_int("tt_d", self.tt_d)
         _positive_int("tt_cache_rows", self.tt_cache_rows, minimum=0)
         if not isinstance(self.tau, int | float) or math.isnan(self.tau) or self.tau < 0:
             raise ConfigError(f"tau={self.tau!r}; the gate threshold is a number >= 0.")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A config pickled before the table kind was one word (a ``tt`` flag beside
+        ``table_format``) loads as the kind it built: ``tt=False`` was the dense model."""
+        state = dict(state)
+        if not state.pop("tt", True):
+            state["table_format"] = DENSE
+        self.__dict__.update(state)
 
     @property
     def table_sizes(self) -> tuple[int, ...]:
@@ -129,7 +158,7 @@ class DLRMConfig:
 
     def is_tt_table(self, k: int) -> bool:
         """Whether table ``k`` is a gated table (in ``table_format``) in this configuration."""
-        return self.tt and self.table_sizes[k] >= self.tt_min_rows
+        return self.table_format != DENSE and self.table_sizes[k] >= self.tt_min_rows
 
 
 def _mlp(n_in: int, widths: tuple[int, ...], relu_last: bool) -> nn.Sequential:
@@ -246,18 +275,24 @@ class DLRM(nn.Module):
 
     # -- conversion -----------------------------------------------------------------------------
     @classmethod
-    def from_dense(cls, model: DLRM, tt_ranks: int | None = None) -> DLRM:
-        """A TT DLRM whose large tables are TT-SVDs of ``model``'s (exact at full rank).
+    def from_dense(cls, model: DLRM, tt_ranks: int | None = None,
+                   format: str = _TT_TABLES) -> DLRM:
+        """A DLRM whose large tables are decompositions of ``model``'s in ``format`` (by
+        default TT-matrix tables, TT-SVDs: exact at full rank).
 
         The MLPs and the small tables are copied; ``tt_ranks`` (default ``model.cfg.tt_ranks``)
-        caps the TT ranks of the converted tables.
+        caps the ranks of the converted tables.
         """
         if not isinstance(model, DLRM):
             raise ConfigError(f"from_dense takes a DLRM, got {type(model).__name__}.")
         if any(isinstance(t, GatedLayer) for t in model.embeddings):
-            raise ConfigError("from_dense takes a dense DLRM (tt=False); this one already has "
-                              "TT tables.")
-        cfg = replace(model.cfg, tt=True, tt_ranks=tt_ranks or model.cfg.tt_ranks)
+            raise ConfigError("from_dense takes a dense DLRM (table_format='dense'); this one "
+                              "already has compressed tables.")
+        if format == DENSE:
+            raise ConfigError("from_dense(format='dense'): give the format of the converted "
+                              "tables, e.g. 'ttm'.")
+        cfg = replace(model.cfg, table_format=format,
+                      tt_ranks=tt_ranks or model.cfg.tt_ranks)
         like = next(model.parameters())
         out = cls(cfg).to(device=like.device, dtype=like.dtype)
         out.bottom.load_state_dict(model.bottom.state_dict())

@@ -1,10 +1,11 @@
 """A BERT-style masked-language model on the encoder blocks of the pair classifier.
 
 Token + position embeddings, LayerNorm, dropout, N post-LayerNorm encoder blocks, then BERT's
-prediction head: a d x d transform, GELU, LayerNorm, and the vocabulary projection d -> V. With
-``cfg.tt`` every linear layer (head included) is in ``cfg.linear_format`` (TT:
-:class:`~comera.layers.linear.TTLinear`) and, with ``cfg.tt_embedding``, the token table in the
-format's table (TT: a TT-matrix :class:`~comera.layers.embedding.TTEmbedding`).
+prediction head: a d x d transform, GELU, LayerNorm, and the vocabulary projection d -> V. Every
+linear layer (head included) is of the kind ``cfg.linear_format`` (TT:
+:class:`~comera.layers.linear.TTLinear`; ``"dense"``: ``nn.Linear``) and, in a compressed model
+with ``cfg.tt_embedding``, the token table in the format's table (TT: a TT-matrix
+:class:`~comera.layers.embedding.TTEmbedding`).
 
 The TT vocabulary projection has ``V`` padded to the nearest size with balanced modes
 (:func:`~comera.formats.factorize.suggest_padded_size`, e.g. 15,317 -> 15,360); the extra logits are
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.formats.factorize import suggest_padded_size
+from comera.formats.registry import DENSE
 from comera.layers.embedding import GatedEmbedding
 from comera.lean.dropout import BoolMaskDropout
 from comera.models.transformer import (
@@ -63,7 +65,7 @@ class MaskedLM(nn.Module):
         # BERT's prediction head: transform (d x d, like the attention projections), GELU, LN
         self.transform = linear(cfg, d, d, cfg.attn_modes)
         self.head_ln = nn.LayerNorm(d)
-        if cfg.tt:
+        if cfg.linear_format != DENSE:
             padded = suggest_padded_size(cfg.vocab_size, _VOCAB_MODES)
             self.decoder = linear_layer(cfg.linear_format, d, padded, cfg.embedding_rank,
                                         tau=cfg.tau, d=_VOCAB_MODES,

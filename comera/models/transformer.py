@@ -1,6 +1,6 @@
 """The six-encoder transformer of the paper's MNLI run, with every linear layer and the token
-embedding as TT layers (or in any other registered format, ``linear_format``; or dense, for the
-baseline).
+embedding as TT layers (or in any other registered format, ``linear_format``; or
+``linear_format="dense"``, the baseline).
 
 d_model 768, 12 heads, FFN 3072, GELU, post-LayerNorm, dropout 0.1, learned positions, max
 length 128, and a pair-classification head on the first token. Shapes follow the paper:
@@ -18,14 +18,16 @@ and the RNG stream are those of a run without it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
-from comera.formats.registry import DENSE, check_layer_format, get_format
+from comera.formats.registry import DENSE, check_layer_format, format_names, get_format
 from comera.formats.scaling import RANK_ADAPTIVE, check_parametrization
 from comera.layers.embedding import gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLinear, TTLinear
@@ -46,9 +48,50 @@ def check_token_ids(ids: Tensor, max_len: int) -> int:
     return s
 
 
+#: the release in which the ``tt`` flag of the model configs and the engine goes
+TT_FLAG_RELEASE = "0.3.0"
+
+
+class _NoFlag:
+    """The default of a config's deprecated ``tt`` argument, and what ``cfg.tt`` reads: not a
+    bool, so code that still tests the flag fails loudly, naming the field that replaced it."""
+
+    def __bool__(self) -> bool:
+        raise ConfigError("the model configs have no tt flag: the layer kind is one word, "
+                          "TransformerConfig.linear_format / DLRMConfig.table_format (\"dense\" "
+                          "for the dense model); test cfg.linear_format != \"dense\".")
+
+    def __repr__(self) -> str:
+        return "<no tt flag>"
+
+
+NO_FLAG: Any = _NoFlag()
+
+
+def format_from_tt(tt: Any, format: str, instead: str, *, stacklevel: int = 3) -> str:
+    """The layer kind the deprecated ``tt`` flag asks for beside the kind ``format``: ``format``
+    for True, ``"dense"`` for False, with a DeprecationWarning naming the new spelling
+    (``instead``, formatted with the kind); the flag goes in :data:`TT_FLAG_RELEASE`. ``tt=True``
+    beside ``"dense"`` is a :class:`ConfigError` naming both (which of the two is meant?)."""
+    if not isinstance(tt, bool):
+        raise ConfigError(f"tt={tt!r}: the deprecated flag is True or False; give the layer kind "
+                          f"alone instead, e.g. {instead.format(repr(DENSE))}.")
+    if tt and format == DENSE:
+        raise ConfigError(f"tt=True beside the kind 'dense' ({instead.format(repr(DENSE))}): "
+                          "the flag asks for a compressed model, the kind for the dense one; "
+                          "drop tt and give the kind alone (a registered format, or 'dense').")
+    kind = format if tt else DENSE
+    warnings.warn(f"tt={tt} is deprecated: the layer kind is one word, give "
+                  f"{instead.format(repr(kind))}; the tt flag goes in {TT_FLAG_RELEASE}.",
+                  DeprecationWarning, stacklevel=stacklevel)
+    return kind
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
-    """Sizes and TT settings. ``tt=False`` builds the dense baseline of the same model."""
+    """Sizes and the layers' kind. ``linear_format="dense"`` builds the dense baseline of the
+    same model. ``tt`` (deprecated until 0.3.0, with a DeprecationWarning): ``tt=False`` reads as
+    ``linear_format="dense"``, ``tt=True`` leaves ``linear_format`` as given."""
 
     vocab_size: int = 30522
     d_model: int = 768
@@ -58,8 +101,7 @@ class TransformerConfig:
     max_len: int = 128
     n_classes: int = 3
     dropout: float = 0.1
-    tt: bool = True
-    tt_embedding: bool = True
+    tt_embedding: bool = True  # a compressed model's token table in the layers' format too
     rank: int = 30
     embedding_rank: int = 32
     attn_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((12, 8, 8), (8, 8, 12))
@@ -67,18 +109,23 @@ class TransformerConfig:
     ffn_out_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((16, 16, 12), (8, 8, 12))
     embedding_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((16, 20, 10, 10), (4, 4, 8, 6))
     tau: float = 1e-2
-    # with tt: the layers' format (any format of format_names(); the token table takes the
-    # format's table, e.g. TT's a TT-matrix one)
+    # the layers' kind: "dense" (the baseline) or a format built from modes (layer_formats();
+    # the token table takes the format's table, e.g. TT's a TT-matrix one)
     linear_format: str = "tt"
     # how gated layers scale their cores (formats.scaling); plain: CoMERA prunes from scratch
     parametrization: str = RANK_ADAPTIVE
+    tt: InitVar[Any] = NO_FLAG  # deprecated: see the class docstring
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, tt: Any) -> None:
+        if tt is not NO_FLAG and tt is not None:
+            object.__setattr__(self, "linear_format", format_from_tt(
+                tt, self.linear_format, "TransformerConfig(linear_format={})", stacklevel=4))
         check_parametrization(self.parametrization)
-        fmt = get_format(self.linear_format)  # names the choices when unknown
-        if not fmt.from_modes:
+        if self.linear_format in format_names() and not get_format(self.linear_format).from_modes:
             raise ConfigError(f"linear_format={self.linear_format!r} is a declared network; "
-                              "choose a format built from modes, e.g. 'tt' or 'tucker'.")
+                              "choose a format built from modes, e.g. 'tt' or 'tucker' (or "
+                              "'dense').")
+        check_layer_format(self.linear_format, "linear_format")
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads="
                               f"{self.n_heads}; pick a head count that divides it.")
@@ -92,6 +139,14 @@ class TransformerConfig:
                     embedding_modes=None)
         base.update(overrides)
         return cls(**base)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A config pickled before the layer kind was one word (a ``tt`` flag beside
+        ``linear_format``) loads as the kind it built: ``tt=False`` was the dense model."""
+        state = dict(state)
+        if not state.pop("tt", True):
+            state["linear_format"] = DENSE
+        self.__dict__.update(state)
 
 
 def linear_layer(format: str, n_in: int, n_out: int, rank: int, modes=None, *,
@@ -117,9 +172,9 @@ def linear_layer(format: str, n_in: int, n_out: int, rank: int, modes=None, *,
 
 def token_table(cfg: TransformerConfig, pad_id: int) -> nn.Module:
     """The token table: in the table of the layers' format (TT: a TT-matrix
-    :class:`~comera.layers.embedding.TTEmbedding`) when ``cfg.tt`` and ``cfg.tt_embedding``, else
-    ``nn.Embedding``."""
-    if not (cfg.tt and cfg.tt_embedding):
+    :class:`~comera.layers.embedding.TTEmbedding`) when the layers are compressed and
+    ``cfg.tt_embedding``, else ``nn.Embedding``."""
+    if cfg.linear_format == DENSE or not cfg.tt_embedding:
         return nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=pad_id)
     rows, cols = cfg.embedding_modes or (None, None)
     modes = ({"row_modes": rows, "col_modes": cols}
@@ -130,8 +185,8 @@ def token_table(cfg: TransformerConfig, pad_id: int) -> nn.Module:
 
 
 def linear(cfg: TransformerConfig, n_in: int, n_out: int, modes) -> nn.Module:
-    """A linear layer of the model: its format (or dense) and rank, from ``cfg``."""
-    return linear_layer(cfg.linear_format if cfg.tt else DENSE, n_in, n_out, cfg.rank, modes,
+    """A linear layer of the model: its kind (a format, or dense) and rank, from ``cfg``."""
+    return linear_layer(cfg.linear_format, n_in, n_out, cfg.rank, modes,
                         tau=cfg.tau, parametrization=cfg.parametrization)
 
 

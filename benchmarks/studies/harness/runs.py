@@ -22,7 +22,6 @@ from torch import nn
 
 import comera
 from comera.experiments.engine import EngineConfig, RunRecord, train_model
-from comera.formats.registry import DENSE
 
 __all__ = ["curves", "layer_ranks", "layer_shapes", "layer_sizes", "row", "train"]
 
@@ -34,11 +33,8 @@ def train(task, name: str, format: str, config: EngineConfig, work: Path,
     registered format: a CoMERA run of it) on the engine, in the run folder ``work`` under the
     name ``name``. ``build``: the model to train, made after the run seeds the RNG (default: the
     task's ``build_model(format)``); ``start_step``, ``resume``: as ``train_model``'s."""
-    tt = format != DENSE
-    if tt:
-        config = replace(config, format=format)
-    return train_model(task, name, tt, config, work, resume=resume, build=build,
-                       start_step=start_step)
+    return train_model(task, name, replace(config, format=format), work, resume=resume,
+                       build=build, start_step=start_step)
 
 
 def layer_sizes(layers: list[tuple[str, nn.Module]]) -> tuple[int, int]:

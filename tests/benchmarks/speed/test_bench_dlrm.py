@@ -182,7 +182,7 @@ def test_variants_are_the_engine_settings(bench):
     # same seed, same MLP weights: the variants differ only in their tables
     for a, b in zip(dense.model.bottom.parameters(), tt.model.bottom.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    batch = make_batch(bench.model_config(tt=False), 8)
+    batch = make_batch(bench.model_config("dense"), 8)
     assert batch.sparse.dtype == torch.int64 and batch.sparse.shape == (8, TABLES)
     sizes = torch.tensor(capped_rows())
     assert bool(((batch.sparse >= 0) & (batch.sparse < sizes)).all())

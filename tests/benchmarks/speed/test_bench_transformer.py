@@ -47,7 +47,7 @@ def tiny_config() -> TransformerConfig:
 
 
 def dense_param_count() -> int:
-    """PairClassifier(tt=False) by hand: embeddings, LayerNorms, one block, the head."""
+    """The dense PairClassifier by hand: embeddings, LayerNorms, one block, the head."""
     emb = VOCAB * D + SEQ * D + 2 * D + 2 * D
     block = 4 * (D * D + D) + (D * FF + FF) + (FF * D + D) + 2 * 2 * D
     return emb + block + D * 3 + 3

@@ -23,7 +23,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        model, record = train_model(ToyTask(), "comera", True, CFG, Path(out) / "run")
+        model, record = train_model(ToyTask(), "comera", CFG, Path(out) / "run")
         torch.save({"params": {k: v.detach() for k, v in model.named_parameters()},
                     "ranks": [m.ranks for m in model.modules() if hasattr(m, "gates")],
                     "curve": record.train_curve}, Path(out) / f"rank{rank}.pt")
@@ -58,7 +58,7 @@ def test_checkpoint_holds_worker_zero_optimizer_state_equal_to_a_single_process_
 
     (a, _), out = two_workers
     torch.set_num_threads(1)
-    model, record = train_model(ToyTask(), "comera", True, CFG, tmp_path / "single")
+    model, record = train_model(ToyTask(), "comera", CFG, tmp_path / "single")
     single = dict(model.named_parameters())
     for name, value in a["params"].items():
         torch.testing.assert_close(value, single[name].detach(), rtol=1e-9, atol=1e-9)
@@ -112,9 +112,9 @@ def _fsdp_worker(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         cfg = replace(CFG, fsdp=True, checkpoint_every=5)
-        model, record = train_model(ToyTask(), "comera", True, cfg, Path(out) / "full")
-        train_model(ToyTask(), "comera", True, cfg, Path(out) / "cut", stop_after=7)
-        resumed, again = train_model(ToyTask(), "comera", True, cfg, Path(out) / "cut",
+        model, record = train_model(ToyTask(), "comera", cfg, Path(out) / "full")
+        train_model(ToyTask(), "comera", cfg, Path(out) / "cut", stop_after=7)
+        resumed, again = train_model(ToyTask(), "comera", cfg, Path(out) / "cut",
                                      resume=True)
         same = len(again.train_curve) == len(record.train_curve) and all(
             math.isclose(a[1], b[1], rel_tol=1e-12) and a[3] == b[3]

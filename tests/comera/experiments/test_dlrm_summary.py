@@ -111,6 +111,6 @@ def test_probing_a_trained_model_keeps_its_function():
     model = task.build_model("tt")
     batch = task.batch(torch.arange(64))
     before = model(batch[0], batch[1]).detach()
-    cost = probe_step(model, lambda m: task.loss(m, batch), ENGINE, True, batch)
+    cost = probe_step(model, lambda m: task.loss(m, batch), ENGINE, inputs=batch)
     torch.testing.assert_close(model(batch[0], batch[1]).detach(), before, rtol=0, atol=0)
     assert cost.peak_bytes > cost.resident_bytes > 0 and len(cost.step_ms) == 2

@@ -62,17 +62,17 @@ def test_the_engine_trains_any_format_the_config_names(tmp_path, fmt):
     late stage lands on the target against the format's dense size; a resume with another
     format is refused."""
     cfg = replace(CFG, format=fmt, target_compression=2.0)
-    model, record = train_model(ToyTask(), "comera", True, cfg, tmp_path)
+    model, record = train_model(ToyTask(), "comera", cfg, tmp_path)
     (_, layer), = comera.gated_layers(model)
     assert layer.format.name == fmt and not isinstance(layer, comera.TTLinear)
     assert record.sizes["linear_compression"] >= 2.0 * 0.95
     assert record.sizes["linear_compression"] == record.sizes["tt_compression"]
     with pytest.raises(comera.CheckpointError, match="format"):
-        train_model(ToyTask(), "comera", True, replace(cfg, format="tt"), tmp_path, resume=True)
+        train_model(ToyTask(), "comera", replace(cfg, format="tt"), tmp_path, resume=True)
 
 
 def test_tt_run_has_both_stages_and_truncates_at_the_boundary(tmp_path):
-    model, record = train_model(ToyTask(), "comera", True, CFG, tmp_path)
+    model, record = train_model(ToyTask(), "comera", CFG, tmp_path)
     assert set(record.stage_ends) == {"early", "late"}
     assert record.steps == CFG.total_steps
     assert len(record.step_times) == CFG.total_steps
@@ -85,7 +85,7 @@ def test_tt_run_has_both_stages_and_truncates_at_the_boundary(tmp_path):
 
 
 def test_the_late_stage_starts_with_the_pruned_ranks_removed(tmp_path):
-    model, _ = train_model(ToyTask(), "comera", True, CFG, tmp_path,
+    model, _ = train_model(ToyTask(), "comera", CFG, tmp_path,
                            stop_after=CFG.steps_early)  # returns right after the boundary
     layer = model[0]
     assert layer.ranks != (1, 4, 6, 4, 1), "lam=20 should have pruned some rank"
@@ -94,7 +94,7 @@ def test_the_late_stage_starts_with_the_pruned_ranks_removed(tmp_path):
 
 def test_late_stage_shrinks_toward_the_target_while_the_loss_is_near_its_early_level(tmp_path):
     cfg = replace(CFG, lam=0.5, steps_late=30)
-    _, record = train_model(ToyTask(), "comera", True, cfg, tmp_path)
+    _, record = train_model(ToyTask(), "comera", cfg, tmp_path)
     early = record.stage_ends["early"]["sizes"]["tt_params"]
     late = record.stage_ends["late"]["sizes"]["tt_params"]
     assert late < early  # the late stage pruned further toward 1/3 of the dense size
@@ -111,7 +111,7 @@ def _compressions(cfg, out) -> tuple[float, list[float]]:
         if event["kind"] == "step":
             seen[event["stage"]][event["step"]] = event["compression"]
 
-    train_model(ToyTask(), "comera", True, cfg, out, progress=progress)
+    train_model(ToyTask(), "comera", cfg, out, progress=progress)
     early, late = seen["early"], seen["late"]
     return early[max(early)], [late[k] for k in sorted(late)]
 
@@ -135,8 +135,8 @@ def test_the_late_landing_sets_when_pruning_reaches_the_target(tmp_path):
 
 
 def test_dense_run_is_one_stage_and_learns(tmp_path):
-    cfg = replace(CFG, steps_early=30, steps_late=10)
-    _, record = train_model(ToyTask(), "dense", False, cfg, tmp_path)
+    cfg = replace(CFG, steps_early=30, steps_late=10, format="dense")
+    _, record = train_model(ToyTask(), "dense", cfg, tmp_path)
     assert list(record.stage_ends) == ["dense"]
     assert record.val_curve[-1][1]["loss"] < 0.5 * record.val_curve[0][1]["loss"]
 
@@ -160,24 +160,24 @@ def test_run_experiment_writes_table_json_and_plots(tmp_path):
 @pytest.mark.parametrize("stop_at", [7, 12, 15])  # early stage, at the boundary, late stage
 def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path, stop_at):
     task = ToyTask(dropout=0.2)  # dropout: the RNG state must be restored too
-    whole, rec_whole = train_model(task, "comera", True, CFG, tmp_path / "a")
-    train_model(task, "comera", True, CFG, tmp_path / "b", stop_after=stop_at)
-    resumed, rec_resumed = train_model(task, "comera", True, CFG, tmp_path / "b", resume=True)
+    whole, rec_whole = train_model(task, "comera", CFG, tmp_path / "a")
+    train_model(task, "comera", CFG, tmp_path / "b", stop_after=stop_at)
+    resumed, rec_resumed = train_model(task, "comera", CFG, tmp_path / "b", resume=True)
     _assert_identical(_params(whole), _params(resumed))
     assert rec_whole.train_curve == rec_resumed.train_curve
     assert rec_whole.ranks == rec_resumed.ranks
 
 
 def test_resume_refuses_other_settings_and_foreign_checkpoints(tmp_path):
-    train_model(ToyTask(), "comera", True, CFG, tmp_path, stop_after=3)
+    train_model(ToyTask(), "comera", CFG, tmp_path, stop_after=3)
     with pytest.raises(comera.CheckpointError, match="lr"):
-        train_model(ToyTask(), "comera", True, replace(CFG, lr=0.5), tmp_path, resume=True)
+        train_model(ToyTask(), "comera", replace(CFG, lr=0.5), tmp_path, resume=True)
     path = tmp_path / "checkpoints" / "comera.pt"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(comera.CheckpointError):
-        train_model(ToyTask(), "comera", True, CFG, tmp_path, resume=True)
+        train_model(ToyTask(), "comera", CFG, tmp_path, resume=True)
 
 
 def _toy_model(parametrization: str):
@@ -193,14 +193,14 @@ def _toy_model(parametrization: str):
 def test_resume_refuses_another_parametrization(tmp_path, before, after):
     """Issue 42, item 4: resuming with the parametrization changed was accepted and silently
     ignored (the load takes the saved cores' multipliers with them)."""
-    train_model(ToyTask(), "comera", True, CFG, tmp_path, stop_after=3,
+    train_model(ToyTask(), "comera", CFG, tmp_path, stop_after=3,
                 build=_toy_model(before))
     with pytest.raises(comera.CheckpointError,
                        match=rf"the {before} parametrization .* built with the {after} one .*"
                              rf"parametrization='{before}'"):
-        train_model(ToyTask(), "comera", True, CFG, tmp_path, resume=True,
+        train_model(ToyTask(), "comera", CFG, tmp_path, resume=True,
                     build=_toy_model(after))
-    _, record = train_model(ToyTask(), "comera", True, CFG, tmp_path, resume=True,
+    _, record = train_model(ToyTask(), "comera", CFG, tmp_path, resume=True,
                             build=_toy_model(before))  # the same one resumes
     assert record.steps == CFG.total_steps
 
@@ -213,7 +213,7 @@ from pathlib import Path
 from tests.helpers.toy_task import ToyTask
 from comera.experiments.engine import EngineConfig, train_model
 cfg = EngineConfig(**{cfg!r})
-train_model(ToyTask(delay={delay}), "comera", True, cfg, Path({out!r}))
+train_model(ToyTask(delay={delay}), "comera", cfg, Path({out!r}))
 """
 
 
@@ -235,14 +235,14 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
         time.sleep(0.05)
     assert proc.poll() is None, "the training process ended before it could be killed"
     with pytest.raises(comera.ConfigError, match=f"in use by another run \\(pid {proc.pid}\\)"):
-        train_model(ToyTask(), "comera", True, cfg, tmp_path / "killed", resume=True)
+        train_model(ToyTask(), "comera", cfg, tmp_path / "killed", resume=True)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     step_at_kill = torch.load(ckpt, weights_only=True)["extra"]["engine"]["step"]
     # the kernel dropped the killed run's lock: the resume below may hold the directory
     assert 8 <= step_at_kill < cfg.total_steps
-    resumed, _ = train_model(ToyTask(), "comera", True, cfg, tmp_path / "killed", resume=True)
-    whole, _ = train_model(ToyTask(), "comera", True, cfg, tmp_path / "whole")
+    resumed, _ = train_model(ToyTask(), "comera", cfg, tmp_path / "killed", resume=True)
+    whole, _ = train_model(ToyTask(), "comera", cfg, tmp_path / "whole")
     _assert_identical(_params(whole), _params(resumed))
 
 
@@ -253,7 +253,7 @@ def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path):
     task = ToyTask(poison=(poisoned,))
     cfg = replace(CFG, checkpoint_every=4)
     with pytest.raises(comera.TrainingStopped, match=r"comera\.pt") as info:
-        train_model(task, "comera", True, cfg, tmp_path)
+        train_model(task, "comera", cfg, tmp_path)
     assert "step 9" in str(info.value)
     saved = torch.load(tmp_path / "checkpoints" / "comera.pt", weights_only=True)
     assert saved["extra"]["engine"]["step"] == 8
@@ -263,8 +263,8 @@ def test_nonfinite_loss_stops_and_names_the_last_good_checkpoint(tmp_path):
 def test_nonfinite_loss_skip_policy_drops_the_batch_and_keeps_the_model_finite(tmp_path):
     stream = IndexStream(256, CFG.batch_size, CFG.seed)
     poisoned = int(stream.indices(3)[0])
-    cfg = replace(CFG, on_nonfinite="skip")
-    model, record = train_model(ToyTask(poison=(poisoned,)), "dense", False, cfg, tmp_path)
+    cfg = replace(CFG, on_nonfinite="skip", format="dense")
+    model, record = train_model(ToyTask(poison=(poisoned,)), "dense", cfg, tmp_path)
     assert record.skipped >= 1
     assert len(record.step_times) == cfg.total_steps - record.skipped
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -307,10 +307,12 @@ def test_run_experiment_checks_settings_before_any_training(tmp_path, changes, m
 
 
 def test_check_settings_refuses_a_batch_the_workers_cannot_split():
-    check_settings(CFG, True, world_size=2)  # 16 over 2
+    check_settings(CFG, world_size=2)  # 16 over 2
     with pytest.raises(comera.ConfigError, match="multiple of the worker count"):
-        check_settings(replace(CFG, batch_size=7), True, world_size=2)
-    check_settings(replace(CFG, steps_early=0), tt=False)  # a dense run alone needs no early steps
+        check_settings(replace(CFG, batch_size=7), world_size=2)
+    with pytest.raises(comera.ConfigError, match="late stage takes its loss target"):
+        check_settings(replace(CFG, steps_early=0))
+    check_settings(replace(CFG, steps_early=0, format="dense"))  # a dense run needs no early steps
 
 
 def test_resume_without_a_checkpoint_is_refused_and_writes_nothing(tmp_path):
@@ -351,14 +353,14 @@ def test_an_unwritable_run_directory_is_refused_before_training(tmp_path):
     target.write_text("x")
     _CountingTask.served = 0
     with pytest.raises(comera.ConfigError, match="is a file"):
-        train_model(_CountingTask(), "dense", False, CFG, target)
+        train_model(_CountingTask(), "dense", replace(CFG, format="dense"), target)
     if os.geteuid() != 0:
         folder = tmp_path / "ro"
         folder.mkdir()
         folder.chmod(0o555)
         try:
             with pytest.raises(comera.ConfigError, match="not writable"):
-                train_model(_CountingTask(), "dense", False, CFG, folder)
+                train_model(_CountingTask(), "dense", replace(CFG, format="dense"), folder)
         finally:
             folder.chmod(0o755)
     assert _CountingTask.served == 0
@@ -366,8 +368,8 @@ def test_an_unwritable_run_directory_is_refused_before_training(tmp_path):
 
 def test_progress_events_carry_no_loss_before_the_first_step(tmp_path):
     events = []
-    train_model(ToyTask(), "dense", False, replace(CFG, steps_early=6, steps_late=0), tmp_path,
-                progress=events.append)
+    train_model(ToyTask(), "dense", replace(CFG, steps_early=6, steps_late=0, format="dense"),
+                tmp_path, progress=events.append)
     evals = [e for e in events if e["kind"] == "eval"]
     assert evals[0]["step"] == 0 and evals[0]["loss"] is None  # was nan
     assert all(isinstance(e["loss"], float) for e in evals[1:])
@@ -405,10 +407,10 @@ def test_engine_config_rejects_bad_values():
 def test_an_early_stage_size_target_stops_pruning_there(tmp_path):
     cfg = replace(CFG, stage="early", steps_late=0, steps_early=30, lam=5.0, early_target=2.0,
                   early_landing=0.5)
-    model, _ = train_model(ToyTask(), "comera", True, cfg, tmp_path)
+    model, _ = train_model(ToyTask(), "comera", cfg, tmp_path)
     target = comera.training.early.EarlyStage.for_compression(ToyTask().build_model("tt"), 2.0)
     slice_ = max(max(m.layout.slice_costs(m.bond_ranks)) for _, m in comera.gated_layers(model))
     assert comera.model_size(model) >= target.target_size - 2 * slice_
-    free, _ = train_model(ToyTask(), "comera", True, replace(cfg, early_target=None),
+    free, _ = train_model(ToyTask(), "comera", replace(cfg, early_target=None),
                           tmp_path / "free")
     assert comera.model_size(free) < comera.model_size(model)  # lam 5 alone prunes further

@@ -25,7 +25,7 @@ BY_TYPE = {
 }
 EXTRA = {"batch_size": [0], "eval_every": [0], "lr": [0.0], "lr_gates": [0.0],
          "target_compression": [0.0, 1.0], "max_grad_norm": [0.0], "seed": [2**63],
-         "threads": [10**6], "device": ["tpu:0 x"], "format": ["dense", "einsum"],
+         "threads": [10**6], "device": ["tpu:0 x"], "format": ["einsum", "nope"],
          "early_target": [1.0, 0.5], "early_landing": [0.0, 1.5]}
 FINE = {"late_target_loss": [0.0]}  # values of a type's bad list that a field takes
 
@@ -73,10 +73,10 @@ def test_an_unreachable_target_compression_is_refused_before_training(tmp_path):
                                                  r"reached.*choose target_compression <= "):
         run_experiment(task, config, tmp_path / "out")
     with pytest.raises(comera.ConfigError, match="cannot be reached"):
-        train_model(task, "comera", True, config, tmp_path / "out")
+        train_model(task, "comera", config, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     check_task(task, dataclasses.replace(config, target_compression=2.0))  # reachable
-    check_task(task, config, tt=False)  # dense: no target
+    check_task(task, dataclasses.replace(config, format="dense"))  # dense: no target
 
 
 def test_a_batch_larger_than_the_training_split_is_refused(tmp_path):

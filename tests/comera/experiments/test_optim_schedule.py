@@ -31,10 +31,10 @@ def test_warm_up_then_constant_or_cosine():
 
 def test_the_named_groups_or_plain_adamw():
     model = ToyTask().build_model("tt")
-    groups = run_optimizer(model, CFG, tt=True)
+    groups = run_optimizer(model, CFG)
     assert {g["name"] for g in groups.param_groups} == {"cores", "gates", "other"}
     assert all(g["weight_decay"] == 0.0 for g in groups.param_groups)
-    plain = run_optimizer(model, replace(CFG, optimizer="adamw"), tt=True)
+    plain = run_optimizer(model, replace(CFG, optimizer="adamw"))
     assert type(plain) is torch.optim.AdamW and len(plain.param_groups) == 1
     assert plain.param_groups[0]["weight_decay"] == 0.01  # torch's default, as a user gets it
     assert len(plain.param_groups[0]["params"]) == len(list(model.parameters()))
@@ -49,34 +49,36 @@ def test_the_engine_steps_the_schedule(tmp_path, monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    cfg = replace(CFG, optimizer="adamw", schedule="cosine", warmup=2, steps_early=8)
-    train_model(ToyTask(), "dense", False, cfg, tmp_path)
+    cfg = replace(CFG, optimizer="adamw", schedule="cosine", warmup=2, steps_early=8,
+                  format="dense")
+    train_model(ToyTask(), "dense", cfg, tmp_path)
     assert seen == pytest.approx([1e-2 * lr_factor(s, 2, 8, "cosine") for s in range(8)])
 
 
 def test_a_given_model_from_a_later_step_and_the_clock(tmp_path):
     """The engine trains a given model from a given step; every evaluation point has its
     training wall-clock."""
-    cfg = replace(CFG, steps_early=8)
-    _, record = train_model(ToyTask(), "dense", False, cfg, tmp_path / "whole")
+    cfg = replace(CFG, steps_early=8, format="dense")
+    _, record = train_model(ToyTask(), "dense", cfg, tmp_path / "whole")
     assert len(record.val_seconds) == len(record.val_curve)
     assert record.val_seconds == sorted(record.val_seconds) and record.train_seconds > 0
     assert record.val_seconds[-1] == pytest.approx(record.train_seconds)
-    first, _ = train_model(ToyTask(), "dense", False, replace(cfg, steps_early=4, seed=0),
+    first, _ = train_model(ToyTask(), "dense", replace(cfg, steps_early=4, seed=0),
                            tmp_path / "first")
     # the first run's model goes on from step 4 (a fresh optimizer: no state carries over)
     given = ToyTask().build_model("dense")
     given.load_state_dict(first.state_dict())
-    later, rec = train_model(ToyTask(), "dense", False, cfg, tmp_path / "later",
+    later, rec = train_model(ToyTask(), "dense", cfg, tmp_path / "later",
                              build=lambda: given, start_step=4)
     assert later is given and rec.val_curve[0][0] == 4 and rec.steps == 8
     with pytest.raises(comera.ConfigError, match="start_step=8"):
-        train_model(ToyTask(), "dense", False, cfg, tmp_path / "x", start_step=8)
+        train_model(ToyTask(), "dense", cfg, tmp_path / "x", start_step=8)
     with pytest.raises(comera.ConfigError, match="late_target_loss"):
-        train_model(ToyTask(), "comera", True, replace(cfg, steps_late=4, target_compression=3.0),
+        train_model(ToyTask(), "comera", replace(cfg, steps_late=4, target_compression=3.0,
+                                                 format="tt"),
                     tmp_path / "y", start_step=8)
     with pytest.raises(comera.ConfigError, match="no gated layers"):
-        train_model(ToyTask(), "comera", True, cfg, tmp_path / "z",
+        train_model(ToyTask(), "comera", replace(cfg, format="tt"), tmp_path / "z",
                     build=lambda: torch.nn.Linear(2, 2))
     with pytest.raises(comera.ConfigError, match="build=3"):
-        train_model(ToyTask(), "comera", True, cfg, tmp_path / "z", build=3)
+        train_model(ToyTask(), "comera", cfg, tmp_path / "z", build=3)

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_bf16_run_trains_close_to_fp32_and_records_the_precision(tmp_path):
-    _, fp32 = train_model(Toy32(), "comera", True, CFG, tmp_path / "a")
+    _, fp32 = train_model(Toy32(), "comera", CFG, tmp_path / "a")
     summary = run_experiment(Toy32(), replace(CFG, precision="bf16"), tmp_path / "b",
                              ("comera",))
     saved = json.loads((tmp_path / "b" / "toy.json").read_text())
@@ -55,7 +55,7 @@ def test_bf16_run_trains_close_to_fp32_and_records_the_precision(tmp_path):
 
 
 def test_bf16_step_runs_under_autocast_and_keeps_parameters_in_their_dtype(tmp_path):
-    run = _Run(Toy32(), "comera", True, replace(CFG, precision="bf16"), tmp_path,
+    run = _Run(Toy32(), "comera", replace(CFG, precision="bf16"), tmp_path,
                current_world(), None)
     seen = []
     run.model[0].register_forward_hook(lambda m, i, out: seen.append(out.dtype))
@@ -66,7 +66,7 @@ def test_bf16_step_runs_under_autocast_and_keeps_parameters_in_their_dtype(tmp_p
 
 
 def test_compile_wraps_the_training_forward_only(tmp_path):
-    run = _Run(Toy32(), "comera", True, replace(CFG, compile=True), tmp_path,
+    run = _Run(Toy32(), "comera", replace(CFG, compile=True), tmp_path,
                current_world(), None)
     assert isinstance(run.forward_model, torch._dynamo.eval_frame.OptimizedModule)
     assert run.forward_model._orig_mod is run.model  # checkpoints keep the model's own names
@@ -119,8 +119,8 @@ def test_grad_scaler_step_equals_the_unscaled_step_and_backs_off_on_overflow():
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_run_on_cuda_learns_like_fp32(tmp_path, precision):
     cfg = replace(CFG, device="cuda")
-    _, fp32 = train_model(Toy32(), "comera", True, cfg, tmp_path / "a")
-    _, low = train_model(Toy32(), "comera", True, replace(cfg, precision=precision),
+    _, fp32 = train_model(Toy32(), "comera", cfg, tmp_path / "a")
+    _, low = train_model(Toy32(), "comera", replace(cfg, precision=precision),
                          tmp_path / "b")
     want = [loss for _, loss, _, _ in fp32.train_curve]
     got = [loss for _, loss, _, _ in low.train_curve]

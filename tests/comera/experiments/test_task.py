@@ -61,7 +61,7 @@ def test_the_engine_still_trains_a_task_written_with_build_model_tt(tmp_path):
     assert not any(True for _ in comera.gated_layers(dense))  # "dense" is not read as truthy
     cfg = EngineConfig(steps_early=2, steps_late=0, batch_size=8, eval_every=1)
     with pytest.warns(DeprecationWarning):
-        model, _ = train_model(_OldTask(), "comera", True, cfg, tmp_path / "a")
+        model, _ = train_model(_OldTask(), "comera", cfg, tmp_path / "a")
     assert isinstance(model[0], comera.TTLinear)
     with pytest.raises(comera.ConfigError, match="knows TT and dense only"):
         build_task_model(_OldTask(), "tucker")

@@ -11,6 +11,7 @@ from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.init_from import classifier_config, load_encoder_, read_pretrained
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 from comera.models import PairClassifier
+from tests.helpers.checkpoints_before import write_engine_state_as_before_formats
 from tests.helpers.toy_task import ToyTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,13 +70,13 @@ def test_the_registry_names_agree():
     assert CodePairTask.name == "transformer-code"
 
 
-@pytest.mark.parametrize("tt", [pytest.param(True, marks=pytest.mark.slow), False])
-def test_init_from_an_mlm_checkpoint_loads_the_encoder_as_saved(tmp_path, corpus, tt):
+@pytest.mark.parametrize("format", [pytest.param("tt", marks=pytest.mark.slow), "dense"])
+def test_init_from_an_mlm_checkpoint_loads_the_encoder_as_saved(tmp_path, corpus, format):
     task = MLMTask(TINY_MLM, root=corpus, use_cache=False)
     cfg = EngineConfig(steps_early=4, steps_late=2, batch_size=4, lam=1.0, lr_gates=0.2,
-                       target_compression=3.0, eval_every=10)
-    name = "comera" if tt else "dense"
-    mlm, _ = train_model(task, name, tt, cfg, tmp_path / "run")
+                       target_compression=3.0, eval_every=10, format=format)
+    name = "dense" if format == "dense" else "comera"
+    mlm, _ = train_model(task, name, cfg, tmp_path / "run")
     path = tmp_path / "run" / "checkpoints" / f"{name}.pt"
     pretrained = read_pretrained(path, TINY_MLM, root=corpus, use_cache=False)
     assert pretrained.tokenizer == task.tokenizer and pretrained.max_len == 16
@@ -87,7 +88,7 @@ def test_init_from_an_mlm_checkpoint_loads_the_encoder_as_saved(tmp_path, corpus
         assert mine.keys() == saved.keys()
         for key in mine:
             assert torch.equal(mine[key], saved[key]), (part, key)
-    if tt:  # TT layers at the ranks the late stage left them
+    if format != "dense":  # TT layers at the ranks the late stage left them
         saved = {n: m.bonds for n, m in comera.gated_layers(mlm) if not n.startswith(("transform",
                                                                                   "decoder"))}
         mine = {n: m.bonds for n, m in comera.gated_layers(classifier)}
@@ -99,11 +100,14 @@ def test_init_from_an_mlm_checkpoint_loads_the_encoder_as_saved(tmp_path, corpus
     hidden = mlm.encode(ids)  # segments at zero: the classifier sees the pretrained features
     assert torch.allclose(classifier.head(hidden[:, 0]),
                           classifier(ids, torch.zeros_like(ids)), atol=1e-5)
+    write_engine_state_as_before_formats(path)  # a checkpoint of before: the tt flag
+    assert read_pretrained(path, TINY_MLM, root=corpus, use_cache=False).config.linear_format \
+        == format
 
 
 def test_init_from_refuses_a_checkpoint_of_another_task(tmp_path):
-    train_model(ToyTask(), "dense", False, EngineConfig(steps_early=2, steps_late=0,
-                                                        eval_every=5), tmp_path)
+    train_model(ToyTask(), "dense", EngineConfig(steps_early=2, steps_late=0, eval_every=5,
+                                                 format="dense"), tmp_path)
     with pytest.raises(comera.CheckpointError, match="task 'toy'"):
         read_pretrained(tmp_path / "checkpoints" / "dense.pt")
     with pytest.raises(comera.CheckpointError, match="no such file"):

@@ -90,7 +90,8 @@ def test_cached_rows_count_in_the_model_size_once():
 
 def test_dlrm_caches_the_most_frequent_training_ids():
     cfg = DLRMConfig(cardinalities=(50, 2000), embedding_dim=4, bottom_mlp=(8, 4),
-                     top_mlp=(8, 1), tt=True, tt_ranks=4, tt_min_rows=1000, tt_cache_rows=16)
+                     top_mlp=(8, 1), table_format="ttm", tt_ranks=4, tt_min_rows=1000,
+                     tt_cache_rows=16)
     model = DLRM(cfg)
     table = model.embeddings[1]
     assert isinstance(table, CachedTTEmbedding) and isinstance(model.embeddings[0],

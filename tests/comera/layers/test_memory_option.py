@@ -72,13 +72,13 @@ def test_training_in_min_matches_fast_and_resumes_across_modes(tmp_path):
 
     cfg = EngineConfig(steps_early=4, steps_late=0, batch_size=16, lr=1e-2, eval_every=2,
                        stage="early")
-    fast, _ = train_model(ToyTask(), "comera", True, cfg, tmp_path / "fast")
-    low, _ = train_model(ToyTask(), "comera", True, replace(cfg, memory="min"), tmp_path / "min")
+    fast, _ = train_model(ToyTask(), "comera", cfg, tmp_path / "fast")
+    low, _ = train_model(ToyTask(), "comera", replace(cfg, memory="min"), tmp_path / "min")
     assert all(m.memory == "min" for _, m in comera.gated_layers(low))
     for a, b in zip(fast.state_dict().values(), low.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     # the mode leaves results unchanged, so a run may resume under another one
-    train_model(ToyTask(), "comera", True, cfg, tmp_path / "mixed", stop_after=2)
-    mixed, _ = train_model(ToyTask(), "comera", True, replace(cfg, memory="balanced"),
+    train_model(ToyTask(), "comera", cfg, tmp_path / "mixed", stop_after=2)
+    mixed, _ = train_model(ToyTask(), "comera", replace(cfg, memory="balanced"),
                            tmp_path / "mixed", resume=True)
     assert all(m.memory == "balanced" for _, m in comera.gated_layers(mixed))

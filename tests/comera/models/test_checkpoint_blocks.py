@@ -39,12 +39,12 @@ def _step(model: nn.Module, ids: torch.Tensor, checkpoint: bool):
     return loss.detach(), grads, torch.get_rng_state()
 
 
-@pytest.mark.parametrize("tt, memory", [
-    (True, "fast"), pytest.param(True, "balanced", marks=pytest.mark.slow), (True, "min"),
-    (False, None)])
-def test_checkpointed_blocks_give_the_same_loss_gradients_and_rng(tt, memory):
+@pytest.mark.parametrize("kind, memory", [
+    ("tt", "fast"), pytest.param("tt", "balanced", marks=pytest.mark.slow), ("tt", "min"),
+    ("dense", None)])
+def test_checkpointed_blocks_give_the_same_loss_gradients_and_rng(kind, memory):
     torch.manual_seed(1)
-    model = PairClassifier(replace(CFG, tt=tt)).double()
+    model = PairClassifier(replace(CFG, linear_format=kind)).double()
     for _, layer in comera.gated_layers(model):
         layer.memory = memory
     ids = torch.randint(1, 64, (3, 16))
@@ -56,7 +56,7 @@ def test_checkpointed_blocks_give_the_same_loss_gradients_and_rng(tt, memory):
     for name in grads:
         assert torch.equal(grads[name], grads_c[name]), name
     assert torch.equal(rng, rng_c)  # the recomputation replays the RNG, it does not advance it
-    if tt:  # the stacked q/k/v path ran (and was recomputed)
+    if kind != "dense":  # the stacked q/k/v path ran (and was recomputed)
         assert model.blocks[0].attn._siblings.stacked is not None
     # dropout is live: another seed gives another loss (the equality above is not vacuous)
     torch.manual_seed(5)
@@ -73,9 +73,9 @@ def _saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
     return total
 
 
-@pytest.mark.parametrize("tt", [True, False])
-def test_checkpointed_blocks_save_a_fraction_of_the_bytes(tt):
-    model = PairClassifier(replace(CFG, tt=tt, n_layers=4)).train()
+@pytest.mark.parametrize("kind", ["tt", "dense"])
+def test_checkpointed_blocks_save_a_fraction_of_the_bytes(kind):
+    model = PairClassifier(replace(CFG, linear_format=kind, n_layers=4)).train()
     ids = torch.randint(1, 64, (4, 16))
     plain = _saved_bytes(model, ids)
     model.checkpoint_blocks = True
@@ -88,7 +88,7 @@ def test_checkpointed_blocks_save_a_fraction_of_the_bytes(tt):
 
 def test_masked_lm_checkpoints_its_blocks_exactly():
     torch.manual_seed(2)
-    model = MaskedLM(replace(CFG, tt=True)).double()
+    model = MaskedLM(CFG).double()  # TT layers
     ids = torch.randint(1, 64, (2, 16))
     loss, grads, _ = _step(model, ids, checkpoint=False)
     loss_c, grads_c, _ = _step(model, ids, checkpoint=True)
@@ -109,7 +109,7 @@ def test_engine_refuses_checkpoint_blocks_for_a_model_without_blocks(tmp_path):
     cfg = EngineConfig(steps_early=1, steps_late=0, batch_size=4, stage="early",
                        checkpoint_blocks=True)
     with pytest.raises(ConfigError, match=r"checkpoint_blocks=True.*no encoder blocks"):
-        train_model(ToyTask(), "comera", True, cfg, tmp_path)
+        train_model(ToyTask(), "comera", cfg, tmp_path)
 
 
 SOURCE = '''def area(width, height):
@@ -129,13 +129,13 @@ def test_engine_trains_and_resumes_bit_identically_with_checkpointed_blocks(tmp_
                                  n_layers=1, rank=4, embedding_rank=4, eval_limit=4,
                                  eval_batch_size=4), root=root, use_cache=False)
     cfg = EngineConfig(steps_early=4, steps_late=0, batch_size=4, eval_every=2, stage="early")
-    whole, _ = train_model(task, "comera", True, cfg, tmp_path / "whole")
-    ckpt, _ = train_model(task, "comera", True, replace(cfg, checkpoint_blocks=True),
+    whole, _ = train_model(task, "comera", cfg, tmp_path / "whole")
+    ckpt, _ = train_model(task, "comera", replace(cfg, checkpoint_blocks=True),
                           tmp_path / "ckpt")
     assert ckpt.checkpoint_blocks and not whole.checkpoint_blocks
     # a run may resume with the option switched: it leaves the results unchanged
-    train_model(task, "comera", True, cfg, tmp_path / "mixed", stop_after=2)
-    mixed, _ = train_model(task, "comera", True, replace(cfg, checkpoint_blocks=True),
+    train_model(task, "comera", cfg, tmp_path / "mixed", stop_after=2)
+    mixed, _ = train_model(task, "comera", replace(cfg, checkpoint_blocks=True),
                            tmp_path / "mixed", resume=True)
     for other in (ckpt, mixed):
         for (name, a), b in zip(whole.state_dict().items(), other.state_dict().values(),

@@ -63,15 +63,15 @@ def test_default_config_is_the_criteo_kaggle_model():
     assert cfg.num_interactions == 27 * 26 // 2
 
 
-@pytest.mark.parametrize("tt", [False, True])
-def test_forward_shapes_and_table_types(tt):
-    cfg = DLRMConfig(**TINY, tt=tt)
+@pytest.mark.parametrize("kind", ["dense", "ttm"])
+def test_forward_shapes_and_table_types(kind):
+    cfg = DLRMConfig(**TINY, table_format=kind)
     model = DLRM(cfg)
     dense, sparse = _inputs(cfg, 9)
     logits = model(dense, sparse)
     assert logits.shape == (9,) and logits.dtype == torch.float32
     kinds = [type(t) for t in model.embeddings]
-    expect_tt = [tt and rows >= 100 for rows in cfg.table_sizes]
+    expect_tt = [kind != "dense" and rows >= 100 for rows in cfg.table_sizes]
     assert kinds == [TTEmbedding if e else nn.Embedding for e in expect_tt]
     assert model.top[0].in_features == 4 + 5 * 4 // 2  # D + F(F-1)/2 with F = 1 + 4 tables
     logits.sum().backward()
@@ -93,10 +93,10 @@ def test_interaction_equals_a_hand_loop():
     torch.testing.assert_close(out[:, 4:], expect, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("tt", [False, True])
-def test_forward_equals_a_hand_written_reference(tt):
+@pytest.mark.parametrize("kind", ["dense", "ttm"])
+def test_forward_equals_a_hand_written_reference(kind):
     torch.manual_seed(0)
-    model = DLRM(DLRMConfig(**TINY, tt=tt)).to(F64)
+    model = DLRM(DLRMConfig(**TINY, table_format=kind)).to(F64)
     dense, sparse = _inputs(model.cfg, 6, dtype=F64)
     torch.testing.assert_close(model(dense, sparse), _reference_forward(model, dense, sparse),
                                rtol=1e-10, atol=1e-12)
@@ -114,8 +114,11 @@ def test_tt_model_converted_at_full_rank_equals_the_dense_model():
     dense, sparse = _inputs(dense_model.cfg, 32, dtype=F64)
     torch.testing.assert_close(tt_model(dense, sparse), dense_model(dense, sparse),
                                rtol=1e-9, atol=1e-10)
-    with pytest.raises(ConfigError, match="already has TT tables"):
+    assert tt_model.cfg.table_format == "ttm" and dense_model.cfg.table_format == "dense"
+    with pytest.raises(ConfigError, match="already has compressed tables"):
         DLRM.from_dense(tt_model)
+    with pytest.raises(ConfigError, match="format='dense'"):
+        DLRM.from_dense(dense_model, format="dense")
 
 
 def test_low_rank_conversion_shrinks_the_tables():
@@ -129,17 +132,17 @@ def test_low_rank_conversion_shrinks_the_tables():
 
 def test_max_rows_caps_dense_and_tt_tables_alike():
     base = dict(TINY, max_rows=200)
-    dense, tt = DLRM(DLRMConfig(**base)), DLRM(DLRMConfig(**base, tt=True))
+    dense, tt = DLRM(DLRMConfig(**base)), DLRM(DLRMConfig(**base, table_format="ttm"))
     assert dense.cfg.table_sizes == tt.cfg.table_sizes == (60, 7, 200, 200)
     assert [t.num_embeddings for t in dense.embeddings] == [60, 7, 200, 200]
     assert [t.num_embeddings for t in tt.embeddings] == [60, 7, 200, 200]
     assert dense.dense_table_parameters() == tt.dense_table_parameters() == 467 * 4
 
 
-@pytest.mark.parametrize("tt", [False, True])
+@pytest.mark.parametrize("kind", ["dense", "ttm"])
 @pytest.mark.parametrize(("table", "bad"), [(1, 7), (1, -1), (3, 1000)])
-def test_out_of_range_ids_raise_lookup_index_error(tt, table, bad):
-    cfg = DLRMConfig(**TINY, tt=tt)
+def test_out_of_range_ids_raise_lookup_index_error(kind, table, bad):
+    cfg = DLRMConfig(**TINY, table_format=kind)
     model = DLRM(cfg)
     dense, sparse = _inputs(cfg, 4)
     sparse[2, table] = bad
@@ -180,7 +183,7 @@ def test_bad_inputs_and_configs_are_refused():
 
 @pytest.mark.slow
 def test_the_full_kaggle_tt_model_tables_are_over_99x_smaller():
-    model = DLRM(DLRMConfig(tt=True))
+    model = DLRM(DLRMConfig(table_format="ttm"))
     assert model.dense_table_parameters() == 33_762_577 * 16
     assert model.dense_table_parameters() / model.table_parameters() > 99
 
@@ -271,7 +274,7 @@ def test_task_configs():
     assert quick == DLRMTaskConfig(tt_cache_rows=112)
     assert max(quick.model_config("dense").table_sizes) == 20_000
     paper = full.model_config("tt")
-    assert paper.tt and paper.table_format == "ttm"  # TT holds TT-matrix tables
+    assert paper.table_format == "ttm"  # TT holds TT-matrix tables
     assert paper.table_sizes == CRITEO_KAGGLE_CARDINALITIES and paper.tt_ranks == 32
     assert (paper.bottom_mlp, paper.top_mlp) == ((512, 256, 64, 16), (512, 256, 1))
     assert DLRMTaskConfig.full(n_train=10).n_train == 10

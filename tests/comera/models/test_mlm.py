@@ -236,8 +236,10 @@ def test_real_stdlib_corpus():
 
 # -- the model -------------------------------------------------------------------------------------
 def _cfg(tt: bool, **kw) -> TransformerConfig:
+    """The small MLM's config: TT layers and table (``tt``), or dense."""
     base = dict(vocab_size=V, d_model=16, n_heads=2, d_ff=32, n_layers=2, max_len=12,
-                dropout=0.0, tt=tt, tt_embedding=tt, rank=4, embedding_rank=4, attn_modes=None,
+                dropout=0.0, linear_format="tt" if tt else "dense", tt_embedding=tt, rank=4,
+                embedding_rank=4, attn_modes=None,
                 ffn_in_modes=None, ffn_out_modes=None, embedding_modes=None)
     base.update(kw)
     return TransformerConfig(**base)

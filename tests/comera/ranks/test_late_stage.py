@@ -146,7 +146,7 @@ def test_engine_late_stage_lands_with_default_learning_rates(tmp_path):
     compression within 5% in 20 late steps."""
     cfg = EngineConfig(steps_early=10, steps_late=20, batch_size=16, lam=0.0,
                        target_compression=6.0, eval_every=10)
-    _, record = train_model(ToyTask(), "comera", True, cfg, tmp_path)
+    _, record = train_model(ToyTask(), "comera", cfg, tmp_path)
     sizes = record.stage_ends["late"]["sizes"]
     target = sizes["tt_dense_params"] / cfg.target_compression
     assert 0.95 * target <= sizes["tt_params"] <= target, (target, sizes["tt_params"])

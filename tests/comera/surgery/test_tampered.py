@@ -253,7 +253,7 @@ def test_an_edited_engine_state_is_refused_on_resume(tmp_path, key, value):
     from tests.helpers.toy_task import ToyTask
 
     config = EngineConfig(steps_early=2, steps_late=0, batch_size=16, stage="early")
-    train_model(ToyTask(), "comera", True, config, tmp_path, stop_after=1)
+    train_model(ToyTask(), "comera", config, tmp_path, stop_after=1)
     path = tmp_path / "checkpoints" / "comera.pt"
     payload = torch.load(path, weights_only=True)
     payload["extra"]["engine"][key] = value
@@ -261,4 +261,4 @@ def test_an_edited_engine_state_is_refused_on_resume(tmp_path, key, value):
     torch.save(payload, path)
     random.seed(0)
     with pytest.raises(comera.CheckpointError, match="damaged or was edited"):
-        train_model(ToyTask(), "comera", True, config, tmp_path, resume=True)
+        train_model(ToyTask(), "comera", config, tmp_path, resume=True)

@@ -22,7 +22,8 @@ from comera.ranks.objective import prune_to_
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONFIG = DLRMConfig(cardinalities=(3000, 2000, 50, 4000), embedding_dim=8, bottom_mlp=(16, 8),
-                    top_mlp=(16, 1), tt=True, tt_ranks=6, tt_min_rows=1000, tt_cache_rows=8)
+                    top_mlp=(16, 1), table_format="ttm", tt_ranks=6, tt_min_rows=1000,
+                    tt_cache_rows=8)
 
 
 def _ops(fn) -> int:

@@ -45,7 +45,7 @@ def test_the_thread_probe_leaves_the_run_unchanged(tmp_path, threads, monkeypatc
     try:
         torch.set_num_threads(2)
         rng = torch.get_rng_state()
-        given, _ = train_model(ToyTask(), "given", True, cfg, tmp_path / "a")
+        given, _ = train_model(ToyTask(), "given", cfg, tmp_path / "a")
         torch.set_rng_state(rng)
         probed_cfg = replace(cfg, threads=threads)
         if threads == 0:  # the probe, then train at 1 thread for a bit-comparable run
@@ -55,10 +55,10 @@ def test_the_thread_probe_leaves_the_run_unchanged(tmp_path, threads, monkeypatc
             chosen = []
             monkeypatch.setattr(engine, "pick_threads", lambda step: chosen.append(
                 pick_threads(step)) or torch.set_num_threads(1))
-            probed, _ = train_model(ToyTask(), "probed", True, probed_cfg, tmp_path / "b")
+            probed, _ = train_model(ToyTask(), "probed", probed_cfg, tmp_path / "b")
             assert chosen and chosen[0] in (1, 2)
         else:
-            probed, _ = train_model(ToyTask(), "probed", True, probed_cfg, tmp_path / "b")
+            probed, _ = train_model(ToyTask(), "probed", probed_cfg, tmp_path / "b")
         for (n, a), (_, b) in zip(given.state_dict().items(), probed.state_dict().items(),
                                   strict=True):
             assert torch.equal(a, b), n
@@ -81,13 +81,13 @@ def test_a_resumed_run_keeps_the_thread_count_it_was_checkpointed_with(tmp_path,
     try:
         torch.set_num_threads(2)
         rng = torch.get_rng_state()
-        whole, _ = train_model(ToyTask(), "m", True, cfg, tmp_path / "whole")
+        whole, _ = train_model(ToyTask(), "m", cfg, tmp_path / "whole")
         torch.set_rng_state(rng)
         torch.set_num_threads(2)
-        train_model(ToyTask(), "m", True, cfg, tmp_path / "split", stop_after=3)
+        train_model(ToyTask(), "m", cfg, tmp_path / "split", stop_after=3)
         assert probes == [1, 1]
         torch.set_num_threads(2)  # a resumed process starts at the machine's default again
-        resumed, _ = train_model(ToyTask(), "m", True, cfg, tmp_path / "split", resume=True)
+        resumed, _ = train_model(ToyTask(), "m", cfg, tmp_path / "split", resume=True)
         assert probes == [1, 1], "the resumed run probed again instead of keeping its count"
         assert torch.get_num_threads() == 1
         for (n, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items(),

@@ -23,10 +23,10 @@ def test_sizes_and_ranks_count_each_kind_of_layer():
 
 
 def test_curves_pair_each_evaluation_with_its_training_clock():
-    record = RunRecord("m", True, train_curve=[(0, 3.0, 3.1, "loss"), (1, 2.0, 2.1, "loss")],
+    record = RunRecord("m", "tt", train_curve=[(0, 3.0, 3.1, "loss"), (1, 2.0, 2.1, "loss")],
                        val_curve=[(0, {"loss": 3.5}), (2, {"loss": 2.5})],
                        val_seconds=[0.0, 1.23456])
     assert curves(record) == {"train": [[0, 3.0], [1, 2.0]],
                               "val": [[0, 0.0, {"loss": 3.5}], [2, 1.235, {"loss": 2.5}]]}
-    old = RunRecord("m", True, val_curve=[(0, {"loss": 3.5})])  # a record from before clocks
+    old = RunRecord("m", "tt", val_curve=[(0, {"loss": 3.5})])  # a record from before clocks
     assert curves(old)["val"] == [[0, None, {"loss": 3.5}]]
