@@ -1,5 +1,6 @@
 """docs/formats.md's "Choosing a format" table quotes the committed results it names: the d_model
-256 LM frontier (quality, compression, best rate) and the GPT step benchmark (step time, memory).
+256 LM frontier (quality, compression, best rate), the GPT step benchmark (step time, memory) and
+the equal wall-clock frontier (loss for dense's time against dense and the narrow model).
 When a result is re-run, the guide must follow it or this test fails."""
 
 import json
@@ -70,3 +71,17 @@ def test_step_time_and_memory_are_the_benchmarks(key):
     assert quoted == [round(steps[d][key]["vs_dense"]["ratio"], 2) for d in (128, 256, 512)]
     memory = steps[512][key]["peak_extra_mib"] / steps[512]["dense"]["peak_extra_mib"]
     assert float(guide[4].rstrip("x")) == round(memory, 2)
+
+
+def _equal_time_8x() -> dict[str, list[str]]:
+    text = (RESULTS / "lm_equal_time_d256" / "equal_time.md").read_text()
+    rows = _table(text, "## Budget 1 ")
+    return {key: next(r for r in rows if r[0] == "8x" and r[1] == title)
+            for key, title in FRONTIER_TITLES.items()}
+
+
+@pytest.mark.parametrize("key", list(GUIDE_ROWS))
+def test_the_equal_time_column_is_the_frontiers_whole_budget(key):
+    guide, row = _guide()[key], _equal_time_8x()[key]
+    assert guide[6] == f"{row[6]} / {row[7]}"  # vs dense / vs narrow
+    assert row[2] == "3"  # three seeds behind every figure
