@@ -172,9 +172,43 @@ def summarise(result: dict, label: Callable[[str], str], unigram: dict | None = 
                 f"{steps} | {lr} | {mean_sd(losses)} | {mean / dense - 1:+.2%} | {vs_narrow} | "
                 f"{b['step_ms']:.0f} | {peak} | {gflops} |")
         lines.append("")
+    lines += reach_table(rows, label)
     lines += ["Commands (one per model and rate):", ""]
     lines += [f"    {r['command']}" for r in result["runs"] if "--equal-time" in r["command"]]
     return "\n".join(lines) + "\n"
+
+
+def time_to(curve: list[list[float]], goal: float) -> float | None:
+    """The first fraction of the budget at which ``curve`` ([fraction, loss] points) reaches
+    ``goal``, linear between evaluations; None when it never does."""
+    for (f0, l0), (f1, l1) in zip(curve, curve[1:], strict=False):
+        if l1 <= goal:
+            return f1 if l0 <= goal or l0 == l1 else f0 + (f1 - f0) * (l0 - goal) / (l0 - l1)
+    return None
+
+
+def reach_table(rows: list[dict], label: Callable[[str], str]) -> list[str]:
+    """Per model (at its best rate for the whole budget): the share of dense's wall-clock it
+    takes to reach dense's final validation loss (both means over seeds)."""
+    groups = at_budget(rows, 1.0)
+    dense = next((g for (t, m), (g, _) in groups.items() if m == "dense"), None)
+    if not dense:
+        return []
+    fractions = [f for f, _ in dense[0]["budget"]["val_at"]]
+    goal = statistics.fmean(_loss_at(r, 1.0) for r in dense)
+    lines = [f"## Time to dense's final validation loss ({goal:.4f})", "",
+             "Mean curve over seeds at the model's best rate for the whole budget, linear "
+             "between evaluations.", "", "| target | model | seeds | share of dense's "
+             "wall-clock |", "|---|---|---|---|"]
+    for (target, method), (group, _) in sorted(
+            groups.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] != "narrow", kv[0][1])):
+        if method == "dense" or not all(_has(r, f) for r in group for f in fractions):
+            continue
+        curve = [[f, statistics.fmean(_loss_at(r, f) for r in group)] for f in fractions]
+        share = time_to(curve, goal)
+        lines.append(f"| {target:g}x | {label(method)} | {len(group)} | "
+                     f"{'not reached' if share is None else f'{share:.2f}'} |")
+    return lines + [""]
 
 
 def plot(result: dict, path: Path, label: Callable[[str], str]) -> bool:

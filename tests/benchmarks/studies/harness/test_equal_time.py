@@ -143,3 +143,15 @@ def test_an_equal_time_smoke_run_gives_each_model_its_clocks_steps(root, tmp_pat
     text = (out / "equal_time.md").read_text()
     assert "## Budget 0.5" in text and "## Budget 1 " in text and "Majority-class" in text
     assert (out / "equal_time.png").is_file()
+
+
+def test_the_time_to_denses_final_loss_is_read_between_evaluations():
+    curve = [[0.0, 9.0], [0.5, 4.0], [1.0, 3.0]]
+    assert equal_time.time_to(curve, 3.5) == pytest.approx(0.75)
+    assert equal_time.time_to(curve, 4.0) == 0.5
+    assert equal_time.time_to(curve, 2.0) is None
+    rows = [_row("dense", 1e-3, 0, [6.0, 5.0, 4.5, 4.0]),
+            _row("narrow", 1e-3, 0, [5.0, 4.4, 4.0, 3.6], steps=16)]
+    table = "\n".join(equal_time.reach_table(rows, label))
+    assert "dense's final validation loss (4.0000)" in table
+    assert "| 8x | narrower dense, same size | 1 | 0.75 |" in table
