@@ -44,8 +44,9 @@ __all__ = ["allocate_parts", "check_budget", "check_global", "has_spectra", "lay
 
 
 def has_spectra(fmt: Format) -> bool:
-    """Whether ``fmt`` reports bond spectra (global allocation needs them)."""
-    return type(fmt).spectra is not Format.spectra
+    """Whether ``fmt`` reports bond spectra (global allocation needs them):
+    :attr:`Format.has_spectra`."""
+    return fmt.has_spectra
 
 
 def check_global(names: Sequence[str], config: ConvertConfig) -> None:
