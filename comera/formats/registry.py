@@ -137,6 +137,11 @@ class Format:
             return self.bond_spectra(weight, layout)
         return self.whitened_spectra(weight, layout, gram)
 
+    def dense(self, cores: list[Tensor], layout: Layout) -> Tensor:
+        """The dense weight (in_features x out_features) of ``cores``: the layout's
+        contraction, unless the format has its own order of operations (TT's)."""
+        return layout.dense(cores)
+
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor] | None:
         """The same weight at the smallest exact bond sizes (float64 cores in, float64 out,
         bonds possibly smaller), or None when the format has no exact rounding."""

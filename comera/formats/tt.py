@@ -15,7 +15,7 @@ import tncomp.extend
 from comera.errors import ConfigError, tncomp_errors_as_config
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
-from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, paired_modes, tt_svd
+from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, paired_modes, tt_svd, tt_to_matrix
 from comera.formats.whitened import check_gram, unfolding_spectra, whitened_weight, whitening
 
 
@@ -94,6 +94,11 @@ class TT(Format):
                                   range(1, d))
         full = whitening(check_gram(gram, layout.in_features)).T @ weight.to(torch.float64)
         return inner + unfolding_spectra(full.reshape(modes), range(d, len(modes)))
+
+    def dense(self, cores: list[Tensor], layout: Layout) -> Tensor:
+        """The chain contracted left to right (:func:`~comera.formats.ttsvd.tt_to_matrix`):
+        the order of operations TT layers' dense weights have always had."""
+        return tt_to_matrix(cores, len(layout.in_modes))
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_chain(cores)

@@ -89,14 +89,17 @@ def _check_layer(name: str, config: ConvertConfig) -> None:
 # -- building one gated linear layer from a dense weight ------------------------------------------
 def _linear(fmt: str, in_features: int, out_features: int, modes, rank: int, bias: bool,
             config: ConvertConfig, **factory) -> GatedLinear:
-    """A randomly initialised linear layer of ``fmt`` (of the class fixed to it, if any)."""
-    cls = linear_class(fmt)
-    own = {} if cls.fixed_format is not None else {"format": fmt}
+    """A randomly initialised linear layer of ``fmt``, of the class registered for it
+    (:func:`~comera.layers.classes.linear_class`), built by GatedLinear's constructor whatever
+    that class's own signature (as records rebuild it by ``from_layout``)."""
+    layer = linear_class(fmt).__new__(linear_class(fmt))
     with warnings.catch_warnings():  # convert_ names every such layer in one warning
         warnings.simplefilter("ignore", FullRankWarning)
-        return cls(in_features, out_features, ranks=rank, in_modes=modes[0], out_modes=modes[1],
-                   bias=bias, tau=config.tau, d=config.d, memory=config.memory,
-                   parametrization=config.parametrization, **own, **factory)
+        GatedLinear.__init__(layer, in_features, out_features, format=fmt, ranks=rank,
+                             in_modes=modes[0], out_modes=modes[1], bias=bias, tau=config.tau,
+                             d=config.d, memory=config.memory,
+                             parametrization=config.parametrization, **factory)
+    return layer
 
 
 def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
