@@ -109,10 +109,12 @@ def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
         lambda r: layout_size(fmt, probe.in_modes, probe.out_modes, r), budget))
 
 
-def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
-                 config: ConvertConfig) -> GatedLayer:
+def gated_linear(name: str, weight: Tensor, bias: Tensor | None, config: ConvertConfig,
+                 decompose: bool = True) -> GatedLayer:
     """``weight`` (in x out) and ``bias`` as a gated layer of the format, modes and rank the
-    config gives the layer ``name`` (initialised by the format's decomposition)."""
+    config gives the layer ``name``, initialised by the format's decomposition (``decompose``
+    False: left randomly initialised, for a pass that decomposes it once, at its final bonds:
+    :func:`comera.surgery.decompose.decompose_parts_`)."""
     fmt = config.format_for(name)
     modes = config.modes.get(name, (None, None))
     if config.target_compression:
@@ -124,8 +126,15 @@ def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
         rank = config.rank_for(name)
     layer = _linear(fmt, *weight.shape, modes, rank, bias is not None, config,
                     dtype=weight.dtype, device=weight.device)
-    layer.load_weight_(weight, bias)
+    if decompose:
+        layer.load_weight_(weight, bias)
     return layer
+
+
+def _decomposed_later(config: ConvertConfig) -> bool:
+    """Whether the decomposition pass decomposes every linear part (a global allocation gives
+    each new bonds), so the converters leave it to that pass."""
+    return config.allocation == "global"
 
 
 # -- the converters -------------------------------------------------------------------------------
@@ -141,7 +150,7 @@ def _linear_like(read: Callable[[nn.Module], tuple[Tensor, Tensor | None]]) -> C
     """The converter body of a module holding one linear map: read it, build one layer."""
     def convert(name: str, module: nn.Module, config: ConvertConfig):
         weight, bias = read(module)
-        layer = gated_linear(name, weight, bias, config)
+        layer = gated_linear(name, weight, bias, config, not _decomposed_later(config))
         before = sum(p.numel() for p in module.parameters())
         fmt = config.format_for(name)
         return layer, [Part(name, tuple(weight.shape), before, layer, fmt,
@@ -212,7 +221,7 @@ def _attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig):
         for part, w, b in zip(IN_PARTS, weights, biases, strict=True):
             pieces[part] = (w.T, b)
     pieces["out_proj"] = _linear_weight(mha.out_proj)
-    layers = {part: gated_linear(f"{name}.{part}", w, b, config)
+    layers = {part: gated_linear(f"{name}.{part}", w, b, config, not _decomposed_later(config))
               for part, (w, b) in pieces.items()}
     attention = TTMultiheadAttention(mha.embed_dim, mha.num_heads, dropout=mha.dropout,
                                      batch_first=mha.batch_first, kdim=mha.kdim, vdim=mha.vdim,
