@@ -33,7 +33,6 @@ from torch import Tensor
 from comera.errors import ConfigError
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
-from comera.formats.whitened import calibrated_decomposition
 from comera.numbers import is_int
 
 __all__ = ["BlockTT", "btt_rank_bounds"]
@@ -68,7 +67,7 @@ def _check_ranks(ranks: Ranks, caps: tuple[int, ...]) -> tuple[int, ...]:
 class BlockTT(Format):
     """Block tensor train: d cores, core k trading input mode k for output mode k."""
 
-    name, title, exact_decomposition, calibrates = "btt", "block tensor train", True, True
+    name, title, exact_decomposition = "btt", "block tensor train", True
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         in_modes, out_modes = tuple(in_modes), tuple(out_modes)
@@ -89,13 +88,10 @@ class BlockTT(Format):
                  | dict(zip(links, bonds, strict=True)))
         return Layout(ins, outs, cores, tuple(sizes.items()), tuple(links))
 
-    def decompose(self, weight: Tensor, layout: Layout,
-                  gram: Tensor | None = None) -> list[Tensor]:
-        """The block SVD at the layout's bond sizes (smaller where the blocks are); with
-        ``gram``, refitted to the output error (:mod:`comera.formats.whitened`: an input mode
-        sits on several cores, so no whitening folds in)."""
-        if gram is not None:
-            return calibrated_decomposition(self, weight, layout, gram)
+    def plain_decomposition(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+        """The block SVD at the layout's bond sizes (smaller where the blocks are). Calibrated,
+        it is refitted to the output error (:mod:`comera.formats.whitened`: an input mode sits
+        on several cores, so no whitening folds in)."""
         return block_svd(weight, layout.in_modes, layout.out_modes, layout.bond_sizes)
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:

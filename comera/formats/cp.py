@@ -4,9 +4,9 @@ W (in x out) reshaped to ``(*in_modes, *out_modes)`` is a sum of r rank-one term
 ``W[n_1..n_N] = sum_r U_1[n_1, r] ... U_N[n_N, r]``: factor k is ``(n_k, r)`` and there is no
 core. The one bond r is a hyperedge (carried by every factor), so one gate prunes a whole
 rank-one term. It is the leanest format per rank (``r * sum(modes)`` parameters) but has no
-closed-form decomposition: :meth:`CP.decompose` runs a few alternating least-squares sweeps from
-an HOSVD start, which is approximate (``exact_decomposition`` is False), and there is no exact
-rounding.
+closed-form decomposition: :meth:`CP.plain_decomposition` runs a few alternating least-squares
+sweeps from an HOSVD start, which is approximate (``exact_decomposition`` is False; calibrated,
+the base class's whitened path refits it to the output error), and there is no exact rounding.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ class CP(Format):
     modes can have, ``prod(modes) // max(modes)``."""
 
     name, title, exact_decomposition = "cp", "CP", False
-    #: ALS sweeps :meth:`decompose` runs after its HOSVD start.
-    sweeps: int = 10
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         with tncomp_errors_as_config():
@@ -46,9 +44,10 @@ class CP(Format):
         sizes = (*zip(ins + outs, modes, strict=True), ("r", rank))
         return Layout(ins, outs, cores, sizes, ("r",))
 
-    def decompose(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+    def plain_decomposition(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+        """ALS from an HOSVD start (:func:`cp_als`, its default sweeps)."""
         tensor = weight.detach().to(torch.float64).reshape(*layout.in_modes, *layout.out_modes)
-        factors = cp_als(tensor, layout.size("r"), self.sweeps, split=len(layout.inputs))
+        factors = cp_als(tensor, layout.size("r"), split=len(layout.inputs))
         return [f.to(weight.dtype).contiguous() for f in factors]
 
 

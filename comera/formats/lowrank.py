@@ -19,7 +19,6 @@ from comera.errors import tncomp_errors_as_config
 from comera.formats.bond_ranks import resolve_bond_ranks
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
-from comera.formats.whitened import calibrated_decomposition, whitened_weight
 
 __all__ = ["LowRank", "round_lowrank"]
 
@@ -30,7 +29,6 @@ class LowRank(Format):
     out: the layer is a matrix product whatever the modes."""
 
     name, title, exact_decomposition, uses_modes = "lowrank", "low-rank", True, False
-    calibrates = True
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         with tncomp_errors_as_config():
@@ -40,12 +38,9 @@ class LowRank(Format):
         return Layout(("i",), ("o",), (("i", "r"), ("r", "o")),
                       (("i", n_in), ("o", n_out), ("r", rank)), ("r",))
 
-    def decompose(self, weight: Tensor, layout: Layout,
-                  gram: Tensor | None = None) -> list[Tensor]:
-        """Truncated SVD; with ``gram``, of the whitened weight (SVD-LLM: optimal in the
-        output error, :mod:`comera.formats.whitened`)."""
-        if gram is not None:
-            return calibrated_decomposition(self, weight, layout, gram)
+    def plain_decomposition(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+        """Truncated SVD (calibrated: of the whitened weight, SVD-LLM's optimum in the output
+        error, :mod:`comera.formats.whitened`)."""
         with torch.no_grad():
             u, s, vh = torch.linalg.svd(weight.detach().to(torch.float64), full_matrices=False)
             rank = layout.size("r")
@@ -56,10 +51,8 @@ class LowRank(Format):
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_lowrank(cores)
 
-    def spectra(self, weight: Tensor, layout: Layout,
-                gram: Tensor | None = None) -> tuple[Tensor, ...]:
-        if gram is not None:
-            weight = whitened_weight(weight, layout, gram)
+    def bond_spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
+        """The weight's singular values (what truncating r discards)."""
         return (torch.linalg.svdvals(weight.detach().to(torch.float64)),)
 
 

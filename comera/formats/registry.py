@@ -2,7 +2,12 @@
 
 A format turns (in_modes, out_modes, ranks) into a :class:`~comera.formats.layout.Layout`, and
 says, where it can, how to initialise its cores from a dense weight, how to round them exactly,
-and how it holds an embedding table (:attr:`Format.table`). Everything else (gates, sizes,
+and how it holds an embedding table (:attr:`Format.table`). What a format can do is read from
+the hooks it defines, one way: it has a decomposition (and then calibrates) iff it defines
+:meth:`Format.plain_decomposition`, bond spectra iff it defines :meth:`Format.bond_spectra`. The
+base class owns calibration: :meth:`Format.decompose` and :meth:`Format.spectra` run the
+format's plain hook, or with a ``gram`` the whitened path around that same hook
+(:mod:`comera.formats.whitened`), so no format tests for a gram. Everything else (gates, sizes,
 regularisers, pruning, truncation, conversion, checkpoints, reports, embedding lookups) is
 generic over the layout. Adding a format is its module (a subclass of :class:`Format`) plus one
 line in :data:`BUILTIN` below (or :func:`register_format` for a user's own), and its test; the
@@ -13,13 +18,14 @@ lists of formats the rest of comera reads are derived from the registry: :func:`
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
 import tncomp
 from comera.errors import ConfigError
 from comera.formats.layout import Layout
+from comera.formats.whitened import calibrated_decomposition, whitened_weight
 
 Ranks = int | Sequence[int]
 DENSE = "dense"  # a layer's kind when it is a plain dense layer (no format)
@@ -27,7 +33,10 @@ DENSE = "dense"  # a layer's kind when it is a plain dense layer (no format)
 
 class Format:
     """What a weight format says about itself. Subclasses set ``name`` (the registry key, e.g.
-    ``"tucker"``) and ``title`` and implement :meth:`layout`; the rest is optional."""
+    ``"tucker"``) and ``title`` and implement :meth:`layout`; optionally the hooks
+    :meth:`plain_decomposition` (then :meth:`decompose` works, plain and calibrated),
+    :meth:`bond_spectra` (then :meth:`spectra` does), :attr:`calibrated_starts`,
+    :meth:`whitened_spectra` and :meth:`round`."""
 
     name: str = ""
     title: str = ""
@@ -36,8 +45,6 @@ class Format:
     uses_modes: bool = True
     #: True when :meth:`decompose` is exact at full rank (TT-SVD, HOSVD, SVD, block SVD).
     exact_decomposition: bool = False
-    #: True when :meth:`decompose` takes a ``gram`` (calibrated decomposition).
-    calibrates: bool = False
     #: False for a declared format (``"einsum"``): its layout is the user's declaration, so
     #: :meth:`layout` from modes and ranks is refused (loops over formats skip it).
     from_modes: bool = True
@@ -45,6 +52,10 @@ class Format:
     #: dim as outputs: :class:`comera.layers.embedding.GatedEmbedding`), another registered
     #: format's name (TT's tables are TT-matrix tables, ``"ttm"``), or None: it holds none.
     table: str | None = ""
+    #: The format's own calibrated starts, tried beside the plain and the Kronecker-whitened
+    #: ones (:func:`comera.formats.whitened.calibrated_decomposition`): callables
+    #: ``(weight, layout, gram) -> float64 cores``.
+    calibrated_starts: tuple[Callable[[Tensor, Layout, Tensor], list[Tensor]], ...] = ()
 
     @property
     def table_format(self) -> str | None:
@@ -52,6 +63,23 @@ class Format:
         if self.table is None or not self.from_modes:
             return None
         return self.table or self.name
+
+    @property
+    def has_decomposition(self) -> bool:
+        """Whether the format defines :meth:`plain_decomposition` (else :meth:`decompose` gives
+        None and a layer keeps its random initialisation)."""
+        return _defines(self, "plain_decomposition")
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether :meth:`decompose` takes a ``gram``: every format with a decomposition does
+        (the whitened path wraps it)."""
+        return self.has_decomposition
+
+    @property
+    def has_spectra(self) -> bool:
+        """Whether the format defines :meth:`bond_spectra` (global rank allocation needs it)."""
+        return _defines(self, "bond_spectra")
 
     def layout(self, in_modes: tuple[int, ...], out_modes: tuple[int, ...],
                ranks: Ranks) -> Layout:
@@ -63,24 +91,56 @@ class Format:
         """The tncomp network of the layer (the layout's, unless the format has its own)."""
         return layout.network()
 
+    def plain_decomposition(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+        """The hook: cores for ``weight`` (in_features x out_features) at ``layout``'s bond
+        sizes (or smaller), minimising the weight's error; in ``weight``'s dtype."""
+        raise NotImplementedError
+
+    def bond_spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
+        """The hook: per bond (gate order), the singular values (float64, descending) whose
+        squares are what cutting that bond of ``weight``'s decomposition discards."""
+        raise NotImplementedError
+
+    def whitened_spectra(self, weight: Tensor, layout: Layout,
+                         gram: Tensor) -> tuple[Tensor, ...]:
+        """:meth:`bond_spectra` of the Kronecker-whitened weight
+        (:func:`~comera.formats.whitened.whitened_weight`), whose squares estimate output-error
+        energies; a format with a sharper estimate for some bonds overrides it."""
+        return self.bond_spectra(whitened_weight(weight, layout, gram), layout)
+
     def decompose(self, weight: Tensor, layout: Layout,
                   gram: Tensor | None = None) -> list[Tensor] | None:
         """Cores for ``weight`` (in_features x out_features) at ``layout``'s bond sizes (or
         smaller: the layer shrinks to what the decomposition found), or None when the format
-        has no closed form (the layer keeps its random initialisation). ``gram``: the layer's
+        has no decomposition (the layer keeps its random initialisation). ``gram``: the layer's
         input second moments ``X^T X / n`` (in x in, damped); given, the cores minimise the
-        error of the layer's output on those inputs instead of the weight's (formats with
-        ``calibrates``; :mod:`comera.formats.whitened`)."""
-        return None
+        error of the layer's output on those inputs instead of the weight's
+        (:func:`comera.formats.whitened.calibrated_decomposition` around
+        :meth:`plain_decomposition`)."""
+        if not self.has_decomposition:
+            return None
+        if gram is None:
+            return self.plain_decomposition(weight, layout)
+        return calibrated_decomposition(self, weight, layout, gram,
+                                        starts=self.calibrated_starts)
 
     def spectra(self, weight: Tensor, layout: Layout,
                 gram: Tensor | None = None) -> tuple[Tensor, ...] | None:
         """Per bond (gate order), the singular values (float64, descending) whose squares are
         what cutting that bond of ``weight``'s decomposition discards, slice by slice; with
-        ``gram`` (damped input second moments), of the whitened weight, so the squares are
-        output-error energies. None when the format has no such spectra (global rank allocation
-        then refuses it)."""
-        return None
+        ``gram`` (damped input second moments), of the whitened weight
+        (:meth:`whitened_spectra`), so the squares are output-error energies. None when the
+        format has no such spectra (global rank allocation then refuses it)."""
+        if not self.has_spectra:
+            return None
+        if gram is None:
+            return self.bond_spectra(weight, layout)
+        return self.whitened_spectra(weight, layout, gram)
+
+    def dense(self, cores: list[Tensor], layout: Layout) -> Tensor:
+        """The dense weight (in_features x out_features) of ``cores``: the layout's
+        contraction, unless the format has its own order of operations (TT's)."""
+        return layout.dense(cores)
 
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor] | None:
         """The same weight at the smallest exact bond sizes (float64 cores in, float64 out,
@@ -89,6 +149,12 @@ class Format:
 
     def __repr__(self) -> str:
         return f"<format {self.name}>"
+
+
+def _defines(fmt: Format, hook: str) -> bool:
+    """Whether ``fmt``'s class overrides the base class's ``hook``: the one way a capability
+    is declared."""
+    return getattr(type(fmt), hook) is not getattr(Format, hook)
 
 
 #: The built-in formats, one line each: "module:class". Imported on first use.

@@ -79,16 +79,14 @@ def power_of_two(x: float) -> float:
     return 2.0 ** round(math.log2(x))
 
 
-def core_scaling(layout: Layout, weight_var: float | None = None) -> CoreScaling:
+def core_scaling(layout: Layout) -> CoreScaling:
     """The balanced parametrization of ``layout``: effective stds ``sqrt(g / fan_in_k)`` with
-    ``prod(g) = weight_var * in_features`` (default: ``nn.Linear``'s ``1 / (3 * in)``), and
-    multipliers ``std_k / (n * std_dense)``, ``std_dense = sqrt(weight_var)``, as powers of
-    two."""
+    ``prod(g) = var * in_features``, ``var`` the dense weight's variance (``nn.Linear``'s
+    ``1 / (3 * in)``), and multipliers ``std_k / (n * std_dense)``, ``std_dense = sqrt(var)``,
+    as powers of two."""
     fans = layout.core_fans()
     n = len(fans)
-    var = 1.0 / (3 * layout.in_features) if weight_var is None else float(weight_var)
-    if not var > 0:
-        raise ConfigError(f"weight_var={weight_var!r}; a variance is a number > 0.")
+    var = 1.0 / (3 * layout.in_features)
     g = (var * layout.in_features) ** (1.0 / n)
     stds = tuple(math.sqrt(g / fan_in) for fan_in, _ in fans)
     dense = math.sqrt(var)

@@ -33,7 +33,6 @@ from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 from comera.formats.tt import round_chain
 from comera.formats.ttsvd import tt_svd
-from comera.formats.whitened import calibrated_decomposition
 from comera.numbers import is_int
 
 __all__ = ["TensorRing", "ring_rank_cap", "round_ring", "tr_svd"]
@@ -70,7 +69,7 @@ def _check_ranks(ranks: Ranks, modes: tuple[int, ...]) -> tuple[int, ...]:
 class TensorRing(Format):
     """A ring of 3-way cores over all input modes, then all output modes; every link a bond."""
 
-    name, title, exact_decomposition, calibrates = "tr", "tensor ring", True, True
+    name, title, exact_decomposition = "tr", "tensor ring", True
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         modes = (*in_modes, *out_modes)
@@ -82,12 +81,8 @@ class TensorRing(Format):
         return Layout(tuple(names[:d]), tuple(names[d:]), cores, tuple(sizes.items()),
                       tuple(f"r{k}" for k in range(n)))
 
-    def decompose(self, weight: Tensor, layout: Layout,
-                  gram: Tensor | None = None) -> list[Tensor]:
-        """TR-SVD at the layout's ranks (smaller where the weight's unfoldings are); with
-        ``gram``, calibrated (:mod:`comera.formats.whitened`)."""
-        if gram is not None:
-            return calibrated_decomposition(self, weight, layout, gram)
+    def plain_decomposition(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+        """TR-SVD at the layout's ranks (smaller where the weight's unfoldings are)."""
         modes = (*layout.in_modes, *layout.out_modes)
         return tr_svd(weight.reshape(modes), layout.bond_sizes)
 

@@ -15,14 +15,8 @@ import tncomp.extend
 from comera.errors import ConfigError, tncomp_errors_as_config
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
-from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, paired_modes, tt_svd
-from comera.formats.whitened import (
-    calibrated_decomposition,
-    check_gram,
-    unfolding_spectra,
-    whitened_weight,
-    whitening,
-)
+from comera.formats.ttsvd import matrix_to_tt, matrix_to_ttm, paired_modes, tt_svd, tt_to_matrix
+from comera.formats.whitened import check_gram, unfolding_spectra, whitened_weight, whitening
 
 
 def chain_layout(inputs: tuple[str, ...], outputs: tuple[str, ...],
@@ -38,90 +32,6 @@ def chain_layout(inputs: tuple[str, ...], outputs: tuple[str, ...],
 def chain_bonds(layout: Layout) -> tuple[int, ...]:
     """A chain layout's bond sizes with the ends: (1, r_1, ..., r_{n-1}, 1)."""
     return (1, *layout.bond_sizes, 1)
-
-
-class TT(Format):
-    """CoMERA's TT format: all input modes, then all output modes, one core each."""
-
-    name, title, exact_decomposition, calibrates = "tt", "TT", True, True
-    table = "ttm"  # an embedding table of a TT model is a TT-matrix table (TT-Rec's layout)
-
-    def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
-        modes = tuple(in_modes) + tuple(out_modes)
-        with tncomp_errors_as_config():
-            bonds = tncomp.extend.resolve_ranks(ranks, modes, "ranks")
-        d = len(in_modes)
-        names = [f"i{k + 1}" for k in range(d)] + [f"o{k + 1}" for k in range(len(out_modes))]
-        return chain_layout(tuple(names[:d]), tuple(names[d:]), [(n,) for n in names],
-                            dict(zip(names, modes, strict=True)), bonds)
-
-    def network(self, layout: Layout) -> tncomp.Network:
-        return tncomp.tt_linear(layout.in_modes, layout.out_modes, chain_bonds(layout))
-
-    def decompose(self, weight: Tensor, layout: Layout,
-                  gram: Tensor | None = None) -> list[Tensor]:
-        if gram is not None:
-            return calibrated_decomposition(self, weight, layout, gram,
-                                            starts=(split_whitened,))
-        return matrix_to_tt(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
-
-    def spectra(self, weight: Tensor, layout: Layout,
-                gram: Tensor | None = None) -> tuple[Tensor, ...]:
-        """The unfoldings' singular values. With ``gram``: a bond from the middle one on has
-        every input mode on its left, so its unfolding of the fully whitened ``S^T W`` gives
-        the output-error energies exactly; the bonds among the input modes read the
-        Kronecker-whitened weight."""
-        modes = (*layout.in_modes, *layout.out_modes)
-        if gram is None:
-            return unfolding_spectra(weight.reshape(modes), range(1, len(modes)))
-        d = len(layout.in_modes)
-        inner = unfolding_spectra(whitened_weight(weight, layout, gram).reshape(modes),
-                                  range(1, d))
-        full = whitening(check_gram(gram, layout.in_features)).T @ weight.to(torch.float64)
-        return inner + unfolding_spectra(full.reshape(modes), range(d, len(modes)))
-
-    def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
-        return round_chain(cores)
-
-
-class TTM(Format):
-    """The interleaved TT-matrix format: core k carries input mode k and output mode k."""
-
-    name, title, exact_decomposition, calibrates = "ttm", "TT-matrix", True, True
-
-    def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
-        if len(in_modes) != len(out_modes):
-            raise ConfigError(f"in_modes {tuple(in_modes)} and out_modes {tuple(out_modes)} "
-                              f"differ in length; the {self.title} format pairs d input modes "
-                              "with d output modes.")
-        pairs = list(zip(in_modes, out_modes, strict=True))
-        with tncomp_errors_as_config():
-            bonds = tncomp.extend.resolve_ranks(ranks, [m * n for m, n in pairs], "ranks")
-        d = len(pairs)
-        ins = tuple(f"i{k + 1}" for k in range(d))
-        outs = tuple(f"o{k + 1}" for k in range(d))
-        sizes = dict(zip(ins, in_modes, strict=True)) | dict(zip(outs, out_modes, strict=True))
-        return chain_layout(ins, outs, list(zip(ins, outs, strict=True)), sizes, bonds)
-
-    def network(self, layout: Layout) -> tncomp.Network:
-        return tncomp.ttm_linear(layout.in_modes, layout.out_modes, chain_bonds(layout))
-
-    def decompose(self, weight: Tensor, layout: Layout,
-                  gram: Tensor | None = None) -> list[Tensor]:
-        if gram is not None:
-            return calibrated_decomposition(self, weight, layout, gram)
-        return matrix_to_ttm(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
-
-    def spectra(self, weight: Tensor, layout: Layout,
-                gram: Tensor | None = None) -> tuple[Tensor, ...]:
-        if gram is not None:
-            weight = whitened_weight(weight, layout, gram)
-        d = len(layout.in_modes)
-        merged = paired_modes(weight, layout.in_modes, layout.out_modes)
-        return unfolding_spectra(merged, range(1, d))
-
-    def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
-        return round_chain(cores)
 
 
 def split_whitened(weight: Tensor, layout: Layout, gram: Tensor) -> list[Tensor]:
@@ -143,6 +53,91 @@ def split_whitened(weight: Tensor, layout: Layout, gram: Tensor) -> list[Tensor]
     split = tt_svd(left.reshape(*layout.in_modes, middle), [*ranks[:d - 1], middle])
     last = torch.tensordot(split[-2], split[-1][..., 0], dims=1)  # (r_{d-1}, n_d, r_d)
     return [*split[:-2], last, *cores[d:]]
+
+
+class TT(Format):
+    """CoMERA's TT format: all input modes, then all output modes, one core each."""
+
+    name, title, exact_decomposition = "tt", "TT", True
+    table = "ttm"  # an embedding table of a TT model is a TT-matrix table (TT-Rec's layout)
+    calibrated_starts = (split_whitened,)
+
+    def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
+        modes = tuple(in_modes) + tuple(out_modes)
+        with tncomp_errors_as_config():
+            bonds = tncomp.extend.resolve_ranks(ranks, modes, "ranks")
+        d = len(in_modes)
+        names = [f"i{k + 1}" for k in range(d)] + [f"o{k + 1}" for k in range(len(out_modes))]
+        return chain_layout(tuple(names[:d]), tuple(names[d:]), [(n,) for n in names],
+                            dict(zip(names, modes, strict=True)), bonds)
+
+    def network(self, layout: Layout) -> tncomp.Network:
+        return tncomp.tt_linear(layout.in_modes, layout.out_modes, chain_bonds(layout))
+
+    def plain_decomposition(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+        """TT-SVD at the layout's bonds (:func:`~comera.formats.ttsvd.matrix_to_tt`)."""
+        return matrix_to_tt(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
+
+    def bond_spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
+        """The unfoldings' singular values."""
+        modes = (*layout.in_modes, *layout.out_modes)
+        return unfolding_spectra(weight.reshape(modes), range(1, len(modes)))
+
+    def whitened_spectra(self, weight: Tensor, layout: Layout,
+                         gram: Tensor) -> tuple[Tensor, ...]:
+        """A bond from the middle one on has every input mode on its left, so its unfolding of
+        the fully whitened ``S^T W`` gives the output-error energies exactly; the bonds among
+        the input modes read the Kronecker-whitened weight."""
+        modes = (*layout.in_modes, *layout.out_modes)
+        d = len(layout.in_modes)
+        inner = unfolding_spectra(whitened_weight(weight, layout, gram).reshape(modes),
+                                  range(1, d))
+        full = whitening(check_gram(gram, layout.in_features)).T @ weight.to(torch.float64)
+        return inner + unfolding_spectra(full.reshape(modes), range(d, len(modes)))
+
+    def dense(self, cores: list[Tensor], layout: Layout) -> Tensor:
+        """The chain contracted left to right (:func:`~comera.formats.ttsvd.tt_to_matrix`):
+        the order of operations TT layers' dense weights have always had."""
+        return tt_to_matrix(cores, len(layout.in_modes))
+
+    def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
+        return round_chain(cores)
+
+
+class TTM(Format):
+    """The interleaved TT-matrix format: core k carries input mode k and output mode k."""
+
+    name, title, exact_decomposition = "ttm", "TT-matrix", True
+
+    def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
+        if len(in_modes) != len(out_modes):
+            raise ConfigError(f"in_modes {tuple(in_modes)} and out_modes {tuple(out_modes)} "
+                              f"differ in length; the {self.title} format pairs d input modes "
+                              "with d output modes.")
+        pairs = list(zip(in_modes, out_modes, strict=True))
+        with tncomp_errors_as_config():
+            bonds = tncomp.extend.resolve_ranks(ranks, [m * n for m, n in pairs], "ranks")
+        d = len(pairs)
+        ins = tuple(f"i{k + 1}" for k in range(d))
+        outs = tuple(f"o{k + 1}" for k in range(d))
+        sizes = dict(zip(ins, in_modes, strict=True)) | dict(zip(outs, out_modes, strict=True))
+        return chain_layout(ins, outs, list(zip(ins, outs, strict=True)), sizes, bonds)
+
+    def network(self, layout: Layout) -> tncomp.Network:
+        return tncomp.ttm_linear(layout.in_modes, layout.out_modes, chain_bonds(layout))
+
+    def plain_decomposition(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+        """TT-matrix SVD at the layout's bonds (:func:`~comera.formats.ttsvd.matrix_to_ttm`)."""
+        return matrix_to_ttm(weight, layout.in_modes, layout.out_modes, list(layout.bond_sizes))
+
+    def bond_spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
+        """The singular values of the paired modes' unfoldings."""
+        d = len(layout.in_modes)
+        merged = paired_modes(weight, layout.in_modes, layout.out_modes)
+        return unfolding_spectra(merged, range(1, d))
+
+    def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
+        return round_chain(cores)
 
 
 def round_chain(cores: list[Tensor], rtol: float = 1e-7) -> list[Tensor]:

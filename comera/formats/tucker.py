@@ -20,7 +20,7 @@ from comera.errors import tncomp_errors_as_config
 from comera.formats.bond_ranks import resolve_bond_ranks
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
-from comera.formats.whitened import calibrated_decomposition, mode_product, whitened_weight
+from comera.formats.whitened import mode_product
 
 __all__ = ["Tucker", "hosvd", "mode_product", "round_tucker"]
 
@@ -30,7 +30,7 @@ class Tucker(Format):
     ``(a_1, ..., a_N)``. ``ranks``: an int (every a_k, capped at what mode k can use) or one
     rank per mode, input modes first."""
 
-    name, title, exact_decomposition, calibrates = "tucker", "Tucker", True, True
+    name, title, exact_decomposition = "tucker", "Tucker", True
 
     def layout(self, in_modes, out_modes, ranks: Ranks) -> Layout:
         with tncomp_errors_as_config():
@@ -47,10 +47,8 @@ class Tucker(Format):
         sizes = (*zip(ins + outs, modes, strict=True), *zip(links, bonds, strict=True))
         return Layout(ins, outs, cores, sizes, links)
 
-    def decompose(self, weight: Tensor, layout: Layout,
-                  gram: Tensor | None = None) -> list[Tensor]:
-        if gram is not None:
-            return calibrated_decomposition(self, weight, layout, gram)
+    def plain_decomposition(self, weight: Tensor, layout: Layout) -> list[Tensor]:
+        """The truncated HOSVD (:func:`hosvd`) at the layout's ranks."""
         tensor = weight.detach().to(torch.float64).reshape(*layout.in_modes, *layout.out_modes)
         cores = hosvd(tensor, layout.bond_sizes)
         return [c.to(weight.dtype).contiguous() for c in cores]
@@ -58,12 +56,9 @@ class Tucker(Format):
     def round(self, cores: list[Tensor], layout: Layout) -> list[Tensor]:
         return round_tucker(cores)
 
-    def spectra(self, weight: Tensor, layout: Layout,
-                gram: Tensor | None = None) -> tuple[Tensor, ...]:
+    def bond_spectra(self, weight: Tensor, layout: Layout) -> tuple[Tensor, ...]:
         """Per mode, the singular values of the weight tensor's mode-k unfolding (what HOSVD
-        truncates there); with ``gram``, of the Kronecker-whitened weight."""
-        if gram is not None:
-            weight = whitened_weight(weight, layout, gram)
+        truncates there)."""
         tensor = weight.detach().to(torch.float64).reshape(*layout.in_modes, *layout.out_modes)
         return tuple(torch.linalg.svdvals(tensor.movedim(k, 0).reshape(tensor.shape[k], -1))
                      for k in range(tensor.dim()))

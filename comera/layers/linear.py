@@ -34,7 +34,6 @@ from comera.formats.scaling import (
     core_scaling,
     orthogonal_cores,
 )
-from comera.formats.ttsvd import tt_to_matrix, ttm_to_matrix
 from comera.numbers import is_int
 from tncomp.extend import autocast_cast, autocast_dtype, check_modes, renamed
 from tncomp.extend import check_memory as _check_tncomp_memory
@@ -649,8 +648,9 @@ class GatedLinear(GatedLayer):
 
 
 class _ChainLinear(GatedLinear):
-    """TTLinear and TTMLinear: GatedLinear at one chain format, with their historic signature
-    (modes before ranks) and their d-input-modes-to-d-output-modes rule."""
+    """TTLinear and TTMLinear: constructors of GatedLinear at one chain format, with their
+    historic signature (modes before ranks) and their d-input-modes-to-d-output-modes rule;
+    nothing else (the weight, forward and dense form are GatedLinear's)."""
 
     def __init__(self, in_features: int, out_features: int,
                  in_modes: Sequence[int] | None = None, out_modes: Sequence[int] | None = None,
@@ -673,7 +673,8 @@ class _ChainLinear(GatedLinear):
                     in_modes: Sequence[int] | None = None,
                     out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
                     d: int = 3, memory: str | int = "fast", parametrization: str = DECOMPOSED):
-        """A layer initialised by TT-SVD of a trained ``nn.Linear`` (exact at full rank)."""
+        """A layer initialised by the chain's SVD of a trained ``nn.Linear`` (exact at full
+        rank)."""
         _check_linear(linear)
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, in_modes, out_modes, ranks,
@@ -682,25 +683,24 @@ class _ChainLinear(GatedLinear):
         layer.load_weight_(w.detach().T, linear.bias)
         return layer
 
+    def to_dense(self) -> Tensor:
+        """The dense weight as nn.Linear stores it: (out_features, in_features), by the
+        format's own contraction (:meth:`Format.dense`; GatedLinear.to_dense may read it too)."""
+        return self.format.dense(self.gated_cores(), self.layout).T
+
 
 class TTLinear(_ChainLinear):
-    """y = x @ W + b with W in the CoMERA TT format (input modes, then output modes)."""
+    """y = x @ W + b with W in the CoMERA TT format (input modes, then output modes):
+    ``GatedLinear(format="tt")`` with modes before ranks."""
 
     fixed_format = "tt"
 
-    def to_dense(self) -> Tensor:
-        """The dense weight as nn.Linear stores it: (out_features, in_features)."""
-        return tt_to_matrix(self.gated_cores(), len(self.in_modes)).T
-
 
 class TTMLinear(_ChainLinear):
-    """y = x @ W + b with W in the interleaved TT-matrix format (cores (r, m_k, n_k, r))."""
+    """y = x @ W + b with W in the interleaved TT-matrix format (cores (r, m_k, n_k, r)):
+    ``GatedLinear(format="ttm")`` with modes before ranks."""
 
     fixed_format = "ttm"
-
-    def to_dense(self) -> Tensor:
-        """The dense weight as nn.Linear stores it: (out_features, in_features)."""
-        return ttm_to_matrix(self.gated_cores()).T
 
 
 def load_cores_(layer: GatedLayer, cores: Sequence[Tensor], bias: Tensor | None) -> None:

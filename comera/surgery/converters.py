@@ -89,14 +89,17 @@ def _check_layer(name: str, config: ConvertConfig) -> None:
 # -- building one gated linear layer from a dense weight ------------------------------------------
 def _linear(fmt: str, in_features: int, out_features: int, modes, rank: int, bias: bool,
             config: ConvertConfig, **factory) -> GatedLinear:
-    """A randomly initialised linear layer of ``fmt`` (of the class fixed to it, if any)."""
-    cls = linear_class(fmt)
-    own = {} if cls.fixed_format is not None else {"format": fmt}
+    """A randomly initialised linear layer of ``fmt``, of the class registered for it
+    (:func:`~comera.layers.classes.linear_class`), built by GatedLinear's constructor whatever
+    that class's own signature (as records rebuild it by ``from_layout``)."""
+    layer = linear_class(fmt).__new__(linear_class(fmt))
     with warnings.catch_warnings():  # convert_ names every such layer in one warning
         warnings.simplefilter("ignore", FullRankWarning)
-        return cls(in_features, out_features, ranks=rank, in_modes=modes[0], out_modes=modes[1],
-                   bias=bias, tau=config.tau, d=config.d, memory=config.memory,
-                   parametrization=config.parametrization, **own, **factory)
+        GatedLinear.__init__(layer, in_features, out_features, format=fmt, ranks=rank,
+                             in_modes=modes[0], out_modes=modes[1], bias=bias, tau=config.tau,
+                             d=config.d, memory=config.memory,
+                             parametrization=config.parametrization, **factory)
+    return layer
 
 
 def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
@@ -106,10 +109,12 @@ def rank_for_target(fmt: Format, probe: Layout, budget: float) -> int:
         lambda r: layout_size(fmt, probe.in_modes, probe.out_modes, r), budget))
 
 
-def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
-                 config: ConvertConfig) -> GatedLayer:
+def gated_linear(name: str, weight: Tensor, bias: Tensor | None, config: ConvertConfig,
+                 decompose: bool = True) -> GatedLayer:
     """``weight`` (in x out) and ``bias`` as a gated layer of the format, modes and rank the
-    config gives the layer ``name`` (initialised by the format's decomposition)."""
+    config gives the layer ``name``, initialised by the format's decomposition (``decompose``
+    False: left randomly initialised, for a pass that decomposes it once, at its final bonds:
+    :func:`comera.surgery.decompose.decompose_parts_`)."""
     fmt = config.format_for(name)
     modes = config.modes.get(name, (None, None))
     if config.target_compression:
@@ -121,8 +126,15 @@ def gated_linear(name: str, weight: Tensor, bias: Tensor | None,
         rank = config.rank_for(name)
     layer = _linear(fmt, *weight.shape, modes, rank, bias is not None, config,
                     dtype=weight.dtype, device=weight.device)
-    layer.load_weight_(weight, bias)
+    if decompose:
+        layer.load_weight_(weight, bias)
     return layer
+
+
+def _decomposed_later(config: ConvertConfig) -> bool:
+    """Whether the decomposition pass decomposes every linear part (a global allocation gives
+    each new bonds), so the converters leave it to that pass."""
+    return config.allocation == "global"
 
 
 # -- the converters -------------------------------------------------------------------------------
@@ -138,7 +150,7 @@ def _linear_like(read: Callable[[nn.Module], tuple[Tensor, Tensor | None]]) -> C
     """The converter body of a module holding one linear map: read it, build one layer."""
     def convert(name: str, module: nn.Module, config: ConvertConfig):
         weight, bias = read(module)
-        layer = gated_linear(name, weight, bias, config)
+        layer = gated_linear(name, weight, bias, config, not _decomposed_later(config))
         before = sum(p.numel() for p in module.parameters())
         fmt = config.format_for(name)
         return layer, [Part(name, tuple(weight.shape), before, layer, fmt,
@@ -209,7 +221,7 @@ def _attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig):
         for part, w, b in zip(IN_PARTS, weights, biases, strict=True):
             pieces[part] = (w.T, b)
     pieces["out_proj"] = _linear_weight(mha.out_proj)
-    layers = {part: gated_linear(f"{name}.{part}", w, b, config)
+    layers = {part: gated_linear(f"{name}.{part}", w, b, config, not _decomposed_later(config))
               for part, (w, b) in pieces.items()}
     attention = TTMultiheadAttention(mha.embed_dim, mha.num_heads, dropout=mha.dropout,
                                      batch_first=mha.batch_first, kdim=mha.kdim, vdim=mha.vdim,

@@ -1,9 +1,11 @@
-"""The second pass of ``convert_``: each converted linear layer decomposed again, calibrated on
-its inputs and at the ranks one global budget gives it.
+"""The decomposition pass of ``convert_``: each converted linear layer decomposed from its dense
+weight, calibrated on its inputs and at the ranks one global budget gives it.
 
-The converters build every gated layer at the config's uniform rank from the format's plain
-decomposition. When ``convert_`` has input statistics (``calibration=``) or a global allocation,
-this pass re-decomposes each linear part from the dense weight it was made from: the bond sizes
+The converters build every gated layer at the config's uniform rank, from the format's plain
+decomposition unless this pass will decompose it (a global allocation: every linear part is
+decomposed here, once). When ``convert_`` has input statistics (``calibration=``) or a global
+allocation, :func:`decompose_parts_` decomposes each linear part from the dense weight it was
+made from: the bond sizes
 come from :func:`comera.ranks.global_budget.allocate_budget` over every part's (whitened) bond
 spectra (``allocation="global"``; the uniform allocation's bonds, :func:`uniform_bonds`, come
 back where the greedy spend's estimated error is not lower) or stay the layer's own, and the
@@ -39,13 +41,14 @@ from comera.surgery.input_statistics import InputStats
 
 log = logging.getLogger("comera.surgery.decompose")
 
-__all__ = ["allocate_parts", "check_budget", "check_global", "has_spectra", "layer_errors",
-           "redecompose_", "uniform_bonds"]
+__all__ = ["allocate_parts", "check_budget", "check_global", "decompose_parts_", "has_spectra",
+           "layer_errors", "redecompose_", "uniform_bonds"]
 
 
 def has_spectra(fmt: Format) -> bool:
-    """Whether ``fmt`` reports bond spectra (global allocation needs them)."""
-    return type(fmt).spectra is not Format.spectra
+    """Whether ``fmt`` reports bond spectra (global allocation needs them):
+    :attr:`Format.has_spectra`."""
+    return fmt.has_spectra
 
 
 def check_global(names: Sequence[str], config: ConvertConfig) -> None:
@@ -137,11 +140,13 @@ def allocate_parts(parts: Sequence[Part], stats: Mapping[str, InputStats],
     return allocation
 
 
-def redecompose_(parts: Sequence[Part], stats: Mapping[str, InputStats],
-                 config: ConvertConfig) -> BudgetAllocation | None:
-    """Decompose every linear part again (see the module docstring), in place on the parts'
-    layers; returns the global allocation, if any. Raises :class:`ConfigError` (a budget no
-    allocation meets) before any layer changes."""
+def decompose_parts_(parts: Sequence[Part], stats: Mapping[str, InputStats],
+                     config: ConvertConfig) -> BudgetAllocation | None:
+    """Decompose the linear parts (see the module docstring), in place on the parts' layers,
+    each once: with a global allocation every one at its allocated bonds; else those with
+    statistics and a calibrating format, calibrated (the others keep the converter's plain
+    decomposition). Returns the global allocation, if any. Raises :class:`ConfigError` (a
+    budget no allocation meets) before any layer changes."""
     linear = [p for p in parts if p.weight is not None]
     if config.allocation == "global" and not linear:
         raise ConfigError("allocation='global' spends its budget over linear layers, and none "
@@ -157,6 +162,9 @@ def redecompose_(parts: Sequence[Part], stats: Mapping[str, InputStats],
         if cores is not None:
             load_cores_(layer, cores, p.bias)
     return allocation
+
+
+redecompose_ = decompose_parts_  # the name convert_ calls it by
 
 
 def layer_errors(parts: Sequence[Part], stats: Mapping[str, InputStats]) -> dict[str, float]:
