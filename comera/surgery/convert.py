@@ -44,7 +44,7 @@ from comera.surgery.converters import (
     converter_for,
     full_rank,
 )
-from comera.surgery.decompose import check_budget, check_global, layer_errors, redecompose_
+from comera.surgery.decompose import check_budget, check_global, decompose_parts_, layer_errors
 from comera.surgery.input_statistics import InputStats, collect_input_stats, statistics_bytes
 from comera.surgery.swap import check_module, fast_paths_off_, swap_submodule
 from comera.surgery.table import text_table
@@ -316,9 +316,7 @@ def convert_(
                                              config.attention_in_proj == "packed", progress,
                                              limit=config.statistics_memory)
         held = statistics_bytes(stats)
-    allocation = None
-    if stats or config.allocation == "global":
-        allocation = redecompose_(parts, stats, config)
+    allocation = decompose_parts_(parts, stats, config)  # each linear layer once
     errors = layer_errors(parts, stats)
     for name, layer in built:
         swap_submodule(model, name, layer)

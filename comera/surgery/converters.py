@@ -131,12 +131,6 @@ def gated_linear(name: str, weight: Tensor, bias: Tensor | None, config: Convert
     return layer
 
 
-def _decomposed_later(config: ConvertConfig) -> bool:
-    """Whether the decomposition pass decomposes every linear part (a global allocation gives
-    each new bonds), so the converters leave it to that pass."""
-    return config.allocation == "global"
-
-
 # -- the converters -------------------------------------------------------------------------------
 def _linear_weight(module: nn.Linear) -> tuple[Tensor, Tensor | None]:
     return module.weight.detach().T, module.bias
@@ -150,7 +144,7 @@ def _linear_like(read: Callable[[nn.Module], tuple[Tensor, Tensor | None]]) -> C
     """The converter body of a module holding one linear map: read it, build one layer."""
     def convert(name: str, module: nn.Module, config: ConvertConfig):
         weight, bias = read(module)
-        layer = gated_linear(name, weight, bias, config, not _decomposed_later(config))
+        layer = gated_linear(name, weight, bias, config, decompose=False)
         before = sum(p.numel() for p in module.parameters())
         fmt = config.format_for(name)
         return layer, [Part(name, tuple(weight.shape), before, layer, fmt,
@@ -221,7 +215,7 @@ def _attention(name: str, mha: nn.MultiheadAttention, config: ConvertConfig):
         for part, w, b in zip(IN_PARTS, weights, biases, strict=True):
             pieces[part] = (w.T, b)
     pieces["out_proj"] = _linear_weight(mha.out_proj)
-    layers = {part: gated_linear(f"{name}.{part}", w, b, config, not _decomposed_later(config))
+    layers = {part: gated_linear(f"{name}.{part}", w, b, config, decompose=False)
               for part, (w, b) in pieces.items()}
     attention = TTMultiheadAttention(mha.embed_dim, mha.num_heads, dropout=mha.dropout,
                                      batch_first=mha.batch_first, kdim=mha.kdim, vdim=mha.vdim,

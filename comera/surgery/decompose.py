@@ -1,18 +1,16 @@
-"""The decomposition pass of ``convert_``: each converted linear layer decomposed from its dense
-weight, calibrated on its inputs and at the ranks one global budget gives it.
+"""The decomposition pass of ``convert_``: each converted linear layer decomposed once from its
+dense weight, calibrated on its inputs and at the ranks one global budget gives it.
 
-The converters build every gated layer at the config's uniform rank, from the format's plain
-decomposition unless this pass will decompose it (a global allocation: every linear part is
-decomposed here, once). When ``convert_`` has input statistics (``calibration=``) or a global
-allocation, :func:`decompose_parts_` decomposes each linear part from the dense weight it was
-made from: the bond sizes
-come from :func:`comera.ranks.global_budget.allocate_budget` over every part's (whitened) bond
-spectra (``allocation="global"``; the uniform allocation's bonds, :func:`uniform_bonds`, come
-back where the greedy spend's estimated error is not lower) or stay the layer's own, and the
-cores from the format's calibrated decomposition (:mod:`comera.formats.whitened`) where the
-part has statistics and the format calibrates, else its plain one. Nothing here touches the
-model: ``convert_`` swaps the layers in only after this pass has succeeded, so a budget no
-allocation can meet leaves the model as it was.
+The converters build every gated layer at the config's uniform rank and leave its cores to
+:func:`decompose_parts_`, which decomposes each linear part once from the dense weight it was
+made from: the bond sizes come from :func:`comera.ranks.global_budget.allocate_budget` over every
+part's (whitened) bond spectra (``allocation="global"``; the uniform allocation's bonds,
+:func:`uniform_bonds`, come back where the greedy spend's estimated error is not lower) or stay
+the layer's own, and the cores from the format's calibrated decomposition
+(:mod:`comera.formats.whitened`) where the part has statistics (``calibration=``) and the format
+calibrates, else its plain one. Nothing here touches the model: ``convert_`` swaps the layers in
+only after this pass has succeeded, so a budget no allocation can meet leaves the model as it
+was.
 """
 
 from __future__ import annotations
@@ -143,10 +141,10 @@ def allocate_parts(parts: Sequence[Part], stats: Mapping[str, InputStats],
 def decompose_parts_(parts: Sequence[Part], stats: Mapping[str, InputStats],
                      config: ConvertConfig) -> BudgetAllocation | None:
     """Decompose the linear parts (see the module docstring), in place on the parts' layers,
-    each once: with a global allocation every one at its allocated bonds; else those with
-    statistics and a calibrating format, calibrated (the others keep the converter's plain
-    decomposition). Returns the global allocation, if any. Raises :class:`ConfigError` (a
-    budget no allocation meets) before any layer changes."""
+    each once: with a global allocation every one at its allocated bonds; those with statistics
+    and a calibrating format calibrated, the others by the format's plain decomposition.
+    Returns the global allocation, if any. Raises :class:`ConfigError` (a budget no allocation
+    meets) before any layer changes."""
     linear = [p for p in parts if p.weight is not None]
     if config.allocation == "global" and not linear:
         raise ConfigError("allocation='global' spends its budget over linear layers, and none "
@@ -156,11 +154,10 @@ def decompose_parts_(parts: Sequence[Part], stats: Mapping[str, InputStats],
         layer, fmt, gram = p.layer, get_format(p.format), _gram(p, stats, config)
         if allocation is not None:
             layer.resize_bonds_(allocation.ranks[p.name])
-        elif gram is None:
-            continue  # the converter's plain decomposition at the uniform rank stands
-        cores = fmt.decompose(p.weight, layer.layout, gram)
-        if cores is not None:
-            load_cores_(layer, cores, p.bias)
+        if gram is None:
+            layer.load_weight_(p.weight, p.bias)  # plain (or the bias alone: no decomposition)
+            continue
+        load_cores_(layer, fmt.decompose(p.weight, layer.layout, gram), p.bias)
     return allocation
 
 
