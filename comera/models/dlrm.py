@@ -35,7 +35,7 @@ from comera.formats.registry import DENSE
 from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.layers.embedding import embedding_class, gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLayer
-from comera.models.transformer import NO_FLAG, format_from_tt
+from comera.models.transformer import NO_FLAG, format_from_tt, restore_kind_
 from comera.numbers import is_int
 
 log = logging.getLogger("comera.models")
@@ -133,12 +133,8 @@ class DLRMConfig:
             raise ConfigError(f"tau={self.tau!r}; the gate threshold is a number >= 0.")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A config pickled before the table kind was one word (a ``tt`` flag beside
-        ``table_format``) loads as the kind it built: ``tt=False`` was the dense model."""
-        state = dict(state)
-        if not state.pop("tt", True):
-            state["table_format"] = DENSE
-        self.__dict__.update(state)
+        """A config pickled with the ``tt`` flag of before loads as the kind it built."""
+        restore_kind_(self, state, "table_format")
 
     @property
     def table_sizes(self) -> tuple[int, ...]:

@@ -87,6 +87,15 @@ def format_from_tt(tt: Any, format: str, instead: str, *, stacklevel: int = 3) -
     return kind
 
 
+def restore_kind_(config: Any, state: dict[str, Any], field: str) -> None:
+    """``__setstate__`` of a model config pickled before the layer kind was one word (a ``tt``
+    flag beside the kind ``field``): it loads as the kind it built, ``tt=False`` the dense one."""
+    state = dict(state)
+    if not state.pop("tt", True):
+        state[field] = DENSE
+    config.__dict__.update(state)
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     """Sizes and the layers' kind. ``linear_format="dense"`` builds the dense baseline of the
@@ -141,12 +150,8 @@ class TransformerConfig:
         return cls(**base)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A config pickled before the layer kind was one word (a ``tt`` flag beside
-        ``linear_format``) loads as the kind it built: ``tt=False`` was the dense model."""
-        state = dict(state)
-        if not state.pop("tt", True):
-            state["linear_format"] = DENSE
-        self.__dict__.update(state)
+        """A config pickled with the ``tt`` flag of before loads as the kind it built."""
+        restore_kind_(self, state, "linear_format")
 
 
 def linear_layer(format: str, n_in: int, n_out: int, rank: int, modes=None, *,

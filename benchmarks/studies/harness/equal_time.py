@@ -11,6 +11,7 @@ clock's step time, peak memory and FLOPs of the model, and the validation loss a
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -181,7 +182,7 @@ def summarise(result: dict, label: Callable[[str], str], unigram: dict | None = 
 def time_to(curve: list[list[float]], goal: float) -> float | None:
     """The first fraction of the budget at which ``curve`` ([fraction, loss] points) reaches
     ``goal``, linear between evaluations; None when it never does."""
-    for (f0, l0), (f1, l1) in zip(curve, curve[1:], strict=False):
+    for (f0, l0), (f1, l1) in itertools.pairwise(curve):
         if l1 <= goal:
             return f1 if l0 <= goal or l0 == l1 else f0 + (f1 - f0) * (l0 - goal) / (l0 - l1)
     return None
@@ -208,7 +209,7 @@ def reach_table(rows: list[dict], label: Callable[[str], str]) -> list[str]:
         share = time_to(curve, goal)
         lines.append(f"| {target:g}x | {label(method)} | {len(group)} | "
                      f"{'not reached' if share is None else f'{share:.2f}'} |")
-    return lines + [""]
+    return [*lines, ""]
 
 
 def plot(result: dict, path: Path, label: Callable[[str], str]) -> bool:
