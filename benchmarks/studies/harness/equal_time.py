@@ -103,17 +103,11 @@ def _has(row: dict, fraction: float) -> bool:
     return any(abs(f - fraction) < 1e-6 for f, _ in row["budget"]["val_at"])
 
 
-def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """Rows with a budget, by (target, method); dense (no target) joins every target."""
-    rows = [r for r in rows if r.get("budget")]
-    return by_method(rows)
-
-
 def at_budget(rows: list[dict], fraction: float) -> dict[tuple, tuple[list[dict], str]]:
     """Per (target, method): its rows at the learning rate whose mean validation loss at
     ``fraction`` of the budget is best, and how that rate was chosen."""
     return {key: at_best_lr(group, lambda r: _loss_at(r, fraction))
-            for key, group in _groups(rows).items()}
+            for key, group in by_method(r for r in rows if r.get("budget")).items()}
 
 
 def summarise(result: dict, label: Callable[[str], str], unigram: dict | None = None) -> str:

@@ -124,15 +124,15 @@ def _order(method: str) -> int:
 
 
 # -- training ------------------------------------------------------------------------------------
-def study(spec: Spec, args, task) -> Study:
-    """The study of ``args``: its engine settings, steps and CoMERA settings."""
+def study(spec: Spec, args, task, clock: dict | None = None) -> Study:
+    """The study of ``args``: its engine settings, steps and CoMERA settings; with
+    ``--equal-time``, each model's steps from ``clock`` (the ``--clock`` file, read)."""
     config = EngineConfig(batch_size=args.batch, lr=args.lr, lr_gates=args.lr_gates,
                           warmup=args.warmup, eval_every=args.eval_every, max_grad_norm=1.0,
                           threads=args.threads, optimizer=args.optimizer, schedule=args.schedule,
                           late_allocation=args.late_allocation, late_landing=args.late_landing)
     steps_of = None
     if args.equal_time:
-        clock = json.loads(args.clock.read_text())
         sizes = {"d_model": task.config.d_model, "batch": args.batch}
         if any(clock.get(k) != v for k, v in sizes.items()):
             print(f"--clock {args.clock} timed d_model {clock.get('d_model')}, batch "
@@ -146,18 +146,19 @@ def study(spec: Spec, args, task) -> Study:
                  resume=args.resume, steps_of=steps_of, evals=args.evals)
 
 
-def run(spec: Spec, args, plan: Study, runs: RunsFile, baseline: dict | None = None) -> None:
+def run(spec: Spec, args, plan: Study, runs: RunsFile, clock: dict | None = None,
+        baseline: dict | None = None) -> None:
     """Train and score every (seed, learning rate, method, target) of ``args`` on ``plan``
-    (``baseline``: the equal-time report's majority-class scores)."""
-    clock = json.loads(args.clock.read_text()) if args.equal_time else None
+    (``clock``: the ``--clock`` file, read; ``baseline``: the equal-time report's
+    majority-class scores)."""
     for seed in args.seeds:
         for lr in args.lrs:
             for method in args.methods:
                 rows = plan.method(method, args.targets, seed, lr)
-                if clock is not None:
+                if args.equal_time:
                     rows = [r | {"budget": budget_entry(r, clock)} for r in rows]
                 runs.add(rows)
-                write_report(spec, args.out, args.clock, baseline)
+                write_report(spec, args.out, clock, baseline)
                 for r in rows:
                     print(f"seed {seed} lr {lr:g} {r['method']} {r['target']}: val loss "
                           f"{r['val']['loss']:.4f}, test loss {r['test']['loss']:.4f} "
@@ -276,14 +277,15 @@ def plot(spec: Spec, result: dict, out: Path, clock: dict | None = None) -> None
                     title=f"{spec.title}: validation loss at {targets[0]:g}x (mean over seeds)")
 
 
-def write_report(spec: Spec, out: Path, clock: Path | None = None,
+def write_report(spec: Spec, out: Path, clock: dict | None = None,
                  baseline: dict | None = None) -> dict:
     """frontier.{json,md,png}, and where rows trained at equal wall-clock, equal_time.{md,png}
-    (``baseline``: the majority-class scores it states)."""
+    (``clock``: an ``lm_clock`` results file, read; ``baseline``: the majority-class scores the
+    report states)."""
     result = merge(out, spec.title, upgrade)
     write_summary(out / "frontier.json", result, curves=False)  # the runs files hold them
     atomic_write_text(out / "frontier.md", summarise(spec, result) + "\n")
-    plot(spec, result, out, None if clock is None else json.loads(clock.read_text()))
+    plot(spec, result, out, clock)
     if any(r.get("budget") for r in result["rows"]):
         atomic_write_text(out / "equal_time.md", equal_time.summarise(result, label, baseline))
         equal_time.plot(result, out / "equal_time.png", label)
@@ -393,13 +395,14 @@ def main(spec: Spec, argv=None, doc: str | None = None) -> int:
     """Parse, train (unless ``--summarise-only``), write the runs file and the report."""
     args = parse(spec, argv, doc)
     torch.set_num_threads(args.threads)
+    clock = None if args.clock is None else json.loads(args.clock.read_text())
     task = spec.make_task(args) if not args.summarise_only or args.equal_time else None
     baseline = equal_time.unigram_scores(task) if args.equal_time else None
     if not args.summarise_only:
-        plan = study(spec, args, task)  # checks the clock before any file is written
+        plan = study(spec, args, task, clock)  # checks the clock before any file is written
         runs = RunsFile(args.out, args.tag, f"benchmarks.studies.{spec.name}_frontier",
                         task.describe(), vars(args), argv)
         runs.save()
-        run(spec, args, plan, runs, baseline)
-    print(summarise(spec, write_report(spec, args.out, args.clock, baseline)))
+        run(spec, args, plan, runs, clock, baseline)
+    print(summarise(spec, write_report(spec, args.out, clock, baseline)))
     return 0
