@@ -14,7 +14,8 @@ timings, sizes, test scores) that :mod:`comera.experiments.results` turns into f
 
 A resumed run restores model (at its truncated ranks), optimizer, trainer stage, step, RNG states
 and history, and then sees exactly the batches it would have seen: it ends with the same
-parameters as an uninterrupted run. The checks of the settings live in
+parameters as an uninterrupted run. The settings come in groups, each checking its own fields
+(:mod:`comera.experiments.engine_config`); the checks against the machine and the task live in
 :mod:`comera.experiments.checks`, the optimizer and schedule in
 :mod:`comera.experiments.optim_schedule`.
 """
@@ -257,17 +258,7 @@ class _Run:
                               "nn.Module to train.")
         self.model = built.to(self.device)
         broadcast_parameters_(self.model)
-        for _, layer in comera.gated_layers(self.model):  # time for memory: no change in results
-            if layer.memory != config.memory:
-                layer.memory = config.memory
-        if config.checkpoint_blocks:
-            if not hasattr(self.model, "checkpoint_blocks"):
-                raise ConfigError(
-                    f"checkpoint_blocks=True, but task {task.name!r} builds a "
-                    f"{type(self.model).__name__}, which has no encoder blocks to checkpoint "
-                    "(the transformer models have: PairClassifier, MaskedLM); train it "
-                    "without checkpoint_blocks.")
-            self.model.checkpoint_blocks = True
+        _trade_time_for_memory_(self.model, config.runtime, task.name)
         if config.compressed and not any(True for _ in comera.gated_layers(self.model)):
             raise ConfigError(f"the model of task {task.name!r} has no gated layers for a "
                               f"CoMERA run (format {config.format!r}); build_model(format) (or "
@@ -531,6 +522,22 @@ def _check_engine_state(state: dict, path: Path) -> None:
     if state["step"] < 0:
         raise CheckpointError(f"{path}: its engine state has step={state['step']}; the file is "
                               "damaged or was edited. Start without --resume.")
+
+
+def _trade_time_for_memory_(model: nn.Module, runtime: RuntimeSettings, task: str) -> None:
+    """Set what ``model``'s gated layers keep for the backward (``runtime.memory``) and whether
+    its encoder blocks recompute (``runtime.checkpoint_blocks``): time for memory, the results
+    unchanged."""
+    for _, layer in comera.gated_layers(model):
+        if layer.memory != runtime.memory:
+            layer.memory = runtime.memory
+    if runtime.checkpoint_blocks:
+        if not hasattr(model, "checkpoint_blocks"):
+            raise ConfigError(
+                f"checkpoint_blocks=True, but task {task!r} builds a {type(model).__name__}, "
+                "which has no encoder blocks to checkpoint (the transformer models have: "
+                "PairClassifier, MaskedLM); train it without checkpoint_blocks.")
+        model.checkpoint_blocks = True
 
 
 def _set_threads(run: _Run, config: EngineConfig) -> None:
