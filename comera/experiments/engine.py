@@ -113,8 +113,11 @@ class EngineConfig(RuntimeSettings, LateSettings, RankSettings, RunSettings, Opt
     def __post_init__(self) -> None:
         """Check every setting (type, range, finiteness), group by group, before anything is
         built; then the settings of two groups together."""
-        for kind in GROUPS.values():
-            kind.__post_init__(self)
+        OptimSettings.__post_init__(self)
+        RunSettings.__post_init__(self)
+        RankSettings.__post_init__(self)
+        LateSettings.__post_init__(self)
+        RuntimeSettings.__post_init__(self)
         if self.late_allocation == "spectrum" and self.compressed:  # read from chains' spectra
             try:
                 check_chain_format(self.format)
@@ -300,8 +303,8 @@ class _Run:
     def _start_late(self) -> None:
         settings = self.config.late
         recent = [loss for _, loss, _, _ in self.record.train_curve[-50:]]
-        late = settings.stage(self.model, settings.loss_target(recent),
-                              steps=max(1, self.config.steps_late))
+        late = settings.late_stage(self.model, settings.loss_target(recent),
+                                   steps=max(1, self.config.steps_late))
         report = self.trainer.start_late_stage(late)
         log.info("%s: late stage from step %d, target %.0f parameters; %s", self.name,
                  self.step, late.target_size, report)

@@ -27,7 +27,7 @@ The groups:
 A setting keeps its flat name inside its group (``LateSettings.late_landing``): the names are
 the contract of ``EngineConfig(...)``, ``dataclasses.replace``, checkpoints and summaries. Each
 group builds the object of the library below that it configures (:meth:`RankSettings.early_stage`,
-:meth:`LateSettings.stage`), which takes plain values.
+:meth:`LateSettings.late_stage`), which takes plain values.
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ class LateSettings:
                               "early step ran; set steps_early >= 1.")
         return statistics.fmean(early_losses) * (1.0 + self.late_loss_slack)
 
-    def stage(self, model: nn.Module, target_loss: float, steps: int) -> comera.LateStage:
+    def late_stage(self, model: nn.Module, target_loss: float, steps: int) -> comera.LateStage:
         """The late stage of ``steps`` steps on ``model``, at the loss target ``target_loss``.
         The size target counts the gated layers only (against their dense size), the rest kept
         as it is; the step budget lands the stage on it by its end, whatever the rates."""

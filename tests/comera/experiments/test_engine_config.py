@@ -105,7 +105,12 @@ def test_the_groups_partition_the_settings_and_their_names_take_none():
     names = [f.name for kind in GROUPS.values() for f in dataclasses.fields(kind)]
     assert sorted(names) == sorted(f.name for f in dataclasses.fields(EngineConfig))
     assert len(names) == len(set(names)) == 33
-    assert not set(GROUPS) & set(names)  # config.late, config.optim, ... shadow no setting
+    # config.late, config.optim, ... and the groups' methods shadow no setting: EngineConfig has
+    # them all (a method named like a field of another group would hide it on the class)
+    members = {name for kind in GROUPS.values() for name in vars(kind) if not name.startswith("_")
+               and name not in {f.name for f in dataclasses.fields(kind)}}
+    assert not (set(GROUPS) | members) & set(names)
+    assert {"late_stage", "early_stage", "loss_target", "total_steps"} <= members
     assert all(issubclass(EngineConfig, kind) for kind in GROUPS.values())
     config = EngineConfig()
     for name, kind in GROUPS.items():  # each group's default is EngineConfig's
@@ -164,7 +169,7 @@ def test_the_late_settings_give_the_loss_target_and_the_stage():
     with pytest.raises(comera.ConfigError, match="no early step ran; set steps_early >= 1"):
         late.loss_target([])
     model = ToyTask().build_model("tt")
-    assert late.stage(model, 0.5, steps=8) == comera.LateStage.for_compression(
+    assert late.late_stage(model, 0.5, steps=8) == comera.LateStage.for_compression(
         model, 2.0, target_loss=0.5, steps=8, landing=0.5, allocation="spectrum")
 
 
