@@ -14,7 +14,8 @@ timings, sizes, test scores) that :mod:`comera.experiments.results` turns into f
 
 A resumed run restores model (at its truncated ranks), optimizer, trainer stage, step, RNG states
 and history, and then sees exactly the batches it would have seen: it ends with the same
-parameters as an uninterrupted run. The checks of the settings live in
+parameters as an uninterrupted run. The settings come in groups, each checking its own fields
+(:mod:`comera.experiments.engine_config`); the checks against the machine and the task live in
 :mod:`comera.experiments.checks`, the optimizer and schedule in
 :mod:`comera.experiments.optim_schedule`.
 """
@@ -28,7 +29,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +47,9 @@ from comera import (
 from comera.batches import to_device
 from comera.experiments.checks import (
     MAX_INT,
-    MAX_THREADS,
-    ON_NONFINITE,
-    PRECISIONS,
-    STAGES,
     check_device,
     check_int,
     check_kept_parametrization,
-    check_number,
     check_settings,
     check_task,
     parametrizations,
@@ -68,21 +64,21 @@ from comera.experiments.distributed import (
     prepare_model_,
     save_run_checkpoint,
 )
-from comera.experiments.optim_schedule import (
-    OPTIMIZERS,
-    SCHEDULES,
-    base_rates,
-    lr_factor,
-    run_optimizer,
+from comera.experiments.engine_config import (
+    GROUPS,
+    RESULT_FREE,
+    LateSettings,
+    OptimSettings,
+    RankSettings,
+    RunSettings,
+    RuntimeSettings,
 )
+from comera.experiments.optim_schedule import base_rates, run_optimizer
 from comera.experiments.rundir import hold_run_directory
 from comera.experiments.task import IndexStream, Task, build_task_model
-from comera.formats.registry import DENSE, check_layer_format
-from comera.layers.linear import check_memory
+from comera.formats.registry import DENSE
 from comera.models.transformer import format_from_tt
 from comera.ranks.allocate import check_chain_format
-from comera.ranks.objective import ALLOCATIONS, REGULARIZERS
-from comera.training.early import EarlyStage
 from comera.training.trainers import pick_threads
 
 __all__ = ["EngineConfig", "Progress", "RunRecord", "check_device", "check_settings",
@@ -90,137 +86,90 @@ __all__ = ["EngineConfig", "Progress", "RunRecord", "check_device", "check_setti
 
 log = logging.getLogger("comera.engine")
 
+# the groups in reverse: a dataclass lists the fields of its last base first, so EngineConfig's
+# fields (its signature, asdict, repr) read optim, run, ranks, late, runtime
 @dataclass(frozen=True)
-class EngineConfig:
-    """How to train; the task decides what. ``stage`` picks the CoMERA stages to run."""
+class EngineConfig(RuntimeSettings, LateSettings, RankSettings, RunSettings, OptimSettings):
+    """How to train; the task decides what. The settings come in five groups
+    (:mod:`comera.experiments.engine_config`), each checked by its own class:
 
-    steps_early: int = 300
-    steps_late: int = 150
-    batch_size: int = 32  # the global batch: split over data-parallel workers
-    lr: float = 1e-3  # TT cores, and every parameter of a dense model
-    lr_gates: float = 1e-2
-    lr_other: float | None = None  # non-TT parameters of a TT model (default: lr)
-    warmup: int = 0  # linear learning-rate warm-up, in steps
-    lam: float = 0.05  # early stage: weight of the rank regulariser
-    regularizer: str = "l1"
-    target_compression: float = 150.0  # late stage: TT layers vs their dense size
-    # late stage: the loss target L* is the mean training loss of the last early steps, times
-    # (1 + late_loss_slack): shrink while the loss stays near what the early stage reached
-    late_loss_slack: float = 0.05
-    stage: str = "both"
-    eval_every: int = 50
-    checkpoint_every: int = 0  # 0: only at the stage boundary and at the end
-    on_nonfinite: str = "stop"  # "stop": raise TrainingStopped; "skip": drop the batch
-    max_skips: int = 10  # consecutive skipped steps before stopping anyway
-    max_grad_norm: float | None = 1.0
-    seed: int = 0
-    device: str = "cpu"
-    precision: str = "fp32"  # "bf16" / "fp16": the forward under torch.autocast (fp16: CUDA only,
-    compile: bool = False  # with a GradScaler); compile: torch.compile the training forward
-    # what TT layers keep for the backward (tncomp's memory option): "fast", "balanced", "min"
-    memory: str = "fast"
-    threads: int = 0  # CPU threads; 0: the faster of 1 and the current count, timed at the start
-    # recompute each encoder block in the backward (models with ``checkpoint_blocks``: the
-    # transformers); like memory, it trades time for memory and leaves the results unchanged
-    checkpoint_blocks: bool = False
-    fsdp: bool = False  # FSDP2 over the workers: dense parts sharded, TT layers replicated
-    # the run's layer kind: a registered format ("tt", "tucker", ...: a CoMERA run) or "dense"
-    # (the dense baseline), from the CLI through Task.build_model to the layers
-    format: str = "tt"
-    # the optimizer and the rate after the warm-up (comera.experiments.optim_schedule): "groups"
-    # (named AdamW groups) or "adamw" (AdamW over model.parameters()); "constant" or "cosine"
-    optimizer: str = "groups"
-    schedule: str = "constant"
-    # the late stage's loss target L*: None takes it from the early stage's last losses (times
-    # 1 + late_loss_slack); a number fixes it (0: the late stage weights the loss alone while
-    # its step budget prunes along the schedule)
-    late_target_loss: float | None = None
-    # the early stage's size target (comera.training.early.EarlyStage): the compression of the
-    # gated layers against dense at which it stops pruning (None: lam alone decides), reached
-    # along a schedule over the first early_landing of the early steps
-    early_target: float | None = None
-    early_landing: float = 0.5
-    # how the late stage reaches its size (comera.LateStage): "prune" shrinks along its step
-    # budget, on the target after late_landing of the late steps; "spectrum" fixes the final
-    # shape from the bonds' spectra when the stage starts and trains that shape throughout
-    late_allocation: str = "prune"
-    late_landing: float = 0.75
+    - ``config.optim`` (:class:`~comera.experiments.engine_config.OptimSettings`): steps, batch,
+      learning rates, warm-up, optimizer, schedule, clipping;
+    - ``config.run`` (:class:`~comera.experiments.engine_config.RunSettings`): ``stage`` (the
+      CoMERA stages to run), ``format`` (the layer kind), seed, evaluation and checkpoint
+      cadence, the non-finite policy;
+    - ``config.ranks`` (:class:`~comera.experiments.engine_config.RankSettings`): the early
+      stage's regulariser, its weight and size target;
+    - ``config.late`` (:class:`~comera.experiments.engine_config.LateSettings`): the late
+      stage's size and loss targets, allocation and landing;
+    - ``config.runtime`` (:class:`~comera.experiments.engine_config.RuntimeSettings`): device,
+      precision, compile, memory, threads, block checkpointing, FSDP.
+
+    Made flat, ``EngineConfig(lr=3e-4, target_compression=20)``, or from groups,
+    ``EngineConfig.from_groups(optim=..., late=...)``; every setting reads flat
+    (``config.lr``) and changes with ``dataclasses.replace(config, lr=...)``. An EngineConfig is
+    each of its groups, so a function that needs one group takes the config too."""
 
     def __post_init__(self) -> None:
-        """Check every field (type, range, finiteness) before anything is built."""
-        for name, low in (("steps_early", 0), ("steps_late", 0), ("warmup", 0),
-                          ("checkpoint_every", 0), ("max_skips", 0), ("threads", 0),
-                          ("seed", 0), ("batch_size", 1), ("eval_every", 1)):
-            check_int(name, getattr(self, name), low, MAX_THREADS if name == "threads"
-                       else MAX_INT)
-        check_number("lr", self.lr, "a learning rate is a finite number > 0", positive=True)
-        check_number("lr_gates", self.lr_gates, "a learning rate is a finite number > 0",
-                      positive=True)
-        if self.lr_other is not None:
-            check_number("lr_other", self.lr_other, "a learning rate is a finite number > 0 "
-                          "(or None: lr)", positive=True)
-        check_number("lam", self.lam, "the rank-regulariser weight is a finite number >= 0")
-        check_number("late_loss_slack", self.late_loss_slack, "it is a finite number >= 0, "
-                      "e.g. 0.05")
-        if self.max_grad_norm is not None:
-            check_number("max_grad_norm", self.max_grad_norm, "it is a finite number > 0 (or "
-                          "None: no clipping)", positive=True)
-        check_number("target_compression", self.target_compression, "it must be > 1 (dense "
-                      "size / TT size), e.g. 50", low=1.0, positive=True)
-        for name in ("compile", "checkpoint_blocks", "fsdp"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r}; it is True or False.")
-        if self.early_target is not None:
-            check_number("early_target", self.early_target, "a compression against dense is a "
-                          "finite number > 1 (or None)", low=1.0, positive=True)
-        for name in ("early_landing", "late_landing"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and not isinstance(value, bool)
-                    and 0 < value <= 1):
-                raise ConfigError(f"{name}={value!r}; give a fraction in (0, 1].")
-        if self.late_target_loss is not None:
-            check_number("late_target_loss", self.late_target_loss, "a loss target is a finite "
-                          "number >= 0 (or None: from the early stage)")
-        for name, choices in (("stage", STAGES), ("on_nonfinite", ON_NONFINITE),
-                              ("precision", tuple(PRECISIONS)), ("regularizer", REGULARIZERS),
-                              ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES),
-                              ("late_allocation", ALLOCATIONS)):
-            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
-                raise ConfigError(f"{name}={getattr(self, name)!r}; choose one of "
-                                  f"{', '.join(choices)}.")
-        if not isinstance(self.device, str) or not self.device.strip():
-            raise ConfigError(f"device={self.device!r} is not a device; use cpu, cuda or "
-                              "cuda:1.")
-        if self.precision == "fp16" and not self.device.startswith("cuda"):
-            raise ConfigError(f"precision='fp16' trains with a CUDA GradScaler; device "
-                              f"{self.device!r} has none: use precision='bf16' on the CPU.")
-        if not isinstance(self.memory, str):
-            raise ConfigError(f"memory={self.memory!r}; choose one of fast, balanced, min.")
-        check_memory(self.memory)
-        check_layer_format(self.format)
+        """Check every setting (type, range, finiteness), group by group, before anything is
+        built; then the settings of two groups together."""
+        OptimSettings.__post_init__(self)
+        RunSettings.__post_init__(self)
+        RankSettings.__post_init__(self)
+        LateSettings.__post_init__(self)
+        RuntimeSettings.__post_init__(self)
         if self.late_allocation == "spectrum" and self.compressed:  # read from chains' spectra
             try:
                 check_chain_format(self.format)
             except ConfigError as exc:
                 raise ConfigError(f"late_allocation='spectrum' with {exc}") from None
 
-    @property
-    def compressed(self) -> bool:
-        """Whether the run is a CoMERA run (its layers in a format), not the dense baseline."""
-        return self.format != DENSE
+    @classmethod
+    def from_groups(cls, *, optim: OptimSettings | None = None, run: RunSettings | None = None,
+                    ranks: RankSettings | None = None, late: LateSettings | None = None,
+                    runtime: RuntimeSettings | None = None) -> EngineConfig:
+        """The config of these groups, each left out one at its defaults."""
+        given = {"optim": optim, "run": run, "ranks": ranks, "late": late, "runtime": runtime}
+        settings: dict[str, Any] = {}
+        for name, group in given.items():
+            if group is None:
+                continue
+            kind = GROUPS[name]
+            if not isinstance(group, kind):
+                raise ConfigError(f"from_groups({name}={group!r}): give a {kind.__name__} "
+                                  "(or None: its defaults).")
+            settings.update((f.name, getattr(group, f.name)) for f in fields(kind))
+        return cls(**settings)
 
-    def model_format(self, tt: bool | None = None) -> str:
-        """The layer kind a run builds: ``format``. (Deprecated until 0.3.0: a ``tt`` flag,
-        True for ``format``, False for ``"dense"``.)"""
-        if tt is None:
-            return self.format
-        return format_from_tt(tt, self.format,
-                              "model_format() with the kind in config.format={}")
+    def _group(self, kind: type) -> Any:
+        return kind(**{f.name: getattr(self, f.name) for f in fields(kind)})
 
     @property
-    def total_steps(self) -> int:
-        """Steps of a whole run: early-stage steps plus late-stage steps."""
-        return self.steps_early + self.steps_late
+    def optim(self) -> OptimSettings:
+        """The optimisation schedule: steps, batch, learning rates, warm-up, optimizer,
+        schedule, clipping."""
+        return self._group(OptimSettings)
+
+    @property
+    def run(self) -> RunSettings:
+        """The run: stages, layer kind, seed, evaluation and checkpoint cadence, non-finite
+        policy."""
+        return self._group(RunSettings)
+
+    @property
+    def ranks(self) -> RankSettings:
+        """The early stage's rank objective: regulariser, weight, size target."""
+        return self._group(RankSettings)
+
+    @property
+    def late(self) -> LateSettings:
+        """The late stage: size and loss targets, allocation, landing."""
+        return self._group(LateSettings)
+
+    @property
+    def runtime(self) -> RuntimeSettings:
+        """Device, precision, compile, memory, threads, block checkpointing, FSDP."""
+        return self._group(RuntimeSettings)
 
 
 @dataclass
@@ -312,17 +261,7 @@ class _Run:
                               "nn.Module to train.")
         self.model = built.to(self.device)
         broadcast_parameters_(self.model)
-        for _, layer in comera.gated_layers(self.model):  # time for memory: no change in results
-            if layer.memory != config.memory:
-                layer.memory = config.memory
-        if config.checkpoint_blocks:
-            if not hasattr(self.model, "checkpoint_blocks"):
-                raise ConfigError(
-                    f"checkpoint_blocks=True, but task {task.name!r} builds a "
-                    f"{type(self.model).__name__}, which has no encoder blocks to checkpoint "
-                    "(the transformer models have: PairClassifier, MaskedLM); train it "
-                    "without checkpoint_blocks.")
-            self.model.checkpoint_blocks = True
+        _trade_time_for_memory_(self.model, config.runtime, task.name)
         if config.compressed and not any(True for _ in comera.gated_layers(self.model)):
             raise ConfigError(f"the model of task {task.name!r} has no gated layers for a "
                               f"CoMERA run (format {config.format!r}); build_model(format) (or "
@@ -331,12 +270,11 @@ class _Run:
         self.base_lr = base_rates(config)
         opt = run_optimizer(self.model, config)
         if config.compressed:
-            lam = config.lam if config.stage != "late" else 0.0
-            early = (EarlyStage.for_compression(self.model, config.early_target,
-                                                config.steps_early, config.early_landing)
-                     if config.early_target is not None else None)
-            self.trainer = comera.CoMERATrainer(self.model, opt, lam, config.regularizer,
-                                                clip, hook, early=early)
+            ranks = config.ranks
+            lam = ranks.lam if config.stage != "late" else 0.0
+            self.trainer = comera.CoMERATrainer(
+                self.model, opt, lam, ranks.regularizer, clip, hook,
+                early=ranks.early_stage(self.model, config.steps_early))
         else:
             self.trainer = comera.DenseTrainer(self.model, opt, clip, hook)
         self.optimizer = opt
@@ -363,35 +301,20 @@ class _Run:
         return [("early", 0, c.steps_early), ("late", c.steps_early, c.total_steps)]
 
     def _start_late(self) -> None:
-        # the target counts TT layers only (against their dense size), the rest kept as it is;
-        # the step budget makes the stage land on the target by its end, whatever lr_gates is
-        late = comera.LateStage.for_compression(self.model, self.config.target_compression,
-                                                target_loss=self._loss_target(),
-                                                steps=max(1, self.config.steps_late),
-                                                landing=self.config.late_landing,
-                                                allocation=self.config.late_allocation)
+        settings = self.config.late
+        recent = [loss for _, loss, _, _ in self.record.train_curve[-50:]]
+        late = settings.late_stage(self.model, settings.loss_target(recent),
+                                   steps=max(1, self.config.steps_late))
         report = self.trainer.start_late_stage(late)
         log.info("%s: late stage from step %d, target %.0f parameters; %s", self.name,
                  self.step, late.target_size, report)
 
-    def _loss_target(self) -> float:
-        if self.config.late_target_loss is not None:
-            return self.config.late_target_loss
-        recent = [loss for _, loss, _, _ in self.record.train_curve[-50:]]
-        if not recent:
-            raise ConfigError("the late stage needs a loss target from the early stage, but no "
-                              "early step ran; set steps_early >= 1.")
-        return statistics.fmean(recent) * (1.0 + self.config.late_loss_slack)
-
     # -- one step -----------------------------------------------------------------------------
-    def _autocast(self):
-        dtype = PRECISIONS[self.config.precision]
-        return (contextlib.nullcontext() if dtype is None
-                else torch.autocast(self.device.type, dtype=dtype))
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return self.config.runtime.autocast(self.device)
 
     def _set_lr(self) -> None:
-        c = self.config
-        factor = lr_factor(self.step, c.warmup, self.stages()[-1][2], c.schedule)
+        factor = self.config.optim.lr_factor(self.step, self.stages()[-1][2])
         for group in self.optimizer.param_groups:
             group["lr"] = self.base_lr[group.get("name", "other")] * factor
 
@@ -534,12 +457,12 @@ class _Run:
                 f"{state['format']!r}), not {self.task.name!r} (format "
                 f"{self.config.format!r}); point --out at that run's directory.")
         defaults = asdict(EngineConfig())  # settings a checkpoint predates have their default
-        # settings that leave the results unchanged
-        free = ("device", "compile", "memory", "threads", "checkpoint_blocks", "fsdp")
+        # settings a resume may change: the runtime's that leave the results unchanged, a
+        # longer or shorter late stage, another checkpoint cadence
+        free = (*RESULT_FREE, "steps_late", "checkpoint_every")
         saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in free}
         mine = {k: v for k, v in asdict(self.config).items() if k not in free}
-        changed = sorted(k for k in mine if saved.get(k) != mine[k] and k != "steps_late"
-                         and k != "checkpoint_every")
+        changed = sorted(k for k in mine if saved.get(k) != mine[k])
         if changed:
             raise CheckpointError(
                 f"{self.checkpoint_path} was trained with other settings ({', '.join(changed)}: "
@@ -602,6 +525,22 @@ def _check_engine_state(state: dict, path: Path) -> None:
     if state["step"] < 0:
         raise CheckpointError(f"{path}: its engine state has step={state['step']}; the file is "
                               "damaged or was edited. Start without --resume.")
+
+
+def _trade_time_for_memory_(model: nn.Module, runtime: RuntimeSettings, task: str) -> None:
+    """Set what ``model``'s gated layers keep for the backward (``runtime.memory``) and whether
+    its encoder blocks recompute (``runtime.checkpoint_blocks``): time for memory, the results
+    unchanged."""
+    for _, layer in comera.gated_layers(model):
+        if layer.memory != runtime.memory:
+            layer.memory = runtime.memory
+    if runtime.checkpoint_blocks:
+        if not hasattr(model, "checkpoint_blocks"):
+            raise ConfigError(
+                f"checkpoint_blocks=True, but task {task!r} builds a {type(model).__name__}, "
+                "which has no encoder blocks to checkpoint (the transformer models have: "
+                "PairClassifier, MaskedLM); train it without checkpoint_blocks.")
+        model.checkpoint_blocks = True
 
 
 def _set_threads(run: _Run, config: EngineConfig) -> None:
