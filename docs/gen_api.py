@@ -5,7 +5,7 @@
 
 The public API is ``tncomp.__all__`` (and ``tncomp.inspect``), ``comera.__all__``, and the
 public classes and functions defined in ``comera.experiments.engine``,
-``comera.experiments.checks``,
+``comera.experiments.engine_config``, ``comera.experiments.checks``,
 ``comera.experiments.task``, ``comera.experiments.results``, ``comera.experiments.rundir``,
 ``comera.surgery.report`` and the trainer callbacks' ``comera.integrations.hf`` and
 ``comera.integrations.lightning`` (names without a leading underscore). Each name gets its
@@ -39,6 +39,7 @@ NAMESPACES = (
     ("tncomp", "__all__"),
     ("comera", "__all__"),
     ("comera.experiments.engine", "defined"),
+    ("comera.experiments.engine_config", "defined"),
     ("comera.experiments.checks", "defined"),
     ("comera.experiments.task", "defined"),
     ("comera.experiments.results", "defined"),
