@@ -18,7 +18,6 @@ and the RNG stream are those of a run without it.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import InitVar, dataclass
 from typing import Any
 
@@ -29,6 +28,12 @@ from torch import Tensor, nn
 from comera.errors import ConfigError
 from comera.formats.registry import DENSE, check_layer_format, format_names, get_format
 from comera.formats.scaling import RANK_ADAPTIVE, check_parametrization
+from comera.formats.tt_flag import (  # noqa: F401  (their home; imported from here before)
+    NO_FLAG,
+    TT_FLAG_RELEASE,
+    format_from_tt,
+    restore_kind_,
+)
 from comera.layers.embedding import gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLinear, TTLinear
 from comera.layers.siblings import Siblings
@@ -46,54 +51,6 @@ def check_token_ids(ids: Tensor, max_len: int) -> int:
         raise ConfigError(f"sequence length {s} exceeds max_len={max_len}; "
                           "truncate the inputs or raise max_len.")
     return s
-
-
-#: the release in which the ``tt`` flag of the model configs and the engine goes
-TT_FLAG_RELEASE = "0.3.0"
-
-
-class _NoFlag:
-    """The default of a config's deprecated ``tt`` argument, and what ``cfg.tt`` reads: not a
-    bool, so code that still tests the flag fails loudly, naming the field that replaced it."""
-
-    def __bool__(self) -> bool:
-        raise ConfigError("the model configs have no tt flag: the layer kind is one word, "
-                          "TransformerConfig.linear_format / DLRMConfig.table_format (\"dense\" "
-                          "for the dense model); test cfg.linear_format != \"dense\".")
-
-    def __repr__(self) -> str:
-        return "<no tt flag>"
-
-
-NO_FLAG: Any = _NoFlag()
-
-
-def format_from_tt(tt: Any, format: str, instead: str, *, stacklevel: int = 3) -> str:
-    """The layer kind the deprecated ``tt`` flag asks for beside the kind ``format``: ``format``
-    for True, ``"dense"`` for False, with a DeprecationWarning naming the new spelling
-    (``instead``, formatted with the kind); the flag goes in :data:`TT_FLAG_RELEASE`. ``tt=True``
-    beside ``"dense"`` is a :class:`ConfigError` naming both (which of the two is meant?)."""
-    if not isinstance(tt, bool):
-        raise ConfigError(f"tt={tt!r}: the deprecated flag is True or False; give the layer kind "
-                          f"alone instead, e.g. {instead.format(repr(DENSE))}.")
-    if tt and format == DENSE:
-        raise ConfigError(f"tt=True beside the kind 'dense' ({instead.format(repr(DENSE))}): "
-                          "the flag asks for a compressed model, the kind for the dense one; "
-                          "drop tt and give the kind alone (a registered format, or 'dense').")
-    kind = format if tt else DENSE
-    warnings.warn(f"tt={tt} is deprecated: the layer kind is one word, give "
-                  f"{instead.format(repr(kind))}; the tt flag goes in {TT_FLAG_RELEASE}.",
-                  DeprecationWarning, stacklevel=stacklevel)
-    return kind
-
-
-def restore_kind_(config: Any, state: dict[str, Any], field: str) -> None:
-    """``__setstate__`` of a model config pickled before the layer kind was one word (a ``tt``
-    flag beside the kind ``field``): it loads as the kind it built, ``tt=False`` the dense one."""
-    state = dict(state)
-    if not state.pop("tt", True):
-        state[field] = DENSE
-    config.__dict__.update(state)
 
 
 @dataclass(frozen=True)
