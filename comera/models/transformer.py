@@ -18,6 +18,7 @@ and the RNG stream are those of a run without it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import InitVar, dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from comera.layers.linear import DEFAULT_TAU, GatedLinear, TTLinear
 from comera.layers.siblings import Siblings
 from comera.lean.dropout import BoolMaskDropout
 from comera.lean.sdpa import scaled_dot_product_attention
+from comera.numbers import is_int
 
 
 def check_token_ids(ids: Tensor, max_len: int) -> int:
@@ -51,6 +53,21 @@ def check_token_ids(ids: Tensor, max_len: int) -> int:
         raise ConfigError(f"sequence length {s} exceeds max_len={max_len}; "
                           "truncate the inputs or raise max_len.")
     return s
+
+
+def check_sizes(config: Any, names: Iterable[str]) -> None:
+    """The checks every transformer config here shares: each size ``names`` of ``config`` is an
+    int >= 1 (:func:`comera.numbers.is_int`), ``n_heads`` divides ``d_model`` and ``dropout``
+    lies in [0, 1); else a :class:`ConfigError` naming the first value that fails."""
+    for name in names:
+        value = getattr(config, name)
+        if not is_int(value):
+            raise ConfigError(f"{name}={value!r}; it must be an int >= 1.")
+    if config.d_model % config.n_heads:
+        raise ConfigError(f"d_model={config.d_model} is not divisible by n_heads="
+                          f"{config.n_heads}; pick a head count that divides it.")
+    if not (isinstance(config.dropout, int | float) and 0.0 <= config.dropout < 1.0):
+        raise ConfigError(f"dropout={config.dropout!r}; it lies in [0, 1).")
 
 
 @dataclass(frozen=True)
@@ -92,9 +109,8 @@ class TransformerConfig:
                               "choose a format built from modes, e.g. 'tt' or 'tucker' (or "
                               "'dense').")
         check_layer_format(self.linear_format, "linear_format")
-        if self.d_model % self.n_heads:
-            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads="
-                              f"{self.n_heads}; pick a head count that divides it.")
+        check_sizes(self, ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len",
+                           "n_classes", "rank", "embedding_rank"))
 
     @classmethod
     def small(cls, vocab_size: int, **overrides) -> TransformerConfig:
