@@ -35,9 +35,8 @@ from comera.data.stdlib_corpus import (
 )
 from comera.data.tokenizer import UNK
 from comera.experiments.task import Task, model_format, spread_subset
-from comera.experiments.task_config import check_scoring, holds_model
+from comera.experiments.task_config import check_corpus_settings, holds_model
 from comera.models.causal_lm import CausalLM, CausalLMConfig
-from comera.numbers import is_int
 
 EVAL_SPLITS = ("val", "test")
 #: the quick run's model (CausalLMConfig's defaults; each build sets its vocabulary and kind)
@@ -65,10 +64,7 @@ class LMTaskConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_scoring(self.eval_limit, self.eval_batch_size, "rows")
-        if not is_int(self.seq_len, 3):
-            raise ConfigError(f"seq_len={self.seq_len!r}; a row holds [CLS], tokens and [SEP], "
-                              "so seq_len >= 3.")
+        check_corpus_settings(self.seq_len, self.eval_limit, self.eval_batch_size, "rows")
 
     @classmethod
     def full(cls) -> LMTaskConfig:

@@ -29,7 +29,7 @@ from comera import ConfigError
 from comera.data import BertMasking
 from comera.data.stdlib_corpus import load_corpus_splits
 from comera.experiments.task import IndexStream, Task, model_format, spread_subset
-from comera.experiments.task_config import check_scoring, holds_model
+from comera.experiments.task_config import check_corpus_settings, holds_model
 from comera.formats.registry import DENSE
 from comera.models import MaskedLM, TransformerConfig
 from comera.models.mlm import masked_logits
@@ -70,7 +70,7 @@ class MLMTaskConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_scoring(self.eval_limit, self.eval_batch_size, "sequences")
+        check_corpus_settings(self.seq_len, self.eval_limit, self.eval_batch_size, "sequences")
 
     @classmethod
     def full(cls) -> MLMTaskConfig:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from comera.errors import ConfigError
 from comera.numbers import is_int
 
-__all__ = ["check_scoring", "config_keywords", "holds_model"]
+__all__ = ["check_corpus_settings", "config_keywords", "holds_model"]
 
 C = TypeVar("C")
 
@@ -106,11 +106,17 @@ def config_keywords(config_class: type) -> frozenset[str]:
             | getattr(config_class, "flat_keywords", frozenset()))
 
 
-def check_scoring(eval_limit: int | None, eval_batch_size: int, unit: str) -> None:
-    """The scoring settings a task config shares: ``eval_limit`` (``unit`` of val/test scored,
-    or None for whole splits) and ``eval_batch_size``; else a ConfigError naming the value."""
+def check_corpus_settings(seq_len: int, eval_limit: int | None, eval_batch_size: int,
+                          unit: str) -> None:
+    """The settings the corpus tasks' configs share: ``seq_len`` (a row holds [CLS], tokens and
+    [SEP]), ``eval_limit`` (``unit`` of val/test scored, or None for whole splits) and
+    ``eval_batch_size``; else a ConfigError naming the value, before the model's checks see
+    ``seq_len`` as its ``max_len``."""
     if eval_limit is not None and not is_int(eval_limit):
         raise ConfigError(f"eval_limit={eval_limit!r}; give a number of {unit} >= 1, "
                           "or None to score whole splits.")
     if not is_int(eval_batch_size):
         raise ConfigError(f"eval_batch_size={eval_batch_size!r}; it must be an int >= 1.")
+    if not is_int(seq_len, 3):
+        raise ConfigError(f"seq_len={seq_len!r}; a row holds [CLS], tokens and [SEP], "
+                          "so seq_len >= 3.")

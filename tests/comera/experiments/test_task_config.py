@@ -78,8 +78,9 @@ def test_bad_inputs_name_the_value():
         LMTaskConfig(max_len=32)
     with pytest.raises(TypeError, match="linear"):  # each build chooses the kind
         LMTaskConfig(linear="tt")
-    with pytest.raises(ConfigError, match="seq_len=2"):
-        LMTaskConfig(seq_len=2)
+    for task in (LMTaskConfig, MLMTaskConfig):  # named as the task's, not the model's max_len
+        with pytest.raises(ConfigError, match=r"^seq_len=2; a row holds"):
+            task(seq_len=2)
     with pytest.raises(ConfigError, match="eval_batch_size=0"):
         MLMTaskConfig(eval_batch_size=0)
     with pytest.raises(ConfigError, match="eval_limit=True; give a number of sequences"):
