@@ -35,58 +35,51 @@ from comera.data.stdlib_corpus import (
 )
 from comera.data.tokenizer import UNK
 from comera.experiments.task import Task, model_format, spread_subset
-from comera.formats.scaling import RANK_ADAPTIVE
+from comera.experiments.task_config import check_corpus_settings, holds_model
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 
 EVAL_SPLITS = ("val", "test")
+#: the quick run's model (CausalLMConfig's defaults; each build sets its vocabulary and kind)
+QUICK_MODEL = CausalLMConfig()
 
 
+@holds_model(follows={"max_len": "seq_len"}, not_flat=("linear",))
 @dataclass(frozen=True)
 class LMTaskConfig:
-    """Data and model sizes. The defaults are the quick run (a few CPU-minutes per model);
-    :meth:`full` a wider, deeper model on longer rows."""
+    """The model's config (:class:`CausalLMConfig`) and the data and scoring settings around it.
+    The defaults are the quick run (a few CPU-minutes per model); :meth:`full` a wider, deeper
+    model on longer rows.
 
+    The model's sizes are its config's fields, read and set here by name too
+    (``LMTaskConfig(d_model=256).d_model``; :mod:`comera.experiments.task_config`). Its
+    ``max_len`` is ``seq_len`` and the layer kind is each build's (``build(format)``), so
+    ``model.linear`` is not read; ``model.vocab_size`` is the vocabulary asked of the
+    tokenizer, the built model takes the size it got."""
+
+    model: CausalLMConfig = QUICK_MODEL
     quick: bool = True
     seq_len: int = 64
-    vocab_size: int = 2048
-    d_model: int = 128
-    n_heads: int = 4
-    d_ff: int = 512
-    n_layers: int = 2
-    rank: int = 32  # max TT rank of the block linear layers
-    tt_order: int = 3  # modes per side of a block layer in a mode format (e.g. TT's d)
-    # how gated layers scale their cores (formats.scaling); plain: CoMERA prunes from scratch
-    parametrization: str = RANK_ADAPTIVE
-    dropout: float = 0.0
     eval_limit: int | None = 512  # rows of val/test scored (a fixed spread-out subset)
     eval_batch_size: int = 128
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.eval_limit is not None and self.eval_limit < 1:
-            raise ConfigError(f"eval_limit={self.eval_limit}; give a number of rows >= 1, "
-                              "or None to score whole splits.")
-        if self.eval_batch_size < 1:
-            raise ConfigError(f"eval_batch_size={self.eval_batch_size}; it must be >= 1.")
-        if self.seq_len < 3:
-            raise ConfigError(f"seq_len={self.seq_len}; a row holds [CLS], tokens and [SEP], "
-                              "so seq_len >= 3.")
+        check_corpus_settings(self.seq_len, self.eval_limit, self.eval_batch_size, "rows")
 
     @classmethod
     def full(cls) -> LMTaskConfig:
         """d_model 512, 8 heads, FFN 2048, 6 blocks, 128 tokens, vocabulary 16384."""
-        return cls(quick=False, seq_len=128, vocab_size=16384, d_model=512, n_heads=8,
-                   d_ff=2048, n_layers=6, rank=32, eval_limit=None)
+        model = CausalLMConfig(vocab_size=16384, d_model=512, n_heads=8, d_ff=2048, n_layers=6,
+                               rank=32)
+        return cls(model, quick=False, seq_len=128, eval_limit=None)
 
     def model_config(self, vocab_size: int, format: str = "dense",
                      rank: int | None = None) -> CausalLMConfig:
-        """The model's config with block linear layers of the kind ``format`` ("dense" or a
-        registered format) at ``rank`` (default: the max rank ``self.rank``)."""
-        return CausalLMConfig(
-            vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
-            n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout, linear=format,
-            rank=self.rank if rank is None else rank, tt_order=self.tt_order,
-            parametrization=self.parametrization)
+        """The model's config with ``vocab_size`` tokens and block linear layers of the kind
+        ``format`` ("dense" or a registered format) at ``rank`` (default: the max rank
+        ``self.rank``)."""
+        return replace(self.model, vocab_size=vocab_size, linear=format,
+                       rank=self.model.rank if rank is None else rank)
 
 
 def next_token_targets(ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -29,8 +29,8 @@ from comera import ConfigError
 from comera.data import BertMasking
 from comera.data.stdlib_corpus import load_corpus_splits
 from comera.experiments.task import IndexStream, Task, model_format, spread_subset
+from comera.experiments.task_config import check_corpus_settings, holds_model
 from comera.formats.registry import DENSE
-from comera.formats.scaling import RANK_ADAPTIVE
 from comera.models import MaskedLM, TransformerConfig
 from comera.models.mlm import masked_logits
 from comera.models.transformer import linear_layer
@@ -38,57 +38,51 @@ from comera.numbers import is_int
 
 EVAL_SPLITS = ("val", "test")
 _BLOCK_LINEARS = ("attn.q", "attn.k", "attn.v", "attn.o", "ffn_in", "ffn_out")
+#: the quick run's model: max TT rank 32 for the encoder and head linear layers and 64 for the
+#: token table and the vocabulary projection (the quick run's loss is far more sensitive to the
+#: latter); every modes None, so factorised from the sizes
+QUICK_MODEL = TransformerConfig(vocab_size=8192, d_model=128, n_heads=4, d_ff=512, n_layers=2,
+                                max_len=64, dropout=0.1, rank=32, embedding_rank=64,
+                                attn_modes=None, ffn_in_modes=None, ffn_out_modes=None,
+                                embedding_modes=None)
 
 
+@holds_model(follows={"max_len": "seq_len"}, not_flat=("linear_format", "n_classes"))
 @dataclass(frozen=True)
 class MLMTaskConfig:
-    """Data and model sizes. The defaults are the quick run (about a minute or two of training
-    per model on two CPU cores); :meth:`full` is the paper's encoder size."""
+    """The model's config (:class:`TransformerConfig`) and the data, masking and scoring settings
+    around it. The defaults are the quick run (about a minute or two of training per model on
+    two CPU cores); :meth:`full` is the paper's encoder size.
 
+    The model's sizes are its config's fields, read and set here by name too
+    (``MLMTaskConfig(d_model=256).d_model``; :mod:`comera.experiments.task_config`). Its
+    ``max_len`` is ``seq_len`` and the layer kind is each build's (``build_model(format)``), so
+    ``model.linear_format`` is not read, nor ``model.n_classes`` (an MLM has no classes);
+    ``model.vocab_size`` is the vocabulary asked of the tokenizer, the built model takes the size
+    it got. The default model's modes are None: factorised from the sizes."""
+
+    model: TransformerConfig = QUICK_MODEL
     quick: bool = True
     seq_len: int = 64
-    vocab_size: int = 8192
-    d_model: int = 128
-    n_heads: int = 4
-    d_ff: int = 512
-    n_layers: int = 2
-    rank: int = 32  # max TT rank of the encoder and head linear layers
-    # max TT rank of the token table and the vocabulary projection: the quick run's loss is
-    # far more sensitive to this rank than to ``rank``
-    embedding_rank: int = 64
-    # how gated layers scale their cores (formats.scaling); plain: CoMERA prunes from scratch
-    parametrization: str = RANK_ADAPTIVE
-    tt_embedding: bool = True
-    dropout: float = 0.1
     mask_prob: float = 0.15
     eval_limit: int | None = 1024  # sequences of val/test scored (a fixed spread-out subset)
     eval_batch_size: int = 128
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.eval_limit is not None and self.eval_limit < 1:
-            raise ConfigError(f"eval_limit={self.eval_limit}; give a number of sequences >= 1, "
-                              "or None to score whole splits.")
-        if self.eval_batch_size < 1:
-            raise ConfigError(f"eval_batch_size={self.eval_batch_size}; it must be >= 1.")
+        check_corpus_settings(self.seq_len, self.eval_limit, self.eval_batch_size, "sequences")
 
     @classmethod
     def full(cls) -> MLMTaskConfig:
         """d_model 768, 12 heads, FFN 3072, 6 layers, 128 tokens; ranks 30 / 32 as the paper."""
-        return cls(quick=False, seq_len=128, vocab_size=16384, d_model=768, n_heads=12,
-                   d_ff=3072, n_layers=6, rank=30, embedding_rank=32, eval_limit=None)
+        model = replace(QUICK_MODEL, vocab_size=16384, d_model=768, n_heads=12, d_ff=3072,
+                        n_layers=6, rank=30, embedding_rank=32)
+        return cls(model, quick=False, seq_len=128, eval_limit=None)
 
     def model_config(self, vocab_size: int, format: str = "tt") -> TransformerConfig:
-        """The :class:`TransformerConfig` of the MLM with its layers of the kind ``format``
-        ("dense" or a registered format; modes factorised from the sizes)."""
-        format = model_format(format)
-        return TransformerConfig(
-            vocab_size=vocab_size, d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff,
-            n_layers=self.n_layers, max_len=self.seq_len, dropout=self.dropout,
-            linear_format=format,
-            tt_embedding=self.tt_embedding, rank=self.rank, embedding_rank=self.embedding_rank,
-            attn_modes=None, ffn_in_modes=None, ffn_out_modes=None, embedding_modes=None,
-            parametrization=self.parametrization)
+        """The :class:`TransformerConfig` of the MLM with ``vocab_size`` tokens and its layers of
+        the kind ``format`` ("dense" or a registered format)."""
+        return replace(self.model, vocab_size=vocab_size, linear_format=model_format(format))
 
 
 def step_epochs(stream: IndexStream, step: int, rank: int = 0, world: int = 1) -> Tensor:

@@ -19,12 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from comera.errors import ConfigError
 from comera.formats.registry import check_layer_format
 from comera.formats.scaling import RANK_ADAPTIVE, check_parametrization
 from comera.layers.linear import DEFAULT_TAU
-from comera.models.transformer import check_token_ids, linear_layer
-from comera.numbers import is_int
+from comera.models.transformer import check_sizes, check_token_ids, linear_layer
 
 EMBEDDING_STD = 0.02  # GPT-2's initializer_range
 
@@ -50,16 +48,8 @@ class CausalLMConfig:
     def __post_init__(self) -> None:
         check_layer_format(self.linear, "linear")
         check_parametrization(self.parametrization)
-        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len", "rank",
-                     "tt_order"):
-            value = getattr(self, name)
-            if not is_int(value):
-                raise ConfigError(f"{name}={value!r}; it must be an int >= 1.")
-        if self.d_model % self.n_heads:
-            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads="
-                              f"{self.n_heads}; pick a head count that divides it.")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout={self.dropout}; it lies in [0, 1).")
+        check_sizes(self, ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len",
+                           "rank", "tt_order"))
 
 
 def block_linear(cfg: CausalLMConfig, n_in: int, n_out: int) -> nn.Module:

@@ -18,7 +18,7 @@ and the RNG stream are those of a run without it.
 from __future__ import annotations
 
 import math
-import warnings
+from collections.abc import Iterable
 from dataclasses import InitVar, dataclass
 from typing import Any
 
@@ -29,11 +29,18 @@ from torch import Tensor, nn
 from comera.errors import ConfigError
 from comera.formats.registry import DENSE, check_layer_format, format_names, get_format
 from comera.formats.scaling import RANK_ADAPTIVE, check_parametrization
+from comera.formats.tt_flag import (  # noqa: F401  (their home; imported from here before)
+    NO_FLAG,
+    TT_FLAG_RELEASE,
+    format_from_tt,
+    restore_kind_,
+)
 from comera.layers.embedding import gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLinear, TTLinear
 from comera.layers.siblings import Siblings
 from comera.lean.dropout import BoolMaskDropout
 from comera.lean.sdpa import scaled_dot_product_attention
+from comera.numbers import is_int
 
 
 def check_token_ids(ids: Tensor, max_len: int) -> int:
@@ -48,52 +55,19 @@ def check_token_ids(ids: Tensor, max_len: int) -> int:
     return s
 
 
-#: the release in which the ``tt`` flag of the model configs and the engine goes
-TT_FLAG_RELEASE = "0.3.0"
-
-
-class _NoFlag:
-    """The default of a config's deprecated ``tt`` argument, and what ``cfg.tt`` reads: not a
-    bool, so code that still tests the flag fails loudly, naming the field that replaced it."""
-
-    def __bool__(self) -> bool:
-        raise ConfigError("the model configs have no tt flag: the layer kind is one word, "
-                          "TransformerConfig.linear_format / DLRMConfig.table_format (\"dense\" "
-                          "for the dense model); test cfg.linear_format != \"dense\".")
-
-    def __repr__(self) -> str:
-        return "<no tt flag>"
-
-
-NO_FLAG: Any = _NoFlag()
-
-
-def format_from_tt(tt: Any, format: str, instead: str, *, stacklevel: int = 3) -> str:
-    """The layer kind the deprecated ``tt`` flag asks for beside the kind ``format``: ``format``
-    for True, ``"dense"`` for False, with a DeprecationWarning naming the new spelling
-    (``instead``, formatted with the kind); the flag goes in :data:`TT_FLAG_RELEASE`. ``tt=True``
-    beside ``"dense"`` is a :class:`ConfigError` naming both (which of the two is meant?)."""
-    if not isinstance(tt, bool):
-        raise ConfigError(f"tt={tt!r}: the deprecated flag is True or False; give the layer kind "
-                          f"alone instead, e.g. {instead.format(repr(DENSE))}.")
-    if tt and format == DENSE:
-        raise ConfigError(f"tt=True beside the kind 'dense' ({instead.format(repr(DENSE))}): "
-                          "the flag asks for a compressed model, the kind for the dense one; "
-                          "drop tt and give the kind alone (a registered format, or 'dense').")
-    kind = format if tt else DENSE
-    warnings.warn(f"tt={tt} is deprecated: the layer kind is one word, give "
-                  f"{instead.format(repr(kind))}; the tt flag goes in {TT_FLAG_RELEASE}.",
-                  DeprecationWarning, stacklevel=stacklevel)
-    return kind
-
-
-def restore_kind_(config: Any, state: dict[str, Any], field: str) -> None:
-    """``__setstate__`` of a model config pickled before the layer kind was one word (a ``tt``
-    flag beside the kind ``field``): it loads as the kind it built, ``tt=False`` the dense one."""
-    state = dict(state)
-    if not state.pop("tt", True):
-        state[field] = DENSE
-    config.__dict__.update(state)
+def check_sizes(config: Any, names: Iterable[str]) -> None:
+    """The checks every transformer config here shares: each size ``names`` of ``config`` is an
+    int >= 1 (:func:`comera.numbers.is_int`), ``n_heads`` divides ``d_model`` and ``dropout``
+    lies in [0, 1); else a :class:`ConfigError` naming the first value that fails."""
+    for name in names:
+        value = getattr(config, name)
+        if not is_int(value):
+            raise ConfigError(f"{name}={value!r}; it must be an int >= 1.")
+    if config.d_model % config.n_heads:
+        raise ConfigError(f"d_model={config.d_model} is not divisible by n_heads="
+                          f"{config.n_heads}; pick a head count that divides it.")
+    if not (isinstance(config.dropout, int | float) and 0.0 <= config.dropout < 1.0):
+        raise ConfigError(f"dropout={config.dropout!r}; it lies in [0, 1).")
 
 
 @dataclass(frozen=True)
@@ -135,9 +109,8 @@ class TransformerConfig:
                               "choose a format built from modes, e.g. 'tt' or 'tucker' (or "
                               "'dense').")
         check_layer_format(self.linear_format, "linear_format")
-        if self.d_model % self.n_heads:
-            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads="
-                              f"{self.n_heads}; pick a head count that divides it.")
+        check_sizes(self, ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len",
+                           "n_classes", "rank", "embedding_rank"))
 
     @classmethod
     def small(cls, vocab_size: int, **overrides) -> TransformerConfig:

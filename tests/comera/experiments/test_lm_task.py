@@ -18,6 +18,9 @@ from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig, next_token_targets
 from comera.experiments.registry import EXPERIMENTS, experiment
 from comera.experiments.results import run_experiment
+from comera.formats.scaling import RANK_ADAPTIVE
+from comera.models.causal_lm import CausalLM, CausalLMConfig
+from tests.helpers.parameters import assert_same_parameters
 from tests.helpers.tiny_corpus import write_tiny_corpus
 
 TINY = LMTaskConfig(seq_len=16, vocab_size=64, d_model=16, n_heads=2, d_ff=32, n_layers=1,
@@ -105,6 +108,27 @@ def test_models_of_each_kind(task):
     dense = task.build_model("dense")
     assert not any(True for _ in comera.gated_layers(dense))
     assert all(m.bias is None for _, m in dense.block_linears())
+
+
+@pytest.mark.filterwarnings("ignore:.*reaches the full rank")
+@pytest.mark.parametrize("format", ["dense", "tt", "lowrank", "tucker"])
+def test_models_are_bit_identical_to_those_of_the_flat_config(task, format):
+    """The task config holds its model config; the models it builds are, parameter for
+    parameter, those of the flat LMTaskConfig of before (its model_config spelled out)."""
+    def flat(rank: int, d_model: int = 16, d_ff: int = 32) -> CausalLM:
+        return CausalLM(CausalLMConfig(
+            vocab_size=task.vocab, d_model=d_model, n_heads=2, d_ff=d_ff, n_layers=1,
+            max_len=16, dropout=0.0, linear=format, rank=rank, tt_order=3,
+            parametrization=RANK_ADAPTIVE))
+
+    for build, old in ((lambda: task.build_model(format), lambda: flat(4)),
+                       (lambda: task.build(format, 3), lambda: flat(3)),
+                       (lambda: task.build(format, 2, d_model=8, d_ff=16),
+                        lambda: flat(2, d_model=8, d_ff=16))):
+        torch.manual_seed(0)
+        new = build()
+        torch.manual_seed(0)
+        assert_same_parameters(new, old())
 
 
 def test_bad_inputs(task, tmp_path):
