@@ -77,7 +77,7 @@ from comera.experiments.optim_schedule import base_rates, run_optimizer
 from comera.experiments.rundir import hold_run_directory
 from comera.experiments.task import IndexStream, Task, build_task_model
 from comera.formats.registry import DENSE
-from comera.models.transformer import format_from_tt
+from comera.formats.tt_flag import format_from_tt
 from comera.ranks.allocate import check_chain_format
 from comera.training.trainers import pick_threads
 

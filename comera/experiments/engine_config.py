@@ -54,8 +54,8 @@ from comera.experiments.checks import (
 )
 from comera.experiments.optim_schedule import OPTIMIZERS, SCHEDULES, lr_factor
 from comera.formats.registry import DENSE, check_layer_format
+from comera.formats.tt_flag import format_from_tt
 from comera.layers.linear import check_memory
-from comera.models.transformer import format_from_tt
 from comera.ranks.objective import ALLOCATIONS, REGULARIZERS
 from comera.training.early import EarlyStage
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from comera import ConfigError
 from comera.formats.registry import DENSE, check_layer_format
-from comera.models.transformer import format_from_tt
+from comera.formats.tt_flag import format_from_tt
 
 Batch = Any  # whatever ``Task.batch`` returns and ``Task.loss`` takes (tensors, tuples of them)
 

@@ -32,10 +32,10 @@ from torch import Tensor, nn
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, CRITEO_NUM_DENSE
 from comera.errors import ConfigError, LookupIndexError
 from comera.formats.registry import DENSE
+from comera.formats.tt_flag import NO_FLAG, format_from_tt, restore_kind_
 from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.layers.embedding import embedding_class, gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLayer
-from comera.models.transformer import NO_FLAG, format_from_tt, restore_kind_
 from comera.numbers import is_int
 
 log = logging.getLogger("comera.models")

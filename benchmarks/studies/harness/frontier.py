@@ -30,7 +30,7 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from benchmarks.studies.harness.results import (
 )
 from comera.experiments.engine import EngineConfig
 from comera.experiments.optim_schedule import OPTIMIZERS, SCHEDULES
+from comera.experiments.task_config import config_keywords
 from comera.formats.registry import get_format
 from comera.ranks.allocate import FLOORS
 from comera.ranks.objective import ALLOCATIONS
@@ -90,7 +91,7 @@ def task_config(config_class, args):
     elif args.d_ff:
         sizes = {"d_ff": args.d_ff}
     if args.tt_order is not None:
-        if "tt_order" not in {f.name for f in fields(config_class)}:
+        if "tt_order" not in config_keywords(config_class):
             print(f"--tt-order {args.tt_order}: the {config_class.__name__} task has no modes "
                   "per side to set; drop --tt-order.", file=sys.stderr)
             raise SystemExit(2)  # as a bad flag: before any data is read or file written
