@@ -28,11 +28,12 @@ FRACTIONS = (0.25, 0.5, 1.0)  # the budgets the report reads, as fractions of de
 
 
 def clock_key(method: str, target: float | None) -> str:
-    """The name ``benchmarks.studies.lm_clock`` gives a method's model: ``dense``, ``narrow
-    8x``, ``tt 8x`` (a format's, whatever its parametrization); "" for an untargeted row."""
+    """The name ``benchmarks.studies.lm_clock`` gives a method's model: ``dense``, ``dense@96``
+    (dense at that d_model, ``--widths``), ``narrow 8x``, ``tt 8x`` (a format's, whatever its
+    parametrization); "" for any other untargeted row."""
     base = method.partition(":")[0].partition(" ")[0]
-    if base == "dense":
-        return "dense"
+    if base == "dense" or base.startswith("dense@"):
+        return base
     return "" if target is None else f"{base} {target:g}x"
 
 
@@ -46,9 +47,11 @@ def steps_from_clock(clock: dict, dense_steps: int,
     def steps(method: str, target: float | None) -> int:
         key = clock_key(method, target)
         if key not in times:
+            how = (f"--widths {key.partition('@')[2]}" if key.startswith("dense@")
+                   else "--targets ...")
             raise ValueError(f"the clock has no step time for {method!r} at {target}x (it has "
                              f"{', '.join(times)}); measure it with python -m "
-                             "benchmarks.studies.lm_clock --targets ...")
+                             f"benchmarks.studies.lm_clock {how}")
         n = dense_steps * dense_ms / times[key]["ms"]
         return max(evals, int(n) // evals * evals)
 
@@ -201,7 +204,7 @@ def reach_table(rows: list[dict], label: Callable[[str], str]) -> list[str]:
             continue
         curve = [[f, statistics.fmean(_loss_at(r, f) for r in group)] for f in fractions]
         share = time_to(curve, goal)
-        lines.append(f"| {target:g}x | {label(method)} | {len(group)} | "
+        lines.append(f"| {f'{target:g}x' if target else '-'} | {label(method)} | {len(group)} | "
                      f"{'not reached' if share is None else f'{share:.2f}'} |")
     return [*lines, ""]
 
@@ -229,7 +232,9 @@ def plot(result: dict, path: Path, label: Callable[[str], str]) -> bool:
             losses = [statistics.fmean(_loss_at(r, f) for r in group) for f in fractions]
             steps = [f * group[0]["steps"] for f in fractions]
             style = {"color": "k", "lw": 2} if method == "dense" else (
-                {"color": "grey", "lw": 2, "ls": "--"} if method == "narrow" else {})
+                {"color": "grey", "lw": 2, "ls": "--"} if method == "narrow" else (
+                    {"color": "grey", "lw": 1, "ls": ":"} if method.startswith("dense@")
+                    else {}))
             name = label(method).replace(" at a uniform rank", "").replace(
                 " (balanced parametrization)", "")
             axes[0][col].plot([s * b["step_ms"] / 1000 for s in steps], losses, marker=".",

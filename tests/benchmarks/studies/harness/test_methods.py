@@ -121,7 +121,7 @@ def test_every_method_gives_rows_with_curves_and_clocks(tmp_path):
             val = r["curves"]["val"]
             assert [s for s, _, _ in val] == [0, 3, 6, 8] and "loss" in val[-1][2]
             assert [t for _, t, _ in val] == sorted(t for _, t, _ in val)
-    with pytest.raises(comera.ConfigError, match="format='bogus'"):
+    with pytest.raises(comera.ConfigError, match="method 'bogus'; choose"):
         study.method("bogus", [2.0], 0, CFG.lr)
     assert study.fixed("tt", 1000.0, 0, CFG.lr) is None  # rank 1 over the budget: no row
 
