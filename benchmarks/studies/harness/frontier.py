@@ -153,11 +153,11 @@ def study(spec: Spec, args, task, clock: dict | None = None) -> Study:
                      comera_start=args.comera_start, widths=tuple(args.widths))
     except ConfigError as exc:
         _refuse(f"{exc} (--widths / --comera-start)")
-    for method in args.methods:  # where each CoMERA run starts: it must compress
+    for method in args.methods:  # each CoMERA run can start and reach its targets
         base, fmt, _ = split_method(method)
-        if base == "comera" and (fmt or args.comera_start is not None):
+        if base == "comera":
             try:
-                plan.start_rank(fmt or "tt")
+                plan.check_comera(fmt or "tt", args.targets, method)
             except ConfigError as exc:
                 _refuse(str(exc))
     if args.equal_time:

@@ -325,7 +325,7 @@ class Study:
         sizes = {} if parametrization is None else {"parametrization": parametrization}
         legacy = fmt is None
         fmt = fmt or "tt"
-        self.check_late(fmt, method)
+        self.check_comera(fmt, targets, method)
         rank = self.max_rank if legacy and self.comera_start is None else self.start_rank(fmt)
         extra = {} if legacy else {"format": fmt, "start_rank": rank,
                                    "exact_rounding": rounds_exactly(get_format(fmt))}
@@ -344,15 +344,23 @@ class Study:
                             late_landing=config.late_landing, **extra))
         return rows
 
-    def check_late(self, fmt: str, method: str = "comera") -> None:
-        """A ConfigError, before any training, when the late stage's allocation cannot run on
-        ``fmt`` (``"spectrum"`` reads tensor-train chains only)."""
+    def check_comera(self, fmt: str, targets, method: str = "comera") -> None:
+        """A ConfigError, before any training, when CoMERA on ``fmt`` cannot run: the late
+        stage's allocation does not run on it (``"spectrum"`` reads tensor-train chains only),
+        a target lies below the format's smallest model (every rank 1), or (started from
+        :meth:`start_rank`) not even rank 1 compresses."""
         if self.config.late_allocation == "spectrum":
             try:
                 check_chain_format(fmt)
             except ConfigError as exc:
                 raise ConfigError(f"method {method!r} with late_allocation='spectrum' "
                                   f"(--late-allocation): {exc}") from None
+        over = [t for t in targets if self.uniform_rank(fmt, t) < 1]
+        if over:
+            raise ConfigError(f"method {method!r} at {', '.join(f'{t:g}x' for t in over)}: the "
+                              f"{fmt} model's block layers at rank 1 everywhere hold more than "
+                              "dense / target; choose a smaller target or another format.")
+        self.start_rank(fmt)
 
     def spectrum(self, targets, seed: int, lr: float, method: str = "spectrum") -> list[dict]:
         """Decide the shape on a briefly trained model, then train that shape from the start."""
