@@ -234,8 +234,8 @@ def test_a_method_that_cannot_run_is_refused_before_any_training(tmp_path, name,
 
 def test_comera_on_a_format_is_refused_what_its_late_stage_cannot_do(tmp_path):
     spectral = replace(_btt_study(tmp_path), config=replace(CFG, late_allocation="spectrum"))
-    with pytest.raises(comera.ConfigError, match="late_allocation='spectrum'.*tensor-train "
-                                                 "chains"):
+    with pytest.raises(comera.ConfigError, match=r"late_allocation='spectrum'.*tensor-train "
+                                                 r"chains"):
         spectral.method("comera@btt", [3.0], 0, CFG.lr)
     with pytest.raises(comera.ConfigError, match="at 5x: the btt model's block layers at rank "
                                                  "1"):
