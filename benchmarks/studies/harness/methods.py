@@ -32,7 +32,8 @@
   leaves the others as they are: the row says ``exact_rounding``); the late stage's
   ``"spectrum"`` allocation reads tensor-train chains only, so other formats are refused it
   before any training (``"prune"`` runs on every format). ``"comera"`` is ``"comera@tt"``
-  started at ``max_rank`` whatever it compresses (the rows of before, unchanged).
+  started at ``max_rank`` whatever it compresses (the rows of before, unchanged) unless
+  ``comera_start`` is set.
 - ``"spectrum"``: the TT model at ``max_rank`` trained ``decide`` steps (lam 0), then per target
   the spectrum allocation (:func:`comera.ranks.allocate.allocate`) and a fresh model at the chosen
   ranks trained all ``steps``, as the fixed rank is.
