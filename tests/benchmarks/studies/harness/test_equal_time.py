@@ -202,3 +202,14 @@ def test_widths_train_the_steps_their_clock_buys_and_are_reported(root):
     text = equal_time.summarise({"rows": rows, "runs": [run]}, label)
     assert "| - | dense, d_model 96 | 1 | 16 |" in text  # every budget, no target
     assert "| - | dense, d_model 96 | 1 | 0.75 |" in text  # to dense's final loss (4.0)
+
+
+def test_a_call_of_widths_alone_is_reported_without_dense():
+    width = {"method": "dense@96", "target": None, "lr": 1e-3, "seed": 0, "steps": 8,
+             "curves": _row("narrow", 1e-3, 0, [5.0, 4.4, 4.0, 3.6])["curves"]}
+    width |= {"budget": equal_time.budget_entry(width, {"results": {"dense@96": {"ms": 40.0}}})}
+    run = {"command": "python -m benchmarks.studies.lm_frontier --equal-time",
+           "machine": {"cpu": "cpu", "threads": 1}, "settings": {}}
+    text = equal_time.summarise({"rows": [width], "runs": [run]}, label)
+    assert "about 0 s; dense is not in these rows" in text  # 8 steps x 40 ms
+    assert "| - | dense, d_model 96 | 1 | 8 | 0.001 | 3.6000 ± nan | - | - | 40 |" in text
