@@ -322,7 +322,6 @@ class Study:
         ``"comera"`` method as the frontiers ran it (its rows as they were), unless
         ``comera_start`` is set."""
         late = self.steps - self.early
-        name = _name(f"{method}-early", None, seed, lr)
         sizes = {} if parametrization is None else {"parametrization": parametrization}
         legacy = fmt is None
         fmt = fmt or "tt"
@@ -330,6 +329,8 @@ class Study:
         rank = self.max_rank if legacy and self.comera_start is None else self.start_rank(fmt)
         extra = {} if legacy else {"format": fmt, "start_rank": rank,
                                    "exact_rounding": rounds_exactly(get_format(fmt))}
+        run = method if legacy else f"{method}-r{rank}"  # another start: another checkpoint
+        name = _name(f"{run}-early", None, seed, lr)
         early, record = self.run(name, fmt, self.config_for(seed, lr, self.early, lam=self.lam),
                                  lambda: self.task.build(fmt, rank, **sizes))
         round_(early)  # exact where the format has it: frees slices a small neighbour wastes
@@ -338,7 +339,7 @@ class Study:
         for target in targets:
             config = replace(self.config_for(seed, lr, self.early, lam=self.lam), stage="both",
                              steps_late=late, late_target_loss=0.0, target_compression=target)
-            model, record = self.run(_name(method, target, seed, lr), fmt, config,
+            model, record = self.run(_name(run, target, seed, lr), fmt, config,
                                      lambda: copy.deepcopy(early), start_step=self.early)
             rows.append(row(self.task, model, record, seed=seed, method=method, target=target,
                             lr=lr, late_allocation=config.late_allocation,

@@ -193,6 +193,8 @@ def test_comera_on_btt_starts_where_it_compresses_and_lands_on_the_target(tmp_pa
     assert rows[1]["val"] == val and rows[1]["test"] == test
     assert rows[1]["compression"] >= 3.0 and rows[1]["steps"] == 8  # on the target
     assert rows[0]["compression"] < 3.0  # from a larger model: the late stage pruned
+    checkpoints = {f.name for f in (tmp_path / "work" / "checkpoints").iterdir()}
+    assert {"comera@btt-r3-early-s0-lr0.01.pt", "comera@btt-r3-3x-s0-lr0.01.pt"} <= checkpoints
     fixed = study.method("btt", [3.0], seed=0, lr=CFG.lr)[0]  # its fixed-rank rival
     assert fixed["rank"] == 1 and fixed["compression"] >= 3.0
 
@@ -213,6 +215,8 @@ def test_comera_on_tt_is_the_comera_method_where_max_rank_compresses(tmp_path):
     on_tt = _study(tmp_path).method("comera@tt", [3.0], seed=0, lr=CFG.lr)
     assert [r["val"] for r in plain] == [r["val"] for r in on_tt]
     assert "format" not in plain[1] and on_tt[1]["format"] == "tt"  # the rows of before
+    checkpoints = {f.name for f in (tmp_path / "work" / "checkpoints").iterdir()}
+    assert {"comera-early-s0-lr0.01.pt", "comera@tt-r6-early-s0-lr0.01.pt"} <= checkpoints
 
 
 @pytest.mark.parametrize(("name", "match"), [
