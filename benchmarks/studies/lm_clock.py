@@ -2,11 +2,14 @@
 side by side in one process: the clock the frontier's wall-clock curves are drawn with.
 
     python -m benchmarks.studies.lm_clock                  # d_model 256, 4x / 8x / 16x
+    python -m benchmarks.studies.lm_clock --widths 112 96 80   # and dense at those widths
     python -m benchmarks.studies.lm_clock --smoke --out /tmp/lm_clock
 
 The causal LM of ``benchmarks/studies/lm_frontier.py`` (d_model ``--d-model``, FFN 4x, two
 blocks, 64 tokens, batch 16): dense, and per target the narrower dense model of the same size
-and every format at its largest uniform rank (the frontier's methods, built by its harness).
+and every format at its largest uniform rank (the frontier's methods, built by its harness);
+with ``--widths``, dense at each of those d_model widths too (``dense@96``: the frontier's
+``narrow`` method with ``--widths``, its FFN at the task's ratio).
 Each model takes its steps round-robin with the others (:func:`benchmarks.lib.measure.
 interleaved_times`), on the frontier's batches; the table gives the median step and its ratio
 to dense with the spread of the per-round ratios, the step's peak memory
@@ -39,7 +42,8 @@ from benchmarks.lib.measure import (
     spread_text,
     start_run,
 )
-from benchmarks.studies.harness.methods import Study, narrow_sizes
+from benchmarks.studies.harness.methods import Study, narrow_sizes, width_sizes
+from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 from comera.experiments.results import machine
@@ -50,11 +54,14 @@ from comera.formats.registry import DENSE
 FORMATS = ("tt", "ttm", "btt", "lowrank")
 
 
-def models(task: LMTask, targets) -> dict[str, torch.nn.Module]:
-    """Dense, and per target the narrower dense model and every format at its uniform rank."""
-    study = Study(task, EngineConfig(), Path("/tmp/unused"), steps=1)
+def models(task: LMTask, targets, widths=()) -> dict[str, torch.nn.Module]:
+    """Dense, dense at each of ``widths`` (``dense@<width>``), and per target the narrower
+    dense model and every format at its uniform rank."""
+    study = Study(task, EngineConfig(), Path("/tmp/unused"), steps=1, widths=tuple(widths))
     torch.manual_seed(0)
     out = {"dense": task.build(DENSE)}
+    for width in widths:
+        out[f"dense@{width}"] = task.build(DENSE, **study.width_sizes(width))
     for target in targets:
         sizes = narrow_sizes(task, study.whole_budget(target), whole=True)
         out[f"narrow {target:g}x"] = task.build(DENSE, **sizes)
@@ -96,6 +103,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--targets", type=float, nargs="+", default=[4, 8, 16])
+    p.add_argument("--widths", type=int, nargs="+", default=[],
+                   help="also dense at these d_model widths (multiples of the heads)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=None,
@@ -107,15 +116,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1 or args.batch < 1 or any(t <= 1 for t in args.targets):
         p.error("--repeats and --batch at least 1, --targets above 1")
-    start_run(p, args.threads)
     if args.smoke:
         config = LMTaskConfig(seq_len=16, vocab_size=64, d_model=16, n_heads=2, d_ff=64,
                               n_layers=1, eval_limit=8)
         args.repeats, args.targets = 3, [2.0]
     else:
         config = LMTaskConfig(d_model=args.d_model, d_ff=4 * args.d_model)
+    for width in args.widths:  # the frontier's rule, checked before any data is read
+        try:
+            width_sizes(config, width)
+        except ConfigError as exc:
+            p.error(f"--widths: {exc}")
+    start_run(p, args.threads)
     task = LMTask(config, root=args.root)
-    built = models(task, args.targets)
+    built = models(task, args.targets, args.widths)
     steppers = {name: stepper(task, m, args.batch) for name, m in built.items()}
     times = interleaved_times({name: step for name, (_, step) in steppers.items()},
                               args.repeats, warmup=5)

@@ -12,6 +12,17 @@ r"""The compression frontier of the causal language model (issues 23, 30).
         --out benchmarks/results/lm_equal_time_d256 --seeds 0 --targets 8 \
         --methods dense narrow tt:balanced ttm:balanced btt:balanced lowrank:balanced \
         --lrs 3e-4 1e-3 3e-3 --tag grid-s0
+    # CoMERA on BTT (from its largest rank that compresses) against BTT at a fixed rank
+    python -m benchmarks.studies.lm_frontier --d-model 128 --seeds 0 1 2 --targets 8 \
+        --lrs 3e-3 --methods btt:balanced comera@btt:balanced --tag comera-btt
+    # the dense frontier below the narrowest measured width, at equal wall-clock (each width
+    # timed side by side with dense in its own clock file)
+    python -m benchmarks.studies.lm_clock --targets 16 --widths 112 96 80 64 --threads 1 \
+        --out lm_clock_widths_cpu
+    python -m benchmarks.studies.lm_frontier --d-model 256 --early 1 --late 799 --warmup 100 \
+        --optimizer adamw --equal-time --clock benchmarks/results/lm_clock_widths_cpu.json \
+        --out benchmarks/results/lm_equal_time_d256 --seeds 0 --lrs 1e-3 3e-3 \
+        --methods narrow --widths 112 96 80 64 --tag widths-s0
 
 The quick causal LM of ``comera train lm --quick`` (d_model 128, 2 blocks, 64 tokens, batch 16,
 lr 2e-3, warm-up 50, 300 + 150 steps); its block linear layers have no biases, so compression

@@ -28,11 +28,12 @@ FRACTIONS = (0.25, 0.5, 1.0)  # the budgets the report reads, as fractions of de
 
 
 def clock_key(method: str, target: float | None) -> str:
-    """The name ``benchmarks.studies.lm_clock`` gives a method's model: ``dense``, ``narrow
-    8x``, ``tt 8x`` (a format's, whatever its parametrization); "" for an untargeted row."""
+    """The name ``benchmarks.studies.lm_clock`` gives a method's model: ``dense``, ``dense@96``
+    (dense at that d_model, ``--widths``), ``narrow 8x``, ``tt 8x`` (a format's, whatever its
+    parametrization); "" for any other untargeted row."""
     base = method.partition(":")[0].partition(" ")[0]
-    if base == "dense":
-        return "dense"
+    if base == "dense" or base.startswith("dense@"):
+        return base
     return "" if target is None else f"{base} {target:g}x"
 
 
@@ -46,9 +47,11 @@ def steps_from_clock(clock: dict, dense_steps: int,
     def steps(method: str, target: float | None) -> int:
         key = clock_key(method, target)
         if key not in times:
+            how = (f"--widths {key.partition('@')[2]}" if key.startswith("dense@")
+                   else "--targets ...")
             raise ValueError(f"the clock has no step time for {method!r} at {target}x (it has "
                              f"{', '.join(times)}); measure it with python -m "
-                             "benchmarks.studies.lm_clock --targets ...")
+                             f"benchmarks.studies.lm_clock {how}")
         n = dense_steps * dense_ms / times[key]["ms"]
         return max(evals, int(n) // evals * evals)
 
@@ -116,8 +119,12 @@ def summarise(result: dict, label: Callable[[str], str], unigram: dict | None = 
     rows = [r for r in result["rows"] if r.get("budget")]
     if not rows:
         return ""
-    dense_ms = next(r["budget"]["step_ms"] for r in rows if r["method"] == "dense")
-    dense_steps = next(r["steps"] for r in rows if r["method"] == "dense")
+    dense_row = next((r for r in rows if r["method"] == "dense"), None)
+    # without dense's rows (a call of widths alone), its budget is the longest run's seconds
+    budget_s = (dense_row["steps"] * dense_row["budget"]["step_ms"] / 1000 if dense_row
+                else max(r["budget"]["seconds"] for r in rows))
+    buys = (f"dense's {dense_row['steps']} steps ({budget_s:.0f} s)" if dense_row
+            else f"dense's wall-clock (about {budget_s:.0f} s; dense is not in these rows)")
     run = next(r for r in reversed(result["runs"]) if "--equal-time" in r["command"])
     m, settings = run["machine"], run.get("settings", {})
     d_model = settings.get("d_model") or "the task's"
@@ -125,8 +132,7 @@ def summarise(result: dict, label: Callable[[str], str], unigram: dict | None = 
              "its step time buys", "",
              f"Each model trains for as many steps as its median training step (measured side "
              f"by side on a quiet machine by `benchmarks.studies.lm_clock`, {m['cpu']}, "
-             f"{m['threads']} thread) buys in dense's {dense_steps} steps "
-             f"({dense_steps * dense_ms / 1000:.0f} s), {settings.get('schedule', '?')} "
+             f"{m['threads']} thread) buys in {buys}, {settings.get('schedule', '?')} "
              f"learning rate after {settings.get('warmup', '?')} warm-up steps: with the "
              "constant schedule the run cut at a fraction of its steps is the run of that "
              "budget. Each model at the rate of one shared grid whose mean validation loss is "
@@ -146,7 +152,7 @@ def summarise(result: dict, label: Callable[[str], str], unigram: dict | None = 
             else float("nan")
         narrow = {t: statistics.fmean(_loss_at(r, fraction) for r in g)
                   for (t, meth), (g, _) in groups.items() if meth == "narrow"}
-        seconds = fraction * dense_steps * dense_ms / 1000
+        seconds = fraction * budget_s
         lines += [f"## Budget {fraction:g} of dense's wall-clock ({seconds:.0f} s)", "",
                   "| target | model | seeds | steps | lr | val loss (mean ± sd) | vs dense "
                   "| vs narrow (same size) | step ms | step peak MiB | GFLOPs |",
@@ -164,7 +170,8 @@ def summarise(result: dict, label: Callable[[str], str], unigram: dict | None = 
             peak = "-" if b.get("peak_mib") is None else f"{b['peak_mib']:.0f}"
             lines.append(
                 f"| {f'{target:g}x' if target else '-'} | {label(method)} | {len(group)} | "
-                f"{steps} | {lr} | {mean_sd(losses)} | {mean / dense - 1:+.2%} | {vs_narrow} | "
+                f"{steps} | {lr} | {mean_sd(losses)} | "
+                f"{f'{mean / dense - 1:+.2%}' if dense_rows else '-'} | {vs_narrow} | "
                 f"{b['step_ms']:.0f} | {peak} | {gflops} |")
         lines.append("")
     lines += reach_table(rows, label)
@@ -201,7 +208,7 @@ def reach_table(rows: list[dict], label: Callable[[str], str]) -> list[str]:
             continue
         curve = [[f, statistics.fmean(_loss_at(r, f) for r in group)] for f in fractions]
         share = time_to(curve, goal)
-        lines.append(f"| {target:g}x | {label(method)} | {len(group)} | "
+        lines.append(f"| {f'{target:g}x' if target else '-'} | {label(method)} | {len(group)} | "
                      f"{'not reached' if share is None else f'{share:.2f}'} |")
     return [*lines, ""]
 
@@ -229,7 +236,9 @@ def plot(result: dict, path: Path, label: Callable[[str], str]) -> bool:
             losses = [statistics.fmean(_loss_at(r, f) for r in group) for f in fractions]
             steps = [f * group[0]["steps"] for f in fractions]
             style = {"color": "k", "lw": 2} if method == "dense" else (
-                {"color": "grey", "lw": 2, "ls": "--"} if method == "narrow" else {})
+                {"color": "grey", "lw": 2, "ls": "--"} if method == "narrow" else (
+                    {"color": "grey", "lw": 1, "ls": ":"} if method.startswith("dense@")
+                    else {}))
             name = label(method).replace(" at a uniform rank", "").replace(
                 " (balanced parametrization)", "")
             axes[0][col].plot([s * b["step_ms"] / 1000 for s in steps], losses, marker=".",

@@ -8,9 +8,11 @@ reports. The task offers ``build(format, rank=None, **sizes)``, ``block_linears(
 ``evaluate(model, split)`` (a dict with "loss" and "perplexity"), ``describe()`` and
 ``train_size()``.
 
-Methods (``--methods``): ``dense``, ``narrow``, ``comera`` (its early model is a row too,
-``comera early``), ``spectrum``, ``early``, and any registered format (``tt``, ``ttm``, ``btt``,
-``lowrank`` ...; ``fixed`` is ``tt``, its name before the formats). Compression: dense
+Methods (``--methods``): ``dense``, ``narrow`` (with ``--widths``: dense at those d_model
+widths, rows ``dense@<width>``), ``comera`` (its early model is a row too, ``comera early``),
+``comera@<format>`` (CoMERA on that format, from its largest rank that compresses, or
+``--comera-start``), ``spectrum``, ``early``, and any registered format (``tt``, ``ttm``,
+``btt``, ``lowrank`` ...; ``fixed`` is ``tt``, its name before the formats). Compression: dense
 parameters / parameters at the effective ranks of the block linear layers (biases included where
 the model has them). ``--lrs``: the grid; every method trains at every rate, and the tables show
 each method at the rate of its best mean validation loss. ``--schedule cosine``, ``--optimizer
@@ -38,7 +40,7 @@ import torch
 
 from benchmarks.studies.harness import equal_time
 from benchmarks.studies.harness.equal_time import budget_entry, clock_key, steps_from_clock
-from benchmarks.studies.harness.methods import Study, method_names
+from benchmarks.studies.harness.methods import Study, check_method, is_adaptive, split_method
 from benchmarks.studies.harness.results import (
     RunsFile,
     at_best_lr,
@@ -49,11 +51,12 @@ from benchmarks.studies.harness.results import (
     plot_points,
     write_summary,
 )
+from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.experiments.optim_schedule import OPTIMIZERS, SCHEDULES
 from comera.experiments.task_config import config_keywords
 from comera.formats.registry import get_format
-from comera.ranks.allocate import FLOORS
+from comera.ranks.allocate import FLOORS, check_chain_format
 from comera.ranks.objective import ALLOCATIONS
 from tncomp.files import atomic_write_text
 
@@ -103,11 +106,14 @@ def label(method: str) -> str:
     """A method's name in tables and plots."""
     if method in FIXED:
         return FIXED[method]
-    name, _, parametrization = method.partition(":")
-    parametrization, _, stage = parametrization.partition(" ")  # "comera:plain early"
+    head, _, stage = method.partition(" ")  # "comera@btt:plain early"
+    name, fmt, parametrization = split_method(head)
     extra = f" ({parametrization} parametrization)" if parametrization else ""
     if name == "comera":
-        return f"{FIXED[f'comera {stage}'.strip()]}{extra}"
+        on = f" on {get_format(fmt).title}" if fmt else ""
+        return f"{FIXED[f'comera {stage}'.strip()]}{on}{extra}"
+    if name == "dense" and fmt:
+        return f"dense, d_model {fmt}"
     return f"{get_format(name).title} at a uniform rank{extra}"
 
 
@@ -136,15 +142,51 @@ def study(spec: Spec, args, task, clock: dict | None = None) -> Study:
     if args.equal_time:
         sizes = {"d_model": task.config.d_model, "batch": args.batch}
         if any(clock.get(k) != v for k, v in sizes.items()):
-            print(f"--clock {args.clock} timed d_model {clock.get('d_model')}, batch "
-                  f"{clock.get('batch')}; this study trains d_model {sizes['d_model']}, batch "
-                  f"{sizes['batch']}: measure its models with python -m "
-                  "benchmarks.studies.lm_clock --d-model ... --batch ...", file=sys.stderr)
-            raise SystemExit(2)
+            _refuse(f"--clock {args.clock} timed d_model {clock.get('d_model')}, batch "
+                    f"{clock.get('batch')}; this study trains d_model {sizes['d_model']}, batch "
+                    f"{sizes['batch']}: measure its models with python -m "
+                    "benchmarks.studies.lm_clock --d-model ... --batch ...")
         steps_of = steps_from_clock(clock, args.early + args.late, args.evals)
-    return Study(task, config, args.work, steps=args.early + args.late, early=args.early,
-                 decide=args.decide, lam=args.lam, max_rank=args.max_rank, floor=args.floor,
-                 resume=args.resume, steps_of=steps_of, evals=args.evals)
+    try:
+        plan = Study(task, config, args.work, steps=args.early + args.late, early=args.early,
+                     decide=args.decide, lam=args.lam, max_rank=args.max_rank,
+                     floor=args.floor, resume=args.resume, steps_of=steps_of, evals=args.evals,
+                     comera_start=args.comera_start, widths=tuple(args.widths))
+    except ConfigError as exc:
+        _refuse(f"{exc} (--widths / --comera-start)")
+    for method in args.methods:  # each CoMERA run can start and reach its targets
+        base, fmt, _ = split_method(method)
+        if base == "comera":
+            try:
+                plan.check_comera(fmt or "tt", args.targets, method)
+            except ConfigError as exc:
+                _refuse(str(exc))
+    if args.equal_time:
+        check_clock(plan, args, clock)
+    return plan
+
+
+def check_clock(plan: Study, args, clock: dict) -> None:
+    """Exit 2 before any training when the ``--clock`` file lacks a model the study trains
+    on a step budget, naming it and the lm_clock command that times it."""
+    times = clock["results"]
+    for method in args.methods:
+        for row_method, target in plan.runs_of(method, args.targets):
+            key = clock_key(row_method, target)
+            if key in times:
+                continue
+            fix = (f"--widths {' '.join(map(str, plan.widths))}" if row_method.startswith(
+                "dense@") else f"--targets {' '.join(f'{t:g}' for t in args.targets)}")
+            _refuse(f"--clock {args.clock} has no step time for {key!r} (method {method}; it "
+                    f"has {', '.join(times)}): time it with python -m "
+                    f"benchmarks.studies.lm_clock --d-model {clock.get('d_model')} --batch "
+                    f"{clock.get('batch')} {fix}")
+
+
+def _refuse(message: str):
+    """A bad setting found before any file is written: one line on stderr, exit 2."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
 
 
 def run(spec: Spec, args, plan: Study, runs: RunsFile, clock: dict | None = None,
@@ -209,27 +251,37 @@ def summarise(spec: Spec, result: dict) -> str:
             f"{mean_sd(test)} | {vs_dense(test, 'test')} | "
             f"{comp:.1f}x | {','.join(map(str, rank)) or '; '.join(width) or '-'} |")
     adaptive = [m for (t, m) in groups if t is not None
-                and m.partition(":")[0] in ("comera", "spectrum")]
-    for method in dict.fromkeys(sorted(adaptive)):  # "comera", "comera:plain", "spectrum"...
+                and split_method(m)[0] in ("comera", "spectrum")]
+    for method in dict.fromkeys(sorted(adaptive)):  # "comera", "comera@btt:plain", "spectrum"
         picked = sorted((r for (t, m), (rows, _) in groups.items() if m == method for r in rows),
                         key=lambda r: (r["target"], r["seed"]))
-        lines += ["", f"{label(method)}: per-layer TT ranks (interior bonds) at each target, "
-                  "first seed, next to the uniform TT rank:", ""]
+        fmt = split_method(method)[1] or "tt"
+        title = get_format(fmt).title
+        lines += ["", f"{label(method)}: per-layer {title} ranks (interior bonds) at each "
+                  f"target, first seed, next to the uniform {title} rank:", ""]
         seen = set()
         for row in picked:
             if row["target"] in seen:
                 continue
             seen.add(row["target"])
             fixed = [r.get("rank") for r in result["rows"]
-                     if r["method"].partition(":")[0] == "tt" and r["target"] == row["target"]]
-            lines.append(f"- {row['target']:g}x (seed {row['seed']}, uniform TT rank "
+                     if r["method"].partition(":")[0] == fmt and r["target"] == row["target"]]
+            chain = _is_chain(fmt)
+            lines.append(f"- {row['target']:g}x (seed {row['seed']}, uniform {title} rank "
                          f"{fixed[0] if fixed else '?'}): " + "; ".join(
-                             f"{n}: {r[1:-1]}" for n, r in row["ranks"].items()))
+                             f"{n}: {r[1:-1] if chain else r}" for n, r in row["ranks"].items()))
     if result["runs"]:
         m = result["runs"][-1]["machine"]
         lines += ["", f"Machine: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s); "
                   "commands:", ""] + [f"    {r['command']}" for r in result["runs"]]
     return "\n".join(lines)
+
+
+def _is_chain(fmt: str) -> bool:
+    """Whether ``fmt``'s layers state their ranks with the chain's ends (``(1, r1 .. , 1)``)."""
+    f = get_format(fmt)
+    modes = (2, 2) if f.uses_modes else (4,)
+    return f.layout(modes, modes, 2).is_chain
 
 
 def _clocked(rows: list[dict], ms: float) -> list[dict]:
@@ -257,6 +309,9 @@ def plot(spec: Spec, result: dict, out: Path, clock: dict | None = None) -> None
     for (target, method), (rows, _) in groups.items():
         if target is not None:
             series.setdefault(label(method), []).extend(
+                (r["compression"], r[split]["loss"]) for r in rows)
+        elif method.startswith("dense@"):  # the dense frontier's given widths: one series
+            series.setdefault("dense at other widths", []).extend(
                 (r["compression"], r[split]["loss"]) for r in rows)
     plot_points(series, out / "frontier.png", title=f"{spec.title}\n{split} loss vs "
                 "compression (one point per seed)",
@@ -301,8 +356,18 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--targets", type=float, nargs="+", default=d["targets"])
-    p.add_argument("--methods", nargs="+", choices=[*method_names(), *ALIASES],
-                   default=["dense", "tt", "lowrank", "comera"])
+    p.add_argument("--methods", nargs="+", default=["dense", "tt", "lowrank", "comera"],
+                   help="dense, narrow, a format (tt, ttm, btt, lowrank ...) at a uniform "
+                        "rank, a format with :<parametrization> (btt:balanced), comera (TT), "
+                        "comera@<format>[:<parametrization>], spectrum, early")
+    p.add_argument("--widths", type=int, nargs="+", default=[],
+                   help="narrow: dense at these d_model widths (multiples of the heads, the "
+                        "FFN at the task's ratio) instead of the targets' narrower models")
+    p.add_argument("--comera-start", type=float, default=None,
+                   help="comera@<format> (and comera): the early model at the largest uniform "
+                        "rank that compresses at least this much (default: comera@<format> "
+                        "the largest that compresses at all, comera --max-rank); at most "
+                        "--max-rank")
     p.add_argument("--early", type=int, default=d["early"])
     p.add_argument("--late", type=int, default=d["late"])
     p.add_argument("--decide", type=int, default=d["decide"],
@@ -361,11 +426,37 @@ def parse(spec: Spec, argv=None, doc: str | None = None) -> argparse.Namespace:
         p.error(f"--clock {args.clock}: no such file; write one with "
                 "python -m benchmarks.studies.lm_clock")
     args.methods = list(dict.fromkeys(ALIASES.get(m, m) for m in args.methods))
+    for method in args.methods:
+        try:
+            check_method(method)
+        except ConfigError as exc:
+            p.error(f"--methods: {exc}")
+    if args.late_allocation == "spectrum":
+        for method in args.methods:
+            base, fmt, _ = split_method(method)
+            if base == "comera" and fmt:
+                try:
+                    check_chain_format(fmt)
+                except ConfigError as exc:
+                    p.error(f"--late-allocation spectrum with --methods {method}: {exc} "
+                            "(--late-allocation prune runs on every format)")
+    if args.widths and "narrow" not in args.methods:
+        p.error(f"--widths {' '.join(map(str, args.widths))}: they are the narrow method's "
+                "widths; add narrow to --methods")
+    if any(w < 1 for w in args.widths):
+        p.error(f"--widths {' '.join(map(str, args.widths))}: each a d_model of at least 1")
+    if args.comera_start is not None:
+        if not any(split_method(m)[0] == "comera" for m in args.methods):
+            p.error(f"--comera-start {args.comera_start:g}: it sets where comera starts; add "
+                    "comera or comera@<format> to --methods")
+        if not 1 < args.comera_start < min(args.targets):
+            p.error(f"--comera-start {args.comera_start:g}: give a compression above 1 and "
+                    f"below every target (the smallest is {min(args.targets):g}), so the late "
+                    "stage prunes toward each")
     if args.equal_time:
         if args.clock is None:
             p.error("--equal-time needs --clock: an lm_clock results JSON of these models")
-        adaptive = [m for m in args.methods if m.partition(":")[0] in ("comera", "spectrum",
-                                                                        "early")]
+        adaptive = [m for m in args.methods if is_adaptive(m)]
         if adaptive and not args.summarise_only:
             p.error(f"--equal-time with --methods {' '.join(adaptive)}: their step time changes "
                     "as their ranks fall, so no one clock gives their steps; run them without "

@@ -9,6 +9,9 @@
 - a format with a parametrization, ``"tt:balanced"`` / ``"tt:plain"``: the same with the layers
   at that parametrization (:mod:`comera.formats.scaling`); without one, the task's (plain for
   comera's tasks: :data:`comera.formats.scaling.RANK_ADAPTIVE`).
+- ``"narrow"`` with ``widths``: instead, the dense model at each d_model of ``widths`` (d_ff at
+  the task's ratio, the heads dividing d_model: :meth:`Study.width_sizes`), a row per width
+  named ``"dense@<width>"`` with no target: the dense frontier's widths, given.
 - ``"narrow"``: the same architecture, dense, with a smaller d_model (a multiple of the heads, the
   FFN's ratio kept) and then d_ff filling the budget: the largest whose whole model holds at
   most as many parameters as the compressed model at the target (dense / target in the block
@@ -19,6 +22,18 @@
   the next batches (``steps - early`` steps, a fresh optimizer, loss target 0: its step budget
   prunes to the target along the schedule). ``"comera:balanced"``: the same, its TT layers
   balanced.
+- ``"comera@btt"`` / ``"comera@btt:balanced"``: the same on any format that trains
+  rank-adaptively (:func:`adaptive_formats`: every registered layer format, each has gates to
+  prune). The early model starts at :meth:`Study.start_rank`: the format's largest uniform rank
+  whose block layers still compress (or compress at least ``comera_start``), at most
+  ``max_rank``: a rank above it holds more parameters than dense (BTT's do at ranks far below
+  TT's), so its early stage would train a model bigger than the one it is compared with.
+  Rounding is the format's exact one where it has one (:func:`comera.ranks.truncate.round_`
+  leaves the others as they are: the row says ``exact_rounding``); the late stage's
+  ``"spectrum"`` allocation reads tensor-train chains only, so other formats are refused it
+  before any training (``"prune"`` runs on every format). ``"comera"`` is ``"comera@tt"``
+  started at ``max_rank`` whatever it compresses (the rows of before, unchanged) unless
+  ``comera_start`` is set.
 - ``"spectrum"``: the TT model at ``max_rank`` trained ``decide`` steps (lam 0), then per target
   the spectrum allocation (:func:`comera.ranks.allocate.allocate`) and a fresh model at the chosen
   ranks trained all ``steps``, as the fixed rank is.
@@ -30,8 +45,8 @@ method's model is drawn exactly as it was by the scripts before the harness.
 
 At equal wall-clock (``Study.steps_of``, from a side-by-side clock of the models' steps), dense,
 narrow and every format train for the steps their measured step time buys in dense's ``steps``,
-each evaluated at every ``1 / evals`` of its budget; the adaptive methods are refused there (their
-step time changes as their ranks fall).
+each evaluated at every ``1 / evals`` of its budget; the adaptive methods (:data:`ADAPTIVE`) are
+refused there (their step time changes as their ranks fall).
 """
 
 from __future__ import annotations
@@ -48,23 +63,89 @@ import torch
 from benchmarks.studies.harness.runs import layer_shapes, row, train
 from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
-from comera.formats.registry import DENSE, get_format, layer_formats
+from comera.formats.registry import DENSE, format_names, get_format, layer_formats
 from comera.formats.scaling import PARAMETRIZATIONS, check_parametrization
-from comera.ranks.allocate import allocate, rebuild_at_
+from comera.ranks.allocate import allocate, check_chain_format, rebuild_at_
 from comera.ranks.budget import dense_linear_size, largest_rank, layout_size, size_target
-from comera.ranks.truncate import round_
+from comera.ranks.truncate import round_, rounds_exactly
 
 SPECIAL = ("dense", "narrow", "comera", "spectrum", "early")
+#: The methods whose ranks change as they train: no one clock gives their steps.
+ADAPTIVE = ("comera", "spectrum", "early")
 
-__all__ = ["SPECIAL", "Study", "method_names", "narrow_sizes"]
+__all__ = ["ADAPTIVE", "SPECIAL", "Study", "adaptive_formats", "check_method", "is_adaptive",
+           "method_names", "narrow_sizes", "split_method", "width_sizes"]
+
+
+def adaptive_formats() -> tuple[str, ...]:
+    """The formats CoMERA trains rank-adaptively (``"comera@<format>"``): every registered
+    layer format with a bond to prune (read from its layout at small modes and rank 2)."""
+    out = []
+    for name in layer_formats():
+        if name == DENSE:
+            continue
+        fmt = get_format(name)
+        modes = (2, 2) if fmt.uses_modes else (4,)
+        if fmt.layout(modes, modes, 2).bonds:
+            out.append(name)
+    return tuple(out)
 
 
 def method_names() -> tuple[str, ...]:
-    """Every method a study may run: the special ones, every layer format, and every layer
-    format at each parametrization (``"tt:plain"``)."""
+    """Every method a study may run: the special ones, every layer format, every layer format
+    at each parametrization (``"tt:plain"``), and CoMERA on every format that trains
+    rank-adaptively (``"comera@btt"``, ``"comera@btt:balanced"``)."""
     formats = [f for f in layer_formats() if f != DENSE]
-    scaled = (*formats, "comera")
-    return (*SPECIAL, *formats, *(f"{f}:{p}" for f in scaled for p in PARAMETRIZATIONS))
+    on = [f"comera@{f}" for f in adaptive_formats()]
+    scaled = (*formats, "comera", *on)
+    return (*SPECIAL, *formats, *on, *(f"{f}:{p}" for f in scaled for p in PARAMETRIZATIONS))
+
+
+def split_method(name: str) -> tuple[str, str | None, str | None]:
+    """(method, format, parametrization) of a method name: ``"comera@btt:balanced"`` is
+    ("comera", "btt", "balanced"), ``"tt:plain"`` ("tt", None, "plain"), ``"dense"`` ("dense",
+    None, None). Not checked: :func:`check_method` does."""
+    head, colon, parametrization = name.partition(":")
+    base, at, fmt = head.partition("@")
+    return base, (fmt if at else None), (parametrization if colon else None)
+
+
+def is_adaptive(name: str) -> bool:
+    """Whether method ``name`` (a row's, ``"comera@btt:plain early"`` too) changes its ranks as
+    it trains (:data:`ADAPTIVE`)."""
+    return split_method(name.partition(" ")[0])[0] in ADAPTIVE
+
+
+def check_method(name: str) -> str:
+    """``name`` if it is a method a study runs (:func:`method_names`), else a
+    :class:`ConfigError` saying what is wrong with it and naming the choices."""
+    if not isinstance(name, str):
+        raise ConfigError(f"method {name!r}; give a method name such as 'dense' or 'btt'.")
+    base, fmt, parametrization = split_method(name)
+    if parametrization is not None:
+        check_parametrization(parametrization)
+    if fmt is not None:
+        if base != "comera":
+            raise ConfigError(f"method {name!r}: only comera takes a format after '@' "
+                              f"(comera@btt); {base!r} names its layers itself.")
+        choices = ", ".join(adaptive_formats())
+        if fmt not in format_names() and fmt != DENSE:
+            raise ConfigError(f"method {name!r}: {fmt!r} is not a registered format; CoMERA "
+                              f"trains rank-adaptively on {choices} (e.g. comera@btt:balanced).")
+        if fmt not in adaptive_formats():
+            why = ("dense layers have no ranks to prune" if fmt == DENSE else
+                   f"the {fmt} format builds no layer with ranks to prune from modes")
+            raise ConfigError(f"method {name!r}: {why}; CoMERA trains rank-adaptively on "
+                              f"{choices}.")
+    elif name not in method_names():
+        if base in SPECIAL:
+            raise ConfigError(f"method {name!r}: {base} takes no parametrization; give "
+                              f"{base!r}.")
+        raise ConfigError(f"method {name!r}; choose dense, narrow, comera, spectrum, early, a "
+                          f"layer format ({', '.join(f for f in layer_formats() if f != DENSE)})"
+                          f", either with ':<parametrization>' ("
+                          f"{', '.join(PARAMETRIZATIONS)}), or comera@<format>.")
+    return name
 
 
 @dataclass(frozen=True)
@@ -87,11 +168,20 @@ class Study:
     resume: bool = False
     steps_of: Callable[[str, float | None], int] | None = None  # (method, target) -> steps
     evals: int = 8  # with steps_of: evaluations per run, one at every 1 / evals of it
+    comera_start: float | None = None  # comera@<format>: the early model's compression, at least
+    widths: tuple[int, ...] = ()  # narrow: dense at these d_model widths instead of the targets'
 
     def __post_init__(self) -> None:
         if not 0 <= self.early < self.steps or not 0 <= self.decide < self.steps:
             raise ConfigError(f"early={self.early}, decide={self.decide} with steps="
                               f"{self.steps}: each is a step count below steps.")
+        if self.comera_start is not None and not (
+                isinstance(self.comera_start, int | float) and self.comera_start > 1):
+            raise ConfigError(f"comera_start={self.comera_start!r}; give the early model's "
+                              "compression against dense, a number above 1 (or None: the "
+                              "largest rank that compresses at all).")
+        for width in self.widths:
+            self.width_sizes(width)
 
     # -- the engine --------------------------------------------------------------------------
     def config_for(self, seed: int, lr: float, steps: int, **changes: Any) -> EngineConfig:
@@ -128,12 +218,50 @@ class Study:
         """The largest uniform rank at which the block layers of the task's ``fmt`` model hold
         at most dense / target parameters (their modes read from the model built at rank 1;
         0 when not even rank 1 fits)."""
+        return self._largest_rank(fmt, self.budget(target))
+
+    def _largest_rank(self, fmt: str, budget: float) -> int:
         with torch.random.fork_rng(devices=[]):
             probe = self.task.block_linears(self.task.build(fmt, 1))
         layers = [(m.in_modes, m.out_modes, m.bias.numel() if m.bias is not None else 0)
                   for _, m in probe]
         return largest_rank(lambda r: sum(layout_size(fmt, i, o, r) + b for i, o, b in layers),
-                            self.budget(target))
+                            budget)
+
+    def start_rank(self, fmt: str) -> int:
+        """The uniform rank CoMERA's early model in ``fmt`` starts at: the largest whose block
+        layers hold fewer parameters than dense (with ``comera_start``: at most dense /
+        comera_start), and at most ``max_rank``. A ConfigError when not even rank 1 does."""
+        if self.comera_start is None:
+            rank = self._largest_rank(fmt, dense_linear_size(self.shapes()) - 1)
+        else:
+            rank = self.uniform_rank(fmt, self.comera_start)
+        if rank < 1:
+            at = ("compresses" if self.comera_start is None
+                  else f"compresses {self.comera_start:g}x")
+            raise ConfigError(f"comera@{fmt}: not even rank 1 of the {fmt} model {at}; start "
+                              f"lower (comera_start / --comera-start) or use another format.")
+        return min(self.max_rank, rank)
+
+    def width_sizes(self, width: int) -> dict[str, int]:
+        """:func:`width_sizes` of the task's model."""
+        return width_sizes(self.task.config, width)
+
+    def runs_of(self, name: str, targets) -> list[tuple[str, float | None]]:
+        """(row method, target) of each model method ``name`` trains on a step budget (what a
+        clock must time at equal wall-clock): none for the adaptive methods, none for a format
+        at a target where not even rank 1 fits."""
+        check_method(name)
+        base, _, _ = split_method(name)
+        if base in ADAPTIVE:
+            return []
+        if name == "dense":
+            return [("dense", None)]
+        if name == "narrow":
+            if self.widths:
+                return [(f"dense@{w}", None) for w in self.widths]
+            return [("narrow", t) for t in targets]
+        return [(name, t) for t in targets if self.uniform_rank(base, t) >= 1]
 
     # -- the methods -------------------------------------------------------------------------
     def dense(self, seed: int, lr: float) -> dict:
@@ -173,27 +301,68 @@ class Study:
         dense = dense_linear_size(self.shapes())  # against the wide dense model it stands for
         return out | {"linear_dense": dense, "compression": dense / out["linear_params"]}
 
+    def width(self, width: int, seed: int, lr: float) -> dict:
+        """The dense model at d_model ``width`` (:meth:`width_sizes`), all its steps: a point of
+        the dense frontier, named ``"dense@<width>"``."""
+        sizes = self.width_sizes(width)
+        method = f"dense@{width}"
+        model, record = self.run(_name(method, None, seed, lr), DENSE,
+                                 self.budget_config(method, None, seed, lr),
+                                 lambda: self.task.build(DENSE, **sizes))
+        out = row(self.task, model, record, seed=seed, method=method, target=None, lr=lr,
+                  **sizes)
+        dense = dense_linear_size(self.shapes())
+        return out | {"linear_dense": dense, "compression": dense / out["linear_params"]}
+
     def comera(self, targets, seed: int, lr: float, method: str = "comera",
-               parametrization: str | None = None) -> list[dict]:
+               parametrization: str | None = None, fmt: str | None = None) -> list[dict]:
         """The early model (its own row, ``method + " early"``), then one late stage per
-        target; its TT layers at ``parametrization`` (default: the task's)."""
+        target; its layers at ``parametrization`` (default: the task's). ``fmt``: the format
+        (``"comera@<fmt>"``, started at :meth:`start_rank`); None: TT at ``max_rank``, the
+        ``"comera"`` method as the frontiers ran it (its rows as they were), unless
+        ``comera_start`` is set."""
         late = self.steps - self.early
-        name = _name(f"{method}-early", None, seed, lr)
         sizes = {} if parametrization is None else {"parametrization": parametrization}
-        early, record = self.run(name, "tt", self.config_for(seed, lr, self.early, lam=self.lam),
-                                 lambda: self.task.build("tt", self.max_rank, **sizes))
-        round_(early)  # exact: frees slices a rank-1 neighbour makes useless
+        legacy = fmt is None
+        fmt = fmt or "tt"
+        self.check_comera(fmt, targets, method)
+        rank = self.max_rank if legacy and self.comera_start is None else self.start_rank(fmt)
+        extra = {} if legacy else {"format": fmt, "start_rank": rank,
+                                   "exact_rounding": rounds_exactly(get_format(fmt))}
+        run = method if legacy else f"{method}-r{rank}"  # another start: another checkpoint
+        name = _name(f"{run}-early", None, seed, lr)
+        early, record = self.run(name, fmt, self.config_for(seed, lr, self.early, lam=self.lam),
+                                 lambda: self.task.build(fmt, rank, **sizes))
+        round_(early)  # exact where the format has it: frees slices a small neighbour wastes
         rows = [row(self.task, early, record, seed=seed, method=f"{method} early", target=None,
-                    lr=lr)]
+                    lr=lr, **extra)]
         for target in targets:
             config = replace(self.config_for(seed, lr, self.early, lam=self.lam), stage="both",
                              steps_late=late, late_target_loss=0.0, target_compression=target)
-            model, record = self.run(_name(method, target, seed, lr), "tt", config,
+            model, record = self.run(_name(run, target, seed, lr), fmt, config,
                                      lambda: copy.deepcopy(early), start_step=self.early)
             rows.append(row(self.task, model, record, seed=seed, method=method, target=target,
                             lr=lr, late_allocation=config.late_allocation,
-                            late_landing=config.late_landing))
+                            late_landing=config.late_landing, **extra))
         return rows
+
+    def check_comera(self, fmt: str, targets, method: str = "comera") -> None:
+        """A ConfigError, before any training, when CoMERA on ``fmt`` cannot run: the late
+        stage's allocation does not run on it (``"spectrum"`` reads tensor-train chains only),
+        a target lies below the format's smallest model (every rank 1), or (started from
+        :meth:`start_rank`) not even rank 1 compresses."""
+        if self.config.late_allocation == "spectrum":
+            try:
+                check_chain_format(fmt)
+            except ConfigError as exc:
+                raise ConfigError(f"method {method!r} with late_allocation='spectrum' "
+                                  f"(--late-allocation): {exc}") from None
+        over = [t for t in targets if self.uniform_rank(fmt, t) < 1]
+        if over:
+            raise ConfigError(f"method {method!r} at {', '.join(f'{t:g}x' for t in over)}: the "
+                              f"{fmt} model's block layers at rank 1 everywhere hold more than "
+                              "dense / target; choose a smaller target or another format.")
+        self.start_rank(fmt)
 
     def spectrum(self, targets, seed: int, lr: float, method: str = "spectrum") -> list[dict]:
         """Decide the shape on a briefly trained model, then train that shape from the start."""
@@ -223,8 +392,8 @@ class Study:
 
     def method(self, name: str, targets, seed: int, lr: float) -> list[dict]:
         """The rows of method ``name`` (see the module docstring) at ``targets``."""
-        if self.steps_of is not None and name.partition(":")[0] in (
-                "comera", "spectrum", "early"):
+        check_method(name)
+        if self.steps_of is not None and is_adaptive(name):
             raise ConfigError(f"method {name!r} at equal wall-clock: its step time changes as "
                               "its ranks fall, so no one clock gives its steps; run it without "
                               "the clock budget.")
@@ -233,17 +402,16 @@ class Study:
         if name in ("comera", "spectrum"):
             return getattr(self, name)(targets, seed, lr)
         if name == "narrow":
+            if self.widths:
+                return [self.width(w, seed, lr) for w in self.widths]
             return [self.narrow(t, seed, lr) for t in targets]
         if name == "early":
             return [self.early_stage(t, seed, lr) for t in targets]
-        fmt, _, parametrization = name.partition(":")
-        if parametrization:
-            check_parametrization(parametrization)
-        if fmt == "comera":
-            return self.comera(targets, seed, lr, name, parametrization or None)
-        get_format(fmt)  # names the choices when unknown
+        base, fmt, parametrization = split_method(name)
+        if base == "comera":
+            return self.comera(targets, seed, lr, name, parametrization, fmt)
         return [r for t in targets
-                if (r := self.fixed(fmt, t, seed, lr, name, parametrization or None)) is not None]
+                if (r := self.fixed(base, t, seed, lr, name, parametrization)) is not None]
 
 
 def _name(method: str, target: float | None, seed: int, lr: float) -> str:
@@ -277,6 +445,23 @@ def narrow_sizes(task, budget: float, whole: bool = False) -> dict[str, int]:
                    / (2 * d + bias))
     assert size(d, f) <= budget < size(d, f + 1)
     return {"d_model": d, "d_ff": f}
+
+
+def width_sizes(config, width: int) -> dict[str, int]:
+    """``d_model`` and ``d_ff`` of the dense model at d_model ``width``: d_ff at the ratio of
+    ``config`` (a task's: d_model, d_ff, n_heads), rounded, the heads dividing ``width``. A
+    ConfigError naming the fix when they do not, or when ``width`` is ``config``'s own d_model
+    (that model is the ``"dense"`` method)."""
+    c = config
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1 or width % c.n_heads:
+        near = (max(1, round(width / c.n_heads)) * c.n_heads
+                if isinstance(width, int | float) else c.n_heads)
+        raise ConfigError(f"width {width!r}: a d_model is a positive multiple of the "
+                          f"{c.n_heads} heads (e.g. {near}).")
+    if width == c.d_model:
+        raise ConfigError(f"width {width} is the task's own d_model: that model is the "
+                          "'dense' method; drop it from the widths.")
+    return {"d_model": width, "d_ff": max(1, round(width * c.d_ff / c.d_model))}
 
 
 def _rest_sizes(task):

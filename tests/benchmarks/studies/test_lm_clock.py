@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.studies import lm_clock
 from tests.helpers.tiny_corpus import write_tiny_corpus
 
@@ -14,11 +16,12 @@ def test_the_clock_times_every_model_and_counts_its_flops_and_memory(tmp_path):
     root.mkdir()
     write_tiny_corpus(root)
     out = tmp_path / "clock"
-    assert lm_clock.main(["--smoke", "--root", str(root), "--threads", "1",
+    assert lm_clock.main(["--smoke", "--root", str(root), "--threads", "1", "--widths", "8",
                           "--out", str(out)]) == 0
     payload = json.loads(out.with_suffix(".json").read_text())
     results = payload["results"]
-    assert {"dense", "narrow 2x", "tt 2x", "lowrank 2x"} <= results.keys()
+    assert {"dense", "dense@8", "narrow 2x", "tt 2x", "lowrank 2x"} <= results.keys()
+    assert results["dense@8"]["gflops"] < results["dense"]["gflops"]  # d_model 8, FFN 32
     tokens = payload["batch"] * (payload["seq_len"] - 1)
     d, f = 16, 64  # the smoke model: one block, d_model 16, FFN 64
     block = 4 * d * d + 2 * d * f
@@ -29,3 +32,13 @@ def test_the_clock_times_every_model_and_counts_its_flops_and_memory(tmp_path):
         assert r["ms"] > 0 and r["peak_mib"] > 0
         assert r["peak_mib"] * 2**20 > 4 * r["params"]  # at least the float32 parameters
     assert "GFLOPs per step" in out.with_suffix(".md").read_text()
+
+
+def test_a_width_the_model_cannot_take_exits_2_before_any_data(tmp_path, capsys):
+    out = tmp_path / "clock"
+    with pytest.raises(SystemExit) as exit_info:
+        lm_clock.main(["--widths", "96", "90", "--root", str(tmp_path / "none"), "--out",
+                       str(out)])
+    assert exit_info.value.code == 2
+    assert "width 90: a d_model is a positive multiple of the 4 heads" in capsys.readouterr().err
+    assert not out.with_suffix(".json").exists()

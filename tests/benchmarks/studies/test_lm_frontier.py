@@ -53,6 +53,57 @@ def test_bad_flags_exit_2_before_any_work(flags, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--methods", "comera@bogus"], "'bogus' is not a registered format"),
+    (["--methods", "comera@dense"], "dense layers have no ranks to prune"),
+    (["--methods", "comera@btt", "--late-allocation", "spectrum"],
+     "--late-allocation prune runs on every format"),
+    (["--methods", "dense", "--widths", "64"], "add narrow to --methods"),
+    (["--methods", "narrow", "--widths", "0"], "each a d_model of at least 1"),
+    (["--methods", "tt", "--comera-start", "2"], "add comera or comera@<format>"),
+    (["--methods", "comera@btt", "--targets", "8", "--comera-start", "8"],
+     "below every target"),
+])
+def test_comera_on_a_format_and_widths_flags_exit_2_naming_the_fix(flags, says, tmp_path,
+                                                                   capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        lm_frontier.main([*flags, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--methods", "narrow", "--widths", "8", "15"], "width 15: a d_model is a positive "
+                                                      "multiple of the 2 heads (e.g. 16)"),
+    (["--methods", "narrow", "--widths", "16"], "the task's own d_model"),
+    (["--methods", "comera@btt", "--targets", "4"], "at 4x: the btt model's block layers"),
+])
+def test_what_the_model_refuses_exits_2_before_training(root, flags, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        lm_frontier.main(["--smoke", "--root", str(root), "--seeds", "0", *flags, "--out",
+                          str(tmp_path / "out"), "--work", str(tmp_path / "w")])
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "w").exists()
+
+
+def test_comera_on_a_format_and_widths_are_named_in_the_report():
+    from benchmarks.studies.harness.frontier import label
+
+    assert label("comera@btt:balanced") == ("CoMERA (early + late) on block tensor train "
+                                            "(balanced parametrization)")
+    assert label("comera@btt early") == "CoMERA early stage on block tensor train"
+    assert label("comera:plain early") == "CoMERA early stage (plain parametrization)"
+    assert label("dense@96") == "dense, d_model 96"
+    assert clock_key("dense@96", None) == "dense@96"
+    ranks = {"blocks.0.ffn_in": [2, 1]}  # BTT's bonds, no chain ends
+    rows = [_row("comera@btt:balanced", 8.0, 0, 3.5, ranks=ranks, format="btt"),
+            _row("btt:balanced", 8.0, 0, 3.6, rank=1),
+            _row("dense@64", None, 0, 3.4, d_model=64, d_ff=256)]
+    text = summarise(lm_frontier.SPEC, {"data": {}, "runs": [], "rows": rows})
+    assert "uniform block tensor train rank 1): blocks.0.ffn_in: [2, 1]" in text
+    assert "| - | dense, d_model 64 |" in text and "d 64, ff 256" in text
+
+
 def test_fixed_is_the_tt_method_and_the_grid_defaults_to_lr():
     args = parse(lm_frontier.SPEC, ["--methods", "dense", "fixed", "tt", "narrow"])
     assert args.methods == ["dense", "tt", "narrow"] and args.lrs == [2e-3]

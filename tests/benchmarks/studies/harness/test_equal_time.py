@@ -155,3 +155,61 @@ def test_the_time_to_denses_final_loss_is_read_between_evaluations():
     table = "\n".join(equal_time.reach_table(rows, label))
     assert "dense's final validation loss (4.0000)" in table
     assert "| 8x | narrower dense, same size | 1 | 0.75 |" in table
+
+
+def test_a_width_or_model_missing_from_the_clock_exits_2_naming_the_lm_clock_command(
+        root, tmp_path, capsys):
+    clock = tmp_path / "clock.json"
+    times = {"dense": {"ms": 100.0}, "dense@8": {"ms": 40.0}}
+    clock.write_text(json.dumps({"results": times, "d_model": 16, "batch": 16}))
+    common = ["--smoke", "--root", str(root), "--equal-time", "--clock", str(clock),
+              "--seeds", "0", "--targets", "2", "--out", str(tmp_path / "o"), "--work",
+              str(tmp_path / "w")]
+    for flags, says in ((["--methods", "dense", "narrow", "--widths", "8", "4"],
+                         "no step time for 'dense@4' (method narrow; it has dense, dense@8): "
+                         "time it with python -m benchmarks.studies.lm_clock --d-model 16 "
+                         "--batch 16 --widths 8 4"),
+                        (["--methods", "dense", "tt"], "no step time for 'tt 2x'")):
+        with pytest.raises(SystemExit) as exit_info:
+            lm_frontier.main([*common, *flags])
+        assert exit_info.value.code == 2 and says in capsys.readouterr().err
+        assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
+
+
+def test_widths_train_the_steps_their_clock_buys_and_are_reported(root):
+    from benchmarks.studies.harness.frontier import parse, study
+
+    clock = {"results": {"dense": {"ms": 100.0}, "dense@8": {"ms": 40.0, "peak_mib": 9.0}},
+             "d_model": 16, "batch": 16}
+    args = parse(lm_frontier.SPEC, ["--smoke", "--methods", "dense", "narrow", "--widths", "8",
+                                    "--equal-time", "--clock", __file__, "--evals", "2"])
+    task = LMTask(LMTaskConfig(seq_len=16, vocab_size=64, d_model=16, n_heads=2, d_ff=32,
+                               n_layers=1, eval_limit=8), root=root, use_cache=False)
+    plan = study(lm_frontier.SPEC, args, task, clock)
+    assert plan.budget_config("dense@8", None, 0, 1e-3).steps_early == 16  # 7 x 100 / 40
+    row = {"method": "dense@8", "target": None, "steps": 16,
+           "curves": {"val": [[0, 0.0, {"loss": 9.0}], [8, None, {"loss": 5.0}],
+                              [16, None, {"loss": 4.0}]]}}
+    assert equal_time.budget_entry(row, clock)["step_ms"] == 40.0
+    rows = [_row("dense", 1e-3, 0, [6.0, 5.0, 4.5, 4.0]),
+            _row("narrow", 1e-3, 0, [5.0, 4.4, 4.0, 3.6], steps=16)]
+    width = {"method": "dense@96", "target": None, "lr": 1e-3, "seed": 0, "steps": 16,
+             "curves": rows[1]["curves"]}
+    rows.append(width | {"budget": equal_time.budget_entry(
+        width, {"results": {"dense@96": {"ms": 40.0}}})})
+    run = {"command": "python -m benchmarks.studies.lm_frontier --equal-time",
+           "machine": {"cpu": "cpu", "threads": 1}, "settings": {}}
+    text = equal_time.summarise({"rows": rows, "runs": [run]}, label)
+    assert "| - | dense, d_model 96 | 1 | 16 |" in text  # every budget, no target
+    assert "| - | dense, d_model 96 | 1 | 0.75 |" in text  # to dense's final loss (4.0)
+
+
+def test_a_call_of_widths_alone_is_reported_without_dense():
+    width = {"method": "dense@96", "target": None, "lr": 1e-3, "seed": 0, "steps": 8,
+             "curves": _row("narrow", 1e-3, 0, [5.0, 4.4, 4.0, 3.6])["curves"]}
+    width |= {"budget": equal_time.budget_entry(width, {"results": {"dense@96": {"ms": 40.0}}})}
+    run = {"command": "python -m benchmarks.studies.lm_frontier --equal-time",
+           "machine": {"cpu": "cpu", "threads": 1}, "settings": {}}
+    text = equal_time.summarise({"rows": [width], "runs": [run]}, label)
+    assert "about 0 s; dense is not in these rows" in text  # 8 steps x 40 ms
+    assert "| - | dense, d_model 96 | 1 | 8 | 0.001 | 3.6000 ± nan | - | - | 40 |" in text
