@@ -205,3 +205,21 @@ def test_cost_is_one_decomposition_per_candidate(monkeypatch):
                     **BASE)
     assert len(calls) == 2 and calls[0] != calls[1]
     assert list(itertools.chain(calls[0])) == ["fc1", "fc2", "fc3"]
+
+
+def test_comera_convert_reports_the_measured_floor(tmp_path):
+    from tests.comera.test_cli import run_cli
+
+    torch.save(Regressor(), tmp_path / "model.pt")
+    torch.save(_batches(), tmp_path / "calib.pt")
+    done = run_cli("convert", str(tmp_path / "model.pt"), "-o", str(tmp_path / "out.pt"),
+                   "--calibration", str(tmp_path / "calib.pt"), "--set", "format=lowrank",
+                   "--set", "target_compression=3", "--set", "allocation=global", "--set",
+                   "floor=measured", "--set", "closed_form_refit=true", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "(floor='measured': loss" in done.stdout and "on 4 measurement batch(es)" in done.stdout
+    done = run_cli("convert", str(tmp_path / "model.pt"), "-o", str(tmp_path / "out2.pt"),
+                   "--set", "format=lowrank", "--set", "target_compression=3", "--set",
+                   "allocation=global", "--set", "floor=measured", cwd=tmp_path)
+    assert done.returncode == 2 and "pass calibration=batches" in done.stderr
+    assert not (tmp_path / "out2.pt").exists()
