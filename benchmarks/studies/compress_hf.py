@@ -4,6 +4,7 @@ and a 124M-parameter GPT-2-sized config converted in bounded memory.
     python -m benchmarks.studies.compress_hf small --seeds 0 1 2
     python -m benchmarks.studies.compress_hf 124m --batches 4
     python -m benchmarks.studies.compress_hf 124m --batches 16
+    python -m benchmarks.studies.compress_hf floor --targets 2 3 4 --formats tt lowrank
 
 ``small``: a GPT-2 built from a config (d 128, 2 layers, 4 heads, the quick LM task's vocabulary
 and 64 tokens; random init, nothing downloaded), trained dense in-process through the engine on
@@ -16,6 +17,13 @@ memory), calibrated on ``--batches`` batches of random token ids and converted t
 a global budget. The peak RSS of the process (``getrusage``), the statistics' bytes and the
 time of each phase go to ``gpt2_124m_<batches>.json``: the same peak for 4 and 16 batches shows
 memory independent of the number of batches.
+
+``floor`` (issue 41): the same small GPT-2 (trained once, kept under ``--cache``), at each
+``--targets`` ratio and format, perplexity before fine-tuning of the arms of :data:`FLOOR_ARMS`:
+``uniform/plain``, ``uniform/calibrated``, ``global/calibrated`` (the estimate floor),
+``global/calibrated+measured`` (``floor="measured"``: the model's own loss, HuggingFace's
+``.loss`` from ``labels`` in the calibration batches, measured on those batches) and
+``+refit`` (with ``closed_form_refit``). One calibration seed; rows to ``hf_floor.json``.
 """
 
 from __future__ import annotations
@@ -116,6 +124,98 @@ def cmd_small(args) -> int:
     return 0
 
 
+FLOOR_ARMS = ("uniform/plain", "uniform/calibrated", "global/calibrated",
+              "global/calibrated+measured", "global/calibrated+measured+refit")
+
+
+def trained_gpt2(task, steps: int, cache: Path | None, smoke: bool) -> tuple[Logits, float]:
+    """The small GPT-2 trained ``steps`` dense steps on the LM task (from ``cache`` when it holds
+    it: trained once), and the seconds its training took."""
+    path = None if cache is None else cache / f"gpt2-small-{steps}{'-smoke' if smoke else ''}.pt"
+    if path is not None and path.is_file():
+        saved = torch.load(path, weights_only=False)
+        return saved["model"], saved["seconds"]
+    torch.manual_seed(0)
+    model = small_gpt2(task.vocab, task.config.seq_len)
+    config = EngineConfig(steps_early=steps, steps_late=0, stage="early", batch_size=32,
+                          lr=1e-3, warmup=50, eval_every=steps, seed=0, threads=1,
+                          format="dense")
+    with tempfile.TemporaryDirectory() as out:
+        (trained, _), seconds, _ = timed(
+            lambda: train_model(ForEngine(task, model), "dense", config, Path(out)))
+    trained.eval()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": trained, "seconds": seconds}, path)
+    return trained, seconds
+
+
+def floor_arm(trained: Logits, fmt: str, target: float, arm: str,
+              batches: list[dict[str, Tensor]]) -> tuple[Logits, comera.ConversionReport]:
+    """A copy of ``trained`` with its ``transformer.h.*`` layers converted as ``arm`` says."""
+    allocation, how = arm.split("+")[0].split("/")
+    options = {"allocation": allocation, "format": fmt, "target_compression": target}
+    if "+measured" in arm:
+        options["floor"] = "measured"
+    if arm.endswith("+refit"):
+        options["closed_form_refit"] = True
+    model = copy.deepcopy(trained)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HF's save_pretrained warning
+        report = comera.convert_(model.hf, comera.ConvertConfig(include=["transformer.h.*"],
+                                                                **options),
+                                 calibration=batches if how == "calibrated" else None)
+    return model.eval(), report
+
+
+def cmd_floor(args) -> int:
+    task = make_task("lm", args.smoke, args.root)
+    trained, seconds = trained_gpt2(task, args.steps, args.cache, args.smoke)
+    batches = [{**b, "labels": b["input_ids"]}  # labels: the model's .loss is measured
+               for b in dict_batches(task, calibration_rows(task, args.seed, args.calib_rows))]
+    result = {"machine": machine(), "command": _command(args), "train_seconds":
+              round(seconds, 1), "dense": score(task, trained), "rows": []}
+    print(f"dense: val ppl {result['dense']['perplexity']:.2f}", flush=True)
+    for fmt in args.formats:
+        for target in args.targets:
+            for arm in args.arms:
+                (model, report), took, _ = timed(
+                    lambda arm=arm, fmt=fmt, target=target: floor_arm(trained, fmt, target, arm,
+                                                                      batches))
+                params, dense = linear_sizes(model)
+                row = {"format": fmt, "target": target, "arm": arm, "seed": args.seed,
+                       "compression": dense / params, "kept": report.kept,
+                       "losses": dict(report.losses), "val": score(task, model),
+                       "seconds": round(took, 1),
+                       "ranks": {n: list(layer.ranks) for n, layer in comera.gated_layers(model)}}
+                result["rows"].append(row)
+                print(f"{fmt} {target:g}x {arm}: {row['compression']:.2f}x, val ppl "
+                      f"{row['val']['perplexity']:.2f} kept {report.kept or '-'} "
+                      f"{row['losses'] or ''} ({took:.0f}s)", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hf_floor.json").write_text(json.dumps(result, indent=1, default=str))
+    print(floor_table(result))
+    return 0
+
+
+def floor_table(result: dict) -> str:
+    """Validation perplexity per format and target (rows) and arm (columns)."""
+    arms = list(dict.fromkeys(r["arm"] for r in result["rows"]))
+    cells: dict[tuple, dict] = {}
+    for r in result["rows"]:
+        cells.setdefault((r["format"], r["target"]), {})[r["arm"]] = r
+    lines = ["| format | target | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
+    for (fmt, target), row in cells.items():
+        shown = []
+        for arm in arms:
+            r = row.get(arm)
+            kept = f" ({r['kept']})" if r and "+measured" in arm else ""
+            shown.append(f"{r['val']['perplexity']:.2f}{kept}" if r else "-")
+        lines.append(f"| {fmt} | {target:g}x | " + " | ".join(shown) + " |")
+    lines.append(f"\ndense: {result['dense']['perplexity']:.2f}")
+    return "\n".join(lines)
+
+
 def cmd_124m(args) -> int:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -167,6 +267,20 @@ def main(argv=None) -> int:
     small.add_argument("--smoke", action="store_true")
     small.add_argument("--out", type=Path, default=OUT)
     small.set_defaults(run=cmd_small)
+    floor = sub.add_parser("floor", help="the small GPT-2 at several ratios, every allocation "
+                           "floor and the closed-form refit (issue 41)")
+    floor.add_argument("--steps", type=int, default=600)
+    floor.add_argument("--formats", nargs="+", default=["tt", "lowrank"])
+    floor.add_argument("--targets", type=float, nargs="+", default=[2.0, 3.0, 4.0])
+    floor.add_argument("--arms", nargs="+", default=list(FLOOR_ARMS), choices=FLOOR_ARMS)
+    floor.add_argument("--seed", type=int, default=0)
+    floor.add_argument("--calib-rows", type=int, default=256)
+    floor.add_argument("--root", type=Path, default=None)
+    floor.add_argument("--cache", type=Path, default=Path("runs/compress_hf"),
+                       help="where the trained GPT-2 is kept (trained once per --steps)")
+    floor.add_argument("--smoke", action="store_true")
+    floor.add_argument("--out", type=Path, default=OUT)
+    floor.set_defaults(run=cmd_floor)
     big = sub.add_parser("124m", help="GPT-2 124M: peak RSS of a calibrated conversion")
     big.add_argument("--batches", type=int, default=4)
     big.add_argument("--batch", type=int, default=4)

@@ -41,8 +41,9 @@ from torch import Tensor
 from comera.errors import ConfigError
 from comera.formats.layout import Layout
 
-__all__ = ["REFIT_FLOPS", "calibrated_decomposition", "check_gram", "damped", "kronecker_start",
-           "mode_grams", "mode_product", "output_error", "refit", "unfolding_spectra",
+__all__ = ["REFIT_ENVIRONMENT", "REFIT_FLOPS", "calibrated_decomposition", "check_gram", "damped",
+           "kronecker_start", "mode_grams", "mode_product", "output_cores", "output_error",
+           "refit", "refit_output_cores", "solve_output_core", "unfolding_spectra",
            "whiten_input_modes", "whitened_weight", "whitening"]
 
 #: The most floating-point work :func:`refit` spends on one layer by default (its sweeps are
@@ -268,3 +269,103 @@ def whitened_weight(weight: Tensor, layout: Layout, gram: Tensor) -> Tensor:
     gram = check_gram(gram, layout.in_features)
     factors = [whitening(g) for g in mode_grams(gram, layout.in_modes)]
     return whiten_input_modes(weight.detach().to(torch.float64), layout.in_modes, factors)
+
+
+# -- the closed-form refit of the output-side cores (SVD-LLM's layer-wise update) ---------------
+#: The most entries of one core's environment (in_features x the other outputs x the core's
+#: bonds, float64) :func:`refit_output_cores` builds; a core whose environment is larger (a
+#: Tucker core: its bonds are all the ranks) is left as it is.
+REFIT_ENVIRONMENT = 2**24
+
+
+def output_cores(layout: Layout) -> tuple[int, ...]:
+    """The cores whose closed-form refit is exact: those carrying no input index, whose output
+    indices no other core carries, and whose other indices are bonds shared with another core
+    (or of size 1). With the other cores fixed, ``Ŵ[i, rest, o] = sum_b E[i, rest, b] G[b, o]``
+    (``E`` the network without that core), so the output error is a least-squares problem in
+    the core alone: low-rank's second factor, TT's output cores, Tucker's output factors."""
+    found = []
+    for k, core in enumerate(layout.cores):
+        others = {i for j, c in enumerate(layout.cores) if j != k for i in c}
+        if any(i in layout.inputs for i in core):
+            continue
+        if any(i in others for i in core if i in layout.outputs):
+            continue
+        if any(i not in others and layout.size(i) != 1 for i in core
+               if i not in layout.outputs):
+            continue
+        found.append(k)
+    return tuple(found)
+
+
+def solve_output_core(cores: Sequence[Tensor], k: int, layout: Layout, weight: Tensor,
+                      gram: Tensor) -> Tensor:
+    r"""Core ``k`` (one of :func:`output_cores`) minimising the output error
+    ``tr((W - Ŵ)^T C (W - Ŵ))`` with every other core fixed, in closed form (float64).
+
+    With ``E`` (in, q, b) the network without core k (q: the other output indices, b: core k's
+    bonds) and ``W`` reshaped to (in, q, p) (p: core k's outputs), the error is
+    ``sum_q ||S^T (W_q - E_q G)||^2`` (``C = S S^T``), so the optimum solves
+    ``(sum_q E_q^T C E_q) G = sum_q E_q^T C W_q``: an (b x b) system, solved by the
+    pseudo-inverse (a singular ``C`` leaves directions free; the least-norm solution is taken).
+    For low-rank (``W ≈ A B``) this is SVD-LLM's update of ``B`` for fixed ``A``:
+    ``B = (A^T C A)^+ A^T C W``. (For fixed ``B`` instead, the optimum ``A = W B^+`` does not
+    depend on ``C`` at all: the input-side factor is where the inputs' statistics enter.)"""
+    idx = layout.cores[k]
+    others = {i for j, c in enumerate(layout.cores) if j != k for i in c}
+    mine = [i for i in idx if i in layout.outputs]
+    links = [i for i in idx if i not in layout.outputs and i in others]
+    rest = [i for i in layout.outputs if i not in mine]
+    ids = {name: n for n, name in enumerate(dict(layout.sizes))}
+    operands: list = []
+    for j, (core, names) in enumerate(zip(cores, layout.cores, strict=True)):
+        if j != k:
+            operands += [core.to(torch.float64), [ids[i] for i in names]]
+    env = torch.einsum(*operands, [ids[i] for i in (*layout.inputs, *rest, *links)])
+    n_in = layout.in_features
+    q = math.prod(layout.size(i) for i in rest)
+    b = math.prod(layout.size(i) for i in links)
+    p = math.prod(layout.size(i) for i in mine)
+    env = env.reshape(n_in, q, b)  # (in, q, b)
+    order = [layout.outputs.index(i) for i in (*rest, *mine)]
+    target = weight.to(torch.float64).reshape(n_in, *layout.out_modes)
+    target = target.permute(0, *(1 + o for o in order)).reshape(n_in, q, p)  # (in, q, p)
+    c = gram.to(torch.float64)
+    weighted = (c @ env.reshape(n_in, q * b)).reshape(n_in, q, b)  # C E: (in, q, b)
+    normal = torch.einsum("iqa,iqb->ab", env, weighted)  # (b, b)
+    right = torch.einsum("iqa,iqp->ap", weighted, target)  # (b, p)
+    values, vectors = torch.linalg.eigh((normal + normal.T) / 2)
+    keep = values > values.abs().max().clamp_min(1e-300) * 1e-12
+    inverse = (vectors[:, keep] / values[keep]) @ vectors[:, keep].T  # the pseudo-inverse
+    solution = inverse @ right  # (b, p)
+    shape = [layout.size(i) for i in (*links, *mine)]
+    solution = solution.reshape(shape)
+    dangling = [i for i in idx if i not in layout.outputs and i not in others]  # size-1 ends
+    names = [*links, *mine, *dangling]
+    solution = solution.reshape(*shape, *(1 for _ in dangling))
+    return solution.permute(*(names.index(i) for i in idx)).contiguous()
+
+
+def refit_output_cores(cores: Sequence[Tensor], layout: Layout, weight: Tensor, gram: Tensor,
+                       max_entries: int = REFIT_ENVIRONMENT) -> list[Tensor]:
+    """``cores`` with each of their :func:`output_cores` replaced, in turn, by its closed-form
+    optimum of the output error on inputs of second moments ``gram``
+    (:func:`solve_output_core`), each kept only where the error it gives is lower, so the
+    output error never grows. Cores whose environment holds more than ``max_entries`` entries
+    are left as they are. The bonds are read from the cores (a decomposition may return smaller
+    ones); cores come back in ``weight``'s dtype."""
+    gram = check_gram(gram, layout.in_features)
+    out = [c.detach().to(torch.float64) for c in cores]
+    at = layout.resized(_bond_sizes(out, layout))
+    w = weight.detach().to(torch.float64)
+    error = output_error(w, at.dense(out), gram)
+    for k in output_cores(at):
+        links = math.prod(at.size(i) for i in at.cores[k] if i not in at.outputs)
+        rest = at.out_features // math.prod(at.size(i) for i in at.cores[k] if i in at.outputs)
+        if at.in_features * rest * links > max_entries:
+            continue
+        trial = [*out[:k], solve_output_core(out, k, at, w, gram), *out[k + 1:]]
+        trial_error = output_error(w, at.dense(trial), gram)
+        if trial_error < error:
+            out, error = trial, trial_error
+    return [c.to(weight.dtype).contiguous() for c in out]

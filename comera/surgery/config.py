@@ -23,6 +23,8 @@ from comera.numbers import is_int
 IN_PROJ = ("split", "packed")
 DEFAULT_RANK = 16  # every layer's max rank when neither ranks nor target_compression is given
 ALLOCATIONS = ("uniform", "global")
+#: What keeps allocation="global" from losing to uniform's ranks (ConvertConfig's ``floor``).
+FLOORS = ("estimate", "measured")
 DEFAULT_DAMPING = 1e-2
 #: The most memory calibration's input statistics may hold, in bytes (ConvertConfig's
 #: ``statistics_memory``): above it ``convert_`` refuses before the first batch.
@@ -52,6 +54,14 @@ class ConvertConfig:
     statistics_memory: with calibration, the most bytes the input statistics may hold (one
     float64 ``in x in`` matrix per distinct layer input); a model that needs more is refused
     before the first batch (None: no limit).
+    floor: with allocation="global", what decides between the global spend's ranks and the
+    uniform allocation's: "estimate" (the spend's own truncation-error estimate, free) or
+    "measured" (the converted model's loss on calibration batches under each, both
+    calibrated; needs calibration and a loss, see :func:`comera.surgery.convert.convert_`).
+    closed_form_refit: with calibration, after each linear layer's decomposition solve its
+    output-side cores (low-rank's second factor, TT's output cores, Tucker's output factors)
+    in closed form for the least output error on the calibration inputs, one core at a time
+    (:func:`comera.formats.whitened.refit_output_cores`; SVD-LLM's layer-wise update).
     """
 
     include: Sequence[str] = ("*",)
@@ -79,6 +89,8 @@ class ConvertConfig:
     target_size: int | None = None
     damping: float = DEFAULT_DAMPING
     statistics_memory: int | None = DEFAULT_STATISTICS_MEMORY
+    floor: str = "estimate"
+    closed_form_refit: bool = False
 
     def __post_init__(self) -> None:
         check_parametrization(self.parametrization)
@@ -92,7 +104,7 @@ class ConvertConfig:
                                   f"module names, e.g. {key}=['encoder.*'].")
             else:
                 object.__setattr__(self, key, tuple(value))
-        for key in ("linear", "embedding"):
+        for key in ("linear", "embedding", "closed_form_refit"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r}; pass True or False.")
         if self.ranks is not None and self.target_compression is not None:
@@ -148,6 +160,13 @@ class ConvertConfig:
                                   "allocation='global' (set allocation='global' and leave "
                                   "target_compression=None); a uniform allocation takes "
                                   "target_compression.")
+        if not isinstance(self.floor, str) or self.floor not in FLOORS:
+            raise ConfigError(f"floor={self.floor!r}; choose one of {', '.join(FLOORS)}.")
+        if self.floor == "measured" and self.allocation != "global":
+            raise ConfigError(f"floor='measured' decides between the global and the uniform "
+                              f"allocation's ranks; with allocation={self.allocation!r} there "
+                              "is nothing to decide. Set allocation='global', or leave floor "
+                              "at 'estimate'.")
         if self.allocation == "global" and self.target_compression is None and (
                 self.target_size is None):
             raise ConfigError("allocation='global' spends a size budget across the layers: set "
@@ -342,5 +361,5 @@ def config_from_json(fields: Mapping[str, Any]) -> ConvertConfig:
         raise ConfigError(f"convert settings {json.dumps(fields)} were refused: {exc}") from None
 
 
-__all__ = ["ALLOCATIONS", "DEFAULT_STATISTICS_MEMORY", "IN_PROJ", "ConvertConfig",
+__all__ = ["ALLOCATIONS", "DEFAULT_STATISTICS_MEMORY", "FLOORS", "IN_PROJ", "ConvertConfig",
            "check_options", "config_from_json", "show"]

@@ -17,7 +17,9 @@ input statistics (:mod:`comera.surgery.input_statistics`: one per distinct input
 ``ConvertConfig.statistics_memory``), and the linear layers are decomposed to minimise the error
 of their outputs on those inputs; ``ConvertConfig(allocation="global")`` spends one size budget
 across all the linear layers, or keeps the uniform allocation's ranks where its estimate is not
-lower (:mod:`comera.surgery.decompose`). Every refusal (bad config or a misspelled option, a
+lower (:mod:`comera.surgery.decompose`), or, with ``floor="measured"``, where the converted
+model's loss on measurement batches is not lower (:mod:`comera.surgery.measured_floor`). Every
+refusal (bad config or a misspelled option, a
 target no rank reaches under either allocation, empty calibration, batches the model rejects,
 statistics over the memory limit) comes before the first layer is swapped: on error the model is
 unchanged.
@@ -45,7 +47,14 @@ from comera.surgery.converters import (
     full_rank,
 )
 from comera.surgery.decompose import check_budget, check_global, decompose_parts_, layer_errors
-from comera.surgery.input_statistics import InputStats, collect_input_stats, statistics_bytes
+from comera.surgery.input_statistics import (
+    InputStats,
+    check_batches,
+    collect_input_stats,
+    statistics_bytes,
+)
+from comera.surgery.measured_floor import measured_floor_
+from comera.surgery.measured_loss import LossFn, model_loss
 from comera.surgery.swap import check_module, fast_paths_off_, swap_submodule
 from comera.surgery.table import text_table
 
@@ -90,6 +99,10 @@ class ConversionReport:
     kept: str = ""
     #: bytes the calibration's input statistics held (one per distinct layer input)
     statistics_bytes: int = 0
+    #: with floor="measured": the model's loss on the measurement batches, dense and under
+    #: each candidate's ranks ("dense", "uniform", "global"), and the number of those batches
+    losses: tuple[tuple[str, float], ...] = ()
+    measured_batches: int = 0
 
     @property
     def before(self) -> int:
@@ -114,7 +127,9 @@ class ConversionReport:
         if self.batches:
             lines.append(f"output err: each layer's relative output error on the {self.batches} "
                          "calibration batch(es) (*: no input reached it: weight error)")
-        if self.allocation == "global" and self.kept == "uniform":
+        if self.losses:
+            lines.append(self._measured_text())
+        elif self.allocation == "global" and self.kept == "uniform":
             lines.append("ranks: the uniform allocation's (allocation='global' estimated no "
                          "lower error at this budget)")
         elif self.allocation == "global":
@@ -124,6 +139,14 @@ class ConversionReport:
         if self.skipped:
             lines.append(f"left dense (weight tied to another module): {', '.join(self.skipped)}")
         return "\n".join(lines)
+
+
+    def _measured_text(self) -> str:
+        losses = dict(self.losses)
+        kept, other = self.kept, "global" if self.kept == "uniform" else "uniform"
+        return (f"ranks: the {kept} allocation's (floor='measured': loss {losses[kept]:.4f} "
+                f"against {losses[other]:.4f} under the {other} allocation's, dense "
+                f"{losses['dense']:.4f}, on {self.measured_batches} measurement batch(es))")
 
 
 def _error_text(r: LayerReport, calibrating: bool) -> str:
@@ -259,7 +282,7 @@ def _linear_parts(chosen: list[tuple[str, nn.Module, Converter]],
 def convert_(
     model: nn.Module, config: ConvertConfig | None = None,
     calibration: Iterable | None = None, *, progress: Callable[[int], None] | None = None,
-    **overrides,
+    loss: LossFn | None = None, measure: Iterable | None = None, **overrides,
 ) -> ConversionReport:
     """Replace the modules of ``model`` that a converter of :data:`CONVERTERS` matches (Linear,
     Conv1D, MultiheadAttention; Embedding with ``embedding=True``) and the config selects by
@@ -269,8 +292,15 @@ def convert_(
     HuggingFace models take, tuples of arguments; e.g. a DataLoader): the linear layers are then
     decomposed to minimise the error of their outputs on these inputs (see the module
     docstring). ``progress``: called with the number of calibration batches done.
-    ``**overrides``: the fields of :class:`ConvertConfig` (an unknown name is a
-    :class:`ConfigError` listing the known ones)."""
+
+    With ``allocation="global", floor="measured"`` the model's loss decides between the global
+    and the uniform ranks (:mod:`comera.surgery.measured_floor`): ``loss(output, batch)`` gives
+    a batch's loss (default: the output's ``.loss``, as HuggingFace models return given
+    labels); it is measured on ``measure`` (a separate, e.g. held-out, iterable of batches) or,
+    when that is None, on the calibration batches themselves (held in a list for the second
+    pass; in-sample, as ASVD's sensitivity is). ``**overrides``: the fields of
+    :class:`ConvertConfig` (an unknown name is a :class:`ConfigError` listing the known
+    ones)."""
     check_module(model, "convert_(model, config=None, **options): load a saved model first (or "
                  "run `comera convert FILE -o OUT` on a file)")
     if config is None:
@@ -278,6 +308,7 @@ def convert_(
         config = ConvertConfig(**overrides)
     elif overrides:
         raise ConfigError("pass either a ConvertConfig or keyword options, not both.")
+    calibration, measured = _measurement(config, calibration, loss, measure)
     converters = tuple(c for c in CONVERTERS if getattr(config, c.switch))
     candidates = _candidates(model, converters)
     chosen = [(n, m, c) for n, m, c in candidates if _matches(n, config)]
@@ -308,6 +339,13 @@ def convert_(
         check_budget([p for p in parts if p.weight is not None], config)
     elif config.target_compression:
         _refuse_out_of_reach(parts, config.target_compression)
+    losses: dict[str, float] = {}
+    if measured is not None:  # a loss the model cannot give: refused before calibrating
+        losses["dense"] = model_loss(model, measured, loss)
+        if not losses["dense"] < float("inf"):
+            raise ConfigError(f"floor='measured': the dense model's loss on the measurement "
+                              f"batches is {losses['dense']}; a loss must be finite to compare "
+                              "allocations by.")
     taps = {name: module for name, module in linear.items() if module is not None}
     stats: dict[str, InputStats] = {}
     batches, held = 0, 0
@@ -316,7 +354,13 @@ def convert_(
                                              config.attention_in_proj == "packed", progress,
                                              limit=config.statistics_memory)
         held = statistics_bytes(stats)
-    allocation = decompose_parts_(parts, stats, config)  # each linear layer once
+    if measured is not None:
+        floor = measured_floor_(model, built, parts, stats, config, measured, loss)
+        losses |= floor.losses
+        kept = floor.kept
+    else:
+        allocation = decompose_parts_(parts, stats, config)  # each linear layer once
+        kept = allocation.kept if allocation is not None else ""
     errors = layer_errors(parts, stats)
     for name, layer in built:
         swap_submodule(model, name, layer)
@@ -326,5 +370,41 @@ def convert_(
     if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):
         warnings.warn(HF_SAVE_WARNING, UserWarning, stacklevel=2)
     return ConversionReport(tuple(_layer_report(p, errors, stats) for p in parts),
-                            tuple(sorted(tied)), batches, config.allocation,
-                            allocation.kept if allocation is not None else "", held)
+                            tuple(sorted(tied)), batches, config.allocation, kept, held,
+                            tuple(losses.items()), len(measured) if measured is not None else 0)
+
+
+def _measurement(config: ConvertConfig, calibration: Iterable | None, loss: LossFn | None,
+                 measure: Iterable | None) -> tuple[Iterable | None, list | None]:
+    """The calibration batches (in a list when they are also measured) and the measurement
+    batches of ``floor="measured"`` (None without it); a :class:`ConfigError` for a refit or a
+    measured floor without calibration, ``loss`` or ``measure`` given without a measured floor,
+    a loss that is not callable, or no measurement batches."""
+    if config.closed_form_refit and calibration is None:
+        raise ConfigError("closed_form_refit=True fits each layer's output-side cores to its "
+                          "calibration inputs: pass calibration=batches, or leave it False.")
+    if config.floor != "measured":
+        given = [n for n, v in (("loss", loss), ("measure", measure)) if v is not None]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} given, but only floor='measured' reads "
+                              "them; set ConvertConfig(allocation='global', floor='measured') "
+                              "or leave them out.")
+        return calibration, None
+    if calibration is None:
+        raise ConfigError("floor='measured' compares calibrated conversions: pass "
+                          "calibration=batches (and loss=fn(output, batch) unless the model's "
+                          "output has a .loss).")
+    if loss is not None and not callable(loss):
+        raise ConfigError(f"loss={loss!r}; pass a function loss(output, batch) -> scalar "
+                          "tensor, or None to read the output's .loss.")
+    if measure is None:
+        calibration = list(check_batches(calibration))
+        if not calibration:
+            raise ConfigError("calibration gave no batches (an empty iterable); pass at least "
+                              "one batch of inputs, e.g. calibration=[x].")
+        return calibration, calibration
+    measured = list(check_batches(measure))
+    if not measured:
+        raise ConfigError("measure gave no batches (an empty iterable); pass at least one "
+                          "batch, or measure=None to measure on the calibration batches.")
+    return calibration, measured

@@ -8,7 +8,11 @@ part's (whitened) bond spectra (``allocation="global"``; the uniform allocation'
 :func:`uniform_bonds`, come back where the greedy spend's estimated error is not lower) or stay
 the layer's own, and the cores from the format's calibrated decomposition
 (:mod:`comera.formats.whitened`) where the part has statistics (``calibration=``) and the format
-calibrates, else its plain one. Nothing here touches the model: ``convert_`` swaps the layers in
+calibrates, else its plain one; with ``closed_form_refit`` the output-side cores of a layer with
+statistics are then solved in closed form (:func:`comera.formats.whitened.refit_output_cores`).
+``floor="measured"`` asks :func:`candidate_ranks` for both allocations' bonds and decomposes at
+each in turn (``decompose_parts_(..., bonds=...)``); ``convert_`` measures the loss. Nothing
+here touches the model: ``convert_`` swaps the layers in
 only after this pass has succeeded, so a budget no allocation can meet leaves the model as it
 was.
 """
@@ -24,7 +28,7 @@ from torch import Tensor
 
 from comera.errors import ConfigError
 from comera.formats.registry import Format, format_names, get_format
-from comera.formats.whitened import damped, output_error
+from comera.formats.whitened import damped, output_error, refit_output_cores
 from comera.layers.linear import load_cores_
 from comera.ranks.budget import largest_rank
 from comera.ranks.global_budget import (
@@ -39,8 +43,8 @@ from comera.surgery.input_statistics import InputStats
 
 log = logging.getLogger("comera.surgery.decompose")
 
-__all__ = ["allocate_parts", "check_budget", "check_global", "decompose_parts_", "has_spectra",
-           "layer_errors", "redecompose_", "uniform_bonds"]
+__all__ = ["allocate_parts", "candidate_ranks", "check_budget", "check_global", "check_linear",
+           "decompose_parts_", "has_spectra", "layer_errors", "redecompose_", "uniform_bonds"]
 
 
 def has_spectra(fmt: Format) -> bool:
@@ -125,35 +129,70 @@ def allocate_parts(parts: Sequence[Part], stats: Mapping[str, InputStats],
     """One budget over ``parts`` (:func:`check_budget`), spent on the bond slices of most
     (whitened, where statistics are given) energy per parameter, or the uniform allocation's
     bonds where its estimated error is not higher (:func:`allocate_budget`)."""
-    budget = check_budget(parts, config)
-    uniform = uniform_bonds(parts, config)
+    allocation = allocate_budget(_spectra(parts, stats, config), check_budget(parts, config),
+                                 uniform_bonds(parts, config))
+    log.info("global allocation: %s", allocation)
+    return allocation
+
+
+def candidate_ranks(parts: Sequence[Part], stats: Mapping[str, InputStats], config: ConvertConfig
+                    ) -> tuple[BudgetAllocation, dict[str, tuple[int, ...]]]:
+    """The global spend's own allocation over ``parts`` (no floor: nothing replaced by the
+    uniform ranks) and the uniform allocation's bonds at the same budget: the two candidates
+    ``floor="measured"`` measures."""
+    allocation = allocate_budget(_spectra(parts, stats, config), check_budget(parts, config))
+    log.info("global allocation (a candidate): %s", allocation)
+    return allocation, uniform_bonds(parts, config)
+
+
+def _spectra(parts: Sequence[Part], stats: Mapping[str, InputStats],
+             config: ConvertConfig) -> list[LayerSpectra]:
+    """Each part's bond spectra: of its whitened weight where it is calibrated."""
     layers = []
     for p in parts:
         fmt, layout = get_format(p.format), p.layer.layout
         spectra = fmt.spectra(p.weight.detach().to(torch.float64), layout,
                               _gram(p, stats, config))
         layers.append(LayerSpectra(p.name, layout, tuple(spectra)))
-    allocation = allocate_budget(layers, budget, uniform)
-    log.info("global allocation: %s", allocation)
-    return allocation
+    return layers
 
 
-def decompose_parts_(parts: Sequence[Part], stats: Mapping[str, InputStats],
-                     config: ConvertConfig) -> BudgetAllocation | None:
-    """Decompose the linear parts (see the module docstring), in place on the parts' layers,
-    each once: with a global allocation every one at its allocated bonds; those with statistics
-    and a calibrating format calibrated, the others by the format's plain decomposition.
-    Returns the global allocation, if any. Raises :class:`ConfigError` (a budget no allocation
-    meets) before any layer changes."""
+def check_linear(parts: Sequence[Part], config: ConvertConfig) -> list[Part]:
+    """The linear parts of ``parts``; a :class:`ConfigError` when a global allocation has none
+    to spend its budget over."""
     linear = [p for p in parts if p.weight is not None]
     if config.allocation == "global" and not linear:
         raise ConfigError("allocation='global' spends its budget over linear layers, and none "
                           "is converted; use allocation='uniform' for embedding tables.")
-    allocation = allocate_parts(linear, stats, config) if config.allocation == "global" else None
+    return linear
+
+
+def decompose_parts_(parts: Sequence[Part], stats: Mapping[str, InputStats],
+                     config: ConvertConfig,
+                     bonds: Mapping[str, Sequence[int]] | None = None) -> BudgetAllocation | None:
+    """Decompose the linear parts (see the module docstring), in place on the parts' layers,
+    each once: with a global allocation every one at its allocated bonds (``bonds``: at these
+    instead, no allocation made); those with statistics and a calibrating format calibrated,
+    the others by the format's plain decomposition; with ``closed_form_refit``, those with
+    statistics then refitted. Returns the global allocation, if any was made. Raises
+    :class:`ConfigError` (a budget no allocation meets) before any layer changes."""
+    linear = check_linear(parts, config)
+    allocation = None
+    if bonds is None and config.allocation == "global":
+        allocation = allocate_parts(linear, stats, config)
+        bonds = allocation.ranks
     for p in linear:
         layer, fmt, gram = p.layer, get_format(p.format), _gram(p, stats, config)
-        if allocation is not None:
-            layer.resize_bonds_(allocation.ranks[p.name])
+        if bonds is not None:
+            layer.resize_bonds_(bonds[p.name])
+        if config.closed_form_refit and p.name in stats:
+            cores = (fmt.decompose(p.weight, layer.layout) if gram is None
+                     else fmt.decompose(p.weight, layer.layout, gram))
+            if cores is not None:
+                cores = refit_output_cores(cores, layer.layout, p.weight,
+                                           stats[p.name].moments)
+                load_cores_(layer, cores, p.bias)
+                continue
         if gram is None:
             layer.load_weight_(p.weight, p.bias)  # plain (or the bias alone: no decomposition)
             continue

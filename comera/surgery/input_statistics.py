@@ -63,7 +63,7 @@ from comera.surgery.converters import IN_PARTS
 log = logging.getLogger("comera.surgery.input_statistics")
 
 __all__ = ["InputStats", "check_batches", "collect_input_stats", "gram_bytes", "input_width",
-           "statistics_bytes"]
+           "run_batch", "statistics_bytes"]
 
 
 @dataclass(frozen=True)
@@ -204,31 +204,34 @@ def _keys_hint(model: nn.Module, batch: Mapping) -> str:
             f"{type(model).__name__}.forward (it takes {takes[:12]}).{hints}")
 
 
-def _run(model: nn.Module, batch: Any, index: int, held: Callable[[], int]) -> None:
-    """One forward of ``model`` on ``batch``; whatever it raises becomes a ConfigError naming
-    the batch (the hooks' own ConfigErrors pass through); running out of memory says so."""
+def run_batch(model: nn.Module, batch: Any, index: int,
+              held: Callable[[], int] = lambda: 0, what: str = "calibration batch") -> Any:
+    """One forward of ``model`` on ``batch`` (a tensor: ``model(x)``, a mapping:
+    ``model(**batch)``, a tuple or list: ``model(*batch)``), its output returned; whatever it
+    raises becomes a ConfigError naming the batch (``what`` and ``index``; the hooks' own
+    ConfigErrors pass through); running out of memory says so, with ``held()`` bytes of
+    statistics."""
     if not isinstance(batch, Tensor | Mapping | list | tuple):
-        raise ConfigError(f"calibration batch {index} is a {type(batch).__name__}; a batch is a "
+        raise ConfigError(f"{what} {index} is a {type(batch).__name__}; a batch is a "
                           "tensor, a dict of keyword arguments or a tuple of positional "
                           "arguments.")
     try:
         if isinstance(batch, Tensor):
-            model(batch)
-        elif isinstance(batch, Mapping):
-            model(**batch)
-        else:
-            model(*batch)
+            return model(batch)
+        if isinstance(batch, Mapping):
+            return model(**batch)
+        return model(*batch)
     except ConfigError as exc:  # a hook's: name the batch
-        raise ConfigError(f"calibration batch {index}: {exc}") from None
+        raise ConfigError(f"{what} {index}: {exc}") from None
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         if _out_of_memory(exc):
-            raise ConfigError(f"calibration batch {index}: out of memory ({type(exc).__name__}: "
+            raise ConfigError(f"{what} {index}: out of memory ({type(exc).__name__}: "
                               f"{first[:200]}) with {held() / 2**20:.1f} MiB of input "
                               "statistics held; pass smaller calibration batches, or convert "
                               "fewer layers (include / exclude).") from exc
         hint = _keys_hint(model, batch) if isinstance(batch, Mapping) else ""
-        raise ConfigError(f"calibration batch {index}: the model rejected it ({type(exc).__name__}"
+        raise ConfigError(f"{what} {index}: the model rejected it ({type(exc).__name__}"
                           f": {first}).{hint} Pass batches the model's forward takes: a tensor "
                           "(model(x)), a dict (model(**batch)) or a tuple (model(*batch)).") \
             from exc
@@ -394,7 +397,7 @@ def _passes(model: nn.Module, layers: Mapping[str, nn.Module], batches: Iterator
         with torch.no_grad():
             for count, batch in enumerate(batches, 1):
                 collector.begin_batch()
-                _run(model, to_device(batch, device), count - 1, collector.held)
+                run_batch(model, to_device(batch, device), count - 1, collector.held)
                 collector.end_batch()
                 if progress is not None:
                     progress(count)
@@ -419,7 +422,7 @@ def _check_memory(model: nn.Module, layers: Mapping[str, nn.Module], widths: dic
     try:
         with torch.no_grad():
             probe.begin_batch()
-            _run(model, to_device(first, device), 0, lambda: 0)
+            run_batch(model, to_device(first, device), 0)
     finally:
         for handle in handles:
             handle.remove()

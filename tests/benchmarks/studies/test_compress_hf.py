@@ -37,3 +37,24 @@ def test_124m_command_records_peak_memory(tmp_path):
     assert result["batches"] == 2 and result["layers"] == 8
     assert result["statistics_mib"] > 0 and result["peak_rss_mib"]["converted"] > 0
     assert result["compression"] > 1.5
+
+
+@pytest.mark.slow
+def test_floor_command_measures_every_arm(tmp_path):
+    write_tiny_corpus(tmp_path / "corpus")
+    argv = ["floor", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3", "--targets",
+            "2", "--formats", "lowrank", "--calib-rows", "16", "--cache", str(tmp_path / "c"),
+            "--out", str(tmp_path)]
+    assert compress_hf.main(argv) == 0
+    result = json.loads((tmp_path / "hf_floor.json").read_text())
+    assert [r["arm"] for r in result["rows"]] == list(compress_hf.FLOOR_ARMS)
+    for row in result["rows"]:
+        assert row["val"]["perplexity"] > 1 and row["compression"] > 1.5
+        if "+measured" in row["arm"]:
+            assert set(row["losses"]) == {"dense", "uniform", "global"}
+            assert row["kept"] in ("uniform", "global")
+            assert row["losses"][row["kept"]] <= min(row["losses"]["uniform"],
+                                                     row["losses"]["global"])
+        else:
+            assert row["losses"] == {}
+    assert (tmp_path / "c").is_dir()  # the trained model is kept for the next run
