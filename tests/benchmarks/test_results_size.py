@@ -75,7 +75,7 @@ def rerun_bound(files: list[Path]) -> int:
     """Bytes a rerun that rewrites every one of ``files`` (with content that compresses as
     theirs does) adds to the pack at most: a new blob per file, each entry of the new trees
     (mode, path, 20-byte id), and the commit and the trees above the folder. Measured once
-    (CHANGELOG): a rerun-like rewrite of the largest folder grew the pack by its new blobs'
+    in a clone: a rerun-like rewrite of the largest folder grew the pack by its new blobs'
     zlib sizes to within 1%."""
     return (sum(blob_bytes(p) + len(p.name) + 32 for p in files) + TREES_AND_COMMIT)
 
