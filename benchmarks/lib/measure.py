@@ -7,6 +7,7 @@ resident bytes plus the profiled peak of one training step."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -210,13 +211,32 @@ def num_threads(n: int) -> contextlib.AbstractContextManager[None]:
     return using_threads(n)
 
 
-def start_run(parser, threads: int | None) -> None:
+OUT_HELP = "results name under benchmarks/results/ or a path stem"
+
+
+def add_out(parser: argparse.ArgumentParser, default: str | None, note: str = "") -> None:
+    """Every benchmark's ``--out``: a results name under benchmarks/results/ or a path stem
+    (:func:`write_results_to`); ``note`` says what a default of None picks."""
+    parser.add_argument("--out", default=default,
+                        help=OUT_HELP + (f" ({note})" if note else ""))
+
+
+def check_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                       *names: str) -> None:
+    """Refuse (``parser.error``: one line, exit 2, nothing written) each count option of
+    ``names`` (``"repeats"``, ``"threads"``) given below 1; None is its default, left alone."""
+    for name in names:
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None and value < 1:
+            parser.error(f"--{name} {value}; give at least 1")
+
+
+def start_run(parser: argparse.ArgumentParser, threads: int | None) -> None:
     """What a model benchmark does before it measures: timestamped logging, and ``--threads``
     (checked: at least 1) handed to torch."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    check_at_least_one(parser, argparse.Namespace(threads=threads), "threads")
     if threads is not None:
-        if threads < 1:
-            parser.error(f"--threads {threads}; give at least 1")
         torch.set_num_threads(threads)
 
 

@@ -21,6 +21,8 @@ import torch
 
 import tncomp
 from benchmarks.lib.measure import (
+    add_out,
+    check_at_least_one,
     interleaved_times,
     markdown_table,
     num_threads,
@@ -98,11 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="quick: few rounds, one case")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="contract_overhead_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, "contract_overhead_cpu")
     args = parser.parse_args(argv)
-    if args.threads < 1:
-        parser.error(f"--threads {args.threads}; give at least 1")
+    check_at_least_one(parser, args, "threads")
     rounds, inner = (5, 20) if args.smoke else (41, 200)
     cases = CASES[:1] if args.smoke else CASES
     results = []

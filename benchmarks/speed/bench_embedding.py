@@ -41,6 +41,8 @@ from torch import Tensor, nn
 
 import comera
 from benchmarks.lib.measure import (
+    add_out,
+    check_at_least_one,
     interleaved_times,
     markdown_table,
     num_threads,
@@ -178,12 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                              "repeat; checks the script, measures nothing")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="embedding_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, "embedding_cpu")
     args = parser.parse_args(argv)
-    for name in ("repeats", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} {getattr(args, name)}; give at least 1")
+    check_at_least_one(parser, args, "repeats", "threads")
     rows, batch = (SMOKE["rows"], SMOKE["batch"]) if args.smoke else (ROWS, BATCH)
     load_start = os.getloadavg()[0]
     with num_threads(args.threads):

@@ -36,6 +36,8 @@ import torch
 import tncomp
 from benchmarks.lib.baselines import dense_linear
 from benchmarks.lib.measure import (
+    add_out,
+    check_at_least_one,
     interleaved_times,
     markdown_table,
     peak_allocated_bytes,
@@ -158,12 +160,9 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="B=128 only, one repeat: checks the script, measures nothing")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--out", default=None,
-                        help="results name under benchmarks/results/ or a path stem "
-                             "(default formats_cpu)")
+    add_out(parser, None, "default formats_cpu")
     args = parser.parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}; give at least 1")
+    check_at_least_one(parser, args, "repeats")
     batches = BATCHES[1:] if args.smoke else BATCHES
     model = smoke_device_model() if args.smoke else calibrate("cpu", save=False, shapes=True)
     print(f"device model ({model.source}): GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, "

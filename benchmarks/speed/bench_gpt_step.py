@@ -37,6 +37,8 @@ from torch import nn
 
 import comera
 from benchmarks.lib.measure import (
+    add_out,
+    check_at_least_one,
     interleaved_times,
     markdown_table,
     measure_step_memory,
@@ -232,13 +234,9 @@ def main(argv=None) -> int:
     parser.add_argument("--note", default="The machine was shared with other jobs (loaded): "
                         "compare ratios within one run only.",
                         help="what the machine was doing (written with the results)")
-    parser.add_argument("--out", default="gpt_step_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, "gpt_step_cpu")
     args = parser.parse_args(argv)
-    for name in ("repeats", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name} {value}; give at least 1")
+    check_at_least_one(parser, args, "repeats", "threads")
     if args.d_model is not None and any(d < 2 * HEADS or d % HEADS for d in args.d_model):
         parser.error(f"--d-model {args.d_model}; each width is a multiple of {HEADS} heads, "
                      f"at least {2 * HEADS}")

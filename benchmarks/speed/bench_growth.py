@@ -51,6 +51,8 @@ from torch import nn
 import comera
 import tncomp
 from benchmarks.lib.measure import (
+    add_out,
+    check_at_least_one,
     interleaved_times,
     markdown_table,
     num_threads,
@@ -324,12 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15,
                         help="most repeats per point (fewer where a call is slow)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="growth_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, "growth_cpu")
     args = parser.parse_args(argv)
-    for name in ("repeats", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} {getattr(args, name)}; give at least 1")
+    check_at_least_one(parser, args, "repeats", "threads")
     sweeps = SMOKE if args.smoke else QUICK if args.quick else SWEEPS
     base = SMOKE_BASE if args.smoke else BASE
     repeats = 1 if args.smoke else 5 if args.quick else args.repeats

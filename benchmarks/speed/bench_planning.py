@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 import tncomp
-from benchmarks.lib.measure import markdown_table, publish, run_fresh, timed
+from benchmarks.lib.measure import add_out, markdown_table, publish, run_fresh, timed
 from comera.experiments.results import machine
 
 KINDS = ("tt_linear", "ttm_linear")
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-d", type=int, default=8)
     parser.add_argument("--one", nargs=2, metavar=("KIND", "D"),
                         help="measure one layer in this process and print it as JSON")
-    parser.add_argument("--out", default="planning_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, "planning_cpu")
     args = parser.parse_args(argv)
     if args.one:
         kind, d = args.one

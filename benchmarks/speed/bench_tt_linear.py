@@ -37,6 +37,8 @@ from benchmarks.lib.baselines import (
     tensorly_torch_tt,
 )
 from benchmarks.lib.measure import (
+    add_out,
+    check_at_least_one,
     interleaved_times,
     markdown_table,
     publish,
@@ -197,12 +199,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where to run (cuda: synchronized timing, the allocator's peak, "
                              "and a CUDA-graphs variant)")
-    parser.add_argument("--out", default=None,
-                        help="results name under benchmarks/results/ or a path stem "
-                             "(default tt_linear_<device>)")
+    add_out(parser, None, "default tt_linear_<device>")
     args = parser.parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}; give at least 1")
+    check_at_least_one(parser, args, "repeats")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device here; run it on a machine "
                      "with a GPU, or use --device cpu")
