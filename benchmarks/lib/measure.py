@@ -28,6 +28,7 @@ from torch import Tensor, nn
 import tncomp
 from comera.errors import ConfigError
 from comera.experiments import step_cost
+from comera.experiments.results import machine
 from comera.experiments.step_cost import storage_bytes, tensors_in, unpooled
 from tncomp.runtime.device_timing import using_threads
 
@@ -229,6 +230,19 @@ def check_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace
         value = getattr(args, name.replace("-", "_"))
         if value is not None and value < 1:
             parser.error(f"--{name} {value}; give at least 1")
+
+
+def run_mode(args: argparse.Namespace) -> str:
+    """The mode a benchmark ran in, as its results name it: "smoke" (``--smoke``), "quick"
+    (``--quick``, where the script has it) or "full"."""
+    return ("smoke" if getattr(args, "smoke", False)
+            else "quick" if getattr(args, "quick", False) else "full")
+
+
+def run_header(args: argparse.Namespace) -> dict[str, Any]:
+    """What every benchmark's results open with: the machine (:func:`~comera.experiments.
+    results.machine`: CPU, cores, threads, torch, commit, date) and :func:`run_mode`."""
+    return {"machine": machine(), "mode": run_mode(args)}
 
 
 def start_run(parser: argparse.ArgumentParser, threads: int | None) -> None:

@@ -28,9 +28,9 @@ from benchmarks.lib.measure import (
     num_threads,
     publish,
     ratio_spread,
+    run_header,
     spread_text,
 )
-from comera.experiments.results import machine
 
 TARGET = 1.5  # issue 24: contract within 1.5x of torch.einsum on a tiny call
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "mode": mode, **r})
                 print(f"{name} {mode}: contract {r['contract_us']:.1f} us, einsum "
                       f"{r['einsum_us']:.1f} us, {spread_text(r['spread'])}", flush=True)
-        payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
+        payload = {**run_header(args),
                    "rounds": rounds, "inner": inner, "target": TARGET, "results": results}
     markdown = render_markdown(payload)
     return publish(args.out, payload, markdown)

@@ -49,11 +49,11 @@ from benchmarks.lib.measure import (
     peak_allocated_bytes,
     publish,
     ratio_spread,
+    run_header,
     spread_text,
     unpooled,
 )
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo, zipf_ranks
-from comera.experiments.results import machine
 
 ROWS = max(CRITEO_KAGGLE_CARDINALITIES)  # 10,131,227
 DIM, RANK, BATCH = 16, 32, 8192
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     with num_threads(args.threads):
         result = run(rows, batch, 1 if args.smoke else args.repeats, 1 if args.smoke else 3)
-        payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
+        payload = {**run_header(args),
                    "load": [load_start, os.getloadavg()[0]],
                    "target_vs_naive": TARGET_VS_NAIVE,
                    "note_spread": "spread: the ratio of medians, and the quartiles (q1, q3) and "

@@ -43,11 +43,11 @@ from benchmarks.lib.measure import (
     peak_allocated_bytes,
     publish,
     ratio_spread,
+    run_header,
     smoke_device_model,
     spread_text,
     square_rate_model,
 )
-from comera.experiments.results import machine
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, format_names, get_format
 from comera.layers.linear import GatedLinear
@@ -180,8 +180,7 @@ def main(argv=None) -> int:
                   f"({spread_text(r['vs_dense'])} dense), {r['over_floor']:.1f}x its floor "
                   f"{r['floor_ms']:.2f} ms, {r['over_shape_floor']:.1f}x its shape floor "
                   f"{r['shape_floor_ms']:.2f} ms, peak {r['peak_mb']:.1f} MiB")
-    payload = {"machine": machine(), "device": "CPU",
-               "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
+    payload = {**run_header(args), "device": "CPU",
                "model": {"source": model.source, "gemm_gflops": model.gemm_flops_per_s / 1e9,
                          "bandwidth_gbs": model.bytes_per_s / 1e9,
                          "transpose_slowdown": model.transpose_slowdown,

@@ -44,9 +44,9 @@ from benchmarks.lib.measure import (
     measure_step_memory,
     publish,
     ratio_spread,
+    run_header,
     spread_text,
 )
-from comera.experiments.results import machine
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 from tncomp.runtime.profile import measure_plan
 
@@ -255,8 +255,7 @@ def main(argv=None) -> int:
             print(f"d_model {d_model} {r['model']:>8}: {r['ms']:.1f} ms "
                   f"({spread_text(r['vs_dense'])} dense), peak {r['peak_extra_mib']:.0f} MiB",
                   file=sys.stderr)
-    payload = {"machine": machine(), "device": "CPU",
-               "mode": "smoke" if args.smoke else "full", "note_machine": args.note,
+    payload = {**run_header(args), "device": "CPU", "note_machine": args.note,
                "command": "python -m benchmarks.speed.bench_gpt_step "
                           + " ".join(argv if argv is not None else sys.argv[1:]),
                "compression": COMPRESSION, "widths": results}

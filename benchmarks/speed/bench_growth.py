@@ -58,13 +58,13 @@ from benchmarks.lib.measure import (
     num_threads,
     peak_allocated_bytes,
     ratio_spread,
+    run_header,
     spread_text,
     timed,
     unpooled,
     write_results_to,
 )
 from benchmarks.lib.memory import held_bytes, peak_rss_delta, saved_bytes
-from comera.experiments.results import machine
 
 IN_FEATURES, OUT_FEATURES = 768, 3072
 BASE = {"batch": 1024, "rank": 16, "d": 3}
@@ -335,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     with num_threads(args.threads):
         result = run(sweeps, base, repeats, 1 if args.smoke else 2)
-        payload = {"machine": machine(), "mode": "smoke" if args.smoke else
-                   "quick" if args.quick else "full", "base": base,
+        payload = {**run_header(args), "base": base,
                    "load": [load_start, os.getloadavg()[0]],
                    "note_spread": "dense_over_tt: the ratio of medians, and the quartiles and "
                                   "range of the per-round ratios of interleaved repeats",

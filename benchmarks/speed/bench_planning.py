@@ -22,8 +22,7 @@ import tempfile
 import torch
 
 import tncomp
-from benchmarks.lib.measure import add_out, markdown_table, publish, run_fresh, timed
-from comera.experiments.results import machine
+from benchmarks.lib.measure import add_out, markdown_table, publish, run_fresh, run_header, timed
 
 KINDS = ("tt_linear", "ttm_linear")
 BATCH, MODE, RANK = 256, 4, 16
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(f"{kind} d={d}: plan {r['plan_s']:.2f} s (CPU {r['plan_cpu_s']:.2f} s), "
                   f"first call {r['first_call_s']:.2f} s, {r['regimes']} regimes", flush=True)
-    payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
+    payload = {**run_header(args),
                "batch": BATCH, "mode_size": MODE, "rank": RANK, "results": results}
     markdown = render_markdown(payload)
     return publish(args.out, payload, markdown)

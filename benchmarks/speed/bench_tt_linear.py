@@ -43,12 +43,12 @@ from benchmarks.lib.measure import (
     markdown_table,
     publish,
     ratio_spread,
+    run_header,
     smoke_device_model,
     spread_text,
     square_rate_model,
 )
 from comera.experiments import step_cost
-from comera.experiments.results import machine
 from tncomp.runtime.device_timing import calibrate
 
 CASES = [  # (label, in_modes, out_modes, max rank)
@@ -227,10 +227,9 @@ def main(argv=None) -> int:
     print(f"cached plan call: {overhead['call_us']:.1f} us (torch.einsum "
           f"{overhead['einsum_us']:.1f} us); with autograd {overhead['call_with_autograd_us']:.1f}"
           f" us (einsum {overhead['einsum_with_autograd_us']:.1f} us)")
-    payload = {"machine": machine(), "device": device_name(args.device), "model": {
+    payload = {**run_header(args), "device": device_name(args.device), "model": {
         "source": model.source, "gemm_gflops": model.gemm_flops_per_s / 1e9,
         "bandwidth_gbs": model.bytes_per_s / 1e9},
-        "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
         "note_spread": "spread: the ratio of medians, and the quartiles (q1, q3) and range of "
                        "the per-round ratios of interleaved repeats",
         "results": results, "dispatch_overhead": overhead}
