@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 
 import tncomp
+from benchmarks.lib.cli import check_at_least_one
 from comera.errors import ConfigError
 from comera.experiments import step_cost
-from comera.experiments.results import machine
 from comera.experiments.step_cost import storage_bytes, tensors_in, unpooled
 from tncomp.runtime.device_timing import using_threads
 
@@ -210,39 +210,6 @@ def num_threads(n: int) -> contextlib.AbstractContextManager[None]:
     """Run the body with ``torch.set_num_threads(n)``, restoring the previous count on exit
     (:func:`tncomp.runtime.device_timing.using_threads`: a count from 1 to the usable CPUs)."""
     return using_threads(n)
-
-
-OUT_HELP = "results name under benchmarks/results/ or a path stem"
-
-
-def add_out(parser: argparse.ArgumentParser, default: str | None, note: str = "") -> None:
-    """Every benchmark's ``--out``: a results name under benchmarks/results/ or a path stem
-    (:func:`write_results_to`); ``note`` says what a default of None picks."""
-    parser.add_argument("--out", default=default,
-                        help=OUT_HELP + (f" ({note})" if note else ""))
-
-
-def check_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                       *names: str) -> None:
-    """Refuse (``parser.error``: one line, exit 2, nothing written) each count option of
-    ``names`` (``"repeats"``, ``"threads"``) given below 1; None is its default, left alone."""
-    for name in names:
-        value = getattr(args, name.replace("-", "_"))
-        if value is not None and value < 1:
-            parser.error(f"--{name} {value}; give at least 1")
-
-
-def run_mode(args: argparse.Namespace) -> str:
-    """The mode a benchmark ran in, as its results name it: "smoke" (``--smoke``), "quick"
-    (``--quick``, where the script has it) or "full"."""
-    return ("smoke" if getattr(args, "smoke", False)
-            else "quick" if getattr(args, "quick", False) else "full")
-
-
-def run_header(args: argparse.Namespace) -> dict[str, Any]:
-    """What every benchmark's results open with: the machine (:func:`~comera.experiments.
-    results.machine`: CPU, cores, threads, torch, commit, date) and :func:`run_mode`."""
-    return {"machine": machine(), "mode": run_mode(args)}
 
 
 def start_run(parser: argparse.ArgumentParser, threads: int | None) -> None:

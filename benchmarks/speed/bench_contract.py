@@ -20,15 +20,13 @@ from collections.abc import Callable
 import torch
 
 import tncomp
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
-    add_out,
-    check_at_least_one,
     interleaved_times,
     markdown_table,
     num_threads,
     publish,
     ratio_spread,
-    run_header,
     spread_text,
 )
 

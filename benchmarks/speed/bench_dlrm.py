@@ -44,8 +44,8 @@ from torch import Tensor
 from torch.nn import functional as F
 
 import comera
+from benchmarks.lib.cli import add_out
 from benchmarks.lib.measure import (
-    add_out,
     interleaved_times,
     markdown_table,
     measure_step_memory,

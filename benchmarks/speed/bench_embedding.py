@@ -40,16 +40,14 @@ import torch
 from torch import Tensor, nn
 
 import comera
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
-    add_out,
-    check_at_least_one,
     interleaved_times,
     markdown_table,
     num_threads,
     peak_allocated_bytes,
     publish,
     ratio_spread,
-    run_header,
     spread_text,
     unpooled,
 )

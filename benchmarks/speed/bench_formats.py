@@ -35,15 +35,13 @@ import torch
 
 import tncomp
 from benchmarks.lib.baselines import dense_linear
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
-    add_out,
-    check_at_least_one,
     interleaved_times,
     markdown_table,
     peak_allocated_bytes,
     publish,
     ratio_spread,
-    run_header,
     smoke_device_model,
     spread_text,
     square_rate_model,

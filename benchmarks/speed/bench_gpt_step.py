@@ -36,15 +36,13 @@ import torch
 from torch import nn
 
 import comera
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
-    add_out,
-    check_at_least_one,
     interleaved_times,
     markdown_table,
     measure_step_memory,
     publish,
     ratio_spread,
-    run_header,
     spread_text,
 )
 from comera.models.causal_lm import CausalLM, CausalLMConfig

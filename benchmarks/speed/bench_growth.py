@@ -50,15 +50,13 @@ from torch import nn
 
 import comera
 import tncomp
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
-    add_out,
-    check_at_least_one,
     interleaved_times,
     markdown_table,
     num_threads,
     peak_allocated_bytes,
     ratio_spread,
-    run_header,
     spread_text,
     timed,
     unpooled,

@@ -22,7 +22,8 @@ import tempfile
 import torch
 
 import tncomp
-from benchmarks.lib.measure import add_out, markdown_table, publish, run_fresh, run_header, timed
+from benchmarks.lib.cli import add_out, run_header
+from benchmarks.lib.measure import markdown_table, publish, run_fresh, timed
 
 KINDS = ("tt_linear", "ttm_linear")
 BATCH, MODE, RANK = 256, 4, 16

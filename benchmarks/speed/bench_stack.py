@@ -27,9 +27,8 @@ import torch
 from torch import nn
 
 import comera
+from benchmarks.lib.cli import add_out, check_at_least_one
 from benchmarks.lib.measure import (
-    add_out,
-    check_at_least_one,
     interleaved_times,
     markdown_table,
     publish,

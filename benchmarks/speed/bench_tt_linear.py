@@ -36,14 +36,12 @@ from benchmarks.lib.baselines import (
     opt_einsum_optimal,
     tensorly_torch_tt,
 )
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
-    add_out,
-    check_at_least_one,
     interleaved_times,
     markdown_table,
     publish,
     ratio_spread,
-    run_header,
     smoke_device_model,
     spread_text,
     square_rate_model,

@@ -106,14 +106,3 @@ def test_the_benchmarks_keep_no_timer_of_their_own():
              for c in clocks if c in p.read_text()]
     assert not found, found
 
-
-def test_run_header_names_the_machine_and_the_mode():
-    import argparse
-
-    from benchmarks.lib.measure import run_header, run_mode
-
-    assert run_mode(argparse.Namespace(smoke=True, quick=True)) == "smoke"
-    assert run_mode(argparse.Namespace(smoke=False, quick=True)) == "quick"
-    assert run_mode(argparse.Namespace(smoke=False)) == "full"  # a script without --quick
-    header = run_header(argparse.Namespace(smoke=False, quick=False))
-    assert header["mode"] == "full" and {"cpu", "torch", "commit"} <= set(header["machine"])

@@ -1,6 +1,6 @@
 """Every speed benchmark refuses a count option below 1 the same way, before it measures or
 writes anything: one line naming the option, exit status 2
-(:func:`benchmarks.lib.measure.check_at_least_one`)."""
+(:func:`benchmarks.lib.cli.check_at_least_one`)."""
 
 from __future__ import annotations
 
@@ -33,17 +33,3 @@ def test_a_count_below_one_is_refused_before_measuring(script, option, tmp_path,
     assert f"--{option} 0; give at least 1" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written
 
-
-def test_check_at_least_one_leaves_defaults_alone():
-    import argparse
-
-    from benchmarks.lib.measure import add_out, check_at_least_one
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--max-rows", type=int, default=5)
-    add_out(parser, None, "default x_cpu")
-    args = parser.parse_args([])
-    check_at_least_one(parser, args, "repeats", "max-rows")  # None and 5: both fine
-    assert args.out is None
-    assert "path stem (default x_cpu)" in " ".join(parser.format_help().split())
