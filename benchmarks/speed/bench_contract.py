@@ -112,10 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "mode": mode, **r})
                 print(f"{name} {mode}: contract {r['contract_us']:.1f} us, einsum "
                       f"{r['einsum_us']:.1f} us, {spread_text(r['spread'])}", flush=True)
-        payload = {**run_header(args),
-                   "rounds": rounds, "inner": inner, "target": TARGET, "results": results}
-    markdown = render_markdown(payload)
-    return publish(args.out, payload, markdown)
+        payload = {**run_header(args), "rounds": rounds, "inner": inner, "target": TARGET,
+                   "results": results}
+    return publish(args.out, payload, render_markdown(payload))
 
 
 if __name__ == "__main__":

@@ -191,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                    "note_spread": "spread: the ratio of medians, and the quartiles (q1, q3) and "
                                   "range of the per-round ratios of interleaved repeats",
                    "result": result}
-    markdown = render_markdown(payload)
-    return publish(args.out, payload, markdown)
+    return publish(args.out, payload, render_markdown(payload))
 
 
 if __name__ == "__main__":

@@ -101,10 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(f"{kind} d={d}: plan {r['plan_s']:.2f} s (CPU {r['plan_cpu_s']:.2f} s), "
                   f"first call {r['first_call_s']:.2f} s, {r['regimes']} regimes", flush=True)
-    payload = {**run_header(args),
-               "batch": BATCH, "mode_size": MODE, "rank": RANK, "results": results}
-    markdown = render_markdown(payload)
-    return publish(args.out, payload, markdown)
+    payload = {**run_header(args), "batch": BATCH, "mode_size": MODE, "rank": RANK,
+               "results": results}
+    return publish(args.out, payload, render_markdown(payload))
 
 
 if __name__ == "__main__":
