@@ -291,3 +291,28 @@ def test_the_clock_scan_finds_a_timing_loop(tmp_path):
                        "def f(fn):\n    t = time.perf_counter()\n    fn()\n"
                        "    return pc() - t\n")
     assert clock_reads(planted, tmp_path) == [("pkg/loop.py", "f", 5), ("pkg/loop.py", "f", 7)]
+
+
+@pytest.mark.gpu
+def test_time_calls_on_cuda_holds_the_queued_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tncomp.runtime.device_timing import device_sync, time_calls
+
+    a = torch.randn(4096, 4096, device="cuda")
+    sync = device_sync("cuda")
+    start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+
+    def mm() -> None:
+        for _ in range(4):
+            a @ a
+
+    mm()
+    sync()
+    start.record()
+    mm()
+    stop.record()
+    stop.synchronize()
+    device_s = start.elapsed_time(stop) / 1e3
+    host_s = min(time_calls({"mm": mm}, 1, 3, sync)["mm"])
+    assert host_s >= 0.8 * device_s  # without the sync it would time the launches alone
