@@ -105,4 +105,3 @@ def test_the_benchmarks_keep_no_timer_of_their_own():
              if p.name != "measure.py" or p.parent.name != "lib"
              for c in clocks if c in p.read_text()]
     assert not found, found
-
