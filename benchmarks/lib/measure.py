@@ -7,6 +7,7 @@ resident bytes plus the profiled peak of one training step."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 import tncomp
+from benchmarks.lib.cli import check_at_least_one
 from comera.errors import ConfigError
 from comera.experiments import step_cost
 from comera.experiments.step_cost import storage_bytes, tensors_in, unpooled
@@ -210,13 +212,12 @@ def num_threads(n: int) -> contextlib.AbstractContextManager[None]:
     return using_threads(n)
 
 
-def start_run(parser, threads: int | None) -> None:
+def start_run(parser: argparse.ArgumentParser, threads: int | None) -> None:
     """What a model benchmark does before it measures: timestamped logging, and ``--threads``
     (checked: at least 1) handed to torch."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    check_at_least_one(parser, argparse.Namespace(threads=threads), "threads")
     if threads is not None:
-        if threads < 1:
-            parser.error(f"--threads {threads}; give at least 1")
         torch.set_num_threads(threads)
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 import tncomp
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
@@ -28,7 +29,6 @@ from benchmarks.lib.measure import (
     ratio_spread,
     spread_text,
 )
-from comera.experiments.results import machine
 
 TARGET = 1.5  # issue 24: contract within 1.5x of torch.einsum on a tiny call
 
@@ -98,11 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="quick: few rounds, one case")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="contract_overhead_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, "contract_overhead_cpu")
     args = parser.parse_args(argv)
-    if args.threads < 1:
-        parser.error(f"--threads {args.threads}; give at least 1")
+    check_at_least_one(parser, args, "threads")
     rounds, inner = (5, 20) if args.smoke else (41, 200)
     cases = CASES[:1] if args.smoke else CASES
     results = []
@@ -114,10 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "mode": mode, **r})
                 print(f"{name} {mode}: contract {r['contract_us']:.1f} us, einsum "
                       f"{r['einsum_us']:.1f} us, {spread_text(r['spread'])}", flush=True)
-        payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
-                   "rounds": rounds, "inner": inner, "target": TARGET, "results": results}
-    markdown = render_markdown(payload)
-    return publish(args.out, payload, markdown)
+        payload = {**run_header(args), "rounds": rounds, "inner": inner, "target": TARGET,
+                   "results": results}
+    return publish(args.out, payload, render_markdown(payload))
 
 
 if __name__ == "__main__":

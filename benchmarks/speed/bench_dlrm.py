@@ -44,6 +44,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 import comera
+from benchmarks.lib.cli import add_out
 from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
@@ -409,9 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-rows", type=int, default=1000,
                         help="hot rows per TT table in the tt_cache variant")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--out", default=None,
-                        help="results name under benchmarks/results/ or a path stem (default "
-                             "dlrm_step_cpu, or dlrm_step_rows<N>_cpu with --max-rows N)")
+    add_out(parser, None, "default dlrm_step_cpu, or dlrm_step_rows<N>_cpu with --max-rows N")
     args = parser.parse_args(argv)
     start_run(parser, args.threads)
     if args.smoke:

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 import comera
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
@@ -51,7 +52,6 @@ from benchmarks.lib.measure import (
     unpooled,
 )
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES, SyntheticCriteo, zipf_ranks
-from comera.experiments.results import machine
 
 ROWS = max(CRITEO_KAGGLE_CARDINALITIES)  # 10,131,227
 DIM, RANK, BATCH = 16, 32, 8192
@@ -178,24 +178,20 @@ def main(argv: list[str] | None = None) -> int:
                              "repeat; checks the script, measures nothing")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="embedding_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, "embedding_cpu")
     args = parser.parse_args(argv)
-    for name in ("repeats", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} {getattr(args, name)}; give at least 1")
+    check_at_least_one(parser, args, "repeats", "threads")
     rows, batch = (SMOKE["rows"], SMOKE["batch"]) if args.smoke else (ROWS, BATCH)
     load_start = os.getloadavg()[0]
     with num_threads(args.threads):
         result = run(rows, batch, 1 if args.smoke else args.repeats, 1 if args.smoke else 3)
-        payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
+        payload = {**run_header(args),
                    "load": [load_start, os.getloadavg()[0]],
                    "target_vs_naive": TARGET_VS_NAIVE,
                    "note_spread": "spread: the ratio of medians, and the quartiles (q1, q3) and "
                                   "range of the per-round ratios of interleaved repeats",
                    "result": result}
-    markdown = render_markdown(payload)
-    return publish(args.out, payload, markdown)
+    return publish(args.out, payload, render_markdown(payload))
 
 
 if __name__ == "__main__":

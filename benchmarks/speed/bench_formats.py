@@ -35,6 +35,7 @@ import torch
 
 import tncomp
 from benchmarks.lib.baselines import dense_linear
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
@@ -45,7 +46,6 @@ from benchmarks.lib.measure import (
     spread_text,
     square_rate_model,
 )
-from comera.experiments.results import machine
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, format_names, get_format
 from comera.layers.linear import GatedLinear
@@ -158,12 +158,9 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="B=128 only, one repeat: checks the script, measures nothing")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--out", default=None,
-                        help="results name under benchmarks/results/ or a path stem "
-                             "(default formats_cpu)")
+    add_out(parser, None, "default formats_cpu")
     args = parser.parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}; give at least 1")
+    check_at_least_one(parser, args, "repeats")
     batches = BATCHES[1:] if args.smoke else BATCHES
     model = smoke_device_model() if args.smoke else calibrate("cpu", save=False, shapes=True)
     print(f"device model ({model.source}): GEMM {model.gemm_flops_per_s / 1e9:.1f} GFLOP/s, "
@@ -181,8 +178,7 @@ def main(argv=None) -> int:
                   f"({spread_text(r['vs_dense'])} dense), {r['over_floor']:.1f}x its floor "
                   f"{r['floor_ms']:.2f} ms, {r['over_shape_floor']:.1f}x its shape floor "
                   f"{r['shape_floor_ms']:.2f} ms, peak {r['peak_mb']:.1f} MiB")
-    payload = {"machine": machine(), "device": "CPU",
-               "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
+    payload = {**run_header(args), "device": "CPU",
                "model": {"source": model.source, "gemm_gflops": model.gemm_flops_per_s / 1e9,
                          "bandwidth_gbs": model.bytes_per_s / 1e9,
                          "transpose_slowdown": model.transpose_slowdown,

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 import comera
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
@@ -44,7 +45,6 @@ from benchmarks.lib.measure import (
     ratio_spread,
     spread_text,
 )
-from comera.experiments.results import machine
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 from tncomp.runtime.profile import measure_plan
 
@@ -232,13 +232,9 @@ def main(argv=None) -> int:
     parser.add_argument("--note", default="The machine was shared with other jobs (loaded): "
                         "compare ratios within one run only.",
                         help="what the machine was doing (written with the results)")
-    parser.add_argument("--out", default="gpt_step_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, "gpt_step_cpu")
     args = parser.parse_args(argv)
-    for name in ("repeats", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name} {value}; give at least 1")
+    check_at_least_one(parser, args, "repeats", "threads")
     if args.d_model is not None and any(d < 2 * HEADS or d % HEADS for d in args.d_model):
         parser.error(f"--d-model {args.d_model}; each width is a multiple of {HEADS} heads, "
                      f"at least {2 * HEADS}")
@@ -257,8 +253,7 @@ def main(argv=None) -> int:
             print(f"d_model {d_model} {r['model']:>8}: {r['ms']:.1f} ms "
                   f"({spread_text(r['vs_dense'])} dense), peak {r['peak_extra_mib']:.0f} MiB",
                   file=sys.stderr)
-    payload = {"machine": machine(), "device": "CPU",
-               "mode": "smoke" if args.smoke else "full", "note_machine": args.note,
+    payload = {**run_header(args), "device": "CPU", "note_machine": args.note,
                "command": "python -m benchmarks.speed.bench_gpt_step "
                           + " ".join(argv if argv is not None else sys.argv[1:]),
                "compression": COMPRESSION, "widths": results}

@@ -50,6 +50,7 @@ from torch import nn
 
 import comera
 import tncomp
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
@@ -62,7 +63,6 @@ from benchmarks.lib.measure import (
     write_results_to,
 )
 from benchmarks.lib.memory import held_bytes, peak_rss_delta, saved_bytes
-from comera.experiments.results import machine
 
 IN_FEATURES, OUT_FEATURES = 768, 3072
 BASE = {"batch": 1024, "rank": 16, "d": 3}
@@ -324,20 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15,
                         help="most repeats per point (fewer where a call is slow)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="growth_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, "growth_cpu")
     args = parser.parse_args(argv)
-    for name in ("repeats", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} {getattr(args, name)}; give at least 1")
+    check_at_least_one(parser, args, "repeats", "threads")
     sweeps = SMOKE if args.smoke else QUICK if args.quick else SWEEPS
     base = SMOKE_BASE if args.smoke else BASE
     repeats = 1 if args.smoke else 5 if args.quick else args.repeats
     load_start = os.getloadavg()[0]
     with num_threads(args.threads):
         result = run(sweeps, base, repeats, 1 if args.smoke else 2)
-        payload = {"machine": machine(), "mode": "smoke" if args.smoke else
-                   "quick" if args.quick else "full", "base": base,
+        payload = {**run_header(args), "base": base,
                    "load": [load_start, os.getloadavg()[0]],
                    "note_spread": "dense_over_tt: the ratio of medians, and the quartiles and "
                                   "range of the per-round ratios of interleaved repeats",

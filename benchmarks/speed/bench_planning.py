@@ -22,8 +22,8 @@ import tempfile
 import torch
 
 import tncomp
+from benchmarks.lib.cli import add_out, run_header
 from benchmarks.lib.measure import markdown_table, publish, run_fresh, timed
-from comera.experiments.results import machine
 
 KINDS = ("tt_linear", "ttm_linear")
 BATCH, MODE, RANK = 256, 4, 16
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-d", type=int, default=8)
     parser.add_argument("--one", nargs=2, metavar=("KIND", "D"),
                         help="measure one layer in this process and print it as JSON")
-    parser.add_argument("--out", default="planning_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, "planning_cpu")
     args = parser.parse_args(argv)
     if args.one:
         kind, d = args.one
@@ -102,10 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(f"{kind} d={d}: plan {r['plan_s']:.2f} s (CPU {r['plan_cpu_s']:.2f} s), "
                   f"first call {r['first_call_s']:.2f} s, {r['regimes']} regimes", flush=True)
-    payload = {"machine": machine(), "mode": "smoke" if args.smoke else "full",
-               "batch": BATCH, "mode_size": MODE, "rank": RANK, "results": results}
-    markdown = render_markdown(payload)
-    return publish(args.out, payload, markdown)
+    payload = {**run_header(args), "batch": BATCH, "mode_size": MODE, "rank": RANK,
+               "results": results}
+    return publish(args.out, payload, render_markdown(payload))
 
 
 if __name__ == "__main__":

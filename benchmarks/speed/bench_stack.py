@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import comera
+from benchmarks.lib.cli import add_out, check_at_least_one
 from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
@@ -140,12 +141,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--backend", default=None, help="torch.compile backend")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=None,
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, None, "default stack_cpu, or stack_cpu_quick with --quick")
     parser.add_argument("--warm-caches", action="store_true",
                         help="keep inductor's and tncomp's caches (default: fresh ones, so the "
                              "first call is the compile a new user waits for)")
     args = parser.parse_args(argv)
+    check_at_least_one(parser, args, "repeats", "threads")
     if not args.warm_caches:
         fresh = tempfile.mkdtemp(prefix="bench_stack_")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import comera
+from benchmarks.lib.cli import add_out
 from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
@@ -603,9 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--process-peak", nargs=2, metavar=("VARIANT", "BATCH"),
                         help="measure one variant's peak RSS in this process, print it as JSON "
                              "(what the parent runs in a fresh interpreter)")
-    parser.add_argument("--out", default=None,
-                        help="results name under benchmarks/results/ or a path stem "
-                             "(default transformer_cpu, or transformer_small_cpu with --small)")
+    add_out(parser, None, "default transformer_cpu, or transformer_small_cpu with --small")
     args = parser.parse_args(argv)
     start_run(parser, args.threads)
     if args.smoke:

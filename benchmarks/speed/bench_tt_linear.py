@@ -36,6 +36,7 @@ from benchmarks.lib.baselines import (
     opt_einsum_optimal,
     tensorly_torch_tt,
 )
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
 from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
@@ -46,7 +47,6 @@ from benchmarks.lib.measure import (
     square_rate_model,
 )
 from comera.experiments import step_cost
-from comera.experiments.results import machine
 from tncomp.runtime.device_timing import calibrate
 
 CASES = [  # (label, in_modes, out_modes, max rank)
@@ -197,12 +197,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where to run (cuda: synchronized timing, the allocator's peak, "
                              "and a CUDA-graphs variant)")
-    parser.add_argument("--out", default=None,
-                        help="results name under benchmarks/results/ or a path stem "
-                             "(default tt_linear_<device>)")
+    add_out(parser, None, "default tt_linear_<device>")
     args = parser.parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}; give at least 1")
+    check_at_least_one(parser, args, "repeats")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device here; run it on a machine "
                      "with a GPU, or use --device cpu")
@@ -228,10 +225,9 @@ def main(argv=None) -> int:
     print(f"cached plan call: {overhead['call_us']:.1f} us (torch.einsum "
           f"{overhead['einsum_us']:.1f} us); with autograd {overhead['call_with_autograd_us']:.1f}"
           f" us (einsum {overhead['einsum_with_autograd_us']:.1f} us)")
-    payload = {"machine": machine(), "device": device_name(args.device), "model": {
+    payload = {**run_header(args), "device": device_name(args.device), "model": {
         "source": model.source, "gemm_gflops": model.gemm_flops_per_s / 1e9,
         "bandwidth_gbs": model.bytes_per_s / 1e9},
-        "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
         "note_spread": "spread: the ratio of medians, and the quartiles (q1, q3) and range of "
                        "the per-round ratios of interleaved repeats",
         "results": results, "dispatch_overhead": overhead}

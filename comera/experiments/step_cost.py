@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,6 +28,7 @@ from torch import Tensor, nn
 from comera.errors import ConfigError
 from comera.numbers import is_int
 from comera.ranks.size import gated_layers
+from tncomp.runtime.device_timing import device_sync, time_calls
 
 __all__ = ["StepCost", "measure_step", "peak_allocated_bytes", "probe_step", "resident_bytes",
            "storage_bytes", "tensors_in", "unpooled"]
@@ -163,17 +163,8 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: Calla
     inputs = list(inputs)
     params = list(model.parameters())
     with unpooled(model):
-        for _ in range(warmup):
-            step()
-        times = []
-        for _ in range(steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append((time.perf_counter() - start) * 1e3)
+        times = [t * 1e3 for t in time_calls({"step": step}, warmup, steps,
+                                              device_sync(device))["step"]]
         for p in params:  # a step allocates its gradients afresh: they count in the peak
             p.grad = None
         resident = resident_bytes(model, optimizer, inputs)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from comera.ranks.size import gated_layers
 from comera.ranks.truncate import TruncationReport
 from comera.training.controller import RankController, StepStats, check_loss
 from comera.training.early import EarlyStage
+from tncomp.runtime.device_timing import time_calls
 
 log = logging.getLogger("comera.training.trainers")
 
@@ -49,16 +49,8 @@ def pick_threads(step: Callable[[], object], candidates: Sequence[int] | None = 
     candidates = sorted(set(candidates or (1, current)))
     if any(not isinstance(n, int) or n < 1 for n in candidates):
         raise ConfigError(f"thread counts {candidates}; each is an int >= 1.")
-    times: dict[int, list[float]] = {n: [] for n in candidates}
-    for n in candidates:
-        torch.set_num_threads(n)
-        step()
-    for _ in range(repeats):
-        for n in candidates:
-            torch.set_num_threads(n)
-            start = time.perf_counter()
-            step()
-            times[n].append(time.perf_counter() - start)
+    times = time_calls(dict.fromkeys(candidates, step), 1, repeats,
+                       before=torch.set_num_threads)
     best = min(candidates, key=lambda n: statistics.median(times[n]))
     torch.set_num_threads(best)
     log.info("threads: %s ms per step at %s threads; using %d",

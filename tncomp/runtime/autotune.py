@@ -14,7 +14,6 @@ wins, so each is timed in isolation on operands of its own layout.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from tncomp.compiler.ops import MatMul, MatView
 from tncomp.compiler.plan import Plan
 from tncomp.runtime.codegen import generate, runs_transposed
-from tncomp.runtime.device_timing import median_time
+from tncomp.runtime.device_timing import device_sync, median_time, time_calls, upper_median
 
 REPEATS = 5
 ORIENT_TOP = 6  # the heaviest GEMMs whose orientation is measured
@@ -34,7 +33,7 @@ def _time_plan(plan: Plan, shapes, dtype, device, repeats: int = REPEATS) -> flo
     code = generate(plan, shapes, dtype, device, name="autotune", pool=True)
     operands = [torch.randn(s, dtype=dtype, device=device) for s in shapes]
     dy = torch.randn(plan.output_shape, dtype=dtype, device=device)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync = device_sync(device)
 
     def step():
         y, saved = code.forward(*operands)
@@ -67,7 +66,6 @@ def gemm_times(op: MatMul, dtype: torch.dtype, device: torch.device | str,
     contiguous, timed in alternation on random operands of its layout, results written into
     reused buffers."""
     device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a, b = _matrix(op.lhs, dtype, device), _matrix(op.rhs, dtype, device)
     fn = torch.bmm if a.dim() == 3 else torch.mm
     # into reused buffers, as codegen runs them (pooled): fresh outputs would charge both
@@ -75,18 +73,10 @@ def gemm_times(op: MatMul, dtype: torch.dtype, device: torch.device | str,
     # transposed in isolation and made the step 8x slower)
     res = fn(a, b)  # (..., m, n)
     res_t = torch.empty(res.mT.shape, dtype=dtype, device=device)  # (..., n, m)
-    variants = (lambda: fn(a, b, out=res), lambda: res.copy_(fn(b.mT, a.mT, out=res_t).mT))
-    for run in variants:
-        run()
-    sync()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(rounds):
-        for run, out in zip(variants, times, strict=True):
-            start = time.perf_counter()
-            run()
-            sync()
-            out.append(time.perf_counter() - start)
-    return tuple(sorted(t)[len(t) // 2] for t in times)  # type: ignore[return-value]
+    times = time_calls({"direct": lambda: fn(a, b, out=res),
+                        "transposed": lambda: res.copy_(fn(b.mT, a.mT, out=res_t).mT)},
+                       1, rounds, device_sync(device))
+    return upper_median(times["direct"]), upper_median(times["transposed"])
 
 
 def orient_gemms(plan: Plan, dtype: torch.dtype, device: torch.device | str,

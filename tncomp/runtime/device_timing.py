@@ -18,6 +18,9 @@ agree with the first time within :data:`SQUARE_SPREAD`, and a grid point far slo
 square rate predicts (:meth:`~tncomp.compiler.device_model.DeviceModel.implausible_rates`) is
 timed again up to :data:`RETRIES` times before the calibration is refused
 (:class:`~tncomp.errors.CalibrationError`).
+
+It is also the library's one timer: :func:`time_calls` (functions, warm-up, repeats, the
+device's sync in; seconds per call out), which every timing of tncomp and comera reduces.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ import math
 import os  # (tests/test_api.py also patches tncomp.runtime.device_timing.os.replace)
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -43,8 +47,9 @@ from tncomp.files import TEMP_SUFFIX, atomic_write_bytes
 __all__ = ["GEMM_GRID", "GEMM_GRID_CUDA", "MAX_GRID_FLOPS", "RETRIES", "SQUARE_N",
            "SQUARE_N_CUDA", "SQUARE_SPREAD", "best_time", "calibrate", "calibration_files",
            "calibration_path", "check_calibration", "check_threads", "device_memory",
-           "gemm_rate_of", "gemm_table", "load_calibration", "median_time",
-           "remove_calibrations", "save_calibration", "usable_cpus", "using_threads"]
+           "device_sync", "gemm_rate_of", "gemm_table", "load_calibration", "median_time",
+           "no_sync", "remove_calibrations", "save_calibration", "time_calls", "upper_median",
+           "usable_cpus", "using_threads"]
 
 log = logging.getLogger("tncomp.runtime.device_timing")
 
@@ -180,33 +185,71 @@ def save_calibration(model: DeviceModel, device: torch.device | str) -> Path:
     return path
 
 
-def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], object]) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    sync()
-    times = []
+def no_sync() -> None:
+    """Wait for nothing: a CPU call has finished when it returns."""
+
+
+def device_sync(device: torch.device | str) -> Callable[[], None]:
+    """What waits for ``device``'s queued work before a clock is read: CUDA's
+    ``synchronize`` on a CUDA device, :func:`no_sync` elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return no_sync
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def time_calls(fns: Mapping[K, Callable[[], object]], warmup: int, repeats: int,
+               sync: Callable[[], object] = no_sync,
+               before: Callable[[K], object] | None = None) -> dict[K, list[float]]:
+    """Seconds of each call of every function of ``fns``: ``warmup`` untimed calls of each,
+    then ``repeats`` rounds, round k timing every function once in order (interleaved, so
+    drift hits all alike). ``sync`` waits for the device (:func:`device_sync`): before each
+    clock read, so a time holds the call's queued work and nothing before it. ``before(key)``
+    runs untimed before every call of ``fns[key]`` (e.g. setting a thread count).
+
+    The library's one timing loop: :func:`median_time`, :func:`best_time`, autotune's
+    orientations, ``comera``'s thread choice and step cost reduce what it returns (the
+    benchmarks keep theirs in ``benchmarks/lib/measure.py``)."""
+    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise OptionError(f"{name}={value!r}; give a whole number of calls >= {low}.")
+    for key, fn in fns.items():
+        for _ in range(warmup):
+            if before is not None:
+                before(key)
+            fn()
+    times: dict[K, list[float]] = {key: [] for key in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+        for key, fn in fns.items():
+            if before is not None:
+                before(key)
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[key].append(time.perf_counter() - start)
+    return times
+
+
+def upper_median(times: Sequence[float]) -> float:
+    """The middle of ``times`` sorted (of an even count, the upper of the two middle ones)."""
+    return sorted(times)[len(times) // 2]
+
+
+def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], object]) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after two warm-up calls
+    (:func:`time_calls`, :func:`upper_median`)."""
+    return upper_median(time_calls({"fn": fn}, 2, repeats, sync)["fn"])
 
 
 def best_time(fn: Callable[[], object], repeats: int, sync: Callable[[], object]) -> float:
-    """Least seconds of ``fn`` over ``repeats`` calls after one warm-up call: on a shared
-    machine the least time is the reproducible one (others' load only adds)."""
-    fn()
-    sync()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+    """Least seconds of ``fn`` over ``repeats`` calls after one warm-up call
+    (:func:`time_calls`): on a shared machine the least time is the reproducible one (others'
+    load only adds)."""
+    return min(time_calls({"fn": fn}, 1, repeats, sync)["fn"])
 
 
 def gemm_table(device: torch.device, dtype: torch.dtype, sync: Callable[[], object],
@@ -303,7 +346,7 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
 
 def _measured(device: torch.device, dtype: torch.dtype, shapes: bool) -> DeviceModel:
     """The model :func:`calibrate` measures, refused when implausible."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     n = SQUARE_N if device.type == "cpu" else SQUARE_N_CUDA
     a = torch.randn(n, n, device=device, dtype=dtype)  # (n, n)
     out = torch.empty_like(a)  # (n, n)

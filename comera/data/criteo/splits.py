@@ -9,7 +9,8 @@ every parameter.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from torch import Tensor
 from comera.data.cache import cache_file, read_cached, write_cached
 from comera.errors import ConfigError
 from comera.numbers import is_int
+
+log = logging.getLogger("comera.data")
 
 VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -96,6 +99,21 @@ def save_cached(path: Path, data: CriteoData) -> None:
     write_cached(path, {**blob, "cardinalities": list(data.cardinalities)})
 
 
+def cached_data(kind: str, key: dict, build: Callable[[], CriteoData], what: str,
+                use_cache: bool = True) -> CriteoData:
+    """The splits of ``kind`` ("synthetic", "tsv") cached for ``key``, else ``build()`` (logged
+    as ``what``) and cached: the one cache step of both sources (``use_cache=False`` neither
+    reads nor writes)."""
+    path = cache_path(kind, key)
+    if use_cache and (cached := load_cached(path)) is not None:
+        return cached
+    log.info("%s (cache %s)", what, path)
+    data = build()
+    if use_cache:
+        save_cached(path, data)
+    return data
+
+
 def check_cardinalities(cardinalities: Sequence[int]) -> tuple[int, ...]:
     """``cardinalities`` as a tuple, checked: one int in [1, 2**31) per table."""
     cards = tuple(cardinalities)
@@ -124,16 +142,6 @@ def describe_data(data: CriteoData) -> dict:
     return out
 
 
-__all__ = [
-    "CRITEO_KAGGLE_CARDINALITIES",
-    "CRITEO_NUM_DENSE",
-    "SPLITS",
-    "CriteoData",
-    "CriteoSplit",
-    "cache_path",
-    "check_cardinalities",
-    "check_count",
-    "describe_data",
-    "load_cached",
-    "save_cached",
-]
+__all__ = ["CRITEO_KAGGLE_CARDINALITIES", "CRITEO_NUM_DENSE", "SPLITS", "CriteoData",
+           "CriteoSplit", "cache_path", "cached_data", "check_cardinalities", "check_count",
+           "describe_data", "load_cached", "save_cached"]

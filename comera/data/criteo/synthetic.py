@@ -26,7 +26,6 @@ the generator and the sizes, and shows a progress bar on a terminal while it wor
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,16 +38,12 @@ from comera.data.criteo.splits import (
     CRITEO_NUM_DENSE,
     CriteoData,
     CriteoSplit,
-    cache_path,
+    cached_data,
     check_cardinalities,
     check_count,
-    load_cached,
-    save_cached,
 )
 from comera.data.progress import progress_bar
 from comera.errors import ConfigError
-
-log = logging.getLogger("comera.data")
 
 _CHUNK = 8192  # rows per seeded chunk of the generator: part of its definition, keep fixed
 _CALIBRATION_CHUNKS = 8  # the intercept is fitted on this many chunks of their own stream
@@ -284,16 +279,14 @@ def load_synthetic_criteo(generator: SyntheticCriteo | None = None, n_train: int
     sizes = {"train": check_count("n_train", n_train, 1), "val": check_count("n_val", n_val),
              "test": check_count("n_test", n_test)}
     key = {"generator": repr(gen), "sizes": tuple(sizes.values())}
-    path = cache_path("synthetic", key)
-    if use_cache and (cached := load_cached(path)) is not None:
-        return cached
-    log.info("generating synthetic Criteo (%s examples, cache %s)", sizes, path)
-    with progress_bar("generating synthetic Criteo", sum(sizes.values())) as advance:
-        splits = [gen.generate(n, stream, advance) for stream, n in sizes.items()]
-    data = CriteoData(*splits, gen.cardinalities)
-    if use_cache:
-        save_cached(path, data)
-    return data
+
+    def build() -> CriteoData:
+        with progress_bar("generating synthetic Criteo", sum(sizes.values())) as advance:
+            splits = [gen.generate(n, stream, advance) for stream, n in sizes.items()]
+        return CriteoData(*splits, gen.cardinalities)
+
+    return cached_data("synthetic", key, build,
+                       f"generating synthetic Criteo ({sizes} examples)", use_cache)
 
 
 __all__ = ["SyntheticCriteo", "load_synthetic_criteo", "zipf_ranks"]

@@ -9,7 +9,6 @@ shows on a terminal while it reads (``COMERA_NO_PROGRESS=1`` turns it off).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,16 +20,12 @@ from comera.data.criteo.splits import (
     CRITEO_NUM_DENSE,
     CriteoData,
     CriteoSplit,
-    cache_path,
+    cached_data,
     check_cardinalities,
     check_count,
-    load_cached,
-    save_cached,
 )
 from comera.data.progress import progress_bar
 from comera.errors import ConfigError, DataFormatError
-
-log = logging.getLogger("comera.data")
 
 _CHUNK = 8192  # lines parsed into one block of tensors
 
@@ -38,6 +33,12 @@ _CHUNK = 8192  # lines parsed into one block of tensors
 def _malformed(path: Path, lineno: int, what: str) -> DataFormatError:
     return DataFormatError(f"{path}:{lineno}: {what}; a Criteo line is a 0/1 label, 13 integer "
                            "and 26 hex categorical fields, tab-separated (fields may be empty).")
+
+
+def _check_file(path: Path) -> None:
+    if not path.is_file():
+        raise ConfigError(f"no Criteo file at {path}; give the path of train.txt (Kaggle) or a "
+                          "file in the same format.")
 
 
 def read_criteo_tsv(path: str | os.PathLike, cardinalities: Sequence[int] =
@@ -54,9 +55,7 @@ def read_criteo_tsv(path: str | os.PathLike, cardinalities: Sequence[int] =
     check_count("num_dense", num_dense, 0)
     if limit is not None:
         check_count("limit", limit, 1)
-    if not path.is_file():
-        raise ConfigError(f"no Criteo file at {path}; give the path of train.txt (Kaggle) or a "
-                          "file in the same format.")
+    _check_file(path)
     n_fields = 1 + num_dense + len(cards)
     moduli = [max(c - 1, 1) for c in cards]
     labels: list[int] = []
@@ -123,26 +122,22 @@ def load_criteo_tsv(path: str | os.PathLike, cardinalities: Sequence[int] =
     if len(fr) != 3 or any(x < 0 for x in fr) or abs(sum(fr) - 1.0) > 1e-9 or fr[0] == 0:
         raise ConfigError(f"fractions={fractions}; give (train, val, test) shares >= 0 that sum "
                           "to 1 with a nonzero train share, e.g. (0.8, 0.1, 0.1).")
-    if not path.is_file():
-        raise ConfigError(f"no Criteo file at {path}; give the path of train.txt (Kaggle) or a "
-                          "file in the same format.")
+    _check_file(path)
     stat = path.stat()
     key = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
            "cardinalities": cards, "fractions": fr, "limit": limit}
-    cache = cache_path("tsv", key)
-    if use_cache and (cached := load_cached(cache)) is not None:
-        return cached
-    log.info("reading %s (cache %s)", path, cache)
-    everything = read_criteo_tsv(path, cards, limit=limit)
-    n = len(everything)
-    n_train, n_val = int(n * fr[0]), int(n * fr[1])
-    if n_train == 0:
-        raise ConfigError(f"{path} holds {n} examples: too few for a training split.")
-    data = CriteoData(everything.rows(0, n_train), everything.rows(n_train, n_train + n_val),
-                      everything.rows(n_train + n_val, n), cards)
-    if use_cache:
-        save_cached(path=cache, data=data)
-    return data
+
+    def build() -> CriteoData:
+        everything = read_criteo_tsv(path, cards, limit=limit)
+        n = len(everything)
+        n_train, n_val = int(n * fr[0]), int(n * fr[1])
+        if n_train == 0:
+            raise ConfigError(f"{path} holds {n} examples: too few for a training split.")
+        return CriteoData(everything.rows(0, n_train),
+                          everything.rows(n_train, n_train + n_val),
+                          everything.rows(n_train + n_val, n), cards)
+
+    return cached_data("tsv", key, build, f"reading {path}", use_cache)
 
 
 __all__ = ["load_criteo_tsv", "read_criteo_tsv"]

@@ -247,3 +247,32 @@ def test_tsv_splits_are_contiguous_and_cached(tmp_path):
         load_criteo_tsv(path, CARDS, fractions=(0.6, 0.6, 0.2))
     with pytest.raises(ConfigError, match="no Criteo file"):
         read_criteo_tsv(tmp_path / "missing.txt", CARDS)
+
+
+def test_one_cache_step_serves_both_sources(tmp_path, caplog):
+    """``cached_data``: a miss builds (logged) and saves, a hit does not build, and
+    ``use_cache=False`` builds every time and writes nothing, for either source."""
+    import logging
+
+    from comera.data.criteo.splits import cached_data
+
+    built = []
+    gen = SyntheticCriteo(cardinalities=SMALL)
+
+    def build():
+        built.append(1)
+        return load_synthetic_criteo(gen, 30, 10, 10, use_cache=False)
+
+    cache = tmp_path / "cache"
+    assert not cache.exists()  # the uncached load above wrote nothing yet
+    with caplog.at_level(logging.INFO, logger="comera.data"):
+        first = cached_data("synthetic", {"probe": 1}, build, "building the probe")
+    assert "building the probe (cache " in caplog.text and len(built) == 1
+    again = cached_data("synthetic", {"probe": 1}, build, "building the probe")
+    assert len(built) == 1 and _same(again.train, first.train)  # a hit: not built again
+    cached_data("synthetic", {"probe": 2}, build, "x", use_cache=False)
+    assert len(built) == 2 and len(list(cache.glob("criteo-synthetic-*.pt"))) == 1
+    rows = [[str(k % 2), str(k), *[""] * 12, *[format(k, "x")] * 26] for k in range(10)]
+    path = _write(tmp_path / "train.txt", rows)
+    assert len(load_criteo_tsv(path, CARDS, use_cache=False).train) == 8
+    assert not list(cache.glob("criteo-tsv-*.pt"))

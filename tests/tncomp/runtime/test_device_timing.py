@@ -1,6 +1,10 @@
 """The measured GEMM table of a calibration: one positive rate per grid point, the square rate
 above the FLOP cap, and a model that round-trips through the calibration file."""
 
+import ast
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -151,3 +155,164 @@ def test_a_bad_thread_count_is_refused_naming_it(threads):
         calibrate("cpu", save=False, threads=threads)
     with pytest.raises(OptionError):
         check_threads(threads)
+
+
+def test_time_calls_warms_up_then_times_round_robin(monkeypatch):
+    import tncomp.runtime.device_timing as cal
+
+    clock = iter(float(t) for t in range(100))  # each clock read one second later
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: next(clock))
+    events: list[str] = []
+    fns = {"a": lambda: events.append("a"), "b": lambda: events.append("b")}
+    times = cal.time_calls(fns, 2, 3, sync=lambda: events.append("sync"),
+                           before=lambda key: events.append(f"set {key}"))
+    assert times == {"a": [1.0] * 3, "b": [1.0] * 3}  # start and stop are consecutive reads
+    warm = ["set a", "a", "set a", "a", "set b", "b", "set b", "b"]
+    rounds = ["set a", "sync", "a", "sync", "set b", "sync", "b", "sync"] * 3
+    assert events == warm + rounds  # the device drained before each start and each stop
+
+
+def test_time_calls_times_what_the_call_queues():
+    import tncomp.runtime.device_timing as cal
+
+    queued: list[float] = []  # a device queue the call fills and only sync drains
+
+    def drain() -> None:
+        while queued:
+            time.sleep(queued.pop())
+
+    times = cal.time_calls({"f": lambda: queued.append(0.02)}, 0, 2, sync=drain)["f"]
+    assert min(times) >= 0.02  # the call's queued work counts in its time
+
+
+@pytest.mark.parametrize("warmup, repeats", [(-1, 1), (0, 0), (True, 1), (0, 1.5)])
+def test_time_calls_refuses_bad_counts(warmup, repeats):
+    from tncomp.errors import OptionError
+    from tncomp.runtime.device_timing import time_calls
+
+    with pytest.raises(OptionError, match=r"(warmup|repeats)=.*whole number"):
+        time_calls({"f": lambda: None}, warmup, repeats)
+
+
+def test_median_and_best_time_reduce_the_one_timer(monkeypatch):
+    import tncomp.runtime.device_timing as cal
+
+    gaps = iter([5.0, 1.0, 3.0, 2.0])  # seconds of the four timed calls, in order
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += next(gaps) if len(ticks) % 2 else 0.0
+        ticks.append(now[0])
+        return now[0]
+
+    ticks: list[float] = []
+    monkeypatch.setattr(cal.time, "perf_counter", clock)
+    assert cal.median_time(lambda: None, 4, cal.no_sync) == 3.0  # the upper of 2 and 3
+    assert cal.upper_median([1.0, 2.0, 3.0]) == 2.0
+    gaps = iter([4.0, 0.5, 2.0])
+    assert cal.best_time(lambda: None, 3, cal.no_sync) == 0.5
+
+
+def test_device_sync_waits_only_on_cuda():
+    from tncomp.runtime.device_timing import device_sync, no_sync
+
+    assert device_sync("cpu") is no_sync
+    assert device_sync(torch.device("meta")) is no_sync
+
+
+# Clock reads in tncomp/ and comera/ outside the timer's home that are not timing loops, by
+# (module, function), each with its reason.
+NOT_TIMING_LOOPS = {
+    ("comera/experiments/engine.py", "train_step"): "wall-clock bookkeeping of a run "
+                                                    "(RunRecord.train_seconds)",
+    ("comera/experiments/engine.py", "_train_step"): "each real training step's own time "
+                                                     "(RunRecord.step_times), taken once",
+    ("tncomp/compiler/budget.py", "__init__"): "a planning deadline, not a timing",
+    ("tncomp/compiler/budget.py", "remaining"): "a planning deadline, not a timing",
+    ("tncomp/compiler/budget.py", "spent"): "a planning deadline, not a timing",
+    ("tncomp/compiler/budget.py", "check"): "a planning deadline, not a timing",
+    ("tncomp/compiler/cache.py", "_sweep_temps"): "a temp file's age against its mtime "
+                                                   "(time.time), not a timing",
+    ("tncomp/files.py", "sweep_temp_files"): "a temp file's age against its mtime (time.time), "
+                                             "not a timing",
+    ("tncomp/runtime/profile.py", "mark"): "a profiler's tick between the steps of one traced "
+                                           "call (the totals it checks against come from "
+                                           "median_time)",
+}
+TIMER_HOME = "tncomp/runtime/device_timing.py"
+CLOCKS = {"perf_counter", "perf_counter_ns", "process_time", "process_time_ns", "monotonic",
+          "monotonic_ns", "time", "time_ns"}
+
+
+def clock_reads(path: Path, root: Path) -> list[tuple[str, str, int]]:
+    """``(module, enclosing function, line)`` of every call of a clock of :mod:`time`
+    (``time.perf_counter()``, or a name imported from :mod:`time`) in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    imported = {a.asname or a.name for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module == "time"
+                for a in node.names if a.name in CLOCKS}
+    found = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = (child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+                     else where)
+            if isinstance(child, ast.Call):
+                f = child.func
+                if ((isinstance(f, ast.Attribute) and f.attr in CLOCKS
+                     and isinstance(f.value, ast.Name) and f.value.id == "time")
+                        or (isinstance(f, ast.Name) and f.id in imported)):
+                    found.append((path.relative_to(root).as_posix(), where, child.lineno))
+            visit(child, inner)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_the_library_keeps_one_timer():
+    """tncomp and comera time calls in one loop, :func:`time_calls`: a clock read elsewhere is
+    a second timer, unless it is named in NOT_TIMING_LOOPS with its reason."""
+    root = Path(__file__).resolve().parents[3]
+    reads = [r for package in ("tncomp", "comera") for p in sorted((root / package).rglob("*.py"))
+             for r in clock_reads(p, root)]
+    assert any(module == TIMER_HOME for module, _, _ in reads)  # the scan sees the timer
+    stray = [f"{module}:{line} in {where}()" for module, where, line in reads
+             if module != TIMER_HOME and (module, where) not in NOT_TIMING_LOOPS]
+    assert not stray, ("clock reads outside tncomp.runtime.device_timing; time calls with "
+                       f"time_calls (or name a non-timing read in NOT_TIMING_LOOPS): {stray}")
+    unused = {k for k in NOT_TIMING_LOOPS if k not in {(m, w) for m, w, _ in reads}}
+    assert not unused, f"NOT_TIMING_LOOPS names reads that are gone: {unused}"
+
+
+def test_the_clock_scan_finds_a_timing_loop(tmp_path):
+    planted = tmp_path / "pkg" / "loop.py"
+    planted.parent.mkdir()
+    planted.write_text("import time\nfrom time import perf_counter as pc\n\n"
+                       "def f(fn):\n    t = time.perf_counter()\n    fn()\n"
+                       "    return pc() - t\n")
+    assert clock_reads(planted, tmp_path) == [("pkg/loop.py", "f", 5), ("pkg/loop.py", "f", 7)]
+
+
+@pytest.mark.gpu
+def test_time_calls_on_cuda_holds_the_queued_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tncomp.runtime.device_timing import device_sync, time_calls
+
+    a = torch.randn(4096, 4096, device="cuda")
+    sync = device_sync("cuda")
+    start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+
+    def mm() -> None:
+        for _ in range(4):
+            a @ a
+
+    mm()
+    sync()
+    start.record()
+    mm()
+    stop.record()
+    stop.synchronize()
+    device_s = start.elapsed_time(stop) / 1e3
+    host_s = min(time_calls({"mm": mm}, 1, 3, sync)["mm"])
+    assert host_s >= 0.8 * device_s  # without the sync it would time the launches alone
