@@ -352,27 +352,28 @@ def _check_output(path: Path, flag: str, source: Path, force: bool) -> None:
                           "name.")
 
 
-def _calibration_batches(path: str | None) -> list | None:
-    """The batches of ``--calibration``: a torch file (read without running code) holding a list
-    or tuple of batches, or one batch (a tensor or a dict of keyword arguments)."""
+def _calibration_batches(path: str | None, flag: str = "--calibration") -> list | None:
+    """The batches of ``--calibration`` (or ``flag``): a torch file (read without running code)
+    holding a list or tuple of batches, or one batch (a tensor or a dict of keyword
+    arguments)."""
     from torch import Tensor
 
     if path is None:
         return None
     source = Path(path)
     if not source.is_file():
-        raise ComeraError(f"--calibration {source}: no such file; save a list of input batches "
+        raise ComeraError(f"{flag} {source}: no such file; save a list of input batches "
                           "with torch.save([x1, x2, ...], path).")
     kind, data = peek_torch_file(source)
     if kind != "data":
         why = (data if kind == "unreadable" else f"it pickles {data}, which is not unpickled: "
                "loading it could run arbitrary code")
-        raise ComeraError(f"--calibration {source} is not a torch file of tensors ({why}); "
+        raise ComeraError(f"{flag} {source} is not a torch file of tensors ({why}); "
                           "save a list of input batches with torch.save([x1, x2, ...], path).")
     batches = [data] if isinstance(data, Tensor | Mapping) else data
     if not isinstance(batches, list | tuple) or not batches:
         what = "no batches" if isinstance(batches, list | tuple) else type(data).__name__
-        raise ComeraError(f"--calibration {source} holds {what}; save a non-empty list of input "
+        raise ComeraError(f"{flag} {source} holds {what}; save a non-empty list of input "
                           "batches (tensors, or dicts of keyword arguments) with "
                           "torch.save([x1, x2, ...], path).")
     return list(batches)
@@ -397,6 +398,10 @@ def _cmd_convert(args, argv) -> int:
     _check_output(out, "-o", source, args.force)
     config = _convert_config(args)
     batches = _calibration_batches(args.calibration)
+    measure = _calibration_batches(args.measure, "--measure")
+    if measure is not None and config.floor != "measured":
+        raise ComeraError("--measure is read by the measured floor only; add --set "
+                          "allocation=global --set floor=measured, or drop --measure.")
     kind, what = peek_torch_file(source)
     if kind == "unreadable":
         raise ComeraError(f"{source} is not a torch file ({what}); save the model with "
@@ -420,7 +425,8 @@ def _cmd_convert(args, argv) -> int:
             else:
                 with progress_bar("calibration", len(batches)) as advance:
                     report = comera.convert_(model, config, calibration=batches,
-                                             progress=lambda _done: advance(1))
+                                             progress=lambda _done: advance(1),
+                                             measure=measure)
         except ComeraError as exc:  # convert_ refuses before any swap: nothing is written
             raise type(exc)(f"{str(exc).rstrip('.')}; nothing was written.") from None
     _check_reached(report, config.target_compression)
@@ -561,6 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a torch file of input batches (a list of tensors, or of dicts of "
                    "keyword arguments): linear layers are decomposed to minimise the error of "
                    "their outputs on these inputs")
+    p.add_argument("--measure", metavar="BATCHES",
+                   help="with --set allocation=global --set floor=measured: a torch file of "
+                   "batches (held out) on which the model's loss (its output's .loss, e.g. a "
+                   "HuggingFace model given labels) decides between the global and the uniform "
+                   "ranks; default: the calibration batches")
     p.set_defaults(run=_cmd_convert)
 
     p = sub.add_parser("report", help="per-layer ranks, sizes and compression of a checkpoint")

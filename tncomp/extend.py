@@ -10,6 +10,8 @@ layers accept tncomp's memory modes and follow the autocast rule tncomp's operat
 - :func:`autocast_dtype`, :func:`autocast_cast`: the autocast rule of every call path.
 - :func:`register_tree_finder`, :class:`SearchSpace`: a tree finder of one's own among the
   planner's candidates (:mod:`tncomp.compiler.finders`).
+- :func:`time_calls`, :func:`device_sync`: the one timer (seconds per call, interleaved, the
+  device drained before each clock read), for a package that times its own steps.
 - :func:`renamed`: a module ``__getattr__`` that serves old names with a DeprecationWarning
   naming the new one and the release the old one goes in.
 
@@ -27,10 +29,11 @@ from typing import Any
 from tncomp.compiler.builders import check_modes, resolve_ranks
 from tncomp.compiler.finders import SearchSpace, register_tree_finder
 from tncomp.compiler.memory import check_memory
+from tncomp.runtime.device_timing import device_sync, time_calls
 from tncomp.runtime.library import autocast_cast, autocast_dtype
 
 __all__ = ["SearchSpace", "autocast_cast", "autocast_dtype", "check_memory", "check_modes",
-           "register_tree_finder", "renamed", "resolve_ranks"]
+           "device_sync", "register_tree_finder", "renamed", "resolve_ranks", "time_calls"]
 
 
 def renamed(module: str, names: Mapping[str, tuple[str, str]]) -> Callable[[str], Any]:

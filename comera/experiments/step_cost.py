@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from comera.errors import ConfigError
 from comera.numbers import is_int
 from comera.ranks.size import gated_layers
-from tncomp.runtime.device_timing import device_sync, time_calls
+from tncomp.extend import device_sync, time_calls
 
 __all__ = ["StepCost", "measure_step", "peak_allocated_bytes", "probe_step", "resident_bytes",
            "storage_bytes", "tensors_in", "unpooled"]

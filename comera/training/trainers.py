@@ -30,7 +30,7 @@ from comera.ranks.size import gated_layers
 from comera.ranks.truncate import TruncationReport
 from comera.training.controller import RankController, StepStats, check_loss
 from comera.training.early import EarlyStage
-from tncomp.runtime.device_timing import time_calls
+from tncomp.extend import time_calls
 
 log = logging.getLogger("comera.training.trainers")
 
