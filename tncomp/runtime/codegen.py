@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tncomp.compiler.ops import Expand, MatMul, MatView, Op, Permute, Reshape, Sum
+from tncomp.compiler.ops import Expand, MatMul, MatView, Op, Permute, Reshape, Sum, blocked
 from tncomp.compiler.plan import Plan
 from tncomp.errors import ExecutionError
 from tncomp.runtime.buffers import MIN_POOLED_BYTES, BufferPool, alias, pooling_available
@@ -184,14 +184,18 @@ class _Emitter:
         if isinstance(op, Permute):
             shape = tuple(op.shape[p] for p in op.perm)
             self.shapes[op.dst] = shape
-            if not (self.pool and self.device.type == "cpu"):  # autograd, vmap, CUDA
+            pooled = math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES
+            swap = op.swap
+            # autograd, vmap, CUDA; or a small copy (unpooled) that is not run as 2-D
+            # transposes: one inline permute copy (the helper would add a call and an empty)
+            if not (self.pool and self.device.type == "cpu") or not (pooled or blocked(swap)):
                 return (f"v{op.dst} = {self.reshape(op.src, op.shape)}.permute({op.perm!r})"
                         ".contiguous()")
             out = f"v{op.src}.new_empty({shape!r})"
-            if math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES:
+            if pooled:
                 self.pools[op.dst] = BufferPool(shape, self.dtype, self.device)
                 out = f"_pool{op.dst}.take()"
-            self.constants[f"_swap{op.dst}"] = op.swap
+            self.constants[f"_swap{op.dst}"] = swap
             return (f"v{op.dst} = _permute_into({out}, v{op.src}, {op.shape!r}, {op.perm!r}, "
                     f"_swap{op.dst})")
         if isinstance(op, Reshape):
