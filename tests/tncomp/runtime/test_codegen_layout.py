@@ -133,7 +133,8 @@ def test_backward_reads_a_large_dy_once_for_both_gemms_with_exact_gradients():
 
 def test_narrow_batched_gemms_put_their_narrow_side_as_rows():
     """Issue 40: a BTT layer's batched GEMMs (64 blocks of (2048 x 16) @ (16 x 8), and the
-    weight gradients' (16 x 2048) @ (2048 x 8)) run with the 8-wide side as rows."""
+    weight gradients' (16 x 2048) @ (2048 x 8)) run with the 8-wide side as rows; a 16-wide
+    side of a large result stays columns."""
     from tncomp.compiler.ops import MatMul, MatView
     from tncomp.runtime.codegen import narrow_batch_side, runs_transposed
 
@@ -148,6 +149,11 @@ def test_narrow_batched_gemms_put_their_narrow_side_as_rows():
     assert narrow_batch_side(bmm(8, 2048, 16), cpu) is False  # already 8 x 16: keep
     assert not runs_transposed(bmm(8, 2048, 16), cpu)  # over the reduction rule's flip
     assert narrow_batch_side(bmm(16, 2048, 16), cpu) is None  # square: the other rules
+    # 16 columns run about as fast as 16 rows: flipping (2048 x 16) results only adds the thin
+    # copy back (2.5x the direct GEMM's time at d_model 128); a result narrow both ways flips
+    assert narrow_batch_side(bmm(2048, 16, 16, batch=8), cpu) is False
+    assert narrow_batch_side(bmm(64, 2048, 16, batch=8), cpu) is False
+    assert narrow_batch_side(bmm(16, 2048, 12), cpu) is True
     assert narrow_batch_side(bmm(2048, 16, 64), cpu) is None  # no narrow side
     assert narrow_batch_side(bmm(2048, 16, 8, batch=1), cpu) is None  # a plain GEMM
     assert narrow_batch_side(bmm(2048, 16, 8), torch.device("meta")) is None
