@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tncomp.compiler.ops import Expand, MatMul, MatView, Op, Permute, Reshape, Sum
+from tncomp.compiler.ops import Expand, MatMul, MatView, Op, Permute, Reshape, Sum, blocked
 from tncomp.compiler.plan import Plan
 from tncomp.errors import ExecutionError
 from tncomp.runtime.buffers import MIN_POOLED_BYTES, BufferPool, alias, pooling_available
@@ -25,7 +25,8 @@ from tncomp.runtime.transpose import permute_into
 THIN_COLS = 32  # a CPU GEMM with this few output columns (and more rows) ...
 THIN_MIN_INNER = 128  # ... and at least this long an inner size is run transposed ...
 THIN_ALIGNED_MIN_ROWS = 1024  # ... unless A B / A B^T, columns a multiple of 8, rows this many
-NARROW_SIDE = 16  # a batched GEMM with an output side this narrow puts it as rows
+NARROW_SIDE = 16  # a batched GEMM with an output side this narrow puts it as rows ...
+NARROW_FLIP = 8  # ... copying back only columns this narrow, or a result narrow both ways
 REDUCTION_MAX_OUT = 0.05  # a GEMM of two transposed operands with an output this small
 FUSE_MIN_BYTES = 4 << 20  # a shared GEMM operand this large (out of cache) ...
 FUSE_MAX_THIN = 64  # ... read by two GEMMs with outputs this thin ...
@@ -62,21 +63,23 @@ def reduction_transposed(op: MatMul, device: torch.device) -> bool:
 
 def narrow_batch_side(op: MatMul, device: torch.device) -> bool | None:
     """For a CPU batched GEMM (``bmm``) with an output side of at most ``NARROW_SIDE``: whether
-    to run it transposed, so that the wider side is the output's columns (True when the direct
-    product has fewer columns than rows, False when it has more); None for other GEMMs (the
-    thin and reduction rules decide those).
+    to run it transposed, so that the narrow side is the output's rows (True when the direct
+    product has at most ``NARROW_FLIP`` columns and more rows, or is narrow both ways; False
+    otherwise); None for other GEMMs (the thin and reduction rules decide those).
 
     Why: a block format (BTT) runs many small GEMMs per block, e.g. 64 blocks of (2048 x 16) @
     (16 x 8), and MKL's batched kernel runs them several times faster with the 8-wide side as
-    rows than as columns, in both the forward shapes and the weight gradients' long reductions
-    (figures in docs/results.md, "Measured rules of the CPU executor")."""
+    rows than as columns, in both the forward shapes and the weight gradients' long reductions.
+    A 16-wide side runs about as fast either way, so flipping a (2048 x 16) result only adds
+    the copy back, a thin transpose that costs more than the GEMM (figures in
+    docs/results.md, "Measured rules of the CPU executor")."""
     if device.type != "cpu" or op.lhs.batch <= 1:
         return None
     m = op.lhs.rows_cols[0]
     n = op.rhs.rows_cols[1]
     if min(m, n) > NARROW_SIDE or m == n:
         return None
-    return n < m
+    return n < m and (n <= NARROW_FLIP or m <= NARROW_SIDE)
 
 
 def runs_transposed(op: MatMul, device: torch.device) -> bool:
@@ -184,14 +187,18 @@ class _Emitter:
         if isinstance(op, Permute):
             shape = tuple(op.shape[p] for p in op.perm)
             self.shapes[op.dst] = shape
-            if not (self.pool and self.device.type == "cpu"):  # autograd, vmap, CUDA
+            pooled = math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES
+            swap = op.swap
+            # autograd, vmap, CUDA; or a small copy (unpooled) that is not run as 2-D
+            # transposes: one inline permute copy (the helper would add a call and an empty)
+            if not (self.pool and self.device.type == "cpu") or not (pooled or blocked(swap)):
                 return (f"v{op.dst} = {self.reshape(op.src, op.shape)}.permute({op.perm!r})"
                         ".contiguous()")
             out = f"v{op.src}.new_empty({shape!r})"
-            if math.prod(shape) * self.itemsize >= MIN_POOLED_BYTES:
+            if pooled:
                 self.pools[op.dst] = BufferPool(shape, self.dtype, self.device)
                 out = f"_pool{op.dst}.take()"
-            self.constants[f"_swap{op.dst}"] = op.swap
+            self.constants[f"_swap{op.dst}"] = swap
             return (f"v{op.dst} = _permute_into({out}, v{op.src}, {op.shape!r}, {op.perm!r}, "
                     f"_swap{op.dst})")
         if isinstance(op, Reshape):

@@ -1,6 +1,8 @@
 """Codegen picks the fast CPU layout of a thin transposed GEMM (A^T B with few output columns
 and a long inner size, the weight gradient of a low-rank TT layer), with unchanged values."""
 
+import math
+
 import torch
 
 import tncomp
@@ -131,7 +133,8 @@ def test_backward_reads_a_large_dy_once_for_both_gemms_with_exact_gradients():
 
 def test_narrow_batched_gemms_put_their_narrow_side_as_rows():
     """Issue 40: a BTT layer's batched GEMMs (64 blocks of (2048 x 16) @ (16 x 8), and the
-    weight gradients' (16 x 2048) @ (2048 x 8)) run with the 8-wide side as rows."""
+    weight gradients' (16 x 2048) @ (2048 x 8)) run with the 8-wide side as rows; a 16-wide
+    side of a large result stays columns."""
     from tncomp.compiler.ops import MatMul, MatView
     from tncomp.runtime.codegen import narrow_batch_side, runs_transposed
 
@@ -146,6 +149,11 @@ def test_narrow_batched_gemms_put_their_narrow_side_as_rows():
     assert narrow_batch_side(bmm(8, 2048, 16), cpu) is False  # already 8 x 16: keep
     assert not runs_transposed(bmm(8, 2048, 16), cpu)  # over the reduction rule's flip
     assert narrow_batch_side(bmm(16, 2048, 16), cpu) is None  # square: the other rules
+    # 16 columns run about as fast as 16 rows: flipping (2048 x 16) results only adds the thin
+    # copy back (2.5x the direct GEMM's time at d_model 128); a result narrow both ways flips
+    assert narrow_batch_side(bmm(2048, 16, 16, batch=8), cpu) is False
+    assert narrow_batch_side(bmm(64, 2048, 16, batch=8), cpu) is False
+    assert narrow_batch_side(bmm(16, 2048, 12), cpu) is True
     assert narrow_batch_side(bmm(2048, 16, 64), cpu) is None  # no narrow side
     assert narrow_batch_side(bmm(2048, 16, 8, batch=1), cpu) is None  # a plain GEMM
     assert narrow_batch_side(bmm(2048, 16, 8), torch.device("meta")) is None
@@ -172,3 +180,35 @@ def test_btt_plans_with_flipped_batched_gemms_give_einsums_values_and_gradients(
     for got, expected in zip(torch.autograd.grad(y, ts, dy),
                              torch.autograd.grad(want, ts, dy), strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_small_unblocked_permutes_are_inline_copies_with_einsums_values_and_gradients():
+    """A BTT layer's small permute copies (below the pooled size, not run as 2-D transposes)
+    are one inline ``permute().contiguous()`` in the fast code (no helper call and no empty
+    buffer per copy: at d_model 128 that call overhead is part of each layer's fixed cost);
+    the large ones still go through the pooled helper. Values and gradients stay
+    torch.einsum's (float64)."""
+    from tncomp.compiler.ops import Permute, blocked
+    from tncomp.runtime.buffers import MIN_POOLED_BYTES
+
+    torch.manual_seed(3)
+    eq = "bijk,ijkpa,ajkpqr,rkpqs->bpqs"  # a d=3 BTT: core k trades i_k for o_k
+    shapes = [(64, 4, 4, 8), (4, 4, 8, 4, 2), (2, 4, 8, 4, 4, 2), (2, 8, 4, 4, 8)]
+    net = tncomp.from_eq(eq, *shapes)
+    ops = [torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in shapes]
+    f = tncomp.compile(net, disk_cache=False)
+    plan = f.plan_of(*ops)
+    code = generate(plan, shapes, torch.float64, "cpu")
+    permutes = [op for op in (*plan.forward, *plan.backward) if isinstance(op, Permute)]
+    small = [op for op in permutes
+             if math.prod(op.shape) * 8 < MIN_POOLED_BYTES and not blocked(op.swap)]
+    assert small
+    for op in small:
+        assert f"v{op.dst} = _permute_into(" not in code.source
+        assert f"v{op.dst} = " in code.source and ".contiguous()" in code.source
+    assert code.source.count("_permute_into(") == len(permutes) - len(small)
+    dy = torch.randn(plan.output_shape, dtype=torch.float64)
+    got = torch.autograd.grad(f(*ops), ops, dy)
+    want = torch.autograd.grad(torch.einsum(eq, *ops), ops, dy)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
