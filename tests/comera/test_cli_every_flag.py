@@ -41,6 +41,7 @@ BY_FLAG: dict[tuple[str, str], list[str]] = {
     ("convert", "--set"): ["x", "=1", "bogus=1", "ranks=abc", "ranks=NaN", "ranks=1e999",
                            "target_compression=Infinity"],
     ("convert", "--calibration"): ["", "{tmp}/missing.pt", "{tmp}", "{file}", "{model}"],
+    ("convert", "--measure"): ["", "{tmp}/missing.pt", "{tmp}", "{file}", "{model}"],
     ("report", "checkpoint"): ["", "{tmp}/missing.pt", "{tmp}", "{file}"],
 }
 
