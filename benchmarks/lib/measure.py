@@ -69,6 +69,12 @@ def _is_cuda(device: str | torch.device | None) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
+def thread_clock() -> float:
+    """The calling thread's CPU time, in seconds: on a machine shared with other jobs, the time
+    a step spends descheduled is left out (memory-bandwidth contention is not)."""
+    return time.thread_time()
+
+
 def time_call(fn: Callable[[], object], *, inner: int = 1,
               device: str | torch.device | None = None) -> float:
     """Seconds per call of ``inner`` calls of ``fn`` in a row: the wall clock, or on a CUDA

@@ -11,7 +11,7 @@ step, as :func:`tncomp.runtime.profile.measure_plan` does) and set beside:
   machine's large-GEMM rate (a 2048 x 512 x 512 GEMM measured first: the FLOP floor);
 - a permute copy: its bytes at the machine's plain-copy bandwidth (measured first).
 
-Times are the thread's CPU time (``time.thread_time``), medians over the repeats: on a machine
+Times are the thread's CPU time (:func:`benchmarks.lib.measure.thread_clock`), medians over the repeats: on a machine
 shared with other jobs, time spent descheduled is left out (memory-bandwidth contention is
 not). Compare within one run only.
 
@@ -27,18 +27,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
 import comera
-from benchmarks.lib.measure import markdown_table, publish
-from comera.experiments.results import machine
+from benchmarks.lib.cli import add_out, check_at_least_one, run_header
+from benchmarks.lib.measure import markdown_table, publish, thread_clock
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 from tncomp.compiler.ops import MatMul, Permute
 from tncomp.runtime.codegen import generate
 
-clock = time.thread_time
+clock = thread_clock
 TOP_STEPS = 4  # heaviest steps per layer in the markdown table
 FORMATS = ("btt", "ttm", "tt", "lowrank")
 HEADS = 4
@@ -173,13 +172,9 @@ def main(argv=None) -> int:
     parser.add_argument("--note", default="The machine was shared with other jobs (loaded): "
                         "compare within one run only.",
                         help="what the machine was doing (written with the results)")
-    parser.add_argument("--out", default="plan_ops_cpu",
-                        help="results name under benchmarks/results/ or a path stem")
+    add_out(parser, "plan_ops_cpu")
     args = parser.parse_args(argv)
-    for name in ("repeats", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name} {value}; give at least 1")
+    check_at_least_one(parser, args, "repeats", "threads")
     if args.d_model is not None and any(d < 2 * HEADS or d % HEADS for d in args.d_model):
         parser.error(f"--d-model {args.d_model}; each width is a multiple of {HEADS} heads, "
                      f"at least {2 * HEADS}")
@@ -197,7 +192,7 @@ def main(argv=None) -> int:
         results.append({"d_model": d_model, "rows": rows, "layers": layers})
         for name, layer in layers.items():
             print(f"d_model {d_model} {name}: {layer['ms']:.2f} ms", file=sys.stderr)
-    payload = {"machine": machine(), "device": "CPU", "format": args.format,
+    payload = {**run_header(args), "device": "CPU", "format": args.format,
                "mode": "smoke" if args.smoke else "full", "note_machine": args.note,
                "command": "python -m benchmarks.speed.bench_plan_ops "
                           + " ".join(argv if argv is not None else sys.argv[1:]),

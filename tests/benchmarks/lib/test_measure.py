@@ -100,7 +100,7 @@ def test_the_benchmarks_keep_no_timer_of_their_own():
     """One home: every clock read of benchmarks/ is in benchmarks/lib/measure.py (deadlines,
     time.monotonic, are not timings)."""
     root = Path(__file__).resolve().parents[3] / "benchmarks"
-    clocks = ("perf_counter", "process_time", "cuda.Event", "time.time()")
+    clocks = ("perf_counter", "process_time", "thread_time", "cuda.Event", "time.time()")
     found = [f"{p.relative_to(root)}: {c}" for p in root.rglob("*.py")
              if p.name != "measure.py" or p.parent.name != "lib"
              for c in clocks if c in p.read_text()]

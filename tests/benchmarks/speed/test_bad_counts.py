@@ -14,7 +14,8 @@ from tests.benchmarks.speed.test_smoke import SCRIPTS
 # other arguments in test_smoke.py)
 COUNTS = {"bench_contract": ("threads",), "bench_dlrm": ("threads",),
           "bench_embedding": ("repeats", "threads"), "bench_formats": ("repeats",),
-          "bench_growth": ("repeats", "threads"), "bench_stack": ("repeats", "threads"),
+          "bench_growth": ("repeats", "threads"), "bench_plan_ops": ("repeats", "threads"),
+          "bench_stack": ("repeats", "threads"),
           "bench_transformer": ("threads",), "bench_tt_linear": ("repeats",)}
 
 
