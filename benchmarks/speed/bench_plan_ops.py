@@ -11,9 +11,9 @@ step, as :func:`tncomp.runtime.profile.measure_plan` does) and set beside:
   machine's large-GEMM rate (a 2048 x 512 x 512 GEMM measured first: the FLOP floor);
 - a permute copy: its bytes at the machine's plain-copy bandwidth (measured first).
 
-Times are the thread's CPU time (:func:`benchmarks.lib.measure.thread_clock`), medians over the repeats: on a machine
-shared with other jobs, time spent descheduled is left out (memory-bandwidth contention is
-not). Compare within one run only.
+Times are the thread's CPU time (:func:`benchmarks.lib.measure.thread_clock`), medians over
+the repeats: on a machine shared with other jobs, time spent descheduled is left out
+(memory-bandwidth contention is not). Compare within one run only.
 
     python -m benchmarks.speed.bench_plan_ops                      # btt at d_model 256 and 512
     python -m benchmarks.speed.bench_plan_ops --format ttm --d-model 512
