@@ -519,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--late-allocation", choices=list(LATE_ALLOCATIONS), default=None,
                    help="late stage: fix the final shape from the bonds' spectra when it starts "
                         "(spectrum: tt, ttm), or prune along its steps (prune: any format); "
-                        "default auto: spectrum where every gated layer is a chain, else prune")
+                        "default auto: spectrum for balanced cores on chains, else prune")
     p.add_argument("--parametrization", choices=list(PARAMETRIZATIONS), default=None,
                    help="how the gated layers scale their cores (lm, mlm; default balanced; "
                         "plain: the cores of before 0.2.0)")

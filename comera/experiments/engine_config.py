@@ -203,8 +203,9 @@ class LateSettings:
     ``late_allocation``: ``"prune"`` shrinks along the step budget, on the target after
     ``late_landing`` of the late steps; ``"spectrum"`` (tensor-train chains) fixes the final
     shape from the bonds' spectra when the stage starts and trains that shape throughout;
-    ``"auto"`` (the default) is ``"spectrum"`` where every gated layer of the model is a chain
-    that rounds exactly, else ``"prune"``."""
+    ``"auto"`` (the default) is ``"spectrum"`` for balanced cores on chains that round exactly
+    (a balanced model spreads its weight over its whole rank, and pruning its gates costs most
+    of what it learned), else ``"prune"`` (plain cores: the paper's schedule)."""
 
     target_compression: float = 150.0
     late_loss_slack: float = 0.05
@@ -244,11 +245,14 @@ class LateSettings:
 
     def allocation_for(self, model: nn.Module) -> str:
         """The late stage's allocation on ``model``: ``late_allocation``, with ``"auto"`` read
-        as ``"spectrum"`` where :func:`~comera.ranks.allocate.spectrum_applies`, else
-        ``"prune"``."""
+        as ``"spectrum"`` where :func:`~comera.ranks.allocate.spectrum_applies` and some gated
+        layer is balanced, else ``"prune"``."""
         if self.late_allocation != "auto":
             return self.late_allocation
-        return "spectrum" if spectrum_applies(gated_layers(model)) else "prune"
+        layers = list(gated_layers(model))
+        balanced = any(getattr(layer, "parametrization", None) == "balanced"
+                       for _, layer in layers)
+        return "spectrum" if balanced and spectrum_applies(layers) else "prune"
 
 
 @dataclass(frozen=True)

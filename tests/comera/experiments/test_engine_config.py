@@ -221,6 +221,9 @@ def test_auto_late_allocation_shapes_chains_from_their_spectra_and_prunes_the_re
                           comera.GatedLinear(16, 16, format="btt", ranks=2))
     assert auto.allocation_for(mixed) == "prune"  # spectrum needs every layer a chain
     assert auto.allocation_for(nn.Linear(4, 4)) == "prune"  # nothing gated
+    plain = nn.Sequential(comera.GatedLinear(16, 16, format="tt", ranks=2,
+                                             parametrization="plain"))
+    assert auto.allocation_for(plain) == "prune"  # plain cores prune, as the paper does
     for chosen in ("prune", "spectrum"):
         assert LateSettings(late_allocation=chosen).allocation_for(model("btt")) == chosen
     with pytest.raises(comera.ConfigError, match="late_allocation='bogus'.*auto"):
