@@ -187,6 +187,10 @@ def _cmd_train(args, argv: list[str]) -> int:
         except (NotATorchFileError, OSError) as exc:
             raise ComeraError(f"--init-from {args.init_from}: {exc}; give a checkpoint of "
                               "`comera train mlm`, e.g. runs/mlm/checkpoints/comera.pt.") from None
+    if args.parametrization is not None and not exp.parametrization:
+        able = ", ".join(name for name, e in EXPERIMENTS.items() if e.parametrization)
+        raise ComeraError(f"--parametrization: the {exp.name} task sets no parametrization of "
+                          f"its layers; it works for {able}.")
     if args.checkpoint_blocks and not exp.checkpoint_blocks:
         able = ", ".join(name for name, e in EXPERIMENTS.items() if e.checkpoint_blocks)
         raise ComeraError(f"--checkpoint-blocks: the {exp.name} model has no encoder blocks to "
@@ -199,8 +203,12 @@ def _cmd_train(args, argv: list[str]) -> int:
         if args.nproc > 1:
             return _launch_workers(args, argv)
     world = init_from_env(config.device)
-    task = (exp.make_task(args.quick, init_from=args.init_from) if args.init_from
-            else exp.make_task(args.quick))
+    if args.init_from:
+        task = exp.make_task(args.quick, init_from=args.init_from)
+    elif args.parametrization is not None:
+        task = exp.make_task(args.quick, parametrization=args.parametrization)
+    else:
+        task = exp.make_task(args.quick)
     show = world.is_main and not args.no_progress and sys.stdout.isatty() \
         and not os.environ.get("COMERA_NO_PROGRESS")
     with _Bars(show) as bars:
@@ -486,8 +494,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from comera.experiments.engine_config import LATE_ALLOCATIONS
     from comera.experiments.registry import EXPERIMENTS  # the one list of models
     from comera.formats.registry import DENSE, layer_formats  # the one list of formats
+    from comera.formats.scaling import PARAMETRIZATIONS
 
     parser = _Parser(prog="comera", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -506,9 +516,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="late stage: gated layers' dense size / compressed size to reach")
     p.add_argument("--steps", type=int, default=None, help="early-stage steps (>= 1)")
     p.add_argument("--late-steps", type=int, default=None, help="late-stage steps")
-    p.add_argument("--late-allocation", choices=["prune", "spectrum"], default=None,
-                   help="late stage: prune along its steps (default), or fix the final shape "
-                        "from the bonds' spectra when it starts (tt, ttm)")
+    p.add_argument("--late-allocation", choices=list(LATE_ALLOCATIONS), default=None,
+                   help="late stage: fix the final shape from the bonds' spectra when it starts "
+                        "(spectrum: tt, ttm), or prune along its steps (prune: any format); "
+                        "default auto: spectrum for balanced cores on chains, else prune")
+    p.add_argument("--parametrization", choices=list(PARAMETRIZATIONS), default=None,
+                   help="how the gated layers scale their cores (lm, mlm; default balanced; "
+                        "plain: the cores of before 0.2.0)")
     p.add_argument("--late-landing", type=float, default=None,
                    help="late stage, pruning: the fraction of its steps after which it is on "
                         "the target (default 0.75)")

@@ -82,7 +82,7 @@ def run(args) -> dict:
         result["rows"] = [upgrade(r) for r in read_summary(args.out / "frontier.json")["rows"]]
     config = EngineConfig(batch_size=args.batch, lr=args.lr, lr_gates=args.lr_gates,
                           warmup=args.warmup, eval_every=args.eval_every, max_grad_norm=1.0,
-                          threads=args.threads)
+                          threads=args.threads, late_allocation="prune")  # as measured
     study = Study(task, config, args.work, steps=args.steps, early=args.early,
                   decide=args.decide, lam=args.lam, max_rank=16, floor=args.floor,
                   early_landing=args.early_landing)

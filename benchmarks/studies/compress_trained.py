@@ -178,7 +178,8 @@ def refine_with_gates(task: Task, model: nn.Module, rows: Tensor, target_size: i
     config = EngineConfig(steps_early=1, steps_late=args.gate_steps, stage="late", lam=0.0,
                           batch_size=min(CALIB_BATCH, rows.numel()), lr=args.ft_lr,
                           lr_gates=args.gate_lr, target_compression=dense / target_size,
-                          eval_every=args.gate_steps + 1, seed=seed, threads=1)
+                          eval_every=args.gate_steps + 1, seed=seed, threads=1,
+                          late_allocation="prune")  # the gate refinement prunes
     return engine_run(task, model, config, rows)
 
 

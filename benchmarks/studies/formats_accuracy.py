@@ -79,7 +79,7 @@ def study_of(task, args) -> Study:
     """The study: every model ``--steps`` steps at the shared training flags."""
     config = EngineConfig(batch_size=args.batch, lr=args.lr, lr_gates=args.lr_gates,
                           warmup=args.warmup, eval_every=args.eval_every, max_grad_norm=1.0,
-                          threads=args.threads)
+                          threads=args.threads, late_allocation="prune")  # as measured
     return Study(task, config, args.work, steps=args.steps)
 
 

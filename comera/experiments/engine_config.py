@@ -56,8 +56,14 @@ from comera.experiments.optim_schedule import OPTIMIZERS, SCHEDULES, lr_factor
 from comera.formats.registry import DENSE, check_layer_format
 from comera.formats.tt_flag import format_from_tt
 from comera.layers.linear import check_memory
+from comera.ranks.allocate import spectrum_applies
 from comera.ranks.objective import ALLOCATIONS, REGULARIZERS
+from comera.ranks.size import gated_layers
 from comera.training.early import EarlyStage
+
+#: The late stage's allocations: ``"auto"`` (spectrum on exact chains, else prune) and
+#: :data:`comera.ranks.objective.ALLOCATIONS`.
+LATE_ALLOCATIONS = ("auto", *ALLOCATIONS)
 
 __all__ = ["GROUPS", "RESULT_FREE", "LateSettings", "OptimSettings", "RankSettings",
            "RunSettings", "RuntimeSettings"]
@@ -196,12 +202,15 @@ class LateSettings:
     else the mean loss of the early stage's last steps times ``1 + late_loss_slack``.
     ``late_allocation``: ``"prune"`` shrinks along the step budget, on the target after
     ``late_landing`` of the late steps; ``"spectrum"`` (tensor-train chains) fixes the final
-    shape from the bonds' spectra when the stage starts and trains that shape throughout."""
+    shape from the bonds' spectra when the stage starts and trains that shape throughout;
+    ``"auto"`` (the default) is ``"spectrum"`` for balanced cores on chains that round exactly
+    (a balanced model spreads its weight over its whole rank, and pruning its gates costs most
+    of what it learned), else ``"prune"`` (plain cores: the paper's schedule)."""
 
     target_compression: float = 150.0
     late_loss_slack: float = 0.05
     late_target_loss: float | None = None
-    late_allocation: str = "prune"
+    late_allocation: str = "auto"
     late_landing: float = 0.75
 
     def __post_init__(self) -> None:
@@ -213,7 +222,7 @@ class LateSettings:
         if self.late_target_loss is not None:
             check_number("late_target_loss", self.late_target_loss, "a loss target is a finite "
                           "number >= 0 (or None: from the early stage)")
-        _choice("late_allocation", self.late_allocation, ALLOCATIONS)
+        _choice("late_allocation", self.late_allocation, LATE_ALLOCATIONS)
 
     def loss_target(self, early_losses: Sequence[float]) -> float:
         """L*: ``late_target_loss``, else the mean of ``early_losses`` (the early stage's last
@@ -232,7 +241,18 @@ class LateSettings:
         return comera.LateStage.for_compression(model, self.target_compression,
                                                 target_loss=target_loss, steps=steps,
                                                 landing=self.late_landing,
-                                                allocation=self.late_allocation)
+                                                allocation=self.allocation_for(model))
+
+    def allocation_for(self, model: nn.Module) -> str:
+        """The late stage's allocation on ``model``: ``late_allocation``, with ``"auto"`` read
+        as ``"spectrum"`` where :func:`~comera.ranks.allocate.spectrum_applies` and some gated
+        layer is balanced, else ``"prune"``."""
+        if self.late_allocation != "auto":
+            return self.late_allocation
+        layers = list(gated_layers(model))
+        balanced = any(getattr(layer, "parametrization", None) == "balanced"
+                       for _, layer in layers)
+        return "spectrum" if balanced and spectrum_applies(layers) else "prune"
 
 
 @dataclass(frozen=True)

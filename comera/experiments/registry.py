@@ -25,6 +25,7 @@ class Experiment:
     full: EngineConfig
     init_from: bool = False  # whether the task can start from a `comera train mlm` checkpoint
     checkpoint_blocks: bool = False  # whether its models have encoder blocks to checkpoint
+    parametrization: bool = False  # whether make_task takes the layers' parametrization
 
     def engine(self, quick: bool) -> EngineConfig:
         return self.quick if quick else self.full
@@ -50,16 +51,20 @@ def _dlrm(quick: bool) -> Task:
     return DLRMTask(DLRMTaskConfig.quick() if quick else DLRMTaskConfig.full())
 
 
-def _mlm(quick: bool) -> Task:
+def _mlm(quick: bool, parametrization: str | None = None) -> Task:
     from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 
-    return MLMTask(MLMTaskConfig() if quick else MLMTaskConfig.full())
+    config = MLMTaskConfig() if quick else MLMTaskConfig.full()
+    return MLMTask(config if parametrization is None
+                   else replace(config, parametrization=parametrization))
 
 
-def _lm(quick: bool) -> Task:
+def _lm(quick: bool, parametrization: str | None = None) -> Task:
     from comera.experiments.lm_task import LMTask, LMTaskConfig
 
-    return LMTask(LMTaskConfig() if quick else LMTaskConfig.full())
+    config = LMTaskConfig() if quick else LMTaskConfig.full()
+    return LMTask(config if parametrization is None
+                  else replace(config, parametrization=parametrization))
 
 
 # Both transformer tasks train the same classifier the same way.
@@ -97,7 +102,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         full=EngineConfig(steps_early=8000, steps_late=4000, batch_size=64, lr=5e-4,
                           warmup=500, lam=0.02, target_compression=8.0, eval_every=500,
                           checkpoint_every=1000),
-        checkpoint_blocks=True,
+        checkpoint_blocks=True, parametrization=True,
     ),
     "lm": Experiment(
         "lm", "GPT-style causal language model on CPython standard-library sources "
@@ -107,6 +112,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         full=EngineConfig(steps_early=8000, steps_late=4000, batch_size=32, lr=6e-4,
                           warmup=500, lam=0.02, target_compression=8.0, eval_every=500,
                           checkpoint_every=1000),
+        parametrization=True,
     ),
 }
 

@@ -37,23 +37,30 @@ from torch import Tensor
 
 from comera.errors import ConfigError
 from comera.formats.layout import Layout
+from tncomp.extend import renamed
 
-__all__ = ["DECOMPOSED", "PARAMETRIZATIONS", "RANK_ADAPTIVE", "CoreScaling", "balance_gauge",
+__all__ = ["DECOMPOSED", "FRESH", "PARAMETRIZATIONS", "CoreScaling", "balance_gauge",
            "check_parametrization", "core_scaling", "orthogonal_cores"]
 
-#: "balanced": the structure-aware initialisation and multipliers (the default of linear
-#: layers built fresh); "plain": one Gaussian scale for every core and no multipliers (before
-#: issue 30).
+#: "balanced": the structure-aware initialisation and multipliers; "plain": one Gaussian scale for
+#: every core and no multipliers (before issue 30).
 PARAMETRIZATIONS = ("balanced", "plain")
-#: The default of the models comera's tasks train rank-adaptively from scratch (CausalLMConfig,
-#: TransformerConfig and the LM / MLM task configs): a balanced model uses its whole rank, so
-#: CoMERA's late stage, pruning it to the target, costs far more loss than from plain cores
-#: (docs/results.md, issue 30). Layers built fresh stay balanced.
-RANK_ADAPTIVE = "plain"
+#: The default of gated layers built fresh: ``GatedLinear`` and the other layer constructors, and
+#: the models comera's tasks build (``CausalLMConfig``, ``TransformerConfig``, the LM / MLM task
+#: configs), so CoMERA trained from scratch too. Balanced cores train better at a fixed rank in
+#: every format measured, and rank-adaptively once the late stage shapes them from their spectra
+#: (the engine's ``late_allocation="auto"`` on chains) instead of pruning their gates, which a
+#: balanced model, its weight spread over its whole rank, does not survive (docs/results.md).
+FRESH = "balanced"
 #: The default of layers decomposed from given weights (``from_linear``, ``convert_``): on them the
 #: balanced scales measured no better than plain ones (fine-tuning a trained LM) or worse
 #: (training a converted, freshly initialised GPT); docs/results.md, issue 30.
 DECOMPOSED = "plain"
+
+
+#: ``RANK_ADAPTIVE`` (until 0.3.0): the task models' default, "plain" before 0.2.0, now
+#: :data:`FRESH` like every layer built fresh.
+__getattr__ = renamed(__name__, {"RANK_ADAPTIVE": (f"{__name__}:FRESH", "0.3.0")})
 
 
 def check_parametrization(value: str) -> str:

@@ -29,6 +29,7 @@ from comera.formats.layout import Layout
 from comera.formats.registry import Format, get_format
 from comera.formats.scaling import (
     DECOMPOSED,
+    FRESH,
     balance_gauge,
     check_parametrization,
     core_scaling,
@@ -541,7 +542,7 @@ class GatedLinear(GatedLayer):
                  out_modes: Sequence[int] | None = None, bias: bool = True,
                  tau: float = DEFAULT_TAU, d: int = 3, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, memory: str | int = "fast",
-                 parametrization: str = "balanced"):
+                 parametrization: str = FRESH):
         check_features("in_features", in_features)
         check_features("out_features", out_features)
         fmt = get_format(format)
@@ -564,7 +565,7 @@ class GatedLinear(GatedLayer):
         """A subclass's own rule on the numbers of modes (nothing by default)."""
 
     def _setup(self, layout: Layout, fmt: Format, bias: bool, tau: float, dtype, device,
-               memory, parametrization: str = "balanced") -> None:
+               memory, parametrization: str = FRESH) -> None:
         check_parametrization(parametrization)
         if self.fixed_format is not None and fmt.name != self.fixed_format:
             raise ConfigError(f"{type(self).__name__} is the {self.fixed_format!r} format, got "
@@ -583,7 +584,7 @@ class GatedLinear(GatedLayer):
                     tau: float = DEFAULT_TAU, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None,
                     memory: str | int = "fast",
-                    parametrization: str = "balanced") -> GatedLinear:
+                    parametrization: str = FRESH) -> GatedLinear:
         """A layer of ``layout`` in ``format`` (a registered name or a Format), randomly
         initialised: how records (checkpoints, pretrained folders) rebuild a layer (loading
         its state dict then adopts the saved cores' scales)."""
@@ -597,7 +598,7 @@ class GatedLinear(GatedLayer):
                 ranks: int | Mapping[str, int] | None = 16, bias: bool = True,
                 tau: float = DEFAULT_TAU, dtype: torch.dtype | None = None,
                 device: torch.device | str | None = None,
-                memory: str | int = "fast", parametrization: str = "balanced") -> GatedLinear:
+                memory: str | int = "fast", parametrization: str = FRESH) -> GatedLinear:
         """A layer whose weight is the network an einsum declares, with rank gates on ``bonds``:
         ``GatedLinear.from_eq("b i j, i a, a j k -> b k", bonds="a", sizes={"i": 4, "j": 8,
         "k": 16}, ranks=8)`` maps x (B, 32) to y (B, 16) through cores (i, a) and (a, j, k).
@@ -656,7 +657,7 @@ class _ChainLinear(GatedLinear):
                  in_modes: Sequence[int] | None = None, out_modes: Sequence[int] | None = None,
                  ranks: Ranks = 16, bias: bool = True, tau: float = DEFAULT_TAU, d: int = 3,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 memory: str | int = "fast", parametrization: str = "balanced"):
+                 memory: str | int = "fast", parametrization: str = FRESH):
         super().__init__(in_features, out_features, self.fixed_format, ranks, in_modes,
                          out_modes, bias, tau, d, dtype, device, memory, parametrization)
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from comera.formats.registry import check_layer_format
-from comera.formats.scaling import RANK_ADAPTIVE, check_parametrization
+from comera.formats.scaling import FRESH, check_parametrization
 from comera.layers.linear import DEFAULT_TAU
 from comera.models.transformer import check_sizes, check_token_ids, linear_layer
 
@@ -42,8 +42,8 @@ class CausalLMConfig:
     rank: int = 32  # the format's max rank
     tt_order: int = 3  # modes per side of a TT layer
     tau: float = DEFAULT_TAU
-    # how gated layers scale their cores (formats.scaling); plain: CoMERA prunes from scratch
-    parametrization: str = RANK_ADAPTIVE
+    # how gated layers scale their cores (formats.scaling.FRESH: balanced, as every fresh layer)
+    parametrization: str = FRESH
 
     def __post_init__(self) -> None:
         check_layer_format(self.linear, "linear")

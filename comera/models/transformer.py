@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError
 from comera.formats.registry import DENSE, check_layer_format, format_names, get_format
-from comera.formats.scaling import RANK_ADAPTIVE, check_parametrization
+from comera.formats.scaling import FRESH, check_parametrization
 from comera.formats.tt_flag import (  # noqa: F401  (their home; imported from here before)
     NO_FLAG,
     TT_FLAG_RELEASE,
@@ -95,8 +95,8 @@ class TransformerConfig:
     # the layers' kind: "dense" (the baseline) or a format built from modes (layer_formats();
     # the token table takes the format's table, e.g. TT's a TT-matrix one)
     linear_format: str = "tt"
-    # how gated layers scale their cores (formats.scaling); plain: CoMERA prunes from scratch
-    parametrization: str = RANK_ADAPTIVE
+    # how gated layers scale their cores (formats.scaling.FRESH: balanced, as every fresh layer)
+    parametrization: str = FRESH
     tt: InitVar[Any] = NO_FLAG  # deprecated: see the class docstring
 
     def __post_init__(self, tt: Any) -> None:

@@ -59,6 +59,7 @@ __all__ = [
     "bond_spectra",
     "layer_size",
     "rank_one_layers",
+    "spectrum_applies",
     "uniform_ranks",
     "warn_rank_one",
 ]
@@ -86,6 +87,15 @@ def check_chains(layers) -> None:
         if not (layer.layout.is_chain and rounds_exactly(layer)):
             raise ConfigError(f"layer {name or '<model>'} is in the {layer.format.name!r} "
                               f"format; {_CHAINS_ONLY}")
+
+
+def spectrum_applies(layers) -> bool:
+    """Whether the spectrum allocation can shape ``layers`` ((name, gated layer) pairs): there is
+    at least one and every one is a chain whose format rounds exactly (what
+    :func:`check_chains` asks)."""
+    layers = list(layers)
+    return bool(layers) and all(layer.layout.is_chain and rounds_exactly(layer)
+                                for _, layer in layers)
 
 
 def check_chain_format(name: str, what: str = "format") -> None:

@@ -181,11 +181,11 @@ def test_the_late_stage_flags_reach_the_engine_config():
     assert (config.late_allocation, config.late_landing) == ("spectrum", 0.5)
     plain = _engine_config(build_parser().parse_args(["train", "lm", "--quick"]),
                            EXPERIMENTS["lm"])
-    assert (plain.late_allocation, plain.late_landing) == ("prune", 0.75)
+    assert (plain.late_allocation, plain.late_landing) == ("auto", 0.75)
     from comera.ranks.objective import ALLOCATIONS  # the CLI lists them without importing
 
     choices = next(a.choices for c, f, a in _flags() if f == "--late-allocation")
-    assert set(choices) == set(ALLOCATIONS)
+    assert set(choices) == {"auto", *ALLOCATIONS}
 
 
 def test_convert_config_that_is_not_an_object_is_one_line(tmp_path, capsys, model_file):

@@ -8,7 +8,7 @@
   stage), all ``steps``. No row where not even rank 1 fits.
 - a format with a parametrization, ``"tt:balanced"`` / ``"tt:plain"``: the same with the layers
   at that parametrization (:mod:`comera.formats.scaling`); without one, the task's (plain for
-  comera's tasks: :data:`comera.formats.scaling.RANK_ADAPTIVE`).
+  the studies: plain, :data:`benchmarks.studies.harness.frontier.STUDY_PARAMETRIZATION`).
 - ``"narrow"`` with ``widths``: instead, the dense model at each d_model of ``widths`` (d_ff at
   the task's ratio, the heads dividing d_model: :meth:`Study.width_sizes`), a row per width
   named ``"dense@<width>"`` with no target: the dense frontier's widths, given.

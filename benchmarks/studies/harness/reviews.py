@@ -22,8 +22,10 @@ class SmallReviews(ReviewsTask):
 
     def model_config(self, format: str = "tt") -> TransformerConfig:
         base = super().model_config(format)
+        # plain cores as the studies were measured (a method may name its parametrization)
         return replace(base, d_model=128, n_heads=4, d_ff=512, rank=16, tt_embedding=False,
-                       attn_modes=None, ffn_in_modes=None, ffn_out_modes=None)
+                       attn_modes=None, ffn_in_modes=None, ffn_out_modes=None,
+                       parametrization="plain")
 
     def build(self, format: str = DENSE, rank: int | None = None, **sizes: int) -> nn.Module:
         """The classifier with its encoder linear layers of the kind ``format`` at ``rank``

@@ -23,7 +23,7 @@ from tests.helpers import ROOT
 from tests.helpers.toy_task import ToyTask
 
 CFG = EngineConfig(steps_early=12, steps_late=8, batch_size=16, lr=1e-2, lr_gates=0.1, lam=20.0,
-                   target_compression=3.0, eval_every=5)
+                   target_compression=3.0, eval_every=5, late_allocation="prune")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

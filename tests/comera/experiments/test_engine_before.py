@@ -44,7 +44,7 @@ def test_a_config_pickled_by_the_flat_class_loads_as_the_same_grouped_config():
     assert type(old) is EngineConfig and old == EngineConfig(**SETTINGS)
     assert dataclasses.asdict(old) == saved  # what checkpoints and summaries store: same keys
     assert old.late == LateSettings(target_compression=3.0, late_loss_slack=0.1,
-                                    late_landing=0.6)
+                                    late_landing=0.6, late_allocation="prune")
     assert old.optim == OptimSettings(**{k: saved[k] for k in (
         f.name for f in dataclasses.fields(OptimSettings))})
     assert EngineConfig.from_groups(**{name: getattr(old, name) for name in GROUPS}) == old

@@ -200,3 +200,31 @@ def test_a_resume_may_change_the_runtime_but_not_the_precision(tmp_path):
                             dataclasses.replace(config, memory="min", threads=2), tmp_path,
                             resume=True)
     assert record.steps == config.total_steps
+
+
+def test_auto_late_allocation_shapes_chains_from_their_spectra_and_prunes_the_rest():
+    from torch import nn
+
+    import comera
+    from comera.experiments.engine_config import LateSettings
+
+    def model(fmt: str) -> nn.Module:
+        return nn.Sequential(comera.GatedLinear(16, 16, format=fmt, ranks=2), nn.Linear(16, 4))
+
+    auto = LateSettings()
+    assert auto.late_allocation == "auto"
+    assert auto.allocation_for(model("tt")) == "spectrum"
+    assert auto.allocation_for(model("ttm")) == "spectrum"
+    assert auto.allocation_for(model("btt")) == "prune"  # not a chain
+    assert auto.allocation_for(model("cp")) == "prune"  # no exact rounding
+    mixed = nn.Sequential(comera.GatedLinear(16, 16, format="tt", ranks=2),
+                          comera.GatedLinear(16, 16, format="btt", ranks=2))
+    assert auto.allocation_for(mixed) == "prune"  # spectrum needs every layer a chain
+    assert auto.allocation_for(nn.Linear(4, 4)) == "prune"  # nothing gated
+    plain = nn.Sequential(comera.GatedLinear(16, 16, format="tt", ranks=2,
+                                             parametrization="plain"))
+    assert auto.allocation_for(plain) == "prune"  # plain cores prune, as the paper does
+    for chosen in ("prune", "spectrum"):
+        assert LateSettings(late_allocation=chosen).allocation_for(model("btt")) == chosen
+    with pytest.raises(comera.ConfigError, match="late_allocation='bogus'.*auto"):
+        LateSettings(late_allocation="bogus")

@@ -18,7 +18,7 @@ from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig, next_token_targets
 from comera.experiments.registry import EXPERIMENTS, experiment
 from comera.experiments.results import run_experiment
-from comera.formats.scaling import RANK_ADAPTIVE
+from comera.formats.scaling import FRESH
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 from tests.helpers.parameters import assert_same_parameters
 from tests.helpers.tiny_corpus import write_tiny_corpus
@@ -119,7 +119,7 @@ def test_models_are_bit_identical_to_those_of_the_flat_config(task, format):
         return CausalLM(CausalLMConfig(
             vocab_size=task.vocab, d_model=d_model, n_heads=2, d_ff=d_ff, n_layers=1,
             max_len=16, dropout=0.0, linear=format, rank=rank, tt_order=3,
-            parametrization=RANK_ADAPTIVE))
+            parametrization=FRESH))
 
     for build, old in ((lambda: task.build_model(format), lambda: flat(4)),
                        (lambda: task.build(format, 3), lambda: flat(3)),

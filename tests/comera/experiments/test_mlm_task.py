@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
-from comera.formats.scaling import RANK_ADAPTIVE
+from comera.formats.scaling import FRESH
 from comera.models.mlm import MaskedLM
 from comera.models.transformer import TransformerConfig, linear_layer
 from tests.helpers.parameters import assert_same_parameters
@@ -32,7 +32,7 @@ def flat_config(vocab: int, format: str, d_model: int = 32, d_ff: int = 64) -> T
         vocab_size=vocab, d_model=d_model, n_heads=2, d_ff=d_ff, n_layers=1, max_len=16,
         dropout=0.1, linear_format=format, tt_embedding=True, rank=4, embedding_rank=8,
         attn_modes=None, ffn_in_modes=None, ffn_out_modes=None, embedding_modes=None,
-        parametrization=RANK_ADAPTIVE)
+        parametrization=FRESH)
 
 
 def flat_build(vocab: int, format: str, rank: int, **sizes: int) -> nn.Module:
@@ -56,7 +56,7 @@ def test_the_model_config_is_the_flat_one_of_before(task):
         vocab_size=100, d_model=768, n_heads=12, d_ff=3072, n_layers=6, max_len=128,
         dropout=0.1, linear_format="tt", tt_embedding=True, rank=30, embedding_rank=32,
         attn_modes=None, ffn_in_modes=None, ffn_out_modes=None, embedding_modes=None,
-        parametrization=RANK_ADAPTIVE)
+        parametrization=FRESH)
 
 
 @pytest.mark.filterwarnings("ignore:.*reaches the full rank")

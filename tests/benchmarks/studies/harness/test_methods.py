@@ -21,7 +21,7 @@ from comera.ranks.truncate import round_
 from tests.helpers.toy_task import ToyTask
 
 CFG = EngineConfig(batch_size=16, lr=1e-2, lr_gates=0.1, warmup=2, eval_every=3, threads=1,
-                   max_grad_norm=1.0)
+                   max_grad_norm=1.0, late_allocation="prune")
 
 
 class ToyStudy(ToyTask):
