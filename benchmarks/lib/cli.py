@@ -15,7 +15,8 @@ OUT_HELP = "results name under benchmarks/results/ or a path stem"
 
 def add_out(parser: argparse.ArgumentParser, default: str | None, note: str = "") -> None:
     """Every benchmark's ``--out``: a results name under benchmarks/results/ or a path stem
-    (:func:`benchmarks.lib.measure.write_results_to`); ``note`` says what a default of None picks."""
+    (:func:`benchmarks.lib.measure.write_results_to`); ``note`` says what a default of None
+    picks."""
     parser.add_argument("--out", default=default,
                         help=OUT_HELP + (f" ({note})" if note else ""))
 

@@ -226,5 +226,5 @@ def test_auto_late_allocation_shapes_chains_from_their_spectra_and_prunes_the_re
     assert auto.allocation_for(plain) == "prune"  # plain cores prune, as the paper does
     for chosen in ("prune", "spectrum"):
         assert LateSettings(late_allocation=chosen).allocation_for(model("btt")) == chosen
-    with pytest.raises(comera.ConfigError, match="late_allocation='bogus'.*auto"):
+    with pytest.raises(comera.ConfigError, match=r"late_allocation='bogus'.*auto"):
         LateSettings(late_allocation="bogus")
