@@ -42,3 +42,25 @@ def run_header(args: argparse.Namespace) -> dict[str, Any]:
     """What every benchmark's results open with: the machine (:func:`~comera.experiments.
     results.machine`: CPU, cores, threads, torch, commit, date) and :func:`run_mode`."""
     return {"machine": machine(), "mode": run_mode(args)}
+
+
+def add_gpt_options(parser: argparse.ArgumentParser, *, widths: str, repeats: str, smoke: str,
+                    note: str) -> None:
+    """The options of the scripts that time the small GPT at several widths: ``--d-model``,
+    ``--repeats``, ``--threads``, ``--smoke`` and ``--note``, each with its script's help."""
+    parser.add_argument("--d-model", type=int, nargs="+", default=None, help=widths)
+    parser.add_argument("--repeats", type=int, default=None, help=repeats)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help=smoke)
+    parser.add_argument("--note", default=note,
+                        help="what the machine was doing (written with the results)")
+
+
+def check_gpt_options(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      heads: int) -> None:
+    """Refuse, before any work, a count below 1 and a width the GPT's ``heads`` do not divide
+    (or below two per head)."""
+    check_at_least_one(parser, args, "repeats", "threads")
+    if args.d_model is not None and any(d < 2 * heads or d % heads for d in args.d_model):
+        parser.error(f"--d-model {args.d_model}; each width is a multiple of {heads} heads, "
+                     f"at least {2 * heads}")

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import comera
-from benchmarks.lib.cli import add_out, check_at_least_one, run_header
+from benchmarks.lib.cli import add_gpt_options, add_out, check_gpt_options, run_header
 from benchmarks.lib.measure import (
     interleaved_times,
     markdown_table,
@@ -222,22 +222,15 @@ def markdown(payload: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--d-model", type=int, nargs="+", default=None,
-                        help="widths to run (default 128 512; smoke: 128)")
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true",
-                        help="d_model 128, batch 4 x 16 tokens, one round: checks the script")
-    parser.add_argument("--note", default="The machine was shared with other jobs (loaded): "
-                        "compare ratios within one run only.",
-                        help="what the machine was doing (written with the results)")
+    add_gpt_options(parser, widths="widths to run (default 128 512; smoke: 128)",
+                    repeats="interleaved rounds",
+                    smoke="d_model 128, batch 4 x 16 tokens, one round: checks the script",
+                    note="The machine was shared with other jobs (loaded): compare ratios "
+                    "within one run only.")
     add_out(parser, "gpt_step_cpu")
     args = parser.parse_args(argv)
-    check_at_least_one(parser, args, "repeats", "threads")
-    if args.d_model is not None and any(d < 2 * HEADS or d % HEADS for d in args.d_model):
-        parser.error(f"--d-model {args.d_model}; each width is a multiple of {HEADS} heads, "
-                     f"at least {2 * HEADS}")
+    check_gpt_options(parser, args, HEADS)
     torch.set_num_threads(args.threads)
     # smoke: the smallest width at which every format reaches 8x (convert_ refuses a target it
     # cannot reach)

@@ -31,7 +31,7 @@ import sys
 import torch
 
 import comera
-from benchmarks.lib.cli import add_out, check_at_least_one, run_header
+from benchmarks.lib.cli import add_gpt_options, add_out, check_gpt_options, run_header
 from benchmarks.lib.measure import markdown_table, publish, thread_clock
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 from tncomp.compiler.ops import MatMul, Permute
@@ -162,22 +162,15 @@ def markdown(payload: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--d-model", type=int, nargs="+", default=None,
-                        help="widths (default 256 512; smoke: 128)")
     parser.add_argument("--format", default="btt", choices=FORMATS)
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per step")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true",
-                        help="d_model 128, 64 rows, one repeat: checks the script")
-    parser.add_argument("--note", default="The machine was shared with other jobs (loaded): "
-                        "compare within one run only.",
-                        help="what the machine was doing (written with the results)")
+    add_gpt_options(parser, widths="widths (default 256 512; smoke: 128)",
+                    repeats="timed runs per step",
+                    smoke="d_model 128, 64 rows, one repeat: checks the script",
+                    note="The machine was shared with other jobs (loaded): compare within one "
+                    "run only.")
     add_out(parser, "plan_ops_cpu")
     args = parser.parse_args(argv)
-    check_at_least_one(parser, args, "repeats", "threads")
-    if args.d_model is not None and any(d < 2 * HEADS or d % HEADS for d in args.d_model):
-        parser.error(f"--d-model {args.d_model}; each width is a multiple of {HEADS} heads, "
-                     f"at least {2 * HEADS}")
+    check_gpt_options(parser, args, HEADS)
     torch.set_num_threads(args.threads)
     widths = args.d_model or ([128] if args.smoke else [256, 512])
     rows = 64 if args.smoke else 32 * 64
