@@ -12,7 +12,7 @@ synthetic Zipf generator (``comera.data.criteo.SyntheticCriteo``) at the model's
   non-finite checks as CoMERA's);
 - ``tt``: TT tables at their initial ranks, ``comera.make_optimizer``'s three AdamW groups and
   ``comera.CoMERATrainer`` with the rank regulariser in the objective (the early stage);
-- ``tt_cache``: ``tt`` with TT-Rec's hot-row cache (``comera.CachedTTEmbedding``): each TT
+- ``tt_cache``: ``tt`` with TT-Rec's hot-row cache (``CachedTTEmbedding``): each TT
   table keeps dense rows for its ``cache_rows`` most frequent ids, counted over 65,536 training
   examples of the same generator (issue 13: the lead must survive the cache).
 
@@ -60,6 +60,7 @@ from comera.errors import ConfigError
 from comera.experiments.dlrm_task import DLRMTaskConfig
 from comera.experiments.registry import experiment
 from comera.experiments.results import machine
+from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.models.dlrm import DLRM, DLRMConfig
 
 log = logging.getLogger("bench_dlrm")
@@ -176,9 +177,9 @@ def _qualname(obj) -> str:
 
 def size_info(model: DLRM) -> dict:
     """Parameter counts and compression of ``model`` against the same model with dense tables."""
-    tt_tables = [m.tt if isinstance(m, comera.CachedTTEmbedding) else m
+    tt_tables = [m.tt if isinstance(m, CachedTTEmbedding) else m
                  for m in model.embeddings
-                 if isinstance(m, comera.TTEmbedding | comera.CachedTTEmbedding)]
+                 if isinstance(m, comera.TTEmbedding | CachedTTEmbedding)]
     info = {
         "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "effective_size": comera.model_size(model),
@@ -382,7 +383,7 @@ def render_markdown(payload: dict) -> str:
     if "tt_cache" in v:
         c = v["tt_cache"]
         notes.append(f"- tt_cache: tt with {c['cache_rows']:,} dense hot rows per TT table "
-                     "(comera.CachedTTEmbedding; the rows count in the sizes), chosen from the "
+                     "(CachedTTEmbedding; the rows count in the sizes), chosen from the "
                      f"ids of {HOT_ROW_SAMPLE:,} training examples; share of that sample's "
                      f"lookups the caches answer, per TT table: "
                      f"{c['cache_hit_percent_per_table']} %.")

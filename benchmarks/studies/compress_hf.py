@@ -54,6 +54,7 @@ from benchmarks.studies.harness.trained import (
 )
 from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.results import machine
+from comera.surgery.convert import ConversionReport
 from comera.surgery.input_statistics import gram_bytes
 
 
@@ -151,7 +152,7 @@ def trained_gpt2(task, steps: int, cache: Path | None, smoke: bool) -> tuple[Log
 
 
 def floor_arm(trained: Logits, fmt: str, target: float, arm: str,
-              batches: list[dict[str, Tensor]]) -> tuple[Logits, comera.ConversionReport]:
+              batches: list[dict[str, Tensor]]) -> tuple[Logits, ConversionReport]:
     """A copy of ``trained`` with its ``transformer.h.*`` layers converted as ``arm`` says."""
     allocation, how = arm.split("+")[0].split("/")
     options = {"allocation": allocation, "format": fmt, "target_compression": target}

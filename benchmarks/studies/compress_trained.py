@@ -69,6 +69,7 @@ from comera.experiments.results import machine
 from comera.experiments.task import Task
 from comera.formats.scaling import PARAMETRIZATIONS
 from comera.surgery.config import DEFAULT_DAMPING
+from comera.surgery.convert import ConversionReport
 
 CACHE = Path("runs/compress_trained")
 ARMS = ("uniform/plain", "uniform/calibrated", "global/plain", "global/calibrated",
@@ -142,7 +143,7 @@ def cmd_pretrain(args) -> int:
 # -- compression arms -----------------------------------------------------------------------------
 def convert_arm(dense: nn.Module, fmt: str, arm: str, target: float, budget: int | None,
                 batches: list[Tensor] | None, damping: float = DEFAULT_DAMPING,
-                parametrization: str = "balanced") -> tuple[nn.Module, comera.ConversionReport]:
+                parametrization: str = "balanced") -> tuple[nn.Module, ConversionReport]:
     """A copy of ``dense`` with its block linear layers converted as ``arm`` says
     ("uniform|global" / "plain|calibrated"); the global arms spend ``budget`` core parameters;
     the layers at ``parametrization``."""

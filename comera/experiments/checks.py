@@ -16,6 +16,7 @@ from comera.experiments.task import Task, build_task_model, run_format
 from comera.formats.registry import DENSE
 from comera.numbers import is_int
 from comera.ranks.objective import floor_size
+from comera.ranks.size import dense_size
 
 __all__ = ["MAX_INT", "ON_NONFINITE", "PRECISIONS", "STAGES", "check_device", "check_int",
            "check_kept_parametrization", "check_number", "check_settings", "check_task",
@@ -111,7 +112,7 @@ def check_task(task: Task, config: Any, tt: bool | None = None) -> None:
         return
     with torch.random.fork_rng(devices=[]):
         model = build_task_model(task, format)
-    dense = comera.dense_size(model, only=comera.GatedLayer)
+    dense = dense_size(model, only=comera.GatedLayer)
     non_tt = comera.model_size(model) - comera.model_size(model, only=comera.GatedLayer)
     floor = max(1, floor_size(model, 1) - non_tt)  # the TT layers with every rank at 1
     if config.target_compression > dense / floor:

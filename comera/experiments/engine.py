@@ -79,6 +79,7 @@ from comera.experiments.task import IndexStream, Task, build_task_model
 from comera.formats.registry import DENSE
 from comera.formats.tt_flag import format_from_tt
 from comera.ranks.allocate import check_chain_format
+from comera.ranks.size import dense_size
 from comera.training.trainers import pick_threads
 
 __all__ = ["EngineConfig", "Progress", "RunRecord", "check_device", "check_settings",
@@ -231,10 +232,10 @@ def sizes_of(model: nn.Module) -> dict[str, float]:
         out.update(model_params=total, dense_model_params=total, tt_compression=1.0)
         return out
     out["model_params"] = comera.model_size(model)
-    out["dense_model_params"] = comera.dense_size(model)
+    out["dense_model_params"] = dense_size(model)
     for key, only in (("tt", comera.GatedLayer), ("linear", comera.GatedLinear),
                       ("embedding", comera.GatedEmbedding)):
-        dense = comera.dense_size(model, only=only)
+        dense = dense_size(model, only=only)
         if dense:
             params = comera.model_size(model, only=only)
             out[f"{key}_params"] = params

@@ -18,7 +18,7 @@ from comera import (
     TTLinear,
     TTMLinear,
 )
-from comera.ranks.objective import rank_regularizer
+from comera.ranks.objective import rank_regularizer, soft_size
 
 LAYERS = (TTLinear, TTMLinear)
 
@@ -160,7 +160,7 @@ def test_trainer_without_tt_layers():
     with pytest.raises(ConfigError, match="no TT layers"):
         rank_regularizer(model)
     with pytest.raises(ConfigError, match="no TT layers"):
-        comera.soft_size(model)
+        soft_size(model)
 
 
 def test_trainer_bad_lam_and_late_stage():

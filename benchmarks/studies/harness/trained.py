@@ -16,6 +16,7 @@ from benchmarks.lib.measure import RESULTS
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 from comera.experiments.task import Task
+from comera.ranks.size import dense_size
 
 __all__ = ["CALIB_BATCH", "OUT", "ForEngine", "calibration_batches", "calibration_rows",
            "linear_sizes", "make_task", "model_input", "peak_rss_mib", "score"]
@@ -106,7 +107,7 @@ def peak_rss_mib() -> float:
 def linear_sizes(model: nn.Module) -> tuple[int, int]:
     """(parameters, dense parameters) of the gated layers, biases included."""
     return (comera.model_size(model, only=comera.GatedLayer),
-            comera.dense_size(model, only=comera.GatedLayer))
+            dense_size(model, only=comera.GatedLayer))
 
 
 def score(task: Task, model: nn.Module) -> dict[str, float]:

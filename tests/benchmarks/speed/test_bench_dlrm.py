@@ -29,6 +29,7 @@ from benchmarks.speed.bench_dlrm import (
 )
 from comera.data.criteo import CRITEO_KAGGLE_CARDINALITIES
 from comera.errors import ConfigError
+from comera.layers.cached_embedding import CachedTTEmbedding
 
 ROWS, BATCH, DIM, TABLES, DENSE_FEATURES = 2000, 64, 16, 26, 13
 PAIRS = (TABLES + 1) * TABLES // 2  # interactions among the bottom output and the 26 tables
@@ -168,7 +169,7 @@ def test_tt_cache_variant_caches_hot_rows_and_counts_them(payload, bench):
     shares = cached["cache_hit_percent_per_table"]
     assert len(shares) == tt["tt_tables"] and all(0 < p <= 100 for p in shares)
     variant = build_variant("tt_cache", bench)
-    tables = [t for t in variant.model.embeddings if isinstance(t, comera.CachedTTEmbedding)]
+    tables = [t for t in variant.model.embeddings if isinstance(t, CachedTTEmbedding)]
     assert len(tables) == tt["tt_tables"] and all(t.cache_rows == rows for t in tables)
     assert "Dense / TT with the hot-row cache" in render_markdown(payload)
 

@@ -9,6 +9,7 @@ from torch import nn
 import comera
 from comera.layers.cached_embedding import CachedTTEmbedding
 from comera.models.dlrm import DLRM, DLRMConfig
+from comera.ranks.size import dense_size
 
 F64 = torch.float64
 
@@ -81,7 +82,7 @@ def test_cached_rows_count_in_the_model_size_once():
     model = nn.Sequential(layer, nn.Linear(8, 2, dtype=F64))
     tt_params = layer.tt.num_parameters()
     assert comera.model_size(model) == tt_params + 5 * 8 + 8 * 2 + 2
-    assert comera.dense_size(model) == 60 * 8 + 8 * 2 + 2  # the cached rows are table rows
+    assert dense_size(model) == 60 * 8 + 8 * 2 + 2  # the cached rows are table rows
     assert comera.model_size(model, only=comera.TTEmbedding) == tt_params + 40
     assert comera.compression_ratio(model, only=comera.TTEmbedding) == pytest.approx(
         480 / (tt_params + 40))

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 import comera
 from comera.layers.linear import GatedLinear
-from comera.ranks.objective import prune_to_
+from comera.ranks.objective import prune_to_, soft_size
 from comera.ranks.truncate import excess_bonds, round_
 
 F64 = torch.float64
@@ -221,7 +221,7 @@ def test_sizes_and_soft_size_follow_the_layout(fmt, one_thread):
         layer.gates[0][0] = 0.0
     cores = layer.layout.parameters_at(layer.bond_ranks)
     assert comera.model_size(layer) == cores + 12
-    torch.testing.assert_close(comera.soft_size(layer).double(),
+    torch.testing.assert_close(soft_size(layer).double(),
                                torch.tensor(float(cores), dtype=F64))
     assert comera.compression_ratio(layer) == pytest.approx((72 + 12) / (cores + 12))
 

@@ -9,6 +9,7 @@ from torch import nn
 
 import comera
 from comera.layers.lowrank import LowRankLinear
+from comera.ranks.size import dense_size
 
 F64 = torch.float64
 
@@ -31,5 +32,5 @@ def test_the_model_size_and_compression_count_it():
         model = nn.Sequential(LowRankLinear(10, 6, 2), nn.ReLU(), nn.Linear(6, 3))
     head = 6 * 3 + 3
     assert comera.model_size(model) == 2 * 16 + 6 + head
-    assert comera.dense_size(model) == 66 + head
+    assert dense_size(model) == 66 + head
     assert comera.compression_ratio(model, only=comera.GatedLinear) == pytest.approx(66 / 38)

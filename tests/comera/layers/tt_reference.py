@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 import comera
-from comera import Siblings, TTEmbedding, TTLinear, TTMLinear
+from comera import TTEmbedding, TTLinear, TTMLinear
+from comera.layers.siblings import Siblings
 from comera.ranks import objective, truncate
 from comera.ranks.allocate import allocate_, bond_spectra
 from comera.training.capture import _tensor_size

@@ -8,7 +8,9 @@ from torch import nn
 
 import comera
 from comera import LateStage, TTEmbedding, TTLinear, TTMLinear
-from comera.ranks.objective import rank_regularizer
+from comera.ranks.objective import rank_regularizer, soft_size
+from comera.ranks.size import dense_size
+from comera.training.trainers import param_groups
 
 F64 = torch.float64
 
@@ -75,7 +77,7 @@ def _all_kinds_model(bias):
 def test_soft_size_equals_model_size_at_unit_gates(bias):
     model = _all_kinds_model(bias)
     biases = sum(m.bias.numel() for m in model.values() if m.bias is not None)
-    soft = comera.soft_size(model)
+    soft = soft_size(model)
     assert soft.item() == comera.model_size(model) - biases
     # soft ranks are the l1 norms of the gates: halving one gate halves its bond's terms
     tt = model["tt"]
@@ -83,7 +85,7 @@ def test_soft_size_equals_model_size_at_unit_gates(bias):
         tt.gates[1].fill_(0.5)
     # TT cores (1,3,2) (2,5,3) (3,7,2) (2,2,1): the middle bond (3) now counts 1.5
     delta = 5 * 2 * (3 - 1.5) + 7 * 2 * (3 - 1.5)
-    assert comera.soft_size(model).item() == pytest.approx(soft.item() - delta)
+    assert soft_size(model).item() == pytest.approx(soft.item() - delta)
 
 
 def test_soft_size_counts_gateless_single_core_layers():
@@ -93,7 +95,7 @@ def test_soft_size_counts_gateless_single_core_layers():
     model = nn.Sequential(tt, single)
     assert tt.num_parameters() == 58 and single.num_parameters() == 30
     assert comera.model_size(model) == 88
-    assert comera.soft_size(model).item() == 58 + 30
+    assert soft_size(model).item() == 58 + 30
 
 
 LATE_CASES = [
@@ -127,10 +129,10 @@ def test_late_stage_from_ratio_and_objective():
     loss = torch.tensor(1.0, dtype=torch.float32)
     total, which = late.objective(model, loss)
     assert which == "size"
-    expected = 1.0 + 2.0 * comera.soft_size(model).item() / size
+    expected = 1.0 + 2.0 * soft_size(model).item() / size
     assert total.item() == pytest.approx(expected)
     total, which = late.objective(model, loss, size_reference=1000.0)
-    assert total.item() == pytest.approx(1.0 + 2.0 * comera.soft_size(model).item() / 1000)
+    assert total.item() == pytest.approx(1.0 + 2.0 * soft_size(model).item() / 1000)
     small = LateStage(size + 1)
     total, which = small.objective(model, loss)
     assert which == "loss" and total is loss
@@ -200,7 +202,7 @@ def test_make_optimizer_groups():
 
 def test_param_groups_leave_out_empty_groups():
     layer = TTLinear(15, 14, (3, 5), (7, 2), ranks=3, bias=False)
-    assert [g["name"] for g in comera.param_groups(layer)] == ["cores", "gates"]
+    assert [g["name"] for g in param_groups(layer)] == ["cores", "gates"]
 
 
 @pytest.mark.parametrize("lam", [0.01, 0.0])
@@ -224,7 +226,7 @@ def test_trainer_early_step(lam):
     assert stats.size == comera.model_size(model)
     assert stats.compression == pytest.approx(comera.compression_ratio(model,
                                                                        only=comera.GatedLayer))
-    assert stats.model_compression == pytest.approx(comera.dense_size(model) / stats.size)
+    assert stats.model_compression == pytest.approx(dense_size(model) / stats.size)
     assert trainer.steps == 1
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 

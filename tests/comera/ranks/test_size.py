@@ -11,6 +11,7 @@ from torch import nn
 
 import comera
 from comera import TTEmbedding, TTLinear, TTMLinear
+from comera.ranks.size import dense_size
 
 # Q/K/V/O: TTLinear(768, 768, in_modes=(12, 8, 8), out_modes=(8, 8, 12), ranks=30)
 #   modes 12, 8, 8, 8, 8, 12; interior bond k = min(30, prod(modes[:k]), prod(modes[k:]))
@@ -93,7 +94,7 @@ def test_mnli_blocks_model_size_and_ratio():
     model = Encoder()
     assert comera.model_size(model) == BLOCKS_TT == 838_272
     assert comera.model_size(model, only=TTLinear) == BLOCKS_TT
-    assert comera.dense_size(model) == BLOCKS_DENSE == 42_467_328
+    assert dense_size(model) == BLOCKS_DENSE == 42_467_328
     ratio = comera.compression_ratio(model)
     assert ratio == pytest.approx(42_467_328 / 838_272)
     assert ratio == pytest.approx(50.66, abs=0.01)
@@ -107,9 +108,9 @@ def test_mnli_with_pooler_and_embedding():
     assert comera.model_size(model, only=TTLinear) == WITH_POOLER_TT == 858_720
     assert comera.model_size(model, only=TTEmbedding) == EMB_PARAMS
     assert comera.model_size(model) == WITH_POOLER_TT + EMB_PARAMS + other
-    assert comera.dense_size(model, only=TTLinear) == WITH_POOLER_DENSE == 43_057_152
-    assert comera.dense_size(model, only=TTEmbedding) == 30522 * 768
-    assert comera.dense_size(model) == WITH_POOLER_DENSE + 30522 * 768 + other
+    assert dense_size(model, only=TTLinear) == WITH_POOLER_DENSE == 43_057_152
+    assert dense_size(model, only=TTEmbedding) == 30522 * 768
+    assert dense_size(model) == WITH_POOLER_DENSE + 30522 * 768 + other
     assert comera.compression_ratio(model, only=TTLinear) == pytest.approx(50.14, abs=0.01)
     assert comera.compression_ratio(model) == pytest.approx(
         (WITH_POOLER_DENSE + 30522 * 768 + other) / (WITH_POOLER_TT + EMB_PARAMS + other))
@@ -141,7 +142,7 @@ def test_ttm_counts_m_times_n_per_slice():
     assert layer.num_parameters(effective=True) == 80 + 30
     model = nn.Sequential(layer)
     assert comera.model_size(model) == 110
-    assert comera.dense_size(model) == 390
+    assert dense_size(model) == 390
     assert comera.compression_ratio(model) == pytest.approx(390 / 110)
 
 
@@ -158,7 +159,7 @@ def test_all_zero_gate_counts_as_removed(cls):
     assert layer.num_parameters(effective=True) == 10  # the bias only
     assert comera.model_size(model) == 10 + (10 * 3 + 3) + keep.num_parameters()
     assert comera.model_size(model) < full
-    assert comera.dense_size(model) == (12 * 10 + 10) + 33 + 120
+    assert dense_size(model) == (12 * 10 + 10) + 33 + 120
     # a gate below tau everywhere counts as removed too
     with torch.no_grad():
         layer.gates[-1].fill_(0.5 * layer.tau)
@@ -176,7 +177,7 @@ def test_removed_layer_without_bias_counts_zero():
 
 def _cached_model():
     """A TT linear layer, a TT token table with a hot-row cache, a pruned rank and a dense head."""
-    from comera import CachedTTEmbedding
+    from comera.layers.cached_embedding import CachedTTEmbedding
 
     torch.manual_seed(0)
     table = CachedTTEmbedding(TTEmbedding(60, 8, (4, 15), (2, 4), ranks=3), cache_rows=5)
@@ -205,7 +206,7 @@ def test_checkpoint_report_and_run_summary_count_the_same_size(tmp_path):
     assert report.compression == pytest.approx(summary["tt_compression"])
     assert report.tt_params + report.other_params == comera.model_size(model)
     assert report.cache_params == 5 * 8
-    whole = comera.dense_size(model) / comera.model_size(model)
+    whole = dense_size(model) / comera.model_size(model)
     assert whole == pytest.approx(comera.compression_ratio(model))
     text = str(report)
     assert f"{tt_size:,}" in text and f"{report.compression:.1f}x" in text

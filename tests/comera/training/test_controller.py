@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 import comera
 from comera import CoMERATrainer, OptimizerConfig, RankController, TTLinear, make_optimizer
+from comera.ranks.size import dense_size
 
 F64 = torch.float64
 CONFIG = OptimizerConfig(lr_cores=1e-2, lr_gates=2.5e-2)
@@ -101,7 +102,7 @@ def test_stats_report_the_stage_size_ranks_and_compression():
     assert stats["stage"] == "early" and stats["steps"] == 1
     assert stats["loss"] == step.loss and stats["objective"] == step.objective > step.loss
     assert stats["size"] == comera.model_size(model)
-    assert stats["model_compression"] == pytest.approx(comera.dense_size(model) / stats["size"])
+    assert stats["model_compression"] == pytest.approx(dense_size(model) / stats["size"])
     assert stats["compression"] == pytest.approx(comera.compression_ratio(model, only=TTLinear))
     assert (stats["compression"], stats["model_compression"]) == (step.compression,
                                                                   step.model_compression)
@@ -128,10 +129,10 @@ def test_compression_means_the_gated_layers_everywhere_the_whole_model_beside_it
         opt.zero_grad(set_to_none=True)
         step = controller.after_step()
     stats = controller.stats()
-    gated = comera.dense_size(model, only=TTLinear) / comera.model_size(model, only=TTLinear)
+    gated = dense_size(model, only=TTLinear) / comera.model_size(model, only=TTLinear)
     assert stats["compression"] == step.compression == pytest.approx(gated)
     assert stats["compression"] >= 0.95 * 6.0  # the late stage's target, in its own terms
-    whole = comera.dense_size(model) / comera.model_size(model)
+    whole = dense_size(model) / comera.model_size(model)
     assert stats["model_compression"] == step.model_compression == pytest.approx(whole)
     assert stats["model_compression"] < stats["compression"]  # the dense head counts there
 
