@@ -76,3 +76,16 @@ def _rank(value: object, what: str) -> int:
     if rank < 1:
         raise ConfigError(f"{what}={rank}; a rank is at least 1.")
     return rank
+
+
+def rank_sequence(ranks: Sequence[Any], n: int, kind: str, layer: str,
+                  give: str) -> tuple[int, ...]:
+    """``ranks`` (a sequence, one per bond) as a tuple of ``n`` ints >= 1, else a ConfigError
+    naming the ``layer`` (e.g. "a ring of 6 cores"), the fix (``give``) and the ``kind`` of rank."""
+    ranks = tuple(ranks)
+    if len(ranks) != n:
+        raise ConfigError(f"ranks {ranks} has {len(ranks)} entries for {layer}; give {give}.")
+    for r in ranks:
+        if not is_int(r):
+            raise ConfigError(f"ranks {ranks} holds {r!r}; every {kind} rank is an int >= 1.")
+    return ranks

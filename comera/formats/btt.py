@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 
 from comera.errors import ConfigError
+from comera.formats.bond_ranks import rank_sequence
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
-from comera.numbers import is_int
 
 __all__ = ["BlockTT", "btt_rank_bounds"]
 
@@ -54,14 +54,8 @@ def _check_ranks(ranks: Ranks, caps: tuple[int, ...]) -> tuple[int, ...]:
         if ranks < 1:
             raise ConfigError(f"ranks={ranks}; a BTT rank is an int >= 1.")
         return tuple(min(operator.index(ranks), cap) for cap in caps)
-    ranks = tuple(ranks)
-    if len(ranks) != n:
-        raise ConfigError(f"ranks {ranks} has {len(ranks)} entries for a BTT of {n + 1} cores; "
-                          f"give {n} (r1 ... r{n}) or one int.")
-    for r in ranks:
-        if not is_int(r):
-            raise ConfigError(f"ranks {ranks} holds {r!r}; every BTT rank is an int >= 1.")
-    return ranks
+    return rank_sequence(ranks, n, "BTT", f"a BTT of {n + 1} cores",
+                         f"{n} (r1 ... r{n}) or one int")
 
 
 class BlockTT(Format):

@@ -8,11 +8,11 @@ TT ranks needed and the cost of the contractions. Sizes with no balanced factori
 
 from __future__ import annotations
 
-import operator
 from bisect import bisect_left
 from collections.abc import Iterator
 
 from comera.errors import FactorizationError
+from comera.numbers import as_whole
 
 # ``factorize`` refuses a best factorization whose largest factor exceeds this multiple of the
 # ideal ``n ** (1 / d)``; ``suggest_padded_size`` looks for one within ``_PAD_SLACK`` of it.
@@ -22,18 +22,7 @@ _PAD_SLACK = 2
 
 def _as_int(value: object, name: str, minimum: int) -> int:
     """``value`` as an int >= ``minimum``, or a FactorizationError saying why not."""
-    if isinstance(value, bool):
-        raise FactorizationError(f"{name} must be an int >= {minimum}, got the bool {value!r}")
-    try:
-        result = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise FactorizationError(
-            f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}; "
-            f"pass a whole number"
-        ) from None
-    if result < minimum:
-        raise FactorizationError(f"{name} must be an int >= {minimum}, got {result}")
-    return result
+    return as_whole(value, name, minimum, FactorizationError, not_int="; pass a whole number")
 
 
 def _prime_factors(n: int) -> list[int]:

@@ -29,11 +29,11 @@ import torch
 from torch import Tensor
 
 from comera.errors import ConfigError
+from comera.formats.bond_ranks import rank_sequence
 from comera.formats.layout import Layout
 from comera.formats.registry import Format, Ranks
 from comera.formats.tt import round_chain
 from comera.formats.ttsvd import tt_svd
-from comera.numbers import is_int
 
 __all__ = ["TensorRing", "ring_rank_cap", "round_ring", "tr_svd"]
 
@@ -56,14 +56,8 @@ def _check_ranks(ranks: Ranks, modes: tuple[int, ...]) -> tuple[int, ...]:
         if ranks < 1:
             raise ConfigError(f"ranks={ranks}; a ring rank is an int >= 1.")
         return (min(operator.index(ranks), ring_rank_cap(modes)),) * n
-    ranks = tuple(ranks)
-    if len(ranks) != n:
-        raise ConfigError(f"ranks {ranks} has {len(ranks)} entries for a ring of {n} cores; give "
-                          f"{n} (r0, the closing bond, then r1 ... r{n - 1}) or one int.")
-    for r in ranks:
-        if not is_int(r):
-            raise ConfigError(f"ranks {ranks} holds {r!r}; every ring rank is an int >= 1.")
-    return ranks
+    return rank_sequence(ranks, n, "ring", f"a ring of {n} cores",
+                         f"{n} (r0, the closing bond, then r1 ... r{n - 1}) or one int")
 
 
 class TensorRing(Format):

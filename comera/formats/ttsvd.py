@@ -14,12 +14,12 @@ tensors in the input's dtype and device (half precisions are computed in float32
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from comera.errors import ConfigError, tncomp_errors_as_config
+from comera.numbers import as_whole
 from tncomp.extend import check_modes
 
 MaxRanks = int | Sequence[int] | None
@@ -59,17 +59,7 @@ def _resolve_ranks(max_ranks: MaxRanks, n_bonds: int) -> list[int | None]:
 
 
 def _check_rank(rank: object) -> int:
-    if isinstance(rank, bool):
-        raise ConfigError(f"a TT rank must be an int >= 1, got the bool {rank!r}")
-    try:
-        value = operator.index(rank)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(
-            f"a TT rank must be an int >= 1, got {type(rank).__name__} {rank!r}"
-        ) from None
-    if value < 1:
-        raise ConfigError(f"a TT rank must be an int >= 1, got {value}; use 1 for the smallest")
-    return value
+    return as_whole(rank, "a TT rank", 1, ConfigError, too_low="; use 1 for the smallest")
 
 
 def _check_weight(weight: torch.Tensor) -> torch.Tensor:
