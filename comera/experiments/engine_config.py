@@ -61,8 +61,8 @@ from comera.ranks.objective import ALLOCATIONS, REGULARIZERS
 from comera.ranks.size import gated_layers
 from comera.training.early import EarlyStage
 
-#: The late stage's allocations: ``"auto"`` (spectrum on exact chains, else prune) and
-#: :data:`comera.ranks.objective.ALLOCATIONS`.
+#: The late stage's allocations: ``"auto"`` (spectrum for balanced cores on exact chains, else
+#: prune) and :data:`comera.ranks.objective.ALLOCATIONS`.
 LATE_ALLOCATIONS = ("auto", *ALLOCATIONS)
 
 __all__ = ["GROUPS", "RESULT_FREE", "LateSettings", "OptimSettings", "RankSettings",
