@@ -89,13 +89,11 @@ def test_dense_and_a_format_at_its_uniform_rank_equal_the_loop_of_before(tmp_pat
     assert row["val"] == val and row["test"] == test and row["compression"] >= 3.0
 
 
-def test_comera_early_then_late_equals_the_loop_of_before(tmp_path):
-    study = _study(tmp_path)
-    task = study.task
-    rows = study.comera([3.0], seed=0, lr=CFG.lr)
-    assert [r["method"] for r in rows] == ["comera early", "comera"]
+def _assert_comera_by_hand(task, rows, fmt: str, rank: int) -> None:
+    """The rows' early and late scores are CoMERA's by hand: ``fmt`` at ``rank``, 5 early steps
+    (lam 5), exact rounding, then 3 late steps to 3x."""
     torch.manual_seed(0)
-    early = task.build("tt", 6)
+    early = task.build(fmt, rank)
     val, _ = _by_hand(task, early, _tt_trainer(early, 5.0), 0, 0, 5, 2, BASE)
     assert rows[0]["val"] == val
     round_(early)
@@ -104,6 +102,14 @@ def test_comera_early_then_late_equals_the_loop_of_before(tmp_path):
     trainer.start_late_stage(comera.LateStage.for_compression(model, 3.0, steps=3))
     val, test = _by_hand(task, model, trainer, 0, 5, 3, 1, BASE)
     assert rows[1]["val"] == val and rows[1]["test"] == test
+
+
+def test_comera_early_then_late_equals_the_loop_of_before(tmp_path):
+    study = _study(tmp_path)
+    task = study.task
+    rows = study.comera([3.0], seed=0, lr=CFG.lr)
+    assert [r["method"] for r in rows] == ["comera early", "comera"]
+    _assert_comera_by_hand(task, rows, "tt", 6)
     assert rows[1]["compression"] >= 3.0 * 0.9 and rows[1]["steps"] == 8
 
 
@@ -181,16 +187,7 @@ def test_comera_on_btt_starts_where_it_compresses_and_lands_on_the_target(tmp_pa
     assert all(r["format"] == "btt" and r["start_rank"] == 3 and r["exact_rounding"]
                for r in rows)
     # the engine's run is CoMERA on BTT by hand: early stage, exact rounding, late stage
-    torch.manual_seed(0)
-    early = task.build("btt", 3)
-    val, _ = _by_hand(task, early, _tt_trainer(early, 5.0), 0, 0, 5, 2, BASE)
-    assert rows[0]["val"] == val
-    round_(early)
-    model = copy.deepcopy(early)
-    trainer = _tt_trainer(model, 0.0)
-    trainer.start_late_stage(comera.LateStage.for_compression(model, 3.0, steps=3))
-    val, test = _by_hand(task, model, trainer, 0, 5, 3, 1, BASE)
-    assert rows[1]["val"] == val and rows[1]["test"] == test
+    _assert_comera_by_hand(task, rows, "btt", 3)
     assert rows[1]["compression"] >= 3.0 and rows[1]["steps"] == 8  # on the target
     assert rows[0]["compression"] < 3.0  # from a larger model: the late stage pruned
     checkpoints = {f.name for f in (tmp_path / "work" / "checkpoints").iterdir()}
