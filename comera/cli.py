@@ -3,6 +3,7 @@
     comera train transformer --quick           # dense vs CoMERA, summary table and plots
     comera train dlrm --quick --nproc 2        # data-parallel over 2 processes (gloo)
     comera train dlrm --quick --format tucker  # the CoMERA run's layers in another format
+    comera train lm --quick                    # TT-matrix layers: the task's recommended format
     comera train mlm --quick --resume          # continue from the run's last checkpoint
     comera convert model.pt -o model_tt.pt --set ranks=16
     comera report runs/latest/checkpoints/comera.pt
@@ -50,22 +51,49 @@ FLAGS = {"target_compression": "--target-compression", "steps_early": "--steps",
          "late_allocation": "--late-allocation", "late_landing": "--late-landing"}
 # EngineConfig field -> the option that sets it, for the options that always give a value
 SET_ALWAYS = {"device": "--device", "format": "--format"}
+# `comera train --format`'s default, the CoMERA run's format when none is named: each task's
+# recommended_format (tests/comera/test_cli_formats.py keeps this true to the tasks)
+RECOMMENDED = "ttm for lm and mlm, tt for dlrm, transformer and transformer-code"
 
 
-def _engine_config(args, exp) -> Any:
+def _engine_config(args, exp, format: str | None) -> Any:
+    """The experiment's quick or full settings with the options given; ``format`` the CoMERA
+    run's (None: the experiment's until the task, once built, names its recommended one)."""
     cfg = exp.engine(args.quick)
     changes: dict[str, Any] = {"stage": args.stage, "device": args.device,
                                "on_nonfinite": args.on_nonfinite,
                                "precision": args.precision, "compile": args.compile,
                                "memory": args.memory,
                                "checkpoint_blocks": args.checkpoint_blocks, "fsdp": args.fsdp,
-                               "format": args.format}
+                               "format": format or cfg.format}
     for field_name, flag in FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             changes[field_name] = value
     try:
         return replace(cfg, **changes)
+    except ConfigError as exc:
+        raise _with_flags(exc) from None
+
+
+def _given_format(args, out: Path, variants: tuple[str, ...]) -> str | None:
+    """The CoMERA run's format as the command names it: ``--format``, else, resuming, the
+    format its checkpoint in ``out`` was trained in (a run started under another default
+    continues as it began); None leaves it to the task (:attr:`Task.recommended_format`)."""
+    if args.format is not None:
+        return args.format
+    saved = out / "checkpoints" / "comera.pt"
+    if args.resume and "comera" in variants and saved.is_file():
+        from comera.experiments.engine import run_checkpoint_format
+
+        return run_checkpoint_format(saved)
+    return None
+
+
+def _with_format(config: Any, format: str) -> Any:
+    """``config`` with the CoMERA run's ``format``, its settings checked against it."""
+    try:
+        return replace(config, format=format)
     except ConfigError as exc:
         raise _with_flags(exc) from None
 
@@ -167,7 +195,6 @@ def _cmd_train(args, argv: list[str]) -> int:
         raise ComeraError(f"--nproc {args.nproc}: the number of worker processes is between 1 "
                           f"and {MAX_NPROC}, e.g. --nproc 2.")
     exp = experiment(args.model)
-    config = _engine_config(args, exp)
     if not args.out.strip():
         raise ComeraError("--out '': give the run directory, e.g. --out runs/latest.")
     out = Path(args.out)
@@ -175,6 +202,8 @@ def _cmd_train(args, argv: list[str]) -> int:
     if (not variants or any(v not in ("dense", "comera") for v in variants)
             or len(set(variants)) != len(variants)):
         raise ComeraError(f"--variants {args.variants!r}: choose from dense,comera, each once.")
+    format = _given_format(args, out, variants)
+    config = _engine_config(args, exp, format)
     if args.init_from is not None and not exp.init_from:
         raise ComeraError(f"--init-from: the {exp.name} experiment cannot start from a "
                           "checkpoint; it works for transformer and transformer-code.")
@@ -209,6 +238,8 @@ def _cmd_train(args, argv: list[str]) -> int:
         task = exp.make_task(args.quick, parametrization=args.parametrization)
     else:
         task = exp.make_task(args.quick)
+    if format is None:  # the task's own choice (an --init-from encoder's format, for one)
+        config = _with_format(config, task.recommended_format)
     show = world.is_main and not args.no_progress and sys.stdout.isatty() \
         and not os.environ.get("COMERA_NO_PROGRESS")
     with _Bars(show) as bars:
@@ -508,10 +539,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=f"one of: {', '.join(EXPERIMENTS)}")
     p.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores")
     p.add_argument("--stage", choices=["early", "late", "both"], default="both")
-    p.add_argument("--format", choices=[f for f in layer_formats() if f != DENSE], default="tt",
+    p.add_argument("--format", choices=[f for f in layer_formats() if f != DENSE], default=None,
                    help="the CoMERA run's layer kind, a registered format (its tables in the "
                         "format's table format: tt's are ttm); the dense run stays dense "
-                        "(default: tt)")
+                        f"(default: the task's recommended format, {RECOMMENDED}; with "
+                        "--resume, the run's own; with --init-from, the checkpoint's)")
     p.add_argument("--target-compression", type=float, default=None,
                    help="late stage: gated layers' dense size / compressed size to reach")
     p.add_argument("--steps", type=int, default=None, help="early-stage steps (>= 1)")

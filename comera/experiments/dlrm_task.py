@@ -148,6 +148,10 @@ class DLRMTask(Task):
     name = "dlrm"
     metric = "auc"
     higher_is_better = True
+    # its results (`make run`) were measured as the "tt" run, whose tables are TT-matrix ones
+    # (a TT format's tables): the CoMERA run keeps that name, so it builds, records and resumes
+    # as it did
+    recommended_format = "tt"
 
     def __init__(self, cfg: DLRMTaskConfig | None = None, data: CriteoData | None = None):
         self.cfg = cfg or DLRMTaskConfig()

@@ -77,13 +77,15 @@ from comera.experiments.optim_schedule import base_rates, run_optimizer
 from comera.experiments.rundir import hold_run_directory
 from comera.experiments.task import IndexStream, Task, build_task_model
 from comera.formats.registry import DENSE
-from comera.formats.tt_flag import format_from_tt
+from comera.formats.tt_flag import FLAG_FORMAT, format_from_tt
 from comera.ranks.allocate import check_chain_format
 from comera.ranks.size import dense_size
+from comera.surgery.checkpoint import read_checkpoint
 from comera.training.trainers import pick_threads
 
 __all__ = ["EngineConfig", "Progress", "RunRecord", "check_device", "check_settings",
-           "check_task", "sizes_of", "train_model"]
+           "check_task", "engine_state_format", "run_checkpoint_format", "sizes_of",
+           "train_model"]
 
 log = logging.getLogger("comera.engine")
 
@@ -193,18 +195,26 @@ class RunRecord:
     val_seconds: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if isinstance(self.format, bool):  # RunRecord(name, tt) of before
-            self.format = format_from_tt(self.format, "tt", "RunRecord(name, format={})",
+        if isinstance(self.format, bool):  # RunRecord(name, tt) of before: True was TT
+            self.format = format_from_tt(self.format, FLAG_FORMAT, "RunRecord(name, format={})",
                                          stacklevel=4)
         if not isinstance(self.format, str):
             raise ConfigError(f"RunRecord format={self.format!r}; give the run's layer kind, "
                               "'dense' or a registered format.")
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A record pickled with the ``tt`` flag of before loads with the kind it ran: TT
+        (the only format then) or dense."""
+        state = dict(state)
+        if "tt" in state and "format" not in state:
+            state["format"] = FLAG_FORMAT if state.pop("tt") else DENSE
+        self.__dict__.update(state)
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any], format: str = "tt") -> RunRecord:
+    def from_dict(cls, data: dict[str, Any], format: str = FLAG_FORMAT) -> RunRecord:
         """The record ``asdict`` wrote. One of before the layer kind was one word (a ``"tt"``
-        flag, no ``"format"``) reads as ``format`` (True; the run's, from its config) or
-        ``"dense"`` (False)."""
+        flag, no ``"format"``) reads as ``format`` (True: the run's, from its config, TT where
+        that names none) or ``"dense"`` (False)."""
         data = dict(data)
         if "tt" in data and "format" not in data:
             data["format"] = format if data.pop("tt") else DENSE
@@ -437,13 +447,30 @@ class _Run:
                     "scaler": self.scaler.state_dict() if self.scaler is not None else None})
         log.info("%s: checkpoint at step %d -> %s", self.name, self.step, self.checkpoint_path)
 
+    def _check_format(self, saved: str) -> None:
+        """Refuse to resume a checkpoint of the layer kind ``saved`` as a run of another."""
+        if saved != self.config.format:
+            raise CheckpointError(
+                f"{self.checkpoint_path} belongs to task {self.task.name!r} (format {saved!r}), "
+                f"not {self.task.name!r} (format {self.config.format!r}); resume it with "
+                f"format={saved!r} (comera train --format {saved}), or point --out at another "
+                "run's directory.")
+
     def resume(self) -> bool:
         """Load the run's checkpoint if there is one; False when starting fresh."""
         if not self.checkpoint_path.is_file():
             return False
         built = parametrizations(self.model)
-        extra = load_run_checkpoint(self.checkpoint_path, self.model, self.optimizer,
-                                    self.config.fsdp)
+        try:
+            extra = load_run_checkpoint(self.checkpoint_path, self.model, self.optimizer,
+                                        self.config.fsdp)
+        except CheckpointError as exc:  # a model of another format does not fit: say which
+            try:
+                saved = run_checkpoint_format(self.checkpoint_path)
+            except CheckpointError:
+                raise exc from None  # not even an engine state: the load's own error
+            self._check_format(saved)
+            raise
         check_kept_parametrization(built, self.model, self.checkpoint_path)
         state = extra.get("engine")
         if not isinstance(state, dict):
@@ -452,11 +479,12 @@ class _Run:
                                   "checkpoints, or start without --resume.")
         state = _current_engine_state(state, self.checkpoint_path)
         _check_engine_state(state, self.checkpoint_path)
-        if state["task"] != self.task.name or state["format"] != self.config.format:
+        if state["task"] != self.task.name:
             raise CheckpointError(
                 f"{self.checkpoint_path} belongs to task {state['task']!r} (format "
                 f"{state['format']!r}), not {self.task.name!r} (format "
                 f"{self.config.format!r}); point --out at that run's directory.")
+        self._check_format(state["format"])
         defaults = asdict(EngineConfig())  # settings a checkpoint predates have their default
         # settings a resume may change: the runtime's that leave the results unchanged, a
         # longer or shorter late stage, another checkpoint cadence
@@ -495,19 +523,45 @@ _ENGINE_STATE = {"task": str, "format": str, "config": dict, "trainer": dict, "s
                  "rng_torch": Tensor, "rng_python": list | tuple, "record": dict}
 
 
+def engine_state_format(state: dict) -> str | None:
+    """The layer kind of the run an engine state (a checkpoint's ``extra["engine"]``) was saved
+    from: its ``"format"``; in a state of the ``tt`` flag's era, ``"dense"`` for ``tt=False``
+    and for ``tt=True`` its config's CoMERA format, or TT where the config names none (the only
+    format then; never today's default). None when it names no kind (a damaged state)."""
+    if "format" in state:
+        return state["format"] if isinstance(state["format"], str) else None
+    flag, config = state.get("tt"), state.get("config")
+    if not isinstance(flag, bool) or not isinstance(config, dict):
+        return None
+    return str(config.get("format", FLAG_FORMAT)) if flag else DENSE
+
+
+def run_checkpoint_format(path: Path | str) -> str:
+    """The layer kind of the run whose checkpoint is at ``path`` (:func:`engine_state_format`
+    of its engine state): what a resumed run builds when none is named. A CheckpointError when
+    the file is not a readable checkpoint of the engine."""
+    state = read_checkpoint(path).extra.get("engine")
+    format = engine_state_format(state) if isinstance(state, dict) else None
+    if format is None:
+        raise CheckpointError(f"{path} was not written by the training engine (its engine "
+                              "state names no layer kind); resume needs one of its "
+                              "checkpoints, or start without --resume.")
+    return format
+
+
 def _current_engine_state(state: dict, path: Path) -> dict:
     """An engine state written before the layer kind was one word (a ``"tt"`` flag beside the
     config's CoMERA ``format``) as it is written now: ``"format"`` the run's kind, in the
     config too (a dense run's config named the CoMERA run's format)."""
     if "format" in state or "tt" not in state:
         return state
-    flag, config = state["tt"], state.get("config")
-    if not isinstance(flag, bool) or not isinstance(config, dict):
+    format = engine_state_format(state)
+    if format is None:
         return state  # refused, as damaged, by _check_engine_state
     state = dict(state)
     del state["tt"]
-    state["format"] = str(config.get("format", "tt")) if flag else DENSE
-    state["config"] = {**config, "format": state["format"]}
+    state["format"] = format
+    state["config"] = {**state["config"], "format": format}
     log.info("%s: an engine state with a tt flag (before 0.2.0), read as format %r", path,
              state["format"])
     return state

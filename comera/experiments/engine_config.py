@@ -54,8 +54,8 @@ from comera.experiments.checks import (
 )
 from comera.experiments.optim_schedule import OPTIMIZERS, SCHEDULES, lr_factor
 from comera.formats.registry import DENSE, check_layer_format
-from comera.formats.tt_flag import format_from_tt
-from comera.layers.linear import check_memory
+from comera.formats.tt_flag import FLAG_FORMAT, format_from_tt
+from comera.layers.linear import FRESH_FORMAT, check_memory
 from comera.ranks.allocate import spectrum_applies
 from comera.ranks.objective import ALLOCATIONS, REGULARIZERS
 from comera.ranks.size import gated_layers
@@ -128,15 +128,16 @@ class OptimSettings:
 @dataclass(frozen=True)
 class RunSettings:
     """The run itself: ``stage`` (the CoMERA stages to run: early, late or both), ``format``
-    (the layer kind: a registered format, a CoMERA run, or ``"dense"``, the baseline), the
-    ``seed``, an evaluation every ``eval_every`` steps, a checkpoint every ``checkpoint_every``
-    (0: only at the stage boundary and at the end), and what a non-finite loss or gradient does
-    (``"stop"``: raise TrainingStopped; ``"skip"``: drop the batch, up to ``max_skips`` in a
-    row)."""
+    (the layer kind: a registered format, a CoMERA run, or ``"dense"``, the baseline; by
+    default :data:`~comera.layers.linear.FRESH_FORMAT`, the format of layers trained from
+    scratch), the ``seed``, an evaluation every ``eval_every`` steps, a checkpoint every
+    ``checkpoint_every`` (0: only at the stage boundary and at the end), and what a non-finite
+    loss or gradient does (``"stop"``: raise TrainingStopped; ``"skip"``: drop the batch, up to
+    ``max_skips`` in a row)."""
 
     stage: str = "both"
     # the run's layer kind, from the CLI through Task.build_model to the layers
-    format: str = "tt"
+    format: str = FRESH_FORMAT
     seed: int = 0
     eval_every: int = 50
     checkpoint_every: int = 0
@@ -150,6 +151,11 @@ class RunSettings:
         _choice("stage", self.stage, STAGES)
         _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         check_layer_format(self.format)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A config pickled before the run had a layer kind (it trained TT, or dense by the
+        flag beside it) loads as ``format="tt"``, not as today's default."""
+        self.__dict__.update({"format": FLAG_FORMAT, **state})
 
     @property
     def compressed(self) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 
 from comera.data.stdlib_pairs import Tokenizer
 from comera.errors import CheckpointError
+from comera.experiments.engine import engine_state_format
 from comera.models import MaskedLM, TransformerConfig
 from comera.surgery.checkpoint import load_checkpoint
 from comera.torchfile import read_torch_file
@@ -54,11 +55,11 @@ def _engine_state(path: Path) -> dict:
         task = engine.get("task") if isinstance(engine, dict) else None
         raise CheckpointError(f"--init-from {path}: a checkpoint of task {task!r}; it must be "
                               "one written by `comera train mlm`.")
-    config = engine.get("config") if isinstance(engine.get("config"), dict) else {}
-    if "format" in engine:
-        format = str(engine["format"])
-    else:  # written before the layer kind was one word: a tt flag beside the CoMERA format
-        format = str(config.get("format", "tt")) if engine.get("tt") else "dense"
+    format = engine_state_format(engine)  # a state of the tt flag's era: TT or dense
+    if format is None:
+        raise CheckpointError(f"--init-from {path}: its engine state names no layer kind; the "
+                              "file is damaged or was edited: give a checkpoint written by "
+                              "`comera train mlm`.")
     return {"format": format, "state": payload["model"]}
 
 

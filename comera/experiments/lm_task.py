@@ -1,7 +1,7 @@
 """Causal language modelling (GPT-style) on the CPython standard-library sources.
 
     task = LMTask(LMTaskConfig())             # quick: d_model 128, 2 blocks, 64 tokens
-    model = task.build_model("tt")            # every block linear layer a TTLinear
+    model = task.build_model()                # every block linear layer TT-matrix ("ttm")
     ids = task.batch(indices)                 # (b, seq_len) token rows
     loss = task.loss(model, ids)              # next-token cross-entropy
 
@@ -36,6 +36,7 @@ from comera.data.stdlib_corpus import (
 from comera.data.tokenizer import UNK
 from comera.experiments.task import Task, model_format, spread_subset
 from comera.experiments.task_config import check_corpus_settings, holds_model
+from comera.layers.linear import FRESH_FORMAT
 from comera.models.causal_lm import CausalLM, CausalLMConfig
 
 EVAL_SPLITS = ("val", "test")
@@ -98,6 +99,9 @@ class LMTask(Task):
     name = "lm"
     metric = "perplexity"
     higher_is_better = False
+    # TT-matrix: at the quick run's 8x it ends at dense's perplexity, TT well above
+    # (benchmarks/results/quick_defaults)
+    recommended_format = FRESH_FORMAT
 
     def __init__(self, config: LMTaskConfig | None = None, root: Path | str | None = None,
                  use_cache: bool = True):
@@ -115,7 +119,9 @@ class LMTask(Task):
         config = replace(self.config, **sizes) if sizes else self.config
         return CausalLM(config.model_config(self.vocab, model_format(format), rank))
 
-    def build_model(self, format: str = "tt") -> nn.Module:
+    def build_model(self, format: str = FRESH_FORMAT) -> nn.Module:
+        """The model of the CoMERA run (block linear layers in ``format``, by default the
+        task's :attr:`recommended_format`) or the dense one (``"dense"``)."""
         return self.build(format)
 
     @staticmethod

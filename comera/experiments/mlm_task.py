@@ -1,7 +1,7 @@
 """Masked-language-model pretraining (the paper's CodeBERT-like run) on the stdlib corpus.
 
     task = MLMTask(MLMTaskConfig())          # quick: d_model 128, 2 layers, 64 tokens
-    model = task.build_model("tt")
+    model = task.build_model()               # encoder layers and token table TT-matrix
     inputs, labels = task.batch(indices)     # BERT masks of (seed, example, epoch)
     loss = task.loss(model, (inputs, labels))
 
@@ -31,6 +31,7 @@ from comera.data.stdlib_corpus import load_corpus_splits
 from comera.experiments.task import IndexStream, Task, model_format, spread_subset
 from comera.experiments.task_config import check_corpus_settings, holds_model
 from comera.formats.registry import DENSE
+from comera.layers.linear import FRESH_FORMAT
 from comera.models import MaskedLM, TransformerConfig
 from comera.models.mlm import masked_logits
 from comera.models.transformer import linear_layer
@@ -79,7 +80,7 @@ class MLMTaskConfig:
                         n_layers=6, rank=30, embedding_rank=32)
         return cls(model, quick=False, seq_len=128, eval_limit=None)
 
-    def model_config(self, vocab_size: int, format: str = "tt") -> TransformerConfig:
+    def model_config(self, vocab_size: int, format: str = FRESH_FORMAT) -> TransformerConfig:
         """The :class:`TransformerConfig` of the MLM with ``vocab_size`` tokens and its layers of
         the kind ``format`` ("dense" or a registered format)."""
         return replace(self.model, vocab_size=vocab_size, linear_format=model_format(format))
@@ -96,6 +97,9 @@ class MLMTask(Task):
     name = "mlm"
     metric = "loss"
     higher_is_better = False
+    # TT-matrix: at the quick run's 8x it ends closer to dense than TT
+    # (benchmarks/results/quick_defaults)
+    recommended_format = FRESH_FORMAT
 
     def __init__(self, config: MLMTaskConfig | None = None, root: Path | str | None = None,
                  use_cache: bool = True):
@@ -109,7 +113,9 @@ class MLMTask(Task):
         self._eval: dict[str, tuple[Tensor, Tensor]] = {}
 
     # -- Task protocol ------------------------------------------------------------------------
-    def build_model(self, format: str = "tt") -> nn.Module:
+    def build_model(self, format: str = FRESH_FORMAT) -> nn.Module:
+        """The MLM of the CoMERA run (encoder layers and token table in ``format``, by default
+        the task's :attr:`recommended_format`) or the dense one (``"dense"``)."""
         return MaskedLM(self.config.model_config(self.vocab, format))
 
     def build(self, format: str = "dense", rank: int | None = None, **sizes: int) -> MaskedLM:

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 
 from comera import ConfigError
 from comera.formats.registry import DENSE, check_layer_format
-from comera.formats.tt_flag import format_from_tt
+from comera.formats.tt_flag import FLAG_FORMAT, format_from_tt
+from comera.layers.linear import FRESH_FORMAT
 
 Batch = Any  # whatever ``Task.batch`` returns and ``Task.loss`` takes (tensors, tuples of them)
 
@@ -31,10 +32,11 @@ def model_format(format: str | bool) -> str:
     :class:`ConfigError` naming the choices). The boolean of before (``tt=True`` / ``False``)
     is read as ``"tt"`` / ``"dense"`` for one release, with a DeprecationWarning."""
     if isinstance(format, bool):
-        warnings.warn(f"build_model({format}) takes a format now: {'tt' if format else DENSE!r} "
-                      "(or any registered format name); the boolean goes in the next release.",
+        kind = FLAG_FORMAT if format else DENSE
+        warnings.warn(f"build_model({format}) takes a format now: {kind!r} (or any registered "
+                      "format name); the boolean goes in the next release.",
                       DeprecationWarning, stacklevel=3)
-        return "tt" if format else DENSE
+        return kind
     return check_layer_format(format)
 
 
@@ -54,25 +56,31 @@ def build_task_model(task: Task, format: str) -> nn.Module:
     dense only."""
     if "tt" not in inspect.signature(task.build_model).parameters:
         return task.build_model(format)
-    if format not in ("tt", DENSE):
+    if format not in (FLAG_FORMAT, DENSE):
         raise ConfigError(f"task {task.name!r} builds its model with build_model(tt), so it "
-                          f"knows TT and dense only, not format {format!r}; give it "
-                          "build_model(self, format) (see comera.experiments.task.Task).")
+                          f"knows TT and dense only, not format {format!r}; train it with "
+                          f"format={FLAG_FORMAT!r} (EngineConfig(format={FLAG_FORMAT!r})), or "
+                          "give it build_model(self, format) (see comera.experiments.task.Task).")
     warnings.warn(f"task {task.name!r}: build_model(self, tt) is called with a format now "
                   "(\"tt\", \"dense\" or any registered format name); rename its argument, the "
                   "boolean goes in the next release.", DeprecationWarning, stacklevel=3)
-    return task.build_model(format == "tt")
+    return task.build_model(format == FLAG_FORMAT)
 
 
 class Task(ABC):
-    """A model family and its data. Subclasses set ``name`` and ``metric``."""
+    """A model family and its data. Subclasses set ``name`` and ``metric``, and may set
+    ``recommended_format``."""
 
     name: str = "task"
     metric: str = "accuracy"  # the key of ``evaluate``'s result that the summary reports
     higher_is_better: bool = True
+    #: The format ``comera train`` gives the CoMERA run when none is named (``--format``): by
+    #: default :data:`~comera.layers.linear.FRESH_FORMAT`, the format of layers trained from
+    #: scratch; a task whose results were measured in another keeps that one.
+    recommended_format: str = FRESH_FORMAT
 
     @abstractmethod
-    def build_model(self, format: str = "tt") -> nn.Module:
+    def build_model(self, format: str = FRESH_FORMAT) -> nn.Module:
         """The model with its layers of the kind ``format`` (a registered format name, e.g.
         ``"tt"``, or ``"dense"``; read it through :func:`model_format`), initialised from the
         current RNG."""

@@ -5,8 +5,9 @@
 from-scratch transformer learns on a CPU in minutes. ``comera train transformer-code`` runs
 :class:`CodePairTask` (:mod:`comera.experiments.pair_task`): does this docstring describe this
 code? Both use :class:`comera.models.PairClassifier` (every linear layer and the token embedding
-in a format, TT by default, or dense for the baseline), and report the majority-class baseline
-next to every accuracy (``evaluate(...)["majority"]``).
+in a format, TT by default: the format their results were measured in; or dense for the
+baseline), and report the majority-class baseline next to every accuracy
+(``evaluate(...)["majority"]``).
 
 ``init_from``: start the classifier's encoder from a ``comera train mlm`` checkpoint (see
 :mod:`comera.experiments.init_from`), at the ranks it was saved with; the task then reads its
@@ -55,6 +56,14 @@ class PairClassificationTask(Task):
     n_classes: int = 2
 
     pretrained: Any = None  # an init_from.Pretrained when the config names init_from
+
+    @property
+    def recommended_format(self) -> str:
+        """The CoMERA run's format when none is named: the pretrained encoder's with
+        ``init_from`` (a compressed one; the classifier must take its format), else TT, the
+        format the classifiers' results (at 150x) were measured in; TT-matrix was not."""
+        saved = self.pretrained.config.linear_format if self.pretrained is not None else DENSE
+        return saved if saved != DENSE else "tt"
 
     def _read_pretrained(self) -> tuple[Any, int]:
         """(tokenizer or None, max_len): the MLM's when ``init_from`` is set (see module doc)."""

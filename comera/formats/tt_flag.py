@@ -2,8 +2,12 @@
 
 The layer kind is one word, ``"dense"`` or a registered format (:mod:`comera.formats.registry`).
 Configs and records of before that still pass or pickle a ``tt: bool`` beside their kind field;
-these three helpers read it the same way everywhere (the model configs, the engine, the task
+these helpers read it the same way everywhere (the model configs, the engine, the task
 helpers), and the whole module goes in :data:`TT_FLAG_RELEASE`.
+
+An artifact of the flag's era that stores a flag and no format (a checkpoint, a run record, a
+pickled config) was built in :data:`FLAG_FORMAT`, the only format there was: its readers assume
+that, never the current default of a setting, which moves with the measurements.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from typing import Any
 from comera.errors import ConfigError
 from comera.formats.registry import DENSE
 
-__all__ = ["NO_FLAG", "TT_FLAG_RELEASE", "format_from_tt", "restore_kind_"]
+__all__ = ["FLAG_FORMAT", "NO_FLAG", "TT_FLAG_RELEASE", "format_from_tt", "restore_kind_"]
 
 #: the release in which the ``tt`` flag of the model configs and the engine goes
 TT_FLAG_RELEASE = "0.3.0"
+#: What ``tt=True`` built where an artifact of the flag's era names no format: CoMERA's TT, the
+#: only format then (a DLRM's tables in it are TT-matrix tables)
+FLAG_FORMAT = "tt"
 
 
 class _NoFlag:
@@ -55,10 +62,16 @@ def format_from_tt(tt: Any, format: str, instead: str, *, stacklevel: int = 3) -
     return kind
 
 
-def restore_kind_(config: Any, state: dict[str, Any], field: str) -> None:
+def restore_kind_(config: Any, state: dict[str, Any], field: str,
+                  flag_kind: str = FLAG_FORMAT) -> None:
     """``__setstate__`` of a model config pickled before the layer kind was one word (a ``tt``
-    flag beside the kind ``field``): it loads as the kind it built, ``tt=False`` the dense one."""
+    flag beside the kind ``field``): it loads as the kind it built, ``tt=False`` the dense one,
+    ``tt=True`` the kind it stored, or ``flag_kind`` (what the flag built) where it stored none
+    (pickled before the kind had a field), never the field's current default."""
     state = dict(state)
-    if not state.pop("tt", True):
+    flag = state.pop("tt", None)
+    if flag is False:
         state[field] = DENSE
+    elif flag is True and field not in state:
+        state[field] = flag_kind
     config.__dict__.update(state)

@@ -39,9 +39,18 @@ from comera.numbers import is_int
 from tncomp.extend import autocast_cast, autocast_dtype, check_modes, renamed
 from tncomp.extend import check_memory as _check_tncomp_memory
 
-__all__ = ["DEFAULT_TAU", "GatedLayer", "GatedLinear", "TTLinear", "TTMLinear", "load_cores_"]
+__all__ = ["DECOMPOSED_FORMAT", "DEFAULT_TAU", "FRESH_FORMAT", "GatedLayer", "GatedLinear",
+           "TTLinear", "TTMLinear", "load_cores_"]
 
 DEFAULT_TAU = 1e-2
+#: The format of a gated layer built fresh and trained from scratch: ``GatedLinear(in, out)``,
+#: ``EngineConfig.format``, the LM and masked-LM tasks (``comera train lm|mlm``). TT-matrix,
+#: chosen by the measurements: it trains like dense where TT does not (docs/formats.md,
+#: "Choosing a format").
+FRESH_FORMAT = "ttm"
+#: The format of a layer decomposed from trained weights (``GatedLinear.from_linear``): TT,
+#: CoMERA's format; conversions keep their own measured default.
+DECOMPOSED_FORMAT = "tt"
 Ranks = int | Sequence[int]
 
 
@@ -528,7 +537,9 @@ def _check_linear(linear: nn.Module) -> None:
 
 class GatedLinear(GatedLayer):
     """``y = x @ W + b`` with W in a registered format (``"tt"``, ``"ttm"``, ... or a
-    :class:`~comera.formats.registry.Format`), rank gates on its bonds.
+    :class:`~comera.formats.registry.Format`), rank gates on its bonds; built fresh, in
+    :data:`FRESH_FORMAT` unless ``format`` names another (``from_linear``: in
+    :data:`DECOMPOSED_FORMAT`).
 
     ``ranks``: an int (every bond at most that) or one rank per bond. ``in_modes`` /
     ``out_modes``: how the features factor (a missing side is factorised, ``d`` modes when both
@@ -537,7 +548,7 @@ class GatedLinear(GatedLayer):
     #: The format a subclass is fixed to (TTLinear: "tt"); None: any.
     fixed_format: str | None = None
 
-    def __init__(self, in_features: int, out_features: int, format: Format | str = "tt",
+    def __init__(self, in_features: int, out_features: int, format: Format | str = FRESH_FORMAT,
                  ranks: Ranks = 16, in_modes: Sequence[int] | None = None,
                  out_modes: Sequence[int] | None = None, bias: bool = True,
                  tau: float = DEFAULT_TAU, d: int = 3, dtype: torch.dtype | None = None,
@@ -609,7 +620,8 @@ class GatedLinear(GatedLayer):
                                dtype, device, memory, parametrization)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, format: Format | str = "tt", ranks: Ranks = 16,
+    def from_linear(cls, linear: nn.Linear, format: Format | str = DECOMPOSED_FORMAT,
+                    ranks: Ranks = 16,
                     in_modes: Sequence[int] | None = None,
                     out_modes: Sequence[int] | None = None, tau: float = DEFAULT_TAU,
                     d: int = 3, memory: str | int = "fast",

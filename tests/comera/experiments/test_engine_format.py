@@ -1,18 +1,26 @@
 """The run's layer kind is one word, ``EngineConfig.format`` ("dense" the baseline), from
 ``train_model`` to the record and the checkpoint; the ``tt`` flag of before still works until
-0.3.0, warned, and checkpoints and records written with it still resume and read (issue 43)."""
+0.3.0, warned, and checkpoints and records written with it still resume and read (issue 43),
+as TT, the only format then, though the default is TT-matrix now (issue 40)."""
 
 from __future__ import annotations
 
+import pickle
 import warnings
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
 import comera
 from comera.experiments.checks import check_settings, check_task
-from comera.experiments.engine import EngineConfig, RunRecord, train_model
+from comera.experiments.engine import (
+    EngineConfig,
+    RunRecord,
+    engine_state_format,
+    run_checkpoint_format,
+    train_model,
+)
 from comera.experiments.optim_schedule import base_rates, run_optimizer
 from comera.experiments.results import run_experiment
 from comera.experiments.step_cost import probe_step
@@ -22,8 +30,9 @@ from tests.helpers.toy_task import ToyTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# TT, named: the format of the flag's era (the default is TT-matrix now)
 CFG = EngineConfig(steps_early=6, steps_late=4, batch_size=16, lr=1e-2, lr_gates=0.1, lam=20.0,
-                   target_compression=3.0, eval_every=5)
+                   target_compression=3.0, eval_every=5, format="tt")
 DENSE = replace(CFG, format="dense")
 NEW_CALL = r"train_model\(task, name, replace\(config, format='{}'\), out\)"
 
@@ -143,3 +152,79 @@ def test_a_checkpoint_of_before_refuses_another_format(tmp_path):
                                                      r"\(format 'tucker'\)"):
         train_model(ToyTask(), "comera", replace(CFG, format="tucker"), tmp_path, resume=True,
                     build=same_model)
+
+
+# -- the default is TT-matrix now; what the flag's era wrote still reads as TT (issue 40) -------
+def test_the_default_is_ttm_and_a_state_of_the_flag_era_names_tt():
+    assert EngineConfig().format == "ttm"
+    assert engine_state_format({"format": "btt"}) == "btt"
+    # before EngineConfig had a format: its config names none, and TT was the only format
+    assert engine_state_format({"tt": True, "config": {}}) == "tt"
+    assert engine_state_format({"tt": False, "config": {}}) == "dense"
+    assert engine_state_format({"tt": True, "config": {"format": "tucker"}}) == "tucker"
+    assert engine_state_format({"tt": 1, "config": {}}) is None  # damaged: refused on resume
+
+
+@pytest.mark.parametrize("name", ["comera", "dense"])
+def test_a_checkpoint_of_before_engine_formats_resumes_as_tt_not_the_default(tmp_path, name):
+    task = ToyTask()
+    config = CFG if name == "comera" else DENSE
+    whole, rec_whole = train_model(task, name, config, tmp_path / "a")
+    train_model(task, name, config, tmp_path / "b", stop_after=7)
+    path = tmp_path / "b" / "checkpoints" / f"{name}.pt"
+    write_engine_state_as_before_formats(path, config_format=False)
+    assert "format" not in read_torch_file(path)["extra"]["engine"]["config"]
+    assert run_checkpoint_format(path) == config.format  # tt (or dense), what a resume builds
+    resumed, rec_resumed = train_model(task, name, config, tmp_path / "b", resume=True)
+    _assert_identical(_params(whole), _params(resumed))
+    assert rec_resumed.format == config.format and rec_whole.train_curve == rec_resumed.train_curve
+
+
+def test_resuming_a_tt_run_under_the_default_is_refused_naming_the_fix(tmp_path):
+    train_model(ToyTask(), "comera", CFG, tmp_path, stop_after=2)
+    write_engine_state_as_before_formats(tmp_path / "checkpoints" / "comera.pt",
+                                         config_format=False)
+    with pytest.raises(comera.CheckpointError, match=r"\(format 'tt'\), not 'toy' \(format "
+                                                     r"'ttm'\); resume it with format='tt' "
+                                                     r"\(comera train --format tt\)"):
+        train_model(ToyTask(), "comera", replace(CFG, format="ttm"), tmp_path, resume=True)
+
+
+def test_run_checkpoint_format_refuses_a_file_of_no_run(tmp_path):
+    path = tmp_path / "plain.pt"
+    comera.save_checkpoint(path, ToyTask().build_model("tt"))
+    with pytest.raises(comera.CheckpointError, match="not written by the training engine"):
+        run_checkpoint_format(path)
+
+
+def test_a_record_of_the_flag_era_reads_as_tt_from_a_dict_and_a_pickle():
+    old = {"name": "m", "tt": True, "steps": 3}
+    assert RunRecord.from_dict(old).format == "tt"  # no run format given: TT, not the default
+    for flag, kind in ((True, "tt"), (False, "dense")):
+        record = RunRecord("m", "btt", steps=3)
+        state = {k: v for k, v in vars(record).items() if k != "format"}
+        loaded = pickle.loads(pickle.dumps(_Pickled(RunRecord, {**state, "tt": flag})))
+        assert type(loaded) is RunRecord and loaded.format == kind and loaded.steps == 3
+
+
+def test_a_config_pickled_before_the_run_had_a_format_loads_as_tt():
+    state = {k: v for k, v in vars(CFG).items() if k != "format"}
+    old = pickle.loads(pickle.dumps(_Pickled(EngineConfig, state)))
+    assert type(old) is EngineConfig and old.format == "tt" and old == CFG
+    assert pickle.loads(pickle.dumps(EngineConfig())).format == "ttm"  # today's keeps its own
+    assert asdict(pickle.loads(pickle.dumps(DENSE))) == asdict(DENSE)
+
+
+class _Pickled:
+    """Pickles as an instance of ``cls`` with the state ``state``: what an object of the code
+    before wrote into a pickle (its ``__dict__``)."""
+
+    def __init__(self, cls: type, state: dict):
+        self.cls, self.state = cls, state
+
+    def __reduce__(self):
+        return _new, (self.cls,), self.state
+
+
+def _new(cls: type):
+    return cls.__new__(cls)
