@@ -86,16 +86,23 @@ def test_convert_saves_tables_of_every_table_format(tmp_path, capsys):
 
 
 # -- comera train --format ------------------------------------------------------------------------
-def _toy_experiment(monkeypatch) -> None:
-    """A registered experiment on the toy task (tests/helpers/toy_task.py): a few steps."""
+def _toy_experiment(monkeypatch, recommended: str | None = None) -> None:
+    """A registered experiment on the toy task (tests/helpers/toy_task.py): a few steps; its
+    task recommends ``recommended`` (None: the Task default)."""
     from comera.experiments import registry
     from comera.experiments.engine import EngineConfig
     from tests.helpers.toy_task import ToyTask
 
+    def make_task(quick: bool) -> ToyTask:
+        task = ToyTask()
+        if recommended is not None:
+            task.recommended_format = recommended
+        return task
+
     quick = EngineConfig(steps_early=3, steps_late=2, batch_size=16, eval_every=2,
                          target_compression=1.5, threads=1)
     monkeypatch.setitem(registry.EXPERIMENTS, "toy", registry.Experiment(
-        "toy", "regression onto a low-rank teacher", lambda quick: ToyTask(), quick, quick))
+        "toy", "regression onto a low-rank teacher", make_task, quick, quick))
 
 
 def test_train_format_builds_the_comera_run_in_that_format(tmp_path, monkeypatch, capsys):
@@ -109,20 +116,57 @@ def test_train_format_builds_the_comera_run_in_that_format(tmp_path, monkeypatch
     assert [s["format"] for s in comera_ckpt.layers.values()] == ["tucker"]
     assert comera.read_checkpoint(out / "checkpoints" / "dense.pt").layers == {}  # stays dense
     capsys.readouterr()
-    # resuming under another format is refused, naming the formats; nothing is trained
-    code = cli.main(["train", "toy", "--quick", "--resume", "--out", str(out)])
+    # resuming under another format is refused, naming the formats and the fix; nothing trains
+    before = (out / "toy.json").read_text()
+    code = cli.main(["train", "toy", "--quick", "--resume", "--format", "ttm", "--out", str(out)])
     err = capsys.readouterr().err
-    assert code == 2 and "tucker" in err and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "(format 'tucker'), not 'toy' (format 'ttm')" in err and "--format tucker" in err
+    assert (out / "toy.json").read_text() == before
+    # resuming with no --format continues the run in its own format, not the task's default
+    assert cli.main(["train", "toy", "--quick", "--resume", "--out", str(out)]) == 0
+    assert json.loads((out / "toy.json").read_text())["config"]["format"] == "tucker"
 
 
-def test_train_format_defaults_to_tt_and_lists_the_registry(monkeypatch):
+def test_train_format_defaults_to_the_tasks_recommended_format(tmp_path, monkeypatch):
+    _toy_experiment(monkeypatch, recommended="tucker")
+    monkeypatch.setenv("COMERA_NO_PROGRESS", "1")
+    assert cli.main(["train", "toy", "--quick", "--variants", "comera", "--out",
+                     str(tmp_path / "a")]) == 0
+    assert json.loads((tmp_path / "a" / "toy.json").read_text())["config"]["format"] == "tucker"
+    _toy_experiment(monkeypatch)  # a task that names none: the format of fresh layers
+    assert cli.main(["train", "toy", "--quick", "--variants", "comera", "--out",
+                     str(tmp_path / "b")]) == 0
+    layers = comera.read_checkpoint(tmp_path / "b" / "checkpoints" / "comera.pt").layers
+    assert [s["format"] for s in layers.values()] == ["ttm"]
+
+
+def test_train_format_help_names_each_tasks_recommended_format_and_the_registry():
+    from comera.experiments.dlrm_task import DLRMTask
+    from comera.experiments.lm_task import LMTask
+    from comera.experiments.mlm_task import MLMTask
+    from comera.experiments.pair_task import CodePairTask
+    from comera.experiments.registry import EXPERIMENTS
+    from comera.experiments.transformer_task import ReviewsTask
     from comera.formats.registry import layer_formats
 
-    args = cli.build_parser().parse_args(["train", "dlrm"])
-    assert args.format == "tt"
+    assert cli.build_parser().parse_args(["train", "dlrm"]).format is None  # the task's
+    tasks = {"lm": LMTask, "mlm": MLMTask, "dlrm": DLRMTask, "transformer": ReviewsTask,
+             "transformer-code": CodePairTask}
+    assert set(tasks) == set(EXPERIMENTS)
+    # each task's choice without its data (a classifier's property reads no pretrained encoder)
+    recommended = {name: task.__new__(task).recommended_format for name, task in tasks.items()}
+    assert recommended == {"lm": "ttm", "mlm": "ttm", "dlrm": "tt", "transformer": "tt",
+                           "transformer-code": "tt"}
+    by_format: dict[str, list[str]] = {}
+    for name, format in recommended.items():
+        by_format.setdefault(format, []).append(name)
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
     text = " ".join(sub.choices["train"].format_help().split())
     assert "--format {" + ",".join(f for f in layer_formats() if f != "dense") + "}" in text
+    for format, names in by_format.items():
+        listed = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+        assert f"{format} for {listed}" in text, (format, listed)
 
 
 @pytest.mark.parametrize("value", ["tuker", "dense", "einsum", ""])

@@ -35,6 +35,7 @@ SETTINGS = dict(steps_early=12, steps_late=8, batch_size=16, lr=1e-2, lr_gates=0
                 lam=20.0, regularizer="size_weighted", early_landing=0.4,
                 target_compression=3.0, late_loss_slack=0.1, late_landing=0.6,
                 late_allocation="prune",  # the default when the fixtures were written
+                format="tt",  # the default when the fixtures were written (ttm since issue 40)
                 memory="balanced", threads=1,
                 seed=3, eval_every=5, checkpoint_every=4, on_nonfinite="skip", max_skips=3)
 

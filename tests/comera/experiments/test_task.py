@@ -59,9 +59,36 @@ def test_the_engine_still_trains_a_task_written_with_build_model_tt(tmp_path):
     with pytest.warns(DeprecationWarning, match="build_model\\(self, tt\\)"):
         dense = build_task_model(_OldTask(), "dense")
     assert not any(True for _ in comera.gated_layers(dense))  # "dense" is not read as truthy
-    cfg = EngineConfig(steps_early=2, steps_late=0, batch_size=8, eval_every=1)
+    cfg = EngineConfig(steps_early=2, steps_late=0, batch_size=8, eval_every=1, format="tt")
     with pytest.warns(DeprecationWarning):
         model, _ = train_model(_OldTask(), "comera", cfg, tmp_path / "a")
     assert isinstance(model[0], comera.TTLinear)
     with pytest.raises(comera.ConfigError, match="knows TT and dense only"):
         build_task_model(_OldTask(), "tucker")
+    # the default (TT-matrix) is refused before anything trains, naming the format it knows
+    with pytest.raises(comera.ConfigError, match=r"not format 'ttm'; train it with "
+                                                 r"format='tt' \(EngineConfig\(format='tt'\)\)"):
+        train_model(_OldTask(), "comera", EngineConfig(), tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
+def test_each_task_builds_its_recommended_format_by_default():
+    """``build_model()`` builds what ``comera train`` trains when no format is named: TT-matrix
+    for the LM and MLM (issue 40), TT for the DLRM and the classifiers (their results')."""
+    import inspect
+
+    from comera.experiments.dlrm_task import DLRMTask
+    from comera.experiments.lm_task import LMTask
+    from comera.experiments.mlm_task import MLMTask
+    from comera.experiments.task import Task
+    from comera.experiments.transformer_task import PairClassificationTask
+    from comera.layers.linear import FRESH_FORMAT
+
+    expected = {Task: FRESH_FORMAT, LMTask: "ttm", MLMTask: "ttm", DLRMTask: "tt",
+                PairClassificationTask: "tt"}
+    for task, format in expected.items():
+        default = inspect.signature(task.build_model).parameters["format"].default
+        chosen = (task.recommended_format if isinstance(task.recommended_format, str)
+                  else task.__new__(task).recommended_format)  # a classifier's property
+        assert chosen == default == format, task
+    assert ToyTask().recommended_format == FRESH_FORMAT == "ttm"

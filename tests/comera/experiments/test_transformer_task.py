@@ -3,6 +3,8 @@ accuracy, and ``--init-from`` a masked-LM checkpoint (TT at its saved ranks, or 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ import comera
 from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.init_from import classifier_config, load_encoder_, read_pretrained
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
+from comera.experiments.pair_task import CodePairTask
 from comera.models import PairClassifier
 from tests.helpers.checkpoints_before import write_engine_state_as_before_formats
 from tests.helpers.toy_task import ToyTask
@@ -70,7 +73,7 @@ def test_the_registry_names_agree():
     assert CodePairTask.name == "transformer-code"
 
 
-@pytest.mark.parametrize("format", [pytest.param("tt", marks=pytest.mark.slow), "dense"])
+@pytest.mark.parametrize("format", [pytest.param("tt", marks=pytest.mark.slow), "ttm", "dense"])
 def test_init_from_an_mlm_checkpoint_loads_the_encoder_as_saved(tmp_path, corpus, format):
     task = MLMTask(TINY_MLM, root=corpus, use_cache=False)
     cfg = EngineConfig(steps_early=4, steps_late=2, batch_size=4, lam=1.0, lr_gates=0.2,
@@ -92,7 +95,8 @@ def test_init_from_an_mlm_checkpoint_loads_the_encoder_as_saved(tmp_path, corpus
         saved = {n: m.bonds for n, m in comera.gated_layers(mlm) if not n.startswith(("transform",
                                                                                   "decoder"))}
         mine = {n: m.bonds for n, m in comera.gated_layers(classifier)}
-        assert mine == saved and any(b < 4 for bonds in saved.values() for b in bonds[1:-1])
+        assert mine == saved
+        assert format != "tt" or any(b < 4 for bonds in saved.values() for b in bonds[1:-1])
     assert not classifier.segments.weight.any()
     ids = torch.randint(5, 64, (3, 16))
     classifier.eval()
@@ -100,9 +104,21 @@ def test_init_from_an_mlm_checkpoint_loads_the_encoder_as_saved(tmp_path, corpus
     hidden = mlm.encode(ids)  # segments at zero: the classifier sees the pretrained features
     assert torch.allclose(classifier.head(hidden[:, 0]),
                           classifier(ids, torch.zeros_like(ids)), atol=1e-5)
-    write_engine_state_as_before_formats(path)  # a checkpoint of before: the tt flag
-    assert read_pretrained(path, TINY_MLM, root=corpus, use_cache=False).config.linear_format \
-        == format
+    # a classifier started from it trains the compressed encoder's format when none is named
+    task = CodePairTask.__new__(CodePairTask)  # its data is not needed to choose
+    assert task.recommended_format == "tt"  # the classifiers' results' format
+    task.pretrained = pretrained
+    assert task.recommended_format == (format if format != "dense" else "tt")
+    if format == "ttm":
+        return  # the tt flag's era had TT only
+    # a checkpoint of before: the tt flag; without config_format, of before EngineConfig had a
+    # format (its config names none, so TT, not today's default)
+    for config_format in (True, False):
+        before = tmp_path / f"before_{config_format}.pt"
+        shutil.copy(path, before)
+        write_engine_state_as_before_formats(before, config_format)
+        assert read_pretrained(before, TINY_MLM, root=corpus,
+                               use_cache=False).config.linear_format == format
 
 
 def test_init_from_refuses_a_checkpoint_of_another_task(tmp_path):

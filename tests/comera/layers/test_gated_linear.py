@@ -215,3 +215,20 @@ def test_copies_keep_their_format_and_still_stack_with_the_originals():
         x = torch.randn(2, 6, dtype=F64)
         torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
         assert stack_key([layer, twin]) is not None
+
+
+def test_a_layer_built_fresh_is_tt_matrix_and_one_decomposed_is_tt():
+    """The formats chosen by the measurements (issue 40): TT-matrix for layers trained from
+    scratch, TT (CoMERA's) for decompositions of trained weights."""
+    from comera.layers.linear import DECOMPOSED_FORMAT, FRESH_FORMAT
+
+    assert (FRESH_FORMAT, DECOMPOSED_FORMAT) == ("ttm", "tt")
+    torch.manual_seed(0)
+    fresh = GatedLinear(64, 32, ranks=4)
+    assert fresh.format.name == "ttm" and fresh.parametrization == "balanced"
+    torch.manual_seed(0)
+    same = GatedLinear(64, 32, "ttm", ranks=4)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                 same.state_dict().values(), strict=True))
+    decomposed = GatedLinear.from_linear(nn.Linear(64, 32), ranks=4)
+    assert decomposed.format.name == "tt" and decomposed.parametrization == "plain"
