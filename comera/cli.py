@@ -56,16 +56,17 @@ SET_ALWAYS = {"device": "--device", "format": "--format"}
 RECOMMENDED = "ttm for lm and mlm, tt for dlrm, transformer and transformer-code"
 
 
-def _engine_config(args, exp, format: str | None) -> Any:
+def _engine_config(args, exp, format: str | None = None) -> Any:
     """The experiment's quick or full settings with the options given; ``format`` the CoMERA
-    run's (None: the experiment's until the task, once built, names its recommended one)."""
+    run's (None: ``--format``, else the experiment's until the task, once built, names its
+    recommended one)."""
     cfg = exp.engine(args.quick)
     changes: dict[str, Any] = {"stage": args.stage, "device": args.device,
                                "on_nonfinite": args.on_nonfinite,
                                "precision": args.precision, "compile": args.compile,
                                "memory": args.memory,
                                "checkpoint_blocks": args.checkpoint_blocks, "fsdp": args.fsdp,
-                               "format": format or cfg.format}
+                               "format": format or args.format or cfg.format}
     for field_name, flag in FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
