@@ -143,9 +143,10 @@ def test_a_token_table_is_held_at_min_rank_not_pruned_to_nothing():
 
 def test_engine_late_stage_lands_with_default_learning_rates(tmp_path):
     """The engine's toy task at the engine's default lr_gates lands its TT layer on the target
-    compression within 5% in 20 late steps."""
+    compression within 5% in 20 late steps. (TT named: the default format is TT-matrix, whose
+    one-bond toy layer moves 80 parameters a rank, too coarse for 5% of a target of 176.)"""
     cfg = EngineConfig(steps_early=10, steps_late=20, batch_size=16, lam=0.0,
-                       target_compression=6.0, eval_every=10)
+                       target_compression=6.0, eval_every=10, format="tt")
     _, record = train_model(ToyTask(), "comera", cfg, tmp_path)
     sizes = record.stage_ends["late"]["sizes"]
     target = sizes["tt_dense_params"] / cfg.target_compression
