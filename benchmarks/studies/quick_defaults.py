@@ -9,11 +9,13 @@ Every arm is one ``comera train TASK --quick --seed S --threads 1`` (the task's 
 its steps, batch, learning rate and target), with:
 
 - ``dense``: ``--variants dense``, the dense model;
-- ``before``: ``--parametrization plain --late-allocation prune``, CoMERA as ``comera train``
-  ran it before 0.2.0 (plain cores, the late stage pruning their gates);
-- ``defaults``: nothing, the defaults (balanced cores; ``late_allocation="auto"``, which on TT
-  layers is the spectrum allocation);
-- ``ttm``: ``--format ttm``, the defaults on TT-matrix layers.
+- ``before``: ``--format tt --parametrization plain --late-allocation prune``, CoMERA as
+  ``comera train`` ran it before 0.2.0 (TT layers, plain cores, the late stage pruning their
+  gates);
+- ``defaults``: ``--format tt``, 0.2.0's defaults on TT layers (balanced cores;
+  ``late_allocation="auto"``, which on TT layers is the spectrum allocation);
+- ``ttm``: ``--format ttm``, the defaults on TT-matrix layers (since issue 40 the LM's and the
+  masked LM's default format: named, so each arm measures what it says whatever the default).
 
 A run already in ``--work`` (its ``TASK.json`` written) is read, not trained again. Writes
 ``benchmarks/results/quick_defaults/quick_defaults.{json,md}``: per task and arm the test
@@ -35,9 +37,9 @@ from comera.experiments.results import machine
 
 #: arm -> the flags it adds to ``comera train TASK --quick --seed S --threads 1``
 ARMS = {"dense": ["--variants", "dense"],
-        "before": ["--variants", "comera", "--parametrization", "plain",
+        "before": ["--variants", "comera", "--format", "tt", "--parametrization", "plain",
                    "--late-allocation", "prune"],
-        "defaults": ["--variants", "comera"],
+        "defaults": ["--variants", "comera", "--format", "tt"],
         "ttm": ["--variants", "comera", "--format", "ttm"]}
 #: task -> the test metric the tables report
 TASKS = {"lm": "perplexity", "mlm": "loss"}

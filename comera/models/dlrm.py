@@ -133,8 +133,9 @@ class DLRMConfig:
             raise ConfigError(f"tau={self.tau!r}; the gate threshold is a number >= 0.")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A config pickled with the ``tt`` flag of before loads as the kind it built."""
-        restore_kind_(self, state, "table_format")
+        """A config pickled with the ``tt`` flag of before loads as the kind it built (TT-matrix
+        tables where it stored no kind: pickled before ``table_format``)."""
+        restore_kind_(self, state, "table_format", _TT_TABLES)
 
     @property
     def table_sizes(self) -> tuple[int, ...]:

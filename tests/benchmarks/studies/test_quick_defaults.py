@@ -48,3 +48,10 @@ def test_bad_seeds_exit_2_before_any_run(argv, tmp_path, capsys):
         qd.main([*argv, "--work", str(tmp_path / "w")])
     assert exc.value.code == 2 and "--seeds" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_every_comera_arm_names_its_format():
+    """Each arm measures what it says whatever `comera train`'s default format is (issue 40)."""
+    formats = {arm: flags[flags.index("--format") + 1] for arm, flags in qd.ARMS.items()
+               if arm != "dense"}
+    assert formats == {"before": "tt", "defaults": "tt", "ttm": "ttm"}

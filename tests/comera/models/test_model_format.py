@@ -127,3 +127,13 @@ def test_a_model_pickled_with_the_tt_flag_in_its_config_loads_as_it_was_built():
         state = {**vars(dlrm), "tt": flag, "table_format": "ttm"}
         assert pickle.loads(pickle.dumps(_PickledBefore(DLRMConfig, state))) == \
             replace(dlrm, table_format=kind)
+
+
+def test_a_dlrm_config_pickled_before_table_format_loads_with_tt_matrix_tables():
+    """DLRMConfig had a tt flag and no table_format (before 0.2.0): tt=True built TT-matrix
+    tables, whatever the field's default is today ("dense")."""
+    dlrm = DLRMConfig(**TINY_DLRM, table_format="ttm")
+    state = {k: v for k, v in vars(dlrm).items() if k != "table_format"}
+    for flag, kind in ((True, "ttm"), (False, "dense")):
+        loaded = pickle.loads(pickle.dumps(_PickledBefore(DLRMConfig, {**state, "tt": flag})))
+        assert loaded == replace(dlrm, table_format=kind)
