@@ -122,9 +122,6 @@ class ColaLinear(GatedLayer):
                  parametrization: str = FRESH):
         self.in_features = check_features("in_features", in_features)
         self.out_features = check_features("out_features", out_features)
-        if not is_int(rank):
-            raise ConfigError(f"rank={rank!r}; CoLA's bottleneck is an int >= 1 (e.g. "
-                              f"{max(1, min(in_features, out_features) // 4)}).")
         self.activation = check_activation(activation)
         check_parametrization(parametrization)
         layout = COLA.layout((in_features,), (out_features,), rank)

@@ -196,7 +196,7 @@ def test_it_is_a_layer_kind_not_a_format():
     assert "cola" in layer_kinds() and "cola" not in comera.formats.registry.format_names()
     layer = linear_layer("cola", 16, 8, 4, bias=False, parametrization="plain")
     assert type(layer) is ColaLinear and layer.rank == 4 and layer.bias is None
-    with pytest.raises(ConfigError, match="linear='colla'; choose one of dense, .*cola"):
+    with pytest.raises(ConfigError, match=r"linear='colla'; choose one of dense, .*cola"):
         CausalLMConfig(linear="colla")
     cfg = TransformerConfig.small(vocab_size=50, linear_format="cola", rank=8)
     model = comera.models.PairClassifier(cfg)
