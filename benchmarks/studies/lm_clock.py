@@ -7,7 +7,8 @@ side by side in one process: the clock the frontier's wall-clock curves are draw
 
 The causal LM of ``benchmarks/studies/lm_frontier.py`` (d_model ``--d-model``, FFN 4x, two
 blocks, 64 tokens, batch 16): dense, and per target the narrower dense model of the same size
-and every format at its largest uniform rank (the frontier's methods, built by its harness);
+and every format (and CoLA) at its largest uniform rank (the frontier's methods, built by its
+harness);
 with ``--widths``, dense at each of those d_model widths too (``dense@96``: the frontier's
 ``narrow`` method with ``--widths``, its FFN at the task's ratio).
 Each model takes its steps round-robin with the others (:func:`benchmarks.lib.measure.
@@ -42,7 +43,7 @@ from benchmarks.lib.measure import (
     spread_text,
     start_run,
 )
-from benchmarks.studies.harness.methods import Study, narrow_sizes, width_sizes
+from benchmarks.studies.harness.methods import Study, build, narrow_sizes, width_sizes
 from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig
@@ -51,7 +52,8 @@ from comera.experiments.step_cost import measure_step
 from comera.experiments.task import IndexStream
 from comera.formats.registry import DENSE
 
-FORMATS = ("tt", "ttm", "btt", "lowrank")
+#: The formats timed at each target, and the layer kinds that are not formats (CoLA).
+FORMATS = ("tt", "ttm", "btt", "lowrank", "cola")
 
 
 def models(task: LMTask, targets, widths=()) -> dict[str, torch.nn.Module]:
@@ -68,7 +70,7 @@ def models(task: LMTask, targets, widths=()) -> dict[str, torch.nn.Module]:
         for fmt in FORMATS:
             rank = study.uniform_rank(fmt, target)
             if rank >= 1:
-                out[f"{fmt} {target:g}x"] = task.build(fmt, rank)
+                out[f"{fmt} {target:g}x"] = build(task, fmt, rank)
     return out
 
 

@@ -1,1 +1,2 @@
-"""torch modules with rank gates: linear layers, embeddings, fused siblings, attention."""
+"""torch modules with rank gates: linear layers, embeddings, fused siblings, attention, CoLA
+bottlenecks (``B act(A x)``, :mod:`comera.layers.cola`)."""

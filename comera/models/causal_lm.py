@@ -6,7 +6,8 @@ token table (tied, as GPT-2). The six linear layers of each block are of the kin
 ``cfg.linear``: ``"dense"`` (``nn.Linear``) or any registered format at max rank ``cfg.rank``
 (modes factorised from the sizes with ``cfg.tt_order`` modes per side; ``"tt"``:
 :class:`~comera.layers.linear.TTLinear`, the layers CoMERA adapts; ``"lowrank"``: ``x @ A @ B``
-with the rank gated, trained at a fixed rank when the rank objective is off).
+with the rank gated, trained at a fixed rank when the rank objective is off; ``"cola"``:
+:class:`~comera.layers.cola.ColaLinear`, ``B silu(A x)`` with the bottleneck gated).
 
 The token table stays dense: the compressed layers are exactly the block linear layers, so
 "compression of the linear layers" is what the frontier's targets speak of.
@@ -19,10 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from comera.formats.registry import check_layer_format
 from comera.formats.scaling import FRESH, check_parametrization
 from comera.layers.linear import DEFAULT_TAU
-from comera.models.transformer import check_sizes, check_token_ids, linear_layer
+from comera.models.transformer import check_layer_kind, check_sizes, check_token_ids, linear_layer
 
 EMBEDDING_STD = 0.02  # GPT-2's initializer_range
 
@@ -38,7 +38,7 @@ class CausalLMConfig:
     n_layers: int = 2
     max_len: int = 64
     dropout: float = 0.0
-    linear: str = "dense"  # "dense" or a registered format (layer_formats())
+    linear: str = "dense"  # "dense", a registered format or "cola" (transformer.layer_kinds())
     rank: int = 32  # the format's max rank
     tt_order: int = 3  # modes per side of a TT layer
     tau: float = DEFAULT_TAU
@@ -46,7 +46,7 @@ class CausalLMConfig:
     parametrization: str = FRESH
 
     def __post_init__(self) -> None:
-        check_layer_format(self.linear, "linear")
+        check_layer_kind(self.linear, "linear")
         check_parametrization(self.parametrization)
         check_sizes(self, ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len",
                            "rank", "tt_order"))

@@ -27,7 +27,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
-from comera.formats.registry import DENSE, check_layer_format, format_names, get_format
+from comera.formats.registry import DENSE, format_names, get_format, layer_formats
 from comera.formats.scaling import FRESH, check_parametrization
 from comera.formats.tt_flag import (  # noqa: F401  (their home; imported from here before)
     NO_FLAG,
@@ -35,12 +35,34 @@ from comera.formats.tt_flag import (  # noqa: F401  (their home; imported from h
     format_from_tt,
     restore_kind_,
 )
+from comera.layers.cola import ColaLinear
 from comera.layers.embedding import gated_embedding, table_format
 from comera.layers.linear import DEFAULT_TAU, GatedLinear, TTLinear
 from comera.layers.siblings import Siblings
 from comera.lean.dropout import BoolMaskDropout
 from comera.lean.sdpa import scaled_dot_product_attention
 from comera.numbers import is_int
+
+#: Layer kinds that are not weight formats (no dense weight: :mod:`comera.formats.registry`
+#: does not list them): name -> the layer's class, built as ``cls(n_in, n_out, rank, bias=...,
+#: tau=..., parametrization=...)``. A model with such layers keeps its token table dense.
+LAYER_KINDS: dict[str, type[nn.Module]] = {"cola": ColaLinear}
+
+
+def layer_kinds() -> tuple[str, ...]:
+    """What a model's linear layers may be: ``"dense"``, a format built from modes
+    (:func:`~comera.formats.registry.layer_formats`) or a kind of :data:`LAYER_KINDS`."""
+    return (*layer_formats(), *LAYER_KINDS)
+
+
+def check_layer_kind(value: str, what: str = "linear") -> str:
+    """``value`` as a model's layer kind (:func:`layer_kinds`), else a :class:`ConfigError`
+    naming it and the choices."""
+    if isinstance(value, str) and value in LAYER_KINDS:
+        return value
+    if not isinstance(value, str) or value not in layer_formats():
+        raise ConfigError(f"{what}={value!r}; choose one of {', '.join(layer_kinds())}.")
+    return value
 
 
 def check_token_ids(ids: Tensor, max_len: int) -> int:
@@ -92,8 +114,9 @@ class TransformerConfig:
     ffn_out_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((16, 16, 12), (8, 8, 12))
     embedding_modes: tuple[tuple[int, ...], tuple[int, ...]] = ((16, 20, 10, 10), (4, 4, 8, 6))
     tau: float = 1e-2
-    # the layers' kind: "dense" (the baseline) or a format built from modes (layer_formats();
-    # the token table takes the format's table, e.g. TT's a TT-matrix one)
+    # the layers' kind: "dense" (the baseline), a format built from modes (layer_formats();
+    # the token table takes the format's table, e.g. TT's a TT-matrix one) or a LAYER_KINDS
+    # kind ("cola": its token table dense)
     linear_format: str = "tt"
     # how gated layers scale their cores (formats.scaling.FRESH: balanced, as every fresh layer)
     parametrization: str = FRESH
@@ -108,7 +131,7 @@ class TransformerConfig:
             raise ConfigError(f"linear_format={self.linear_format!r} is a declared network; "
                               "choose a format built from modes, e.g. 'tt' or 'tucker' (or "
                               "'dense').")
-        check_layer_format(self.linear_format, "linear_format")
+        check_layer_kind(self.linear_format, "linear_format")
         check_sizes(self, ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "max_len",
                            "n_classes", "rank", "embedding_rank"))
 
@@ -130,13 +153,17 @@ class TransformerConfig:
 def linear_layer(format: str, n_in: int, n_out: int, rank: int, modes=None, *,
                  bias: bool = True, tau: float = DEFAULT_TAU, d: int = 3,
                  parametrization: str = "balanced") -> nn.Module:
-    """One linear layer of the kind ``format``: ``nn.Linear`` for ``"dense"``, ``TTLinear`` for
-    ``"tt"`` (the class TT checkpoints hold), else a ``GatedLinear`` in that format at max rank
-    ``rank``. ``modes``: (in_modes, out_modes) for a format that uses modes, used when they
-    multiply to the sizes (else factorised, ``d`` a side). ``parametrization``: how a gated
-    layer scales its cores (:mod:`comera.formats.scaling`)."""
-    if check_layer_format(format) == DENSE:
+    """One linear layer of the kind ``format``: ``nn.Linear`` for ``"dense"``, the class of a
+    :data:`LAYER_KINDS` kind (``"cola"``: :class:`~comera.layers.cola.ColaLinear`) at ``rank``,
+    ``TTLinear`` for ``"tt"`` (the class TT checkpoints hold), else a ``GatedLinear`` in that
+    format at max rank ``rank``. ``modes``: (in_modes, out_modes) for a format that uses
+    modes, used when they multiply to the sizes (else factorised, ``d`` a side).
+    ``parametrization``: how a gated layer scales its cores (:mod:`comera.formats.scaling`)."""
+    if check_layer_kind(format, "format") == DENSE:
         return nn.Linear(n_in, n_out, bias=bias)
+    if format in LAYER_KINDS:
+        return LAYER_KINDS[format](n_in, n_out, rank, bias=bias, tau=tau,
+                                   parametrization=parametrization)
     if modes is not None and (math.prod(modes[0]) != n_in or math.prod(modes[1]) != n_out):
         modes = None  # sizes changed by an override: factorize automatically
     if modes is None or not get_format(format).uses_modes:
@@ -150,9 +177,9 @@ def linear_layer(format: str, n_in: int, n_out: int, rank: int, modes=None, *,
 
 def token_table(cfg: TransformerConfig, pad_id: int) -> nn.Module:
     """The token table: in the table of the layers' format (TT: a TT-matrix
-    :class:`~comera.layers.embedding.TTEmbedding`) when the layers are compressed and
-    ``cfg.tt_embedding``, else ``nn.Embedding``."""
-    if cfg.linear_format == DENSE or not cfg.tt_embedding:
+    :class:`~comera.layers.embedding.TTEmbedding`) when the layers are in a format and
+    ``cfg.tt_embedding``, else ``nn.Embedding`` (dense layers, a :data:`LAYER_KINDS` kind)."""
+    if cfg.linear_format == DENSE or cfg.linear_format in LAYER_KINDS or not cfg.tt_embedding:
         return nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=pad_id)
     rows, cols = cfg.embedding_modes or (None, None)
     modes = ({"row_modes": rows, "col_modes": cols}

@@ -40,7 +40,13 @@ import torch
 
 from benchmarks.studies.harness import equal_time
 from benchmarks.studies.harness.equal_time import budget_entry, clock_key, steps_from_clock
-from benchmarks.studies.harness.methods import Study, check_method, is_adaptive, split_method
+from benchmarks.studies.harness.methods import (
+    Study,
+    check_method,
+    is_adaptive,
+    kind_title,
+    split_method,
+)
 from benchmarks.studies.harness.results import (
     RunsFile,
     at_best_lr,
@@ -121,7 +127,7 @@ def label(method: str) -> str:
         return f"{FIXED[f'comera {stage}'.strip()]}{on}{extra}"
     if name == "dense" and fmt:
         return f"dense, d_model {fmt}"
-    return f"{get_format(name).title} at a uniform rank{extra}"
+    return f"{kind_title(name)} at a uniform rank{extra}"
 
 
 def upgrade(row: dict) -> dict:

@@ -9,6 +9,13 @@
 - a format with a parametrization, ``"tt:balanced"`` / ``"tt:plain"``: the same with the layers
   at that parametrization (:mod:`comera.formats.scaling`); without one, the task's (plain for
   the studies: plain, :data:`benchmarks.studies.harness.frontier.STUDY_PARAMETRIZATION`).
+- a layer kind that is not a weight format (``"cola"``, ``"cola:balanced"``:
+  :data:`comera.models.transformer.LAYER_KINDS`): the same as a format, its size read from the
+  layers' own layout (CoLA's A and B: ``r * (in + out)``). The tasks and the engine take only
+  formats (:func:`comera.experiments.task.model_format`), so the harness builds the causal LM
+  with the layers of that kind itself (:func:`build`; the LM task only) and the engine runs it
+  as a ``"lowrank"`` run (:data:`ENGINE_KIND`: a run with gated layers at lam 0, as the
+  formats' fixed ranks; the rows name the kind).
 - ``"narrow"`` with ``widths``: instead, the dense model at each d_model of ``widths`` (d_ff at
   the task's ratio, the heads dividing d_model: :meth:`Study.width_sizes`), a row per width
   named ``"dense@<width>"`` with no target: the dense frontier's widths, given.
@@ -63,8 +70,11 @@ import torch
 from benchmarks.studies.harness.runs import layer_shapes, row, train
 from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
+from comera.experiments.lm_task import LMTask
 from comera.formats.registry import DENSE, format_names, get_format, layer_formats
 from comera.formats.scaling import PARAMETRIZATIONS, check_parametrization
+from comera.models.causal_lm import CausalLM
+from comera.models.transformer import LAYER_KINDS
 from comera.ranks.allocate import allocate, check_chain_format, rebuild_at_
 from comera.ranks.budget import dense_linear_size, largest_rank, layout_size, size_target
 from comera.ranks.truncate import round_, rounds_exactly
@@ -73,8 +83,39 @@ SPECIAL = ("dense", "narrow", "comera", "spectrum", "early")
 #: The methods whose ranks change as they train: no one clock gives their steps.
 ADAPTIVE = ("comera", "spectrum", "early")
 
-__all__ = ["ADAPTIVE", "SPECIAL", "Study", "adaptive_formats", "check_method", "is_adaptive",
-           "method_names", "narrow_sizes", "split_method", "width_sizes"]
+#: The engine's kind for a run of a LAYER_KINDS kind (the engine takes formats only): a run of
+#: gated layers, as the formats' at a fixed rank.
+ENGINE_KIND = "lowrank"
+
+__all__ = ["ADAPTIVE", "ENGINE_KIND", "SPECIAL", "Study", "adaptive_formats", "build",
+           "check_method", "engine_kind", "is_adaptive", "kind_title", "method_names",
+           "narrow_sizes", "split_method", "width_sizes"]
+
+
+def build(task, kind: str, rank: int | None = None, **sizes: int) -> torch.nn.Module:
+    """``task.build(kind, rank, **sizes)``; for a :data:`LAYER_KINDS` kind (``"cola"``), the
+    causal LM task's model with block layers of that kind, built here since tasks take formats
+    only (a ConfigError for another task)."""
+    if kind not in LAYER_KINDS:
+        return task.build(kind, rank, **sizes)
+    if not isinstance(task, LMTask):
+        raise ConfigError(f"method {kind!r} runs on the causal LM task (lm_frontier) only; "
+                          f"task {task.name!r} builds its layers from formats.")
+    config = replace(task.config, **sizes) if sizes else task.config
+    return CausalLM(replace(config.model_config(task.vocab, DENSE, rank), linear=kind))
+
+
+def engine_kind(kind: str) -> str:
+    """The engine's ``format`` for a run of layers of ``kind`` (:data:`ENGINE_KIND` for a
+    :data:`LAYER_KINDS` kind)."""
+    return ENGINE_KIND if kind in LAYER_KINDS else kind
+
+
+def kind_title(kind: str) -> str:
+    """A format's or layer kind's title (``"TT-matrix"``, ``"CoLA"``)."""
+    if kind in LAYER_KINDS:
+        return {"cola": "CoLA (B silu(A x))"}.get(kind, kind)
+    return get_format(kind).title
 
 
 def adaptive_formats() -> tuple[str, ...]:
@@ -95,7 +136,7 @@ def method_names() -> tuple[str, ...]:
     """Every method a study may run: the special ones, every layer format, every layer format
     at each parametrization (``"tt:plain"``), and CoMERA on every format that trains
     rank-adaptively (``"comera@btt"``, ``"comera@btt:balanced"``)."""
-    formats = [f for f in layer_formats() if f != DENSE]
+    formats = [f for f in layer_formats() if f != DENSE] + list(LAYER_KINDS)
     on = [f"comera@{f}" for f in adaptive_formats()]
     scaled = (*formats, "comera", *on)
     return (*SPECIAL, *formats, *on, *(f"{f}:{p}" for f in scaled for p in PARAMETRIZATIONS))
@@ -141,8 +182,9 @@ def check_method(name: str) -> str:
         if base in SPECIAL:
             raise ConfigError(f"method {name!r}: {base} takes no parametrization; give "
                               f"{base!r}.")
+        kinds = [f for f in layer_formats() if f != DENSE] + list(LAYER_KINDS)
         raise ConfigError(f"method {name!r}; choose dense, narrow, comera, spectrum, early, a "
-                          f"layer format ({', '.join(f for f in layer_formats() if f != DENSE)})"
+                          f"layer format or kind ({', '.join(kinds)})"
                           f", either with ':<parametrization>' ("
                           f"{', '.join(PARAMETRIZATIONS)}), or comera@<format>.")
     return name
@@ -202,7 +244,8 @@ class Study:
 
     def run(self, name: str, format: str, config: EngineConfig, build=None,
             start_step: int = 0):
-        return train(self.task, name, format, config, self.work, build, start_step, self.resume)
+        return train(self.task, name, engine_kind(format), config, self.work, build, start_step,
+                     self.resume)
 
     # -- budgets -----------------------------------------------------------------------------
     def shapes(self) -> list[tuple[int, int, bool]]:
@@ -222,10 +265,11 @@ class Study:
 
     def _largest_rank(self, fmt: str, budget: float) -> int:
         with torch.random.fork_rng(devices=[]):
-            probe = self.task.block_linears(self.task.build(fmt, 1))
-        layers = [(m.in_modes, m.out_modes, m.bias.numel() if m.bias is not None else 0)
+            probe = self.task.block_linears(build(self.task, fmt, 1))
+        # each layer's own format (a Format instance): CoLA's factors are no registered format
+        layers = [(m.format, m.in_modes, m.out_modes, m.bias.numel() if m.bias is not None else 0)
                   for _, m in probe]
-        return largest_rank(lambda r: sum(layout_size(fmt, i, o, r) + b for i, o, b in layers),
+        return largest_rank(lambda r: sum(layout_size(f, i, o, r) + b for f, i, o, b in layers),
                             budget)
 
     def start_rank(self, fmt: str) -> int:
@@ -280,7 +324,7 @@ class Study:
         sizes = {} if parametrization is None else {"parametrization": parametrization}
         name = _name(method or fmt, target, seed, lr)
         model, record = self.run(name, fmt, self.budget_config(fmt, target, seed, lr),
-                                 lambda: self.task.build(fmt, rank, **sizes))
+                                 lambda: build(self.task, fmt, rank, **sizes))
         return row(self.task, model, record, seed=seed, method=method or fmt, target=target,
                    lr=lr, rank=rank, format=fmt)
 

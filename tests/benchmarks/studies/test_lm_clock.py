@@ -20,7 +20,9 @@ def test_the_clock_times_every_model_and_counts_its_flops_and_memory(tmp_path):
                           "--out", str(out)]) == 0
     payload = json.loads(out.with_suffix(".json").read_text())
     results = payload["results"]
-    assert {"dense", "dense@8", "narrow 2x", "tt 2x", "lowrank 2x"} <= results.keys()
+    assert {"dense", "dense@8", "narrow 2x", "tt 2x", "lowrank 2x", "cola 2x"} <= results.keys()
+    # CoLA at the low-rank rank: the same parameters, one activation more per bottleneck
+    assert results["cola 2x"]["params"] == results["lowrank 2x"]["params"]
     assert results["dense@8"]["gflops"] < results["dense"]["gflops"]  # d_model 8, FFN 32
     tokens = payload["batch"] * (payload["seq_len"] - 1)
     d, f = 16, 64  # the smoke model: one block, d_model 16, FFN 64

@@ -10,11 +10,13 @@ import json
 import pytest
 
 from benchmarks.studies import lm_frontier
-from benchmarks.studies.harness.frontier import _clocked, clock_key, parse, summarise
-from benchmarks.studies.harness.methods import Study
+from benchmarks.studies.harness.frontier import _clocked, clock_key, label, parse, summarise
+from benchmarks.studies.harness.methods import Study, build, check_method
 from benchmarks.studies.harness.runs import layer_sizes
+from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig
+from comera.surgery.records import KINDS
 from tests.helpers.tiny_corpus import write_tiny_corpus
 
 
@@ -217,3 +219,32 @@ def test_a_study_without_dense_says_so_and_lists_comeras_ranks_by_parametrizatio
     row = next(line for line in text.splitlines() if line.startswith("| 8x | CoMERA"))
     assert "3.5500 ± 0.0707" in row and "| - |" in row and "nan%" not in text
     assert "uniform TT rank 7): blocks.0.ffn_in: [4, 9]" in text
+
+
+def test_cola_is_a_method_at_the_largest_rank_within_the_budget(root, tmp_path):
+    """CoLA (not a weight format) trains on the engine like the formats: at the largest rank
+    whose block layers hold at most dense / target, its rows named and titled by its kind."""
+    task = LMTask(LMTaskConfig(seq_len=16, vocab_size=64, d_model=32, n_heads=2, d_ff=64,
+                               n_layers=1, eval_limit=8), root=root, use_cache=False)
+    study = Study(task, EngineConfig(batch_size=4, eval_every=2, threads=1), tmp_path, steps=4)
+    dense = layer_sizes(task.block_linears(task.build()))[0]
+    rank = study.uniform_rank("cola", 4.0)
+    assert rank == study.uniform_rank("lowrank", 4.0) and rank >= 1  # r (in + out) each
+    sizes = [layer_sizes(task.block_linears(build(task, "cola", r)))[0] for r in (rank, rank + 1)]
+    assert sizes[0] <= dense / 4.0 < sizes[1]
+    assert label("cola:balanced") == "CoLA (B silu(A x)) at a uniform rank (balanced " \
+        "parametrization)"
+    with pytest.raises(ConfigError, match="method 'cola@tt'"):
+        check_method("cola@tt")
+
+
+@pytest.mark.skipif("ColaLinear" not in KINDS, reason="the engine's checkpoints need the "
+                    "ColaLinear record kind (comera/surgery/records.py)")
+def test_cola_trains_on_the_engine_as_a_format_does(root, tmp_path):
+    task = LMTask(LMTaskConfig(seq_len=16, vocab_size=64, d_model=32, n_heads=2, d_ff=64,
+                               n_layers=1, eval_limit=8), root=root, use_cache=False)
+    study = Study(task, EngineConfig(batch_size=4, eval_every=2, threads=1), tmp_path, steps=4)
+    (row,) = study.method("cola:balanced", [4.0], seed=0, lr=3e-3)
+    rank = study.uniform_rank("cola", 4.0)
+    assert (row["method"], row["format"], row["rank"]) == ("cola:balanced", "cola", rank)
+    assert row["compression"] >= 4.0 and row["steps"] == 4 and row["val"]["loss"] > 0

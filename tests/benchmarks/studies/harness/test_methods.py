@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 import comera
-from benchmarks.studies.harness.methods import Study, method_names, narrow_sizes
+from benchmarks.studies.harness.methods import (
+    ENGINE_KIND,
+    Study,
+    engine_kind,
+    kind_title,
+    method_names,
+    narrow_sizes,
+)
 from comera.experiments.engine import EngineConfig
 from comera.experiments.task import IndexStream, model_format
 from comera.models.transformer import linear_layer
@@ -278,3 +285,14 @@ def test_narrow_at_given_widths_trains_dense_at_each(tmp_path):
 def test_a_width_the_model_cannot_take_is_refused(tmp_path, width, match):
     with pytest.raises(comera.ConfigError, match=match):
         Study(_lm_task(tmp_path), CFG, tmp_path / "work", steps=2, widths=(16, width))
+
+
+def test_cola_is_a_method_the_harness_builds_for_the_lm_task_only(tmp_path):
+    """CoLA is a layer kind, not a format: a method at each parametrization, run by the engine
+    as a lowrank run, built by the harness, which refuses a task other than the causal LM."""
+    assert {"cola", "cola:balanced", "cola:plain"} <= set(method_names())
+    assert "comera@cola" not in method_names()  # no format: CoMERA's methods take formats
+    assert (engine_kind("cola"), engine_kind("btt")) == (ENGINE_KIND, "btt")
+    assert (kind_title("cola"), kind_title("ttm")) == ("CoLA (B silu(A x))", "TT-matrix")
+    with pytest.raises(comera.ConfigError, match="method 'cola' runs on the causal LM task"):
+        _study(tmp_path).method("cola", [2.0], seed=0, lr=CFG.lr)
