@@ -7,7 +7,9 @@ a TT-matrix embedding table: ``{"kind": "TTEmbedding", "in_features", "out_featu
 "in_modes", "out_modes", "bonds", "tau", "bias", "padding_idx", "merge_pairs"}``; a table in any
 other format that holds one: ``{"kind": "GatedEmbedding", "format": name, "layout":
 Layout.to_dict(), "num_embeddings": rows, "padding_idx": row or null, "tau": x}`` (the layout's
-inputs are the padded rows, its outputs the dim). Records written before the
+inputs are the padded rows, its outputs the dim); a CoLA layer (not a format: nonlinear):
+``{"kind": "ColaLinear", "in_features", "out_features", "rank", "activation", "bias", "tau"}``.
+Records written before the
 format protocol (kinds ``"TTLinear"`` / ``"TTMLinear"``: modes and chain bonds) are read as
 GatedLinear records of format ``tt`` / ``ttm`` (:func:`upgrade`).
 
@@ -31,6 +33,7 @@ from comera.errors import CheckpointError, ConfigError
 from comera.formats.layout import Layout
 from comera.formats.registry import format_names, get_format, table_formats
 from comera.layers.classes import linear_class
+from comera.layers.cola import ACTIVATIONS, ColaLinear
 from comera.layers.embedding import GatedEmbedding, TTEmbedding
 from comera.layers.linear import GatedLayer, GatedLinear, check_tau
 
@@ -270,6 +273,41 @@ def _table_record_fits(module: nn.Module, spec: Mapping[str, Any]) -> str | None
     return _table_fits(module, spec["num_embeddings"], dim, spec["padding_idx"])
 
 
+# -- CoLA's B act(A x) (ColaLinear: no format, its layout fixed by its sizes) --------------------
+COLA_KEYS = ("in_features", "out_features", "rank", "activation", "bias", "tau")
+
+
+def _cola_write(layer: ColaLinear) -> dict[str, Any]:
+    return {"kind": "ColaLinear", "in_features": int(layer.in_features),
+            "out_features": int(layer.out_features), "rank": int(layer.rank),
+            "activation": layer.activation, "bias": layer.bias is not None,
+            "tau": float(layer.tau)}
+
+
+def _cola_problem(spec: Mapping[str, Any]) -> str | None:
+    missing = [k for k in COLA_KEYS if k not in spec]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    for key in ("in_features", "out_features", "rank"):
+        if not _whole(spec[key]):
+            return f"has {key}={spec[key]!r}; expected a whole number in [1, {MAX_FEATURES}]"
+    if spec["activation"] not in ACTIVATIONS:
+        return (f"has activation={spec['activation']!r}; expected one of "
+                f"{', '.join(ACTIVATIONS)}")
+    return _tau_bias_problem(spec)
+
+
+def _cola_build(spec: Mapping[str, Any], factory: dict) -> GatedLayer:
+    return ColaLinear(spec["in_features"], spec["out_features"], spec["rank"],
+                      spec["activation"], spec["bias"], float(spec["tau"]), **factory)
+
+
+def _cola_fits(module: nn.Module, spec: Mapping[str, Any]) -> str | None:
+    return ("the checkpoint holds a CoLA layer (B act(A x)), which no conversion of an "
+            f"nn.{type(module).__name__} makes, and the model lacks it: build the model with "
+            "linear='cola' first, then load")
+
+
 KINDS: dict[str, RecordKind] = {
     "TTEmbedding": RecordKind("TTEmbedding", lambda m: isinstance(m, TTEmbedding),
                               _embedding_write, _legacy_problem, _embedding_build, nn.Embedding,
@@ -282,6 +320,8 @@ KINDS: dict[str, RecordKind] = {
     "GatedLinear": RecordKind("GatedLinear", lambda m: isinstance(m, GatedLinear),
                               _linear_write, _linear_problem, _linear_build, nn.Linear,
                               _linear_fits, "linear"),
+    "ColaLinear": RecordKind("ColaLinear", lambda m: isinstance(m, ColaLinear), _cola_write,
+                             _cola_problem, _cola_build, nn.Linear, _cola_fits, "linear"),
 }
 
 
