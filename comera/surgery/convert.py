@@ -95,16 +95,19 @@ class ConversionReport:
 
     layers: tuple[LayerReport, ...]
     skipped: tuple[str, ...] = ()
-    #: calibration batches seen (0: no calibration) and the allocation ("uniform" / "global")
+    #: calibration batches seen (0: no calibration) and the allocation ("uniform", "global",
+    #: "sensitivity")
     batches: int = 0
     allocation: str = "uniform"
-    #: with allocation="global", whose ranks were kept: "global", or "uniform" where the
-    #: global allocation's estimated error was not lower (see comera.ranks.global_budget)
+    #: with allocation="global" or "sensitivity", whose ranks were kept: that allocation's, or
+    #: "uniform" where its estimated error (global's estimate floor) or measured loss (the
+    #: measured floor) was not lower (see comera.ranks.global_budget, comera.surgery.sensitivity)
     kept: str = ""
     #: bytes the calibration's input statistics held (one per distinct layer input)
     statistics_bytes: int = 0
     #: with floor="measured": the model's loss on the measurement batches, dense and under
-    #: each candidate's ranks ("dense", "uniform", "global"), and the number of those batches
+    #: each candidate's ranks ("dense", "uniform", and "global" or "sensitivity"), and the
+    #: number of those batches
     losses: tuple[tuple[str, float], ...] = ()
     measured_batches: int = 0
 
