@@ -11,12 +11,13 @@ layer's increase measured with the others dense).
 **Why a greedy by marginal loss per parameter, not ASVD's threshold.** ASVD binary-searches one
 loss-increase threshold and gives each layer the smallest rank under it, so a parameter of a
 large layer and one of a small layer count alike; layers of one model differ in size (GPT-2's
-``c_fc`` holds four times ``c_attn``'s input width), and the choice is a knapsack with one item
-per layer. The greedy starts every layer at its cheapest candidate and repeatedly moves the one
-layer, to the higher candidate, whose move lowers the summed increase the most per parameter it
-costs and still fits (any higher candidate, not only the next: a measured ladder need not be
-convex). It ends when no move both fits and lowers the sum. Where the uniform candidates' sum is
-not higher than the greedy's, the uniform ones come back (:attr:`SensitivityAllocation.kept`).
+``attn.c_attn`` holds three times the parameters of ``attn.c_proj``), and the choice is a
+knapsack with one item per layer. The greedy starts every layer at its cheapest candidate and
+repeatedly moves the one layer, to the higher candidate, whose move lowers the summed increase
+the most per parameter it costs and still fits (any higher candidate, not only the next: a
+measured ladder need not be convex). It ends when no move both fits and lowers the sum. Where
+the uniform candidates' sum is not higher than the greedy's, the uniform ones come back
+(:attr:`SensitivityAllocation.kept`).
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ allocate_sensitivity` then spends the budget (the uniform allocation's size at t
 uniform's, keeping the lower: the result never loses to uniform on the measured loss.
 
 Cost, with ``L`` linear layers, ``K_l <= len(LADDER) + 1`` distinct candidates of layer ``l``
-and ``B`` measurement batches: ``sum_l K_l + 2 L`` decompositions (the sweep's, then the two
-candidates of the floor) and ``(1 + sum_l K_l + 2) x B`` forward passes without gradients (the
-dense model, the sweep, the two candidates).
+and ``B`` measurement batches: at most ``sum_l K_l + 2 L`` decompositions (the sweep's, then
+the floor's two candidates, one when they agree) and ``(1 + sum_l K_l + 2) x B`` forward passes
+without gradients (the dense model, the sweep, the floor's candidates); memory: one layer's
+dense weight copied at a time, and the uniform candidate's cores while the other is measured.
 """
 
 from __future__ import annotations

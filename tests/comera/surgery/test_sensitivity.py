@@ -229,3 +229,21 @@ def test_target_size_is_a_sensitivity_budget():
                     allocation="sensitivity")
     cores = sum(m.layout.parameters_at(m.bond_sizes) for _, m in comera.gated_layers(model))
     assert 400 < cores <= 600
+
+
+def test_comera_convert_takes_the_sensitivity_allocation(tmp_path):
+    from tests.comera.test_cli import run_cli
+
+    dense = Chain()
+    torch.save(dense, tmp_path / "model.pt")
+    torch.save(_data(dense, n=2), tmp_path / "calib.pt")
+    common = ["--set", "format=lowrank", "--set", "target_compression=3", "--set",
+              "allocation=sensitivity"]
+    done = run_cli("convert", str(tmp_path / "model.pt"), "-o", str(tmp_path / "out.pt"),
+                   "--calibration", str(tmp_path / "calib.pt"), *common, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "ranks: the sensitivity allocation's (floor='measured': loss" in done.stdout
+    done = run_cli("convert", str(tmp_path / "model.pt"), "-o", str(tmp_path / "out2.pt"),
+                   *common, cwd=tmp_path)
+    assert done.returncode == 2 and "allocation='sensitivity' measures calibrated" in done.stderr
+    assert not (tmp_path / "out2.pt").exists()
