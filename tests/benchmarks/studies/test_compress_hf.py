@@ -61,5 +61,5 @@ def test_floor_command_measures_every_arm(tmp_path):
         else:
             assert row["losses"] == {}
     table = (tmp_path / "hf_floor.md").read_text()
-    assert "| lowrank | 2x |" in table and " ± " in table and "floor --smoke" in table
+    assert "| lowrank | 2x |" in table and " ± " in table and "compress_hf" in table
     assert (tmp_path / "c").is_dir()  # the trained model is kept for the next run
