@@ -235,9 +235,12 @@ def floor_table(result: dict) -> str:
             mean = sum(values) / len(values)
             sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(
                 values) > 1 else None
-            kept = "/".join(dict.fromkeys(r["kept"] for r in rows)) if rows[0]["losses"] else ""
+            notes = ["/".join(dict.fromkeys(r["kept"] for r in rows))] if rows[0]["losses"] else []
+            reached = sum(r["compression"] for r in rows) / len(rows)
+            if reached > 1.05 * target:  # a budget left unspent: say how small it came out
+                notes.append(f"{reached:.2f}x")
             shown.append(f"{mean:.2f}" + (f" ± {sd:.2f}" if sd is not None else "")
-                         + (f" ({kept})" if kept else ""))
+                         + (f" ({', '.join(notes)})" if notes else ""))
         lines.append(f"| {fmt} | {target:g}x | " + " | ".join(shown) + " |")
     lines.append(f"\ndense: {result['dense']['perplexity']:.2f}")
     return "\n".join(lines)

@@ -15,7 +15,8 @@ large layer and one of a small layer count alike; layers of one model differ in 
 knapsack with one item per layer. The greedy starts every layer at its cheapest candidate and
 repeatedly moves the one layer, to the higher candidate, whose move lowers the summed increase
 the most per parameter it costs and still fits (any higher candidate, not only the next: a
-measured ladder need not be convex). It ends when no move both fits and lowers the sum. Where
+measured ladder need not be convex). It ends when no move both fits and lowers the sum, so a
+budget no candidate's loss asks for is left unspent (the model comes out smaller). Where
 the uniform candidates' sum is not higher than the greedy's, the uniform ones come back
 (:attr:`SensitivityAllocation.kept`).
 """

@@ -50,9 +50,9 @@ class ConvertConfig:
     that spend's estimated error is not lower; see :mod:`comera.ranks.global_budget`.
     "sensitivity": the same budget spent by the model's measured loss when each layer alone is
     decomposed at a few candidate ranks (ASVD's sensitivity), then the measured floor against
-    uniform; needs calibration and a loss, as floor="measured" does
-    (:mod:`comera.surgery.sensitivity`). Each refuses a target that rank 1 cannot reach, naming
-    the largest that it can.
+    uniform; needs calibration and a loss, as floor="measured" does; parameters no
+    candidate's loss asks for stay unspent (:mod:`comera.surgery.sensitivity`). Each refuses
+    a target that rank 1 cannot reach, naming the largest that it can.
     target_size: with allocation="global" or "sensitivity", the budget as a number of
     parameters of the linear layers' cores (instead of target_compression).
     damping: with calibration, the fraction of the input second moments' mean diagonal added

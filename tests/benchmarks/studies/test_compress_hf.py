@@ -63,3 +63,18 @@ def test_floor_command_measures_every_arm(tmp_path):
     table = (tmp_path / "hf_floor.md").read_text()
     assert "| lowrank | 2x |" in table and " ± " in table and "compress_hf" in table
     assert (tmp_path / "c").is_dir()  # the trained model is kept for the next run
+
+
+def test_floor_table_shows_spread_kept_ranks_and_an_unspent_budget():
+    def row(arm, seed, ppl, compression=2.0, kept="", losses=None):
+        return {"format": "tt", "target": 2.0, "arm": arm, "seed": seed, "kept": kept,
+                "compression": compression, "losses": losses or {},
+                "val": {"perplexity": ppl}}
+
+    measured = {"dense": 1.0, "uniform": 1.2, "sensitivity": 1.1}
+    result = {"dense": {"perplexity": 9.0}, "rows": [
+        row("uniform/plain", 0, 12.0),
+        row("sensitivity/calibrated", 0, 10.0, 2.6, "sensitivity", measured),
+        row("sensitivity/calibrated", 1, 11.0, 2.6, "uniform", measured)]}
+    table = compress_hf.floor_table(result)
+    assert "| tt | 2x | 12.00 | 10.50 ± 0.71 (sensitivity/uniform, 2.60x) |" in table
