@@ -67,7 +67,7 @@ def _budget(report, target):
     return report.before / target - biases
 
 
-@pytest.mark.parametrize("fmt", ["lowrank", "tt"])
+@pytest.mark.parametrize("fmt", ["lowrank", pytest.param("tt", marks=pytest.mark.slow)])
 def test_the_sensitive_layer_gets_more_rank_and_the_loss_falls(fmt):
     dense = Chain()
     data = _data(dense)
@@ -80,7 +80,7 @@ def test_the_sensitive_layer_gets_more_rank_and_the_loss_falls(fmt):
     assert report.kept == "sensitivity" and report.allocation == "sensitivity"
     ours, theirs = _bonds(model), _bonds(uniform)
     assert max(ours["fc2"]) > max(theirs["fc2"])  # the hard layer gains
-    assert losses["sensitivity"] < 0.5 * losses["uniform"]
+    assert losses["sensitivity"] < 0.7 * losses["uniform"]
     assert losses["uniform"] == pytest.approx(model_loss(uniform, data), rel=1e-10)
     assert losses["sensitivity"] == pytest.approx(model_loss(model, data), rel=1e-10)
     cores = sum(m.layout.parameters_at(m.bond_sizes) for _, m in comera.gated_layers(model))
