@@ -5,6 +5,9 @@ and a 124M-parameter GPT-2-sized config converted in bounded memory.
     python -m benchmarks.studies.compress_hf 124m --batches 4
     python -m benchmarks.studies.compress_hf 124m --batches 16
     python -m benchmarks.studies.compress_hf floor --targets 2 3 4 --formats tt lowrank
+    python -m benchmarks.studies.compress_hf floor --targets 2 3 4 8 --formats lowrank tt ttm \
+        --arms uniform/plain uniform/calibrated global/calibrated \
+        global/calibrated+measured sensitivity/calibrated --name hf_sensitivity
 
 ``small``: a GPT-2 built from a config (d 128, 2 layers, 4 heads, the quick LM task's vocabulary
 and 64 tokens; random init, nothing downloaded), trained dense in-process through the engine on
@@ -23,13 +26,18 @@ memory independent of the number of batches.
 ``uniform/plain``, ``uniform/calibrated``, ``global/calibrated`` (the estimate floor),
 ``global/calibrated+measured`` (``floor="measured"``: the model's own loss, HuggingFace's
 ``.loss`` from ``labels`` in the calibration batches, measured on those batches) and
-``+refit`` (with ``closed_form_refit``). One calibration seed; rows to ``hf_floor.json``.
+``+refit`` (with ``closed_form_refit``), and ``sensitivity/calibrated``
+(``allocation="sensitivity"``: each layer's ranks from the model's loss with that layer alone
+decomposed at candidate ranks, then the measured floor against uniform; the same batches and
+``.loss``). Per ``--seeds`` calibration seed; rows to ``<name>.json`` and the table (mean ± sd
+over seeds) to ``<name>.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import shlex
 import sys
@@ -126,7 +134,8 @@ def cmd_small(args) -> int:
 
 
 FLOOR_ARMS = ("uniform/plain", "uniform/calibrated", "global/calibrated",
-              "global/calibrated+measured", "global/calibrated+measured+refit")
+              "global/calibrated+measured", "global/calibrated+measured+refit",
+              "sensitivity/calibrated")
 
 
 def trained_gpt2(task, steps: int, cache: Path | None, smoke: bool) -> tuple[Logits, float]:
@@ -172,46 +181,66 @@ def floor_arm(trained: Logits, fmt: str, target: float, arm: str,
 def cmd_floor(args) -> int:
     task = make_task("lm", args.smoke, args.root)
     trained, seconds = trained_gpt2(task, args.steps, args.cache, args.smoke)
-    batches = [{**b, "labels": b["input_ids"]}  # labels: the model's .loss is measured
-               for b in dict_batches(task, calibration_rows(task, args.seed, args.calib_rows))]
     result = {"machine": machine(), "command": _command(args), "train_seconds":
               round(seconds, 1), "dense": score(task, trained), "rows": []}
     print(f"dense: val ppl {result['dense']['perplexity']:.2f}", flush=True)
-    for fmt in args.formats:
-        for target in args.targets:
-            for arm in args.arms:
-                (model, report), took, _ = timed(
-                    lambda arm=arm, fmt=fmt, target=target: floor_arm(trained, fmt, target, arm,
-                                                                      batches))
-                params, dense = linear_sizes(model)
-                row = {"format": fmt, "target": target, "arm": arm, "seed": args.seed,
-                       "compression": dense / params, "kept": report.kept,
-                       "losses": dict(report.losses), "val": score(task, model),
-                       "seconds": round(took, 1),
-                       "ranks": {n: list(layer.ranks) for n, layer in comera.gated_layers(model)}}
-                result["rows"].append(row)
-                print(f"{fmt} {target:g}x {arm}: {row['compression']:.2f}x, val ppl "
-                      f"{row['val']['perplexity']:.2f} kept {report.kept or '-'} "
-                      f"{row['losses'] or ''} ({took:.0f}s)", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hf_floor.json").write_text(json.dumps(result, indent=1, default=str))
-    print(floor_table(result))
+    for seed, fmt, target, arm in itertools.product(args.seeds, args.formats, args.targets,
+                                                    args.arms):
+        if arm == "uniform/plain" and seed != args.seeds[0]:
+            continue  # no calibration: the same model whatever the seed
+        batches = [{**b, "labels": b["input_ids"]}  # labels: the model's .loss is measured
+                   for b in dict_batches(task, calibration_rows(task, seed, args.calib_rows))]
+        (model, report), took, _ = timed(
+            lambda arm=arm, fmt=fmt, target=target, batches=batches: floor_arm(
+                trained, fmt, target, arm, batches))
+        params, dense = linear_sizes(model)
+        row = {"format": fmt, "target": target, "arm": arm, "seed": seed,
+               "compression": dense / params, "kept": report.kept,
+               "losses": dict(report.losses), "val": score(task, model),
+               "seconds": round(took, 1),
+               "ranks": {n: list(layer.ranks) for n, layer in comera.gated_layers(model)}}
+        result["rows"].append(row)
+        print(f"seed {seed} {fmt} {target:g}x {arm}: {row['compression']:.2f}x, val ppl "
+              f"{row['val']['perplexity']:.2f} kept {report.kept or '-'} "
+              f"{row['losses'] or ''} ({took:.0f}s)", flush=True)
+        (args.out / f"{args.name}.json").write_text(  # after each row: a stopped run keeps it
+            json.dumps(result, indent=1, default=str))
+    table = floor_table(result)
+    (args.out / f"{args.name}.md").write_text(
+        f"Validation perplexity before fine-tuning (mean ± sd over calibration seeds "
+        f"{', '.join(map(str, args.seeds))}; in brackets: the ranks the measured floor kept)."
+        f"\n\n{table}\n\n    {result['command']}\n")
+    print(table)
     return 0
 
 
 def floor_table(result: dict) -> str:
-    """Validation perplexity per format and target (rows) and arm (columns)."""
+    """Validation perplexity per format and target (rows) and arm (columns): the mean over the
+    seeds measured, ± their sd where there are several, and which ranks a measured floor kept
+    (each seed's, where they differ)."""
     arms = list(dict.fromkeys(r["arm"] for r in result["rows"]))
-    cells: dict[tuple, dict] = {}
+    cells: dict[tuple, dict[str, list]] = {}
     for r in result["rows"]:
-        cells.setdefault((r["format"], r["target"]), {})[r["arm"]] = r
+        cells.setdefault((r["format"], r["target"]), {}).setdefault(r["arm"], []).append(r)
     lines = ["| format | target | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
-    for (fmt, target), row in cells.items():
+    for (fmt, target), row in sorted(cells.items()):
         shown = []
         for arm in arms:
-            r = row.get(arm)
-            kept = f" ({r['kept']})" if r and "+measured" in arm else ""
-            shown.append(f"{r['val']['perplexity']:.2f}{kept}" if r else "-")
+            rows = row.get(arm, [])
+            if not rows:
+                shown.append("-")
+                continue
+            values = [r["val"]["perplexity"] for r in rows]
+            mean = sum(values) / len(values)
+            sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(
+                values) > 1 else None
+            notes = ["/".join(dict.fromkeys(r["kept"] for r in rows))] if rows[0]["losses"] else []
+            reached = sum(r["compression"] for r in rows) / len(rows)
+            if reached > 1.05 * target:  # a budget left unspent: say how small it came out
+                notes.append(f"{reached:.2f}x")
+            shown.append(f"{mean:.2f}" + (f" ± {sd:.2f}" if sd is not None else "")
+                         + (f" ({', '.join(notes)})" if notes else ""))
         lines.append(f"| {fmt} | {target:g}x | " + " | ".join(shown) + " |")
     lines.append(f"\ndense: {result['dense']['perplexity']:.2f}")
     return "\n".join(lines)
@@ -274,7 +303,9 @@ def main(argv=None) -> int:
     floor.add_argument("--formats", nargs="+", default=["tt", "lowrank"])
     floor.add_argument("--targets", type=float, nargs="+", default=[2.0, 3.0, 4.0])
     floor.add_argument("--arms", nargs="+", default=list(FLOOR_ARMS), choices=FLOOR_ARMS)
-    floor.add_argument("--seed", type=int, default=0)
+    floor.add_argument("--seeds", type=int, nargs="+", default=[0],
+                       help="calibration seeds (uniform/plain runs once: it has none)")
+    floor.add_argument("--name", default="hf_floor", help="the results' file name, no suffix")
     floor.add_argument("--calib-rows", type=int, default=256)
     floor.add_argument("--root", type=Path, default=None)
     floor.add_argument("--cache", type=Path, default=Path("runs/compress_hf"),

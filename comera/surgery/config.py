@@ -22,8 +22,10 @@ from comera.numbers import is_int
 
 IN_PROJ = ("split", "packed")
 DEFAULT_RANK = 16  # every layer's max rank when neither ranks nor target_compression is given
-ALLOCATIONS = ("uniform", "global")
-#: What keeps allocation="global" from losing to uniform's ranks (ConvertConfig's ``floor``).
+ALLOCATIONS = ("uniform", "global", "sensitivity")
+#: The allocations that spend one size budget across the layers (target_size is theirs).
+BUDGETED = ("global", "sensitivity")
+#: What keeps a budgeted allocation from losing to uniform's ranks (ConvertConfig's ``floor``).
 FLOORS = ("estimate", "measured")
 DEFAULT_DAMPING = 1e-2
 #: The most memory calibration's input statistics may hold, in bytes (ConvertConfig's
@@ -45,10 +47,14 @@ class ConvertConfig:
     linear layers converted (their dense weights / target_compression, or ``target_size``
     parameters), spent bond slice by bond slice where the most truncation error goes per
     parameter (of the output error, with calibration), or the uniform allocation's ranks where
-    that spend's estimated error is not lower; see :mod:`comera.ranks.global_budget`. Either
-    refuses a target that rank 1 cannot reach, naming the largest that it can.
-    target_size: with allocation="global", the budget as a number of parameters of the linear
-    layers' cores (instead of target_compression).
+    that spend's estimated error is not lower; see :mod:`comera.ranks.global_budget`.
+    "sensitivity": the same budget spent by the model's measured loss when each layer alone is
+    decomposed at a few candidate ranks (ASVD's sensitivity), then the measured floor against
+    uniform; needs calibration and a loss, as floor="measured" does; parameters no
+    candidate's loss asks for stay unspent (:mod:`comera.surgery.sensitivity`). Each refuses
+    a target that rank 1 cannot reach, naming the largest that it can.
+    target_size: with allocation="global" or "sensitivity", the budget as a number of
+    parameters of the linear layers' cores (instead of target_compression).
     damping: with calibration, the fraction of the input second moments' mean diagonal added
     to their diagonal before whitening (regularises directions the inputs rarely visit).
     statistics_memory: with calibration, the most bytes the input statistics may hold (one
@@ -58,6 +64,8 @@ class ConvertConfig:
     uniform allocation's: "estimate" (the spend's own truncation-error estimate, free) or
     "measured" (the converted model's loss on calibration batches under each, both
     calibrated; needs calibration and a loss, see :func:`comera.surgery.convert.convert_`).
+    None (the default): "measured" for allocation="sensitivity" (its only floor: it measures
+    losses anyway), else "estimate"; the field holds the resolved value.
     closed_form_refit: with calibration, after each linear layer's decomposition solve its
     output-side cores (low-rank's second factor, TT's output cores, Tucker's output factors)
     in closed form for the least output error on the calibration inputs, one core at a time
@@ -89,7 +97,7 @@ class ConvertConfig:
     target_size: int | None = None
     damping: float = DEFAULT_DAMPING
     statistics_memory: int | None = DEFAULT_STATISTICS_MEMORY
-    floor: str = "estimate"
+    floor: str | None = None
     closed_form_refit: bool = False
 
     def __post_init__(self) -> None:
@@ -155,28 +163,37 @@ class ConvertConfig:
                 raise ConfigError(f"target_size={show(self.target_size)}; it is a number of "
                                   "parameters, an int >= 1 that a float holds (or None: use "
                                   "target_compression).")
-            if self.allocation != "global" or self.target_compression is not None:
+            if self.allocation not in BUDGETED or self.target_compression is not None:
                 raise ConfigError(f"target_size={self.target_size} is the budget of "
-                                  "allocation='global' (set allocation='global' and leave "
+                                  "allocation='global' or 'sensitivity' (set one and leave "
                                   "target_compression=None); a uniform allocation takes "
                                   "target_compression.")
+        if self.floor is None:
+            object.__setattr__(self, "floor", "measured" if self.allocation == "sensitivity"
+                               else "estimate")
         if not isinstance(self.floor, str) or self.floor not in FLOORS:
             raise ConfigError(f"floor={self.floor!r}; choose one of {', '.join(FLOORS)}.")
-        if self.floor == "measured" and self.allocation != "global":
-            raise ConfigError(f"floor='measured' decides between the global and the uniform "
-                              f"allocation's ranks; with allocation={self.allocation!r} there "
-                              "is nothing to decide. Set allocation='global', or leave floor "
-                              "at 'estimate'.")
-        if self.allocation == "global" and self.target_compression is None and (
+        if self.floor == "measured" and self.allocation == "uniform":
+            raise ConfigError("floor='measured' decides between the global (or sensitivity) "
+                              "and the uniform allocation's ranks; with allocation='uniform' "
+                              "there is nothing to decide. Set allocation='global', or leave "
+                              "floor at its default.")
+        if self.floor == "estimate" and self.allocation == "sensitivity":
+            raise ConfigError("floor='estimate' with allocation='sensitivity': sensitivity "
+                              "chooses ranks by the model's measured loss, and its floor "
+                              "against uniform is measured too; leave floor at its default "
+                              "(None) or set floor='measured'.")
+        if self.allocation in BUDGETED and self.target_compression is None and (
                 self.target_size is None):
-            raise ConfigError("allocation='global' spends a size budget across the layers: set "
-                              "target_compression (e.g. 2) or target_size (parameters).")
-        if self.allocation == "global" and self.ranks is not None:
+            raise ConfigError(f"allocation={self.allocation!r} spends a size budget across the "
+                              "layers: set target_compression (e.g. 2) or target_size "
+                              "(parameters).")
+        if self.allocation in BUDGETED and self.ranks is not None:
             target = (f"target_size={self.target_size}" if self.target_size is not None
                       else f"target_compression={self.target_compression!r}")
-            raise ConfigError(f"ranks={self.ranks!r} and allocation='global' ({target}): the "
-                              "global allocation chooses every layer's ranks from its budget, "
-                              "so ranks would be ignored; drop ranks, or use "
+            raise ConfigError(f"ranks={self.ranks!r} and allocation={self.allocation!r} "
+                              f"({target}): that allocation chooses every layer's ranks from "
+                              "its budget, so ranks would be ignored; drop ranks, or use "
                               "allocation='uniform' with ranks.")
         if not (_is_number(self.damping) and 0 < self.damping < 1e3):
             raise ConfigError(f"damping={show(self.damping)}; it is a finite number in (0, 1000) "

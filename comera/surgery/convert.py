@@ -18,7 +18,10 @@ input statistics (:mod:`comera.surgery.input_statistics`: one per distinct input
 of their outputs on those inputs; ``ConvertConfig(allocation="global")`` spends one size budget
 across all the linear layers, or keeps the uniform allocation's ranks where its estimate is not
 lower (:mod:`comera.surgery.decompose`), or, with ``floor="measured"``, where the converted
-model's loss on measurement batches is not lower (:mod:`comera.surgery.measured_floor`). Every
+model's loss on measurement batches is not lower (:mod:`comera.surgery.measured_floor`);
+``allocation="sensitivity"`` spends it by the loss measured with each layer alone decomposed
+at candidate ranks, then keeps uniform's where that is lower (:mod:`comera.surgery.sensitivity`).
+Every
 refusal (bad config or a misspelled option, a
 target no rank reaches under either allocation, empty calibration, batches the model rejects,
 statistics over the memory limit) comes before the first layer is swapped: on error the model is
@@ -37,7 +40,7 @@ from torch import nn
 from comera.errors import ConfigError, ConversionError
 from comera.formats.registry import get_format
 from comera.layers.linear import check_finite_weight
-from comera.surgery.config import ConvertConfig, check_options
+from comera.surgery.config import BUDGETED, ConvertConfig, check_options
 from comera.surgery.converters import (
     CONVERTERS,
     IN_PARTS,
@@ -55,6 +58,7 @@ from comera.surgery.input_statistics import (
 )
 from comera.surgery.measured_floor import measured_floor_
 from comera.surgery.measured_loss import LossFn, model_loss
+from comera.surgery.sensitivity import check_sensitivity, sensitivity_floor_
 from comera.surgery.swap import check_module, fast_paths_off_, swap_submodule
 from comera.surgery.table import text_table
 
@@ -91,16 +95,19 @@ class ConversionReport:
 
     layers: tuple[LayerReport, ...]
     skipped: tuple[str, ...] = ()
-    #: calibration batches seen (0: no calibration) and the allocation ("uniform" / "global")
+    #: calibration batches seen (0: no calibration) and the allocation ("uniform", "global",
+    #: "sensitivity")
     batches: int = 0
     allocation: str = "uniform"
-    #: with allocation="global", whose ranks were kept: "global", or "uniform" where the
-    #: global allocation's estimated error was not lower (see comera.ranks.global_budget)
+    #: with allocation="global" or "sensitivity", whose ranks were kept: that allocation's, or
+    #: "uniform" where its estimated error (global's estimate floor) or measured loss (the
+    #: measured floor) was not lower (see comera.ranks.global_budget, comera.surgery.sensitivity)
     kept: str = ""
     #: bytes the calibration's input statistics held (one per distinct layer input)
     statistics_bytes: int = 0
     #: with floor="measured": the model's loss on the measurement batches, dense and under
-    #: each candidate's ranks ("dense", "uniform", "global"), and the number of those batches
+    #: each candidate's ranks ("dense", "uniform", and "global" or "sensitivity"), and the
+    #: number of those batches
     losses: tuple[tuple[str, float], ...] = ()
     measured_batches: int = 0
 
@@ -143,7 +150,8 @@ class ConversionReport:
 
     def _measured_text(self) -> str:
         losses = dict(self.losses)
-        kept, other = self.kept, "global" if self.kept == "uniform" else "uniform"
+        kept = self.kept
+        other = next(k for k in losses if k not in ("dense", kept))
         return (f"ranks: the {kept} allocation's (floor='measured': loss {losses[kept]:.4f} "
                 f"against {losses[other]:.4f} under the {other} allocation's, dense "
                 f"{losses['dense']:.4f}, on {self.measured_batches} measurement batch(es))")
@@ -298,7 +306,8 @@ def convert_(
     a batch's loss (default: the output's ``.loss``, as HuggingFace models return given
     labels); it is measured on ``measure`` (a separate, e.g. held-out, iterable of batches) or,
     when that is None, on the calibration batches themselves (held in a list for the second
-    pass; in-sample, as ASVD's sensitivity is). ``**overrides``: the fields of
+    pass; in-sample, as ASVD's sensitivity is). ``allocation="sensitivity"`` reads ``loss`` and
+    ``measure`` the same way, for its sweep and its floor. ``**overrides``: the fields of
     :class:`ConvertConfig` (an unknown name is a :class:`ConfigError` listing the known
     ones)."""
     check_module(model, "convert_(model, config=None, **options): load a saved model first (or "
@@ -330,15 +339,16 @@ def convert_(
         converter.check(name, module, config)
     linear = _linear_parts(chosen, config)
     check_global(list(linear), config)
+    check_sensitivity(list(linear), config)
     built, parts = [], []
     for name, module, converter in chosen:  # nothing is swapped until every layer is made
         layer, made = converter.convert(name, module, config)
         built.append((name, layer))
         parts += made
-    if config.allocation == "global":  # a budget no allocation meets: before calibrating
+    if config.allocation in BUDGETED:  # a budget no allocation meets: before calibrating
         check_budget([p for p in parts if p.weight is not None], config)
-    elif config.target_compression:
-        _refuse_out_of_reach(parts, config.target_compression)
+    if config.allocation != "global" and config.target_compression:
+        _refuse_out_of_reach(parts, config.target_compression)  # uniform's ranks are needed
     losses: dict[str, float] = {}
     if measured is not None:  # a loss the model cannot give: refused before calibrating
         losses["dense"] = model_loss(model, measured, loss)
@@ -354,7 +364,12 @@ def convert_(
                                              config.attention_in_proj == "packed", progress,
                                              limit=config.statistics_memory)
         held = statistics_bytes(stats)
-    if measured is not None:
+    if config.allocation == "sensitivity":
+        floor, _ = sensitivity_floor_(model, built, parts, stats, config, measured, loss,
+                                      losses["dense"])
+        losses |= floor.losses
+        kept = floor.kept
+    elif measured is not None:
         floor = measured_floor_(model, built, parts, stats, config, measured, loss)
         losses |= floor.losses
         kept = floor.kept
@@ -388,10 +403,14 @@ def _measurement(config: ConvertConfig, calibration: Iterable | None, loss: Loss
         if given:
             raise ConfigError(f"{' and '.join(given)} given, but only floor='measured' reads "
                               "them; set ConvertConfig(allocation='global', floor='measured') "
+                              "or allocation='sensitivity' "
                               "or leave them out.")
         return calibration, None
     if calibration is None:
-        raise ConfigError("floor='measured' compares calibrated conversions: pass "
+        what = ("allocation='sensitivity' measures calibrated conversions"
+                if config.allocation == "sensitivity" else
+                "floor='measured' compares calibrated conversions")
+        raise ConfigError(f"{what}: pass "
                           "calibration=batches (and loss=fn(output, batch) unless the model's "
                           "output has a .loss).")
     if loss is not None and not callable(loss):

@@ -32,14 +32,15 @@ from comera.surgery.input_statistics import InputStats
 from comera.surgery.measured_loss import LossFn, model_loss
 from comera.surgery.swap import fast_paths_off_, swap_submodule
 
-__all__ = ["MeasuredFloor", "measured_floor_", "swapped_in"]
+__all__ = ["MeasuredFloor", "keep_lower_", "measured_floor_", "swapped_in"]
 
 
 @dataclass(frozen=True)
 class MeasuredFloor:
-    """Which ranks ``floor="measured"`` kept (``"global"`` or ``"uniform"``), the bonds per
-    layer, and the loss on the measurement batches of the candidates measured (``"uniform"``,
-    ``"global"``: equal when both gave the same bonds, measured once)."""
+    """Which ranks ``floor="measured"`` kept (the allocation's name, ``"global"`` or
+    ``"sensitivity"``, or ``"uniform"``), the bonds per layer, and the loss on the measurement
+    batches of the candidates measured (``"uniform"`` and the allocation's: equal when both gave
+    the same bonds, measured once)."""
 
     kept: str
     bonds: dict[str, tuple[int, ...]]
@@ -74,19 +75,34 @@ def measured_floor_(model: nn.Module, built: Sequence[tuple[str, nn.Module]],
     one of lower loss (see the module docstring). ``model`` is unchanged on return."""
     linear = check_linear(parts, config)
     allocation, uniform = candidate_ranks(linear, stats, config)
-    candidates = {"uniform": uniform, "global": allocation.ranks}
-    same = all(tuple(uniform[p.name]) == tuple(allocation.ranks[p.name]) for p in linear)
+    return keep_lower_(model, built, parts, stats, config, batches, loss,
+                       uniform, ("global", allocation.ranks))
+
+
+def keep_lower_(model: nn.Module, built: Sequence[tuple[str, nn.Module]],
+                parts: Sequence[Part], stats: Mapping[str, InputStats], config: ConvertConfig,
+                batches: Sequence, loss: LossFn | None,
+                uniform: Mapping[str, Sequence[int]],
+                other: tuple[str, Mapping[str, Sequence[int]]]) -> MeasuredFloor:
+    """The measured floor of any allocation: decompose the linear ``parts`` at the ``uniform``
+    bonds and at ``other`` (its name and bonds) in turn, measure the model's loss on
+    ``batches`` with ``built`` swapped in under each (once when both give every layer the same
+    bonds), and leave the parts' layers at the lower; a tie keeps uniform's."""
+    linear = check_linear(parts, config)
+    name, bonds = other
+    candidates = {"uniform": uniform, name: bonds}
+    same = all(tuple(uniform[p.name]) == tuple(bonds[p.name]) for p in linear)
     losses: dict[str, float] = {}
     saved = None
-    for which in ("uniform",) if same else ("uniform", "global"):
+    for which in ("uniform",) if same else ("uniform", name):
         decompose_parts_(parts, stats, config, bonds=candidates[which])
         with swapped_in(model, built):
             losses[which] = model_loss(model, batches, loss)
         if which == "uniform" and not same:
             saved = _state(linear)
     if same:
-        losses["global"] = losses["uniform"]
-    kept = "global" if _lower(losses["global"], losses["uniform"]) else "uniform"
+        losses[name] = losses["uniform"]
+    kept = name if _lower(losses[name], losses["uniform"]) else "uniform"
     if kept == "uniform" and saved is not None:
         _restore_(linear, saved)
     return MeasuredFloor(kept, {n: tuple(b) for n, b in candidates[kept].items()}, losses)

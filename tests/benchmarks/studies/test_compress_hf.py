@@ -44,17 +44,37 @@ def test_floor_command_measures_every_arm(tmp_path):
     write_tiny_corpus(tmp_path / "corpus")
     argv = ["floor", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3", "--targets",
             "2", "--formats", "lowrank", "--calib-rows", "16", "--cache", str(tmp_path / "c"),
-            "--out", str(tmp_path)]
+            "--out", str(tmp_path), "--seeds", "0", "1"]
     assert compress_hf.main(argv) == 0
     result = json.loads((tmp_path / "hf_floor.json").read_text())
-    assert [r["arm"] for r in result["rows"]] == list(compress_hf.FLOOR_ARMS)
+    arms = list(compress_hf.FLOOR_ARMS)
+    assert [r["arm"] for r in result["rows"]] == arms + arms[1:]  # plain: once, no seed
+    assert [r["seed"] for r in result["rows"]] == [0] * len(arms) + [1] * (len(arms) - 1)
     for row in result["rows"]:
         assert row["val"]["perplexity"] > 1 and row["compression"] > 1.5
-        if "+measured" in row["arm"]:
-            assert set(row["losses"]) == {"dense", "uniform", "global"}
-            assert row["kept"] in ("uniform", "global")
+        if "+measured" in row["arm"] or row["arm"].startswith("sensitivity"):
+            other = "global" if "+measured" in row["arm"] else "sensitivity"
+            assert set(row["losses"]) == {"dense", "uniform", other}
+            assert row["kept"] in ("uniform", other)
             assert row["losses"][row["kept"]] <= min(row["losses"]["uniform"],
-                                                     row["losses"]["global"])
+                                                     row["losses"][other])
         else:
             assert row["losses"] == {}
+    table = (tmp_path / "hf_floor.md").read_text()
+    assert "| lowrank | 2x |" in table and " ± " in table and "compress_hf" in table
     assert (tmp_path / "c").is_dir()  # the trained model is kept for the next run
+
+
+def test_floor_table_shows_spread_kept_ranks_and_an_unspent_budget():
+    def row(arm, seed, ppl, compression=2.0, kept="", losses=None):
+        return {"format": "tt", "target": 2.0, "arm": arm, "seed": seed, "kept": kept,
+                "compression": compression, "losses": losses or {},
+                "val": {"perplexity": ppl}}
+
+    measured = {"dense": 1.0, "uniform": 1.2, "sensitivity": 1.1}
+    result = {"dense": {"perplexity": 9.0}, "rows": [
+        row("uniform/plain", 0, 12.0),
+        row("sensitivity/calibrated", 0, 10.0, 2.6, "sensitivity", measured),
+        row("sensitivity/calibrated", 1, 11.0, 2.6, "uniform", measured)]}
+    table = compress_hf.floor_table(result)
+    assert "| tt | 2x | 12.00 | 10.50 ± 0.71 (sensitivity/uniform, 2.60x) |" in table

@@ -234,7 +234,7 @@ BAD_FIELDS = [
     ("damping", 10**400), ("target_compression", 10**400), ("target_size", 10**400),
     ("statistics_memory", 0), ("statistics_memory", 2.5), ("statistics_memory", 10**400),
     ("statistics_memory", True),
-    ("floor", "best"), ("floor", None), ("floor", "measured"),  # measured: needs "global"
+    ("floor", "best"), ("floor", 1), ("floor", "measured"),  # measured: needs "global"
     ("closed_form_refit", 1), ("closed_form_refit", "yes"),
 ]
 
