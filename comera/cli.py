@@ -441,7 +441,8 @@ def _cmd_convert(args, argv) -> int:
     measure = _calibration_batches(args.measure, "--measure")
     if measure is not None and config.floor != "measured":
         raise ComeraError("--measure is read by the measured floor only; add --set "
-                          "allocation=global --set floor=measured, or drop --measure.")
+                          "allocation=sensitivity (or --set allocation=global --set "
+                          "floor=measured), or drop --measure.")
     kind, what = peek_torch_file(source)
     if kind == "unreadable":
         raise ComeraError(f"{source} is not a torch file ({what}); save the model with "
@@ -615,10 +616,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "keyword arguments): linear layers are decomposed to minimise the error of "
                    "their outputs on these inputs")
     p.add_argument("--measure", metavar="BATCHES",
-                   help="with --set allocation=global --set floor=measured: a torch file of "
-                   "batches (held out) on which the model's loss (its output's .loss, e.g. a "
-                   "HuggingFace model given labels) decides between the global and the uniform "
-                   "ranks; default: the calibration batches")
+                   help="with --set allocation=sensitivity, or --set allocation=global --set "
+                   "floor=measured: a torch file of batches (held out) on which the model's "
+                   "loss (its output's .loss, e.g. a HuggingFace model given labels) measures "
+                   "each layer's sensitivity and decides between those ranks and the uniform "
+                   "ones; default: the calibration batches")
     p.set_defaults(run=_cmd_convert)
 
     p = sub.add_parser("report", help="per-layer ranks, sizes and compression of a checkpoint")
