@@ -152,13 +152,7 @@ class ColaLinear(GatedLayer):
         else:
             cores = [torch.randn(shape, **factory) * std
                      for shape, std in zip(layout.core_shapes, scaling.stds, strict=True)]
-        with torch.no_grad():
-            for core, value, scale in zip(self.cores, cores, self._scales, strict=True):
-                core.copy_(value / scale)
-            for gate in self.gates:
-                gate.fill_(1.0)
-            if self.bias is not None:
-                self.bias.zero_()
+        self._start_from_(cores)
 
     def forward(self, x: Tensor) -> Tensor:
         """``B (g * act(A x)) + b``: a tensor of shape ``(..., out_features)``."""

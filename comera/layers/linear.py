@@ -453,8 +453,13 @@ class GatedLayer(nn.Module):
         if self.cores[0].is_meta:
             return
         layout = self.layout
-        cores = orthogonal_cores(layout, core_scaling(layout), dtype=self.cores[0].dtype,
-                                 device=self.cores[0].device)
+        self._start_from_(orthogonal_cores(layout, core_scaling(layout),
+                                           dtype=self.cores[0].dtype,
+                                           device=self.cores[0].device))
+
+    def _start_from_(self, cores: list[Tensor]) -> None:
+        """Start the layer from the unscaled ``cores`` (each divided by its scale multiplier),
+        every gate open and the bias zero: how every fresh initialisation ends."""
         with torch.no_grad():
             for core, value, scale in zip(self.cores, cores, self._scales, strict=True):
                 core.copy_(value / scale)
