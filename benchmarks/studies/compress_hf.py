@@ -8,6 +8,7 @@ and a 124M-parameter GPT-2-sized config converted in bounded memory.
     python -m benchmarks.studies.compress_hf floor --targets 2 3 4 8 --formats lowrank tt ttm \
         --arms uniform/plain uniform/calibrated global/calibrated \
         global/calibrated+measured sensitivity/calibrated --name hf_sensitivity
+    python -m benchmarks.studies.compress_hf finetune --format tt --target 4 --seeds 0 1 2
 
 ``small``: a GPT-2 built from a config (d 128, 2 layers, 4 heads, the quick LM task's vocabulary
 and 64 tokens; random init, nothing downloaded), trained dense in-process through the engine on
@@ -50,6 +51,7 @@ from torch import Tensor, nn
 
 import comera
 from benchmarks.lib.measure import timed
+from benchmarks.studies.compress_trained import engine_run
 from benchmarks.studies.harness.trained import (
     CALIB_BATCH,
     OUT,
@@ -138,6 +140,10 @@ FLOOR_ARMS = ("uniform/plain", "uniform/calibrated", "global/calibrated",
               "sensitivity/calibrated")
 
 
+#: The rate the small GPT-2 is pretrained at (``trained_gpt2``).
+PRETRAIN_LR = 1e-3
+
+
 def trained_gpt2(task, steps: int, cache: Path | None, smoke: bool) -> tuple[Logits, float]:
     """The small GPT-2 trained ``steps`` dense steps on the LM task (from ``cache`` when it holds
     it: trained once), and the seconds its training took."""
@@ -148,7 +154,7 @@ def trained_gpt2(task, steps: int, cache: Path | None, smoke: bool) -> tuple[Log
     torch.manual_seed(0)
     model = small_gpt2(task.vocab, task.config.seq_len)
     config = EngineConfig(steps_early=steps, steps_late=0, stage="early", batch_size=32,
-                          lr=1e-3, warmup=50, eval_every=steps, seed=0, threads=1,
+                          lr=PRETRAIN_LR, warmup=50, eval_every=steps, seed=0, threads=1,
                           format="dense")
     with tempfile.TemporaryDirectory() as out:
         (trained, _), seconds, _ = timed(
@@ -246,6 +252,81 @@ def floor_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: What ``finetune`` compares: the trained dense model itself fine-tuned as long (the control:
+#: the model is not converged, so part of any arm's gain is more training) and three conversions.
+FINETUNE_ARMS = ("dense", "uniform/plain", "uniform/calibrated", "sensitivity/calibrated")
+
+
+def cmd_finetune(args) -> int:
+    """Each arm converted (calibration seed = seed), then ``--ft-steps`` of plain AdamW through
+    the engine (lam 0, gates held, warm-up a tenth) at every rate of ``--lrs`` with that seed;
+    validation perplexity before and after. Writes ``<name>.json`` and ``<name>.md``."""
+    task = make_task("lm", args.smoke, args.root)
+    trained, seconds = trained_gpt2(task, args.steps, args.cache, args.smoke)
+    result = {"machine": machine(), "command": _command(args), "train_seconds":
+              round(seconds, 1), "pretrain_lr": PRETRAIN_LR, "dense": score(task, trained),
+              "format": args.format, "target": args.target, "rows": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for seed in args.seeds:
+        batches = [{**b, "labels": b["input_ids"]}
+                   for b in dict_batches(task, calibration_rows(task, seed, args.calib_rows))]
+        for arm in args.arms:
+            model = (copy.deepcopy(trained) if arm == "dense"
+                     else floor_arm(trained, args.format, args.target, arm, batches)[0])
+            before = score(task, model)["perplexity"]
+            for lr in args.lrs:
+                config = EngineConfig(steps_early=args.ft_steps, steps_late=0, stage="early",
+                                      lam=0.0, batch_size=32, lr=lr, lr_gates=1e-12,
+                                      warmup=max(1, args.ft_steps // 10),
+                                      eval_every=args.ft_steps + 1, seed=seed, threads=1,
+                                      format="dense" if arm == "dense" else args.format)
+                tuned, took, _ = timed(lambda m=model, c=config: engine_run(
+                    task, copy.deepcopy(m), c))
+                row = {"arm": arm, "seed": seed, "lr": lr, "before": before,
+                       "after": score(task, tuned)["perplexity"], "seconds": round(took, 1)}
+                result["rows"].append(row)
+                print(f"seed {seed} {arm} lr {lr:g}: {before:.2f} -> {row['after']:.2f} "
+                      f"({took:.0f}s)", flush=True)
+                (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1,
+                                                                       default=str))
+    table = finetune_table(result)
+    (args.out / f"{args.name}.md").write_text(
+        f"Validation perplexity of the small GPT-2 (dense {result['dense']['perplexity']:.2f}, "
+        f"pretrained at lr {PRETRAIN_LR:g}) converted to {args.format} at {args.target:g}x, "
+        f"before and after {args.ft_steps} fine-tune steps (mean ± sd over seeds "
+        f"{', '.join(map(str, args.seeds))}; bold: each arm's best rate)."
+        f"\n\n{table}\n\n    {result['command']}\n")
+    print(table)
+    return 0
+
+
+def finetune_table(result: dict) -> str:
+    """Per arm (rows): perplexity before fine-tuning and after it at each rate (columns), the
+    mean over seeds ± their sd, the arm's best rate in bold."""
+    lrs = sorted({r["lr"] for r in result["rows"]})
+    arms = list(dict.fromkeys(r["arm"] for r in result["rows"]))
+    lines = ["| arm | before | " + " | ".join(f"after, lr {lr:g}" for lr in lrs) + " |",
+             "|---|---|" + "---|" * len(lrs)]
+    for arm in arms:
+        rows = [r for r in result["rows"] if r["arm"] == arm]
+        before = mean_sd([r["before"] for r in rows if r["lr"] == lrs[0]])
+        cells = {lr: [r["after"] for r in rows if r["lr"] == lr] for lr in lrs}
+        best = min((lr for lr in lrs if cells[lr]), key=lambda lr: sum(cells[lr]) / len(cells[lr]))
+        shown = [("**{}**" if lr == best else "{}").format(mean_sd(cells[lr])) if cells[lr]
+                 else "-" for lr in lrs]
+        lines.append(f"| {arm} | {before} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
+
+
+def mean_sd(values: list[float]) -> str:
+    """``mean ± sd`` (2 decimals; the mean alone for one value)."""
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:.2f}"
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return f"{mean:.2f} ± {sd:.2f}"
+
+
 def cmd_124m(args) -> int:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -313,6 +394,22 @@ def main(argv=None) -> int:
     floor.add_argument("--smoke", action="store_true")
     floor.add_argument("--out", type=Path, default=OUT)
     floor.set_defaults(run=cmd_floor)
+    ft = sub.add_parser("finetune", help="the small GPT-2 converted, then fine-tuned at "
+                        "several rates, beside the dense model fine-tuned as long (issue 41)")
+    ft.add_argument("--steps", type=int, default=600)
+    ft.add_argument("--format", default="tt")
+    ft.add_argument("--target", type=float, default=4.0)
+    ft.add_argument("--arms", nargs="+", default=list(FINETUNE_ARMS), choices=FINETUNE_ARMS)
+    ft.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
+    ft.add_argument("--ft-steps", type=int, default=150)
+    ft.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ft.add_argument("--name", default="hf_finetune", help="the results' file name, no suffix")
+    ft.add_argument("--calib-rows", type=int, default=256)
+    ft.add_argument("--root", type=Path, default=None)
+    ft.add_argument("--cache", type=Path, default=Path("runs/compress_hf"))
+    ft.add_argument("--smoke", action="store_true")
+    ft.add_argument("--out", type=Path, default=OUT)
+    ft.set_defaults(run=cmd_finetune)
     big = sub.add_parser("124m", help="GPT-2 124M: peak RSS of a calibrated conversion")
     big.add_argument("--batches", type=int, default=4)
     big.add_argument("--batch", type=int, default=4)

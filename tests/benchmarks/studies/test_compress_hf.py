@@ -78,3 +78,29 @@ def test_floor_table_shows_spread_kept_ranks_and_an_unspent_budget():
         row("sensitivity/calibrated", 1, 11.0, 2.6, "uniform", measured)]}
     table = compress_hf.floor_table(result)
     assert "| tt | 2x | 12.00 | 10.50 ± 0.71 (sensitivity/uniform, 2.60x) |" in table
+
+
+def test_finetune_command_fine_tunes_every_arm_at_every_rate(tmp_path):
+    write_tiny_corpus(tmp_path / "corpus")
+    argv = ["finetune", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3",
+            "--target", "2", "--format", "lowrank", "--calib-rows", "16", "--ft-steps", "2",
+            "--lrs", "1e-4", "1e-2", "--cache", str(tmp_path / "c"), "--out", str(tmp_path),
+            "--seeds", "0", "1"]
+    assert compress_hf.main(argv) == 0
+    result = json.loads((tmp_path / "hf_finetune.json").read_text())
+    arms = list(compress_hf.FINETUNE_ARMS)
+    assert [(r["seed"], r["arm"], r["lr"]) for r in result["rows"]] == [
+        (s, a, lr) for s in (0, 1) for a in arms for lr in (1e-4, 1e-2)]
+    dense = [r for r in result["rows"] if r["arm"] == "dense"]
+    assert all(r["before"] == pytest.approx(result["dense"]["perplexity"]) for r in dense)
+    for row in result["rows"]:
+        assert row["after"] > 1 and row["after"] != row["before"]  # the fine-tune moved it
+    table = (tmp_path / "hf_finetune.md").read_text()
+    assert "| sensitivity/calibrated |" in table and "**" in table and " ± " in table
+
+
+def test_finetune_table_marks_each_arms_best_rate():
+    rows = [{"arm": "a", "seed": s, "lr": lr, "before": 50.0 + s, "after": after + s}
+            for s in (0, 1) for lr, after in ((1e-4, 40.0), (3e-4, 30.0), (1e-3, 35.0))]
+    table = compress_hf.finetune_table({"rows": rows})
+    assert "| a | 50.50 ± 0.71 | 40.50 ± 0.71 | **30.50 ± 0.71** | 35.50 ± 0.71 |" in table
