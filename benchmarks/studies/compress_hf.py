@@ -51,12 +51,12 @@ from torch import Tensor, nn
 
 import comera
 from benchmarks.lib.measure import timed
-from benchmarks.studies.compress_trained import engine_run
 from benchmarks.studies.harness.trained import (
     CALIB_BATCH,
     OUT,
     ForEngine,
     calibration_rows,
+    engine_run,
     linear_sizes,
     make_task,
     peak_rss_mib,

@@ -60,6 +60,7 @@ from benchmarks.studies.harness.trained import (
     ForEngine,
     calibration_batches,
     calibration_rows,
+    engine_run,
     linear_sizes,
     make_task,
     score,
@@ -161,14 +162,6 @@ def convert_arm(dense: nn.Module, fmt: str, arm: str, target: float, budget: int
 def core_params(model: nn.Module) -> int:
     """Parameters of the gated layers' cores at their stored ranks (biases excluded)."""
     return sum(m.layout.parameters_at(m.bond_sizes) for _, m in comera.gated_layers(model))
-
-
-def engine_run(task: Task, model: nn.Module, config: EngineConfig,
-               rows: Tensor | None = None) -> nn.Module:
-    """``model`` trained by the engine as ``config`` says (on ``rows`` only, if given)."""
-    with tempfile.TemporaryDirectory() as out:
-        trained, _ = train_model(ForEngine(task, model, rows), "comera", config, Path(out))
-    return trained.eval()
 
 
 def refine_with_gates(task: Task, model: nn.Module, rows: Tensor, target_size: int, args,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import resource
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,13 +14,14 @@ from torch import Tensor, nn
 
 import comera
 from benchmarks.lib.measure import RESULTS
+from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.lm_task import LMTask, LMTaskConfig
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 from comera.experiments.task import Task
 from comera.ranks.size import dense_size
 
 __all__ = ["CALIB_BATCH", "OUT", "ForEngine", "calibration_batches", "calibration_rows",
-           "linear_sizes", "make_task", "model_input", "peak_rss_mib", "score"]
+           "engine_run", "linear_sizes", "make_task", "model_input", "peak_rss_mib", "score"]
 
 OUT = RESULTS / "compress_trained"
 CALIB_BATCH = 32
@@ -114,3 +116,11 @@ def score(task: Task, model: nn.Module) -> dict[str, float]:
     model.eval()
     with torch.no_grad():
         return task.evaluate(model, "val")
+
+
+def engine_run(task: Task, model: nn.Module, config: EngineConfig,
+               rows: Tensor | None = None) -> nn.Module:
+    """``model`` trained by the engine as ``config`` says (on ``rows`` only, if given)."""
+    with tempfile.TemporaryDirectory() as out:
+        trained, _ = train_model(ForEngine(task, model, rows), "comera", config, Path(out))
+    return trained.eval()
