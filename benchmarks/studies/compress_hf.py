@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 import comera
 from benchmarks.lib.measure import timed
+from benchmarks.studies.harness.results import mean_sd
 from benchmarks.studies.harness.trained import (
     CALIB_BATCH,
     OUT,
@@ -309,22 +310,13 @@ def finetune_table(result: dict) -> str:
              "|---|---|" + "---|" * len(lrs)]
     for arm in arms:
         rows = [r for r in result["rows"] if r["arm"] == arm]
-        before = mean_sd([r["before"] for r in rows if r["lr"] == lrs[0]])
+        before = mean_sd([r["before"] for r in rows if r["lr"] == lrs[0]], 2)
         cells = {lr: [r["after"] for r in rows if r["lr"] == lr] for lr in lrs}
         best = min((lr for lr in lrs if cells[lr]), key=lambda lr: sum(cells[lr]) / len(cells[lr]))
-        shown = [("**{}**" if lr == best else "{}").format(mean_sd(cells[lr])) if cells[lr]
+        shown = [("**{}**" if lr == best else "{}").format(mean_sd(cells[lr], 2)) if cells[lr]
                  else "-" for lr in lrs]
         lines.append(f"| {arm} | {before} | " + " | ".join(shown) + " |")
     return "\n".join(lines)
-
-
-def mean_sd(values: list[float]) -> str:
-    """``mean ± sd`` (2 decimals; the mean alone for one value)."""
-    mean = sum(values) / len(values)
-    if len(values) == 1:
-        return f"{mean:.2f}"
-    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-    return f"{mean:.2f} ± {sd:.2f}"
 
 
 def cmd_124m(args) -> int:
