@@ -22,6 +22,11 @@ each plan (and the sum over all), the table the three heaviest.
     python -m benchmarks.speed.bench_gpt_step                  # d_model 128 and 512
     python -m benchmarks.speed.bench_gpt_step --d-model 256 --repeats 5
     python -m benchmarks.speed.bench_gpt_step --smoke --out /tmp/gpt_step   # tiny, one repeat
+    python -m benchmarks.speed.bench_gpt_step --d-model 512 --formats btt ttm --memory fast min
+
+``--memory`` runs each format once per tncomp memory mode (``ConvertConfig(memory=...)``: what
+the backward keeps and what it recomputes); a row of a mode other than ``fast`` is named
+``format/mode``.
 
 Writes benchmarks/results/gpt_step_cpu.{json,md}.
 """
@@ -79,15 +84,25 @@ def narrow_width(d_model: int, compression: float) -> int:
     return widths[-1]
 
 
+MEMORY_MODES = ("fast", "balanced", "min")  # tncomp's named memory modes
+
+
+def kind_name(fmt: str, memory: str) -> str:
+    """A row's name: the format alone at ``fast`` (tncomp's default), else ``format/mode``."""
+    return fmt if memory == "fast" else f"{fmt}/{memory}"
+
+
 def build(kind: str, d_model: int, tokens: int) -> nn.Module:
-    """Dense, narrow (dense at :func:`narrow_width`) or a format converted at the target."""
+    """Dense, narrow (dense at :func:`narrow_width`) or a format converted at the target
+    (``format/mode`` at that memory mode)."""
     torch.manual_seed(0)
     if kind == "narrow":
         return CausalLM(config(narrow_width(d_model, COMPRESSION), tokens))
     model = CausalLM(config(d_model, tokens))
     if kind != "dense":
-        comera.convert_(model, comera.ConvertConfig(format=kind,
-                                                    target_compression=COMPRESSION))
+        fmt, _, memory = kind.partition("/")
+        comera.convert_(model, comera.ConvertConfig(format=fmt, target_compression=COMPRESSION,
+                                                    memory=memory or "fast"))
     return model
 
 
@@ -148,10 +163,12 @@ def heaviest(steps: list[dict], n: int) -> list[dict]:
 
 
 def run_width(d_model: int, batch: int, tokens: int, repeats: int, warmup: int,
-              step_repeats: int, formats: tuple[str, ...]) -> dict:
-    """Every model at ``d_model``: step times, ratios to dense, peak memory, layer plans."""
+              step_repeats: int, formats: tuple[str, ...],
+              memory: tuple[str, ...] = ("fast",)) -> dict:
+    """Every model at ``d_model`` (each format at each memory mode): step times, ratios to
+    dense, peak memory, layer plans."""
     ids = torch.randint(0, VOCAB, (batch, tokens + 1), generator=torch.Generator().manual_seed(0))
-    kinds = ("dense", *formats, "narrow")
+    kinds = ("dense", *(kind_name(f, m) for f in formats for m in memory), "narrow")
     models = {k: build(k, d_model, tokens + 1) for k in kinds}
     trainers = {k: trainer(m, ids) for k, m in models.items()}
     times = interleaved_times({k: step for k, (_, step) in trainers.items()}, repeats, warmup)
@@ -185,7 +202,8 @@ def markdown(payload: dict) -> str:
         "",
         "Model: `comera.models.causal_lm.CausalLM`, 2 pre-norm blocks, byte vocabulary, FFN 4x, "
         "4 heads; block linear layers converted with `convert_(model, ConvertConfig(format=F, "
-        "target_compression=8))`; narrow: dense at the d_model whose block layers fit 1/8. One "
+        "target_compression=8))` (a row `F/mode`: with `memory=mode`, tncomp's choice of what "
+        "the backward recomputes); narrow: dense at the d_model whose block layers fit 1/8. One "
         "step = forward, cross-entropy, backward, AdamW. Medians of interleaved rounds; the "
         "ratio to dense with the IQR and range of the per-round ratios. Peak: the profiled peak "
         "allocated during one step above the resident model, gradients and optimizer state.",
@@ -223,6 +241,8 @@ def markdown(payload: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    parser.add_argument("--memory", nargs="+", default=["fast"], choices=MEMORY_MODES,
+                        help="tncomp memory modes to run each format at (default fast)")
     add_gpt_options(parser, widths="widths to run (default 128 512; smoke: 128)",
                     repeats="interleaved rounds",
                     smoke="d_model 128, batch 4 x 16 tokens, one round: checks the script",
@@ -240,7 +260,8 @@ def main(argv=None) -> int:
     for d_model in widths:
         repeats = args.repeats or (1 if args.smoke else 11 if d_model <= 256 else 7)
         width = run_width(d_model, batch, tokens, repeats, 1 if args.smoke else 2,
-                          1 if args.smoke else 5, tuple(args.formats))
+                          1 if args.smoke else 5, tuple(args.formats),
+                          tuple(dict.fromkeys(args.memory)))
         results.append(width)
         for r in width["rows"]:
             print(f"d_model {d_model} {r['model']:>8}: {r['ms']:.1f} ms "

@@ -155,3 +155,17 @@ def test_gpt_step_refuses_bad_arguments_before_measuring(args, tmp_path, capsys)
     assert exc.value.code == 2
     assert args[0] in capsys.readouterr().err
     assert not out.with_suffix(".json").exists()
+
+
+def test_gpt_step_runs_each_format_at_each_memory_mode(tmp_path):
+    """``--memory fast min``: the min rows are the same format at the same ratio, with the
+    backward recomputing what the fast rows keep, so their step peak is lower."""
+    from benchmarks.speed.bench_gpt_step import main
+
+    out = tmp_path / "gpt_mem"
+    assert main(["--smoke", "--formats", "btt", "--memory", "fast", "min", "--out", str(out)]) == 0
+    (width,) = json.loads(out.with_suffix(".json").read_text())["widths"]
+    rows = {r["model"]: r for r in width["rows"]}
+    assert set(rows) == {"dense", "btt", "btt/min", "narrow"}
+    assert rows["btt/min"]["block_compression"] == rows["btt"]["block_compression"]
+    assert rows["btt/min"]["peak_extra_mib"] < rows["btt"]["peak_extra_mib"]
