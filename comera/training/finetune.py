@@ -166,8 +166,9 @@ class FinetuneRecipe:
         """The recipe as keyword arguments of ``transformers.TrainingArguments``:
         ``TrainingArguments(out, **recipe.hf_training_args())``. Hold the gates first
         (:func:`hold_gates_`): the Trainer's AdamW takes every parameter that requires grad.
-        HuggingFace's warm-up starts its first step at rate 0, this recipe's at
-        ``lr / warmup_steps``: the two differ by one step's rate."""
+        HuggingFace's warm-up runs one step behind this recipe's (its first step at rate 0);
+        for this recipe's schedule exactly, give the Trainer
+        ``optimizers=(opt, recipe.scheduler(opt))`` with ``opt = recipe.optimizer(model)``."""
         return {"learning_rate": self.lr, "max_steps": self.steps,
                 "warmup_steps": self.warmup_steps,
                 "lr_scheduler_type": _HF_SCHEDULER[self.schedule],
@@ -205,8 +206,9 @@ def finetune(model: nn.Module, batches: Iterable, loss_fn: LossFn | None = None,
     ``loss_fn(output, batch)``, else the output's ``.loss`` / ``"loss"``, as a HuggingFace model
     returns given ``labels``), or ``(x, y)`` pairs (the loss is ``loss_fn(model(x), y)``).
     A list or a DataLoader is read again from the start when the steps outlast it; an
-    iterator that runs out first is an error. With ``recipe.hold_gates`` the gates are frozen
-    during the run and their ``requires_grad`` restored after. Each step is
+    iterator that runs out first is an error naming the steps taken (they stay applied). With
+    ``recipe.hold_gates`` the gates are frozen during the run; their ``requires_grad`` and
+    every module's train/eval mode are restored after. Each step is
     :class:`~comera.training.trainers.DenseTrainer`'s (finite-loss and gradient checks, the
     clip), then the schedule's."""
     _checked_model(model)
@@ -225,7 +227,7 @@ def finetune(model: nn.Module, batches: Iterable, loss_fn: LossFn | None = None,
     flags = [(g, g.requires_grad) for _, layer in layers for g in layer.gates]
     if recipe.hold_gates and layers:
         hold_gates_(model)
-    training = model.training
+    modes = {module: module.training for module in model.modules()}
     try:
         optimizer = recipe.optimizer(model)
         schedule = recipe.scheduler(optimizer)
@@ -239,7 +241,8 @@ def finetune(model: nn.Module, batches: Iterable, loss_fn: LossFn | None = None,
             if step == 0 or (step + 1) % max(1, recipe.steps // 10) == 0:
                 log.info("fine-tune step %d/%d: loss %.4f", step + 1, recipe.steps, stats.loss)
     finally:
-        model.train(training)
+        for module, training in modes.items():
+            module.training = training
         for gate, flag in flags:
             gate.requires_grad_(flag)
     return model

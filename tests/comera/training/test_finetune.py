@@ -247,6 +247,16 @@ def test_a_dataloader_is_read_again_when_the_steps_outlast_it():
     assert len(seen) == 5  # 2 batches a pass, read 3 times
 
 
+def test_the_loop_restores_every_modules_mode():
+    model = _converted_mlp().train()
+    model[3].eval()
+    seen = []
+    model[3].register_forward_pre_hook(lambda m, args: seen.append(m.training))
+    finetune(model, _pairs(0, 2), F.cross_entropy, recipe=FinetuneRecipe(1e-3, 2))
+    assert seen == [True, True]  # trained in train mode
+    assert model.training and not model[3].training
+
+
 # -- HuggingFace Trainer ----------------------------------------------------------------------
 def test_hf_training_args_are_the_recipe():
     recipe = FinetuneRecipe(2e-3, 150, schedule="cosine", weight_decay=0.01, max_grad_norm=None)
@@ -282,6 +292,24 @@ def test_a_trainer_runs_the_recipe_with_the_gates_held(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(gates, _gates(model), strict=True))
     assert _lm_loss(model, val) < before
     assert hold_gates_(model, False) and all(g.requires_grad for g in _gates(model))
+
+
+def test_a_trainer_given_the_recipes_optimizer_runs_its_schedule_exactly(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    model = _pretrained_converted_gpt2()
+    recipe = FinetuneRecipe(pretrain_lr=3e-3, steps=6, warmup_fraction=0.5)  # warm-up 3
+    optimizer = recipe.optimizer(model)
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, a, k: seen.append(opt.param_groups[0]["lr"]))
+    args = transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=8, report_to=[], use_cpu=True,
+        disable_tqdm=True, save_strategy="no", **recipe.hf_training_args())
+    data = [{"input_ids": w, "labels": w} for b in _dicts(200, 6) for w in b["input_ids"]]
+    transformers.Trainer(model=model, args=args, train_dataset=data,
+                         optimizers=(optimizer, recipe.scheduler(optimizer))).train()
+    lr = recipe.lr
+    assert seen == pytest.approx([lr / 3, 2 * lr / 3, lr, lr, lr, lr], rel=1e-12)
 
 
 # -- refusals ---------------------------------------------------------------------------------
