@@ -7,7 +7,8 @@ the registry's built-in list); the objective
 (``LateStage``; ``comera.ranks.objective.rank_regularizer``) drives ranks down; ``truncate_``
 removes pruned ranks physically; ``convert_`` turns an existing torch model into a TT model;
 ``RankController`` runs the rank-adaptive stages inside any training loop (``CoMERATrainer`` is
-one such loop).
+one such loop); ``FinetuneRecipe`` and ``finetune`` fine-tune a converted model at the measured
+recipe (``hold_gates_`` holds its ranks in a trainer of one's own, e.g. HuggingFace's).
 ``comera.lean`` holds torch's attention and dropout, bit for bit, keeping less for the CPU
 backward.
 
@@ -47,6 +48,7 @@ from comera.surgery.config import ConvertConfig
 from comera.surgery.convert import convert_
 from comera.surgery.pretrained import from_pretrained, save_pretrained
 from comera.training.controller import RankController, late_stage_for
+from comera.training.finetune import FinetuneRecipe, finetune, hold_gates_
 from comera.training.relative_updates import RelativeUpdateLog, relative_updates
 from comera.training.trainers import (
     CoMERATrainer,
@@ -67,6 +69,7 @@ __all__ = [
     "DataFormatError",
     "DenseTrainer",
     "FactorizationError",
+    "FinetuneRecipe",
     "GatedEmbedding",
     "GatedLayer",
     "GatedLinear",
@@ -86,8 +89,10 @@ __all__ = [
     "TrainingStopped",
     "compression_ratio",
     "convert_",
+    "finetune",
     "from_pretrained",
     "gated_layers",
+    "hold_gates_",
     "late_stage_for",
     "load_checkpoint",
     "make_optimizer",
