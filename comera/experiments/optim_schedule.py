@@ -15,7 +15,6 @@ end of the warm-up to 0 at the run's last step).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -24,22 +23,11 @@ from torch import nn
 import comera
 from comera.experiments.task import run_format
 from comera.formats.registry import DENSE
+from comera.training.finetune import SCHEDULES, lr_factor  # the one schedule rule
 
 OPTIMIZERS = ("groups", "adamw")
-SCHEDULES = ("constant", "cosine")
 
 __all__ = ["OPTIMIZERS", "SCHEDULES", "base_rates", "lr_factor", "run_optimizer"]
-
-
-def lr_factor(step: int, warmup: int, total: int = 0, schedule: str = "constant") -> float:
-    """The learning-rate factor of ``step`` (0-based) of a ``total``-step run: ``(step + 1) /
-    warmup`` during the warm-up, then 1 (``"constant"``) or the cosine's value (``"cosine"``)."""
-    if warmup and step < warmup:
-        return min(1.0, (step + 1) / warmup)
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def base_rates(config: Any, tt: bool | None = None) -> dict[str, float]:
