@@ -9,6 +9,14 @@
 - a format with a parametrization, ``"tt:balanced"`` / ``"tt:plain"``: the same with the layers
   at that parametrization (:mod:`comera.formats.scaling`); without one, the task's (plain for
   the studies: plain, :data:`benchmarks.studies.harness.frontier.STUDY_PARAMETRIZATION`).
+- a format with options after ``+`` (``"btt+zero+rms:balanced"``, :data:`OPTIONS`): the same
+  model, changed as each option says: ``zero`` starts each residual branch's output layer
+  (:data:`RESIDUAL_OUTPUTS`) at zero (:func:`comera.layers.zero_init.zero_output_`); ``rms``
+  bounds every core to its initial RMS before each training forward, i.e. after each step
+  (:func:`comera.training.core_rms.keep_core_rms_bounded`), ``rms2`` to twice it; ``cores2``
+  builds the layers with 2 modes per side (BTT: 2 cores; the task's ``tt_order`` otherwise),
+  the rank then read at that order. The row's method keeps the options, so they have rows (and
+  at equal wall-clock clock entries, ``btt+rms 8x``) of their own.
 - a layer kind that is not a weight format (``"cola"``, ``"cola:balanced"``:
   :data:`comera.models.transformer.LAYER_KINDS`): the same as a format, its size read from the
   layers' own layout (CoLA's A and B: ``r * (in + out)``). The tasks and the engine take only
@@ -73,11 +81,13 @@ from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask
 from comera.formats.registry import DENSE, format_names, get_format, layer_formats
 from comera.formats.scaling import PARAMETRIZATIONS, check_parametrization
+from comera.layers.zero_init import zero_output_
 from comera.models.causal_lm import CausalLM
 from comera.models.transformer import LAYER_KINDS
 from comera.ranks.allocate import allocate, check_chain_format, rebuild_at_
 from comera.ranks.budget import dense_linear_size, largest_rank, layout_size, size_target
 from comera.ranks.truncate import round_, rounds_exactly
+from comera.training.core_rms import check_factor, keep_core_rms_bounded
 
 SPECIAL = ("dense", "narrow", "comera", "spectrum", "early")
 #: The methods whose ranks change as they train: no one clock gives their steps.
@@ -87,9 +97,19 @@ ADAPTIVE = ("comera", "spectrum", "early")
 #: gated layers, as the formats' at a fixed rank.
 ENGINE_KIND = "lowrank"
 
-__all__ = ["ADAPTIVE", "ENGINE_KIND", "SPECIAL", "Study", "adaptive_formats", "build",
-           "check_method", "engine_kind", "is_adaptive", "kind_title", "method_names",
-           "narrow_sizes", "split_method", "width_sizes"]
+#: What a format's method may add after ``+`` (``"btt+zero+rms2:balanced"``): the option's
+#: prefix and what it does (the module docstring says more).
+OPTIONS = {"zero": "each residual branch's output layer starts at zero (its last core)",
+           "rms": "every core at most its initial RMS (rms<F>: F times it) after each step",
+           "cores": "cores<D>: the layers built with D modes per side (BTT: D cores)"}
+#: The block layers that end a residual branch, by the end of their names (the causal LM's and
+#: the transformer's attention output and FFN output layers).
+RESIDUAL_OUTPUTS = ("attn.o", "ffn_out")
+
+__all__ = ["ADAPTIVE", "ENGINE_KIND", "OPTIONS", "RESIDUAL_OUTPUTS", "SPECIAL", "Study",
+           "adaptive_formats", "build", "check_method", "engine_kind", "is_adaptive",
+           "kind_title", "method_names", "narrow_sizes", "split_method", "split_options",
+           "width_sizes"]
 
 
 def build(task, kind: str, rank: int | None = None, **sizes: int) -> torch.nn.Module:
@@ -112,7 +132,19 @@ def engine_kind(kind: str) -> str:
 
 
 def kind_title(kind: str) -> str:
-    """A format's or layer kind's title (``"TT-matrix"``, ``"CoLA"``)."""
+    """A format's or layer kind's title (``"TT-matrix"``, ``"CoLA"``), with its options
+    (``"block tensor train + zero-init outputs + core RMS <= 2x init"``)."""
+    kind, options = split_options(kind)
+    extra = "".join(f" + {_OPTION_TITLES[k](v)}" for k, v in options.items())
+    return _title(kind) + extra
+
+
+_OPTION_TITLES = {"zero": lambda v: "zero-init outputs",
+                  "rms": lambda v: f"core RMS <= {v:g}x init",
+                  "cores": lambda v: f"{v} modes per side"}
+
+
+def _title(kind: str) -> str:
     if kind in LAYER_KINDS:
         return {"cola": "CoLA (B silu(A x))"}.get(kind, kind)
     return get_format(kind).title
@@ -142,6 +174,35 @@ def method_names() -> tuple[str, ...]:
     return (*SPECIAL, *formats, *on, *(f"{f}:{p}" for f in scaled for p in PARAMETRIZATIONS))
 
 
+def split_options(kind: str) -> tuple[str, dict[str, Any]]:
+    """(kind, options) of a method's kind with options (:data:`OPTIONS`): ``"btt+zero+rms2"``
+    is ("btt", {"zero": True, "rms": 2.0}), ``"btt+cores2"`` ("btt", {"cores": 2}); ``"rms"``
+    alone is a factor of 1. A ConfigError for an option it does not know or a bad number."""
+    kind, *given = kind.split("+")
+    options: dict[str, Any] = {}
+    for text in given:
+        key = next((k for k in OPTIONS if text.startswith(k)), None)
+        value = text[len(key):] if key else ""
+        try:
+            if key == "zero" and not value:
+                parsed: Any = True
+            elif key == "rms":
+                parsed = check_factor(float(value) if value else 1.0)
+            elif key == "cores" and value.isdigit() and int(value) >= 2:
+                parsed = int(value)
+            else:
+                raise ValueError(text)
+        except (ValueError, ConfigError):
+            raise ConfigError(
+                f"method option {text!r} (in {'+'.join([kind, *given])!r}); choose zero, "
+                "rms or rms<F> (F > 0, e.g. rms2), cores<D> (D >= 2, e.g. cores2).") from None
+        if key in options:
+            raise ConfigError(f"method option {key!r} given twice in "
+                              f"{'+'.join([kind, *given])!r}; give it once.")
+        options[key] = parsed
+    return kind, options
+
+
 def split_method(name: str) -> tuple[str, str | None, str | None]:
     """(method, format, parametrization) of a method name: ``"comera@btt:balanced"`` is
     ("comera", "btt", "balanced"), ``"tt:plain"`` ("tt", None, "plain"), ``"dense"`` ("dense",
@@ -149,6 +210,13 @@ def split_method(name: str) -> tuple[str, str | None, str | None]:
     head, colon, parametrization = name.partition(":")
     base, at, fmt = head.partition("@")
     return base, (fmt if at else None), (parametrization if colon else None)
+
+
+def head_of(name: str) -> str:
+    """A method name without its options: ``"btt+zero:balanced"`` is ``"btt:balanced"``."""
+    base, _, parametrization = name.partition(":")
+    head = base.partition("+")[0]
+    return f"{head}:{parametrization}" if parametrization else head
 
 
 def is_adaptive(name: str) -> bool:
@@ -165,6 +233,16 @@ def check_method(name: str) -> str:
     base, fmt, parametrization = split_method(name)
     if parametrization is not None:
         check_parametrization(parametrization)
+    if "+" in base:
+        kind, options = split_options(base)
+        if kind not in layer_formats() or kind == DENSE or fmt is not None:
+            raise ConfigError(f"method {name!r}: options ('+{base.partition('+')[2]}') go on a "
+                              f"layer format at a fixed rank (e.g. btt+zero:balanced), not on "
+                              f"{head_of(name)!r}.")
+        if "cores" in options and not get_format(kind).uses_modes:
+            raise ConfigError(f"method {name!r}: the {kind} format uses no modes, so "
+                              "'cores<D>' has nothing to set; drop it.")
+        return name
     if fmt is not None:
         if base != "comera":
             raise ConfigError(f"method {name!r}: only comera takes a format after '@' "
@@ -264,8 +342,9 @@ class Study:
         return self._largest_rank(fmt, self.budget(target))
 
     def _largest_rank(self, fmt: str, budget: float) -> int:
+        kind = split_options(fmt)[0]
         with torch.random.fork_rng(devices=[]):
-            probe = self.task.block_linears(build(self.task, fmt, 1))
+            probe = self.task.block_linears(build(self.task, kind, 1, **self.option_sizes(fmt)))
         # each layer's own format (a Format instance): CoLA's factors are no registered format
         layers = [(m.format, m.in_modes, m.out_modes, m.bias.numel() if m.bias is not None else 0)
                   for _, m in probe]
@@ -321,12 +400,38 @@ class Study:
         rank = self.uniform_rank(fmt, target)
         if rank < 1:
             return None
+        kind, options = split_options(fmt)
         sizes = {} if parametrization is None else {"parametrization": parametrization}
         name = _name(method or fmt, target, seed, lr)
-        model, record = self.run(name, fmt, self.budget_config(fmt, target, seed, lr),
-                                 lambda: build(self.task, fmt, rank, **sizes))
+        model, record = self.run(name, kind, self.budget_config(fmt, target, seed, lr),
+                                 lambda: self.with_options(build(
+                                     self.task, kind, rank, **sizes, **self.option_sizes(fmt)),
+                                     options))
+        extra = {"options": options} if options else {}
         return row(self.task, model, record, seed=seed, method=method or fmt, target=target,
-                   lr=lr, rank=rank, format=fmt)
+                   lr=lr, rank=rank, format=kind, **extra)
+
+    def option_sizes(self, kind: str) -> dict[str, int]:
+        """The task model's sizes a method's options change (``cores<D>``: ``tt_order``)."""
+        options = split_options(kind)[1]
+        return {"tt_order": options["cores"]} if "cores" in options else {}
+
+    def with_options(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
+        """``model`` (just built) changed as ``options`` say: ``zero`` zeroes each residual
+        branch's output layer (:data:`RESIDUAL_OUTPUTS`), ``rms`` keeps its cores bounded (a
+        hook before each training forward). A ConfigError when ``zero`` finds no such layer."""
+        if options.get("zero"):
+            ends = [m for n, m in self.task.block_linears(model) if n.endswith(RESIDUAL_OUTPUTS)]
+            if not ends:
+                names = [n for n, _ in self.task.block_linears(model)]
+                raise ConfigError(f"option 'zero': none of the block layers {names[:6]} ... "
+                                  f"ends with {RESIDUAL_OUTPUTS}; this task's model names its "
+                                  "residual output layers otherwise.")
+            for layer in ends:
+                zero_output_(layer)
+        if "rms" in options:
+            keep_core_rms_bounded(model, options["rms"])
+        return model
 
     def whole_budget(self, target: float) -> float:
         """Parameters of the whole compressed model at ``target``: the dense model's, with its
