@@ -40,7 +40,8 @@ from comera.formats.layout import Layout
 from tncomp.extend import renamed
 
 __all__ = ["DECOMPOSED", "FRESH", "PARAMETRIZATIONS", "CoreScaling", "balance_gauge",
-           "check_parametrization", "core_scaling", "orthogonal_cores"]
+           "check_parametrization", "core_scaling", "orthogonal_cores",
+           "structure_aware_multipliers"]
 
 #: "balanced": the structure-aware initialisation and multipliers; "plain": one Gaussian scale for
 #: every core and no multipliers (before issue 30).
@@ -98,6 +99,22 @@ def core_scaling(layout: Layout) -> CoreScaling:
     stds = tuple(math.sqrt(g / fan_in) for fan_in, _ in fans)
     dense = math.sqrt(var)
     return CoreScaling(stds, tuple(power_of_two(s / (n * dense)) for s in stds))
+
+
+def structure_aware_multipliers(layout: Layout) -> tuple[float, ...]:
+    """Forward multipliers that give core k (at the balanced initial values) the relative Adam
+    update of Qiu et al. 2024's structure-aware rate: each core a dense layer of its own fan-in
+    and fan-out under muP, its rate ``lr * in_features / (n * fan_in_k)`` at the initial std
+    ``min(1, sqrt(fan_out_k / fan_in_k)) / sqrt(fan_in_k)``. Against the balanced multipliers
+    (every core ``1 / n`` of the dense weight's relative update) that is core k's multiplier
+    times ``sqrt(in_features / (3 fan_in_k)) / min(1, sqrt(fan_out_k / fan_in_k))`` (the 3:
+    ``nn.Linear``'s variance ``1 / (3 in)``, the dense reference here): larger where a core's
+    fan-in is a smaller share of the layer's. Not powers of two: storing a core under them is
+    exact only up to rounding."""
+    balanced = core_scaling(layout).multipliers
+    n_in = layout.in_features
+    return tuple(m * math.sqrt(n_in / (3 * fan_in)) / min(1.0, math.sqrt(fan_out / fan_in))
+                 for m, (fan_in, fan_out) in zip(balanced, layout.core_fans(), strict=True))
 
 
 def orthogonal_cores(layout: Layout, scaling: CoreScaling, generator=None,

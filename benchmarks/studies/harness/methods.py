@@ -80,12 +80,17 @@ from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask
 from comera.formats.registry import DENSE, format_names, get_format, layer_formats
-from comera.formats.scaling import PARAMETRIZATIONS, check_parametrization
+from comera.formats.scaling import (
+    PARAMETRIZATIONS,
+    check_parametrization,
+    structure_aware_multipliers,
+)
 from comera.layers.zero_init import zero_output_
 from comera.models.causal_lm import CausalLM
 from comera.models.transformer import LAYER_KINDS
 from comera.ranks.allocate import allocate, check_chain_format, rebuild_at_
 from comera.ranks.budget import dense_linear_size, largest_rank, layout_size, size_target
+from comera.ranks.size import gated_layers
 from comera.ranks.truncate import round_, rounds_exactly
 from comera.training.core_rms import check_factor, keep_core_rms_bounded
 
@@ -101,7 +106,8 @@ ENGINE_KIND = "lowrank"
 #: prefix and what it does (the module docstring says more).
 OPTIONS = {"zero": "each residual branch's output layer starts at zero (its last core)",
            "rms": "every core at most its initial RMS (rms<F>: F times it) after each step",
-           "cores": "cores<D>: the layers built with D modes per side (BTT: D cores)"}
+           "cores": "cores<D>: the layers built with D modes per side (BTT: D cores)",
+           "cbs": "each core's step at Qiu et al. 2024's structure-aware rate (muP per core)"}
 #: The block layers that end a residual branch, by the end of their names (the causal LM's and
 #: the transformer's attention output and FFN output layers).
 RESIDUAL_OUTPUTS = ("attn.o", "ffn_out")
@@ -139,7 +145,7 @@ def kind_title(kind: str) -> str:
     return _title(kind) + extra
 
 
-_OPTION_TITLES = {"zero": lambda v: "zero-init outputs",
+_OPTION_TITLES = {"zero": lambda v: "zero-init outputs", "cbs": lambda v: "muP rate per core",
                   "rms": lambda v: f"core RMS <= {v:g}x init",
                   "cores": lambda v: f"{v} modes per side"}
 
@@ -184,7 +190,7 @@ def split_options(kind: str) -> tuple[str, dict[str, Any]]:
         key = next((k for k in OPTIONS if text.startswith(k)), None)
         value = text[len(key):] if key else ""
         try:
-            if key == "zero" and not value:
+            if key in ("zero", "cbs") and not value:
                 parsed: Any = True
             elif key == "rms":
                 parsed = check_factor(float(value) if value else 1.0)
@@ -195,7 +201,7 @@ def split_options(kind: str) -> tuple[str, dict[str, Any]]:
         except (ValueError, ConfigError):
             raise ConfigError(
                 f"method option {text!r} (in {'+'.join([kind, *given])!r}); choose zero, "
-                "rms or rms<F> (F > 0, e.g. rms2), cores<D> (D >= 2, e.g. cores2).") from None
+                "cbs, rms or rms<F> (F > 0, e.g. rms2), cores<D> (D >= 2, e.g. cores2).") from None
         if key in options:
             raise ConfigError(f"method option {key!r} given twice in "
                               f"{'+'.join([kind, *given])!r}; give it once.")
@@ -233,8 +239,8 @@ def check_method(name: str) -> str:
     base, fmt, parametrization = split_method(name)
     if parametrization is not None:
         check_parametrization(parametrization)
-    if "+" in base:
-        kind, options = split_options(base)
+    if "+" in name.partition(":")[0]:
+        kind, options = split_options(base if fmt is None else f"{base}@{fmt}")
         if kind not in layer_formats() or kind == DENSE or fmt is not None:
             raise ConfigError(f"method {name!r}: options ('+{base.partition('+')[2]}') go on a "
                               f"layer format at a fixed rank (e.g. btt+zero:balanced), not on "
@@ -429,6 +435,14 @@ class Study:
                                   "residual output layers otherwise.")
             for layer in ends:
                 zero_output_(layer)
+        if options.get("cbs"):  # the same effective cores, read under other multipliers
+            with torch.no_grad():
+                for layer in gated_layers(model):
+                    cores = [c.detach().clone() for c in layer.effective_cores()]
+                    layer.set_core_scales_(structure_aware_multipliers(layer.layout))
+                    for core, value, scale in zip(layer.cores, cores, layer.core_scale_values,
+                                                  strict=True):
+                        core.copy_(value / scale)
         if "rms" in options:
             keep_core_rms_bounded(model, options["rms"])
         return model
