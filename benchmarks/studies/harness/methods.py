@@ -437,7 +437,7 @@ class Study:
                 zero_output_(layer)
         if options.get("cbs"):  # the same effective cores, read under other multipliers
             with torch.no_grad():
-                for layer in gated_layers(model):
+                for _, layer in gated_layers(model):
                     cores = [c.detach().clone() for c in layer.effective_cores()]
                     layer.set_core_scales_(structure_aware_multipliers(layer.layout))
                     for core, value, scale in zip(layer.cores, cores, layer.core_scale_values,

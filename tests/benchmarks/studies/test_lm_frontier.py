@@ -330,3 +330,20 @@ def test_an_option_row_trains_on_the_engine_and_records_its_options(root, tmp_pa
     assert [(r["method"], r["format"], r["options"]) for r in rows] == [
         ("btt+zero+rms2:balanced", "btt", {"zero": True, "rms": 2.0})]
     assert rows[0]["val"]["loss"] > 0
+
+
+def test_cbs_keeps_the_weights_and_reads_the_cores_under_the_structure_aware_multipliers(
+        root, tmp_path):
+    import torch
+
+    from comera.formats.scaling import structure_aware_multipliers
+
+    task = _tiny(root)
+    study = Study(task, EngineConfig(), tmp_path, steps=2)
+    torch.manual_seed(0)
+    model = build(task, "btt", 1)
+    before = {n: m.to_dense().detach().clone() for n, m in task.block_linears(model)}
+    study.with_options(model, {"cbs": True})
+    for name, layer in task.block_linears(model):
+        assert layer.core_scale_values == structure_aware_multipliers(layer.layout)
+        torch.testing.assert_close(layer.to_dense(), before[name], rtol=1e-6, atol=1e-7)
