@@ -54,9 +54,9 @@ from benchmarks.studies.harness.methods import (
     check_method,
     narrow_sizes,
     split_method,
-    split_options,
     width_sizes,
 )
+from benchmarks.studies.harness.options import split_options
 from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig

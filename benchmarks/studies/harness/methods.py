@@ -9,14 +9,13 @@
 - a format with a parametrization, ``"tt:balanced"`` / ``"tt:plain"``: the same with the layers
   at that parametrization (:mod:`comera.formats.scaling`); without one, the task's (plain for
   the studies: plain, :data:`benchmarks.studies.harness.frontier.STUDY_PARAMETRIZATION`).
-- a format with options after ``+`` (``"btt+zero+rms:balanced"``, :data:`OPTIONS`): the same
-  model, changed as each option says: ``zero`` starts each residual branch's output layer
-  (:data:`RESIDUAL_OUTPUTS`) at zero (:func:`comera.layers.zero_init.zero_output_`); ``rms``
-  bounds every core to its initial RMS before each training forward, i.e. after each step
-  (:func:`comera.training.core_rms.keep_core_rms_bounded`), ``rms2`` to twice it; ``cores2``
-  builds the layers with 2 modes per side (BTT: 2 cores; the task's ``tt_order`` otherwise),
-  the rank then read at that order. The row's method keeps the options, so they have rows (and
-  at equal wall-clock clock entries, ``btt+rms 8x``) of their own.
+- a format with options after ``+`` (``"btt+zero+rms:balanced"``,
+  :mod:`benchmarks.studies.harness.options`): the same model, changed as each option says
+  (``zero``: each residual branch's output layer starts at zero; ``rms`` / ``rms2``: every core
+  bounded to once / twice its initial RMS after each step; ``cbs``: each core at the
+  structure-aware rate; ``cores2``: 2 modes per side, the rank read at that order). The row's
+  method keeps the options, so they have rows (and at equal wall-clock clock entries,
+  ``btt+rms 8x``) of their own.
 - a layer kind that is not a weight format (``"cola"``, ``"cola:balanced"``:
   :data:`comera.models.transformer.LAYER_KINDS`): the same as a format, its size read from the
   layers' own layout (CoLA's A and B: ``r * (in + out)``). The tasks and the engine take only
@@ -75,24 +74,23 @@ from typing import Any
 
 import torch
 
+from benchmarks.studies.harness.options import (
+    apply_options,
+    option_sizes,
+    options_title,
+    split_options,
+)
 from benchmarks.studies.harness.runs import layer_shapes, row, train
 from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask
 from comera.formats.registry import DENSE, format_names, get_format, layer_formats
-from comera.formats.scaling import (
-    PARAMETRIZATIONS,
-    check_parametrization,
-    structure_aware_multipliers,
-)
-from comera.layers.zero_init import zero_output_
+from comera.formats.scaling import PARAMETRIZATIONS, check_parametrization
 from comera.models.causal_lm import CausalLM
 from comera.models.transformer import LAYER_KINDS
 from comera.ranks.allocate import allocate, check_chain_format, rebuild_at_
 from comera.ranks.budget import dense_linear_size, largest_rank, layout_size, size_target
-from comera.ranks.size import gated_layers
 from comera.ranks.truncate import round_, rounds_exactly
-from comera.training.core_rms import check_factor, keep_core_rms_bounded
 
 SPECIAL = ("dense", "narrow", "comera", "spectrum", "early")
 #: The methods whose ranks change as they train: no one clock gives their steps.
@@ -102,20 +100,9 @@ ADAPTIVE = ("comera", "spectrum", "early")
 #: gated layers, as the formats' at a fixed rank.
 ENGINE_KIND = "lowrank"
 
-#: What a format's method may add after ``+`` (``"btt+zero+rms2:balanced"``): the option's
-#: prefix and what it does (the module docstring says more).
-OPTIONS = {"zero": "each residual branch's output layer starts at zero (its last core)",
-           "rms": "every core at most its initial RMS (rms<F>: F times it) after each step",
-           "cores": "cores<D>: the layers built with D modes per side (BTT: D cores)",
-           "cbs": "each core's step at Qiu et al. 2024's structure-aware rate (muP per core)"}
-#: The block layers that end a residual branch, by the end of their names (the causal LM's and
-#: the transformer's attention output and FFN output layers).
-RESIDUAL_OUTPUTS = ("attn.o", "ffn_out")
-
-__all__ = ["ADAPTIVE", "ENGINE_KIND", "OPTIONS", "RESIDUAL_OUTPUTS", "SPECIAL", "Study",
-           "adaptive_formats", "build", "check_method", "engine_kind", "is_adaptive",
-           "kind_title", "method_names", "narrow_sizes", "split_method", "split_options",
-           "width_sizes"]
+__all__ = ["ADAPTIVE", "ENGINE_KIND", "SPECIAL", "Study", "adaptive_formats", "build",
+           "check_method", "engine_kind", "head_of", "is_adaptive", "kind_title",
+           "method_names", "narrow_sizes", "split_method", "width_sizes"]
 
 
 def build(task, kind: str, rank: int | None = None, **sizes: int) -> torch.nn.Module:
@@ -141,13 +128,7 @@ def kind_title(kind: str) -> str:
     """A format's or layer kind's title (``"TT-matrix"``, ``"CoLA"``), with its options
     (``"block tensor train + zero-init outputs + core RMS <= 2x init"``)."""
     kind, options = split_options(kind)
-    extra = "".join(f" + {_OPTION_TITLES[k](v)}" for k, v in options.items())
-    return _title(kind) + extra
-
-
-_OPTION_TITLES = {"zero": lambda v: "zero-init outputs", "cbs": lambda v: "muP rate per core",
-                  "rms": lambda v: f"core RMS <= {v:g}x init",
-                  "cores": lambda v: f"{v} modes per side"}
+    return _title(kind) + options_title(options)
 
 
 def _title(kind: str) -> str:
@@ -178,35 +159,6 @@ def method_names() -> tuple[str, ...]:
     on = [f"comera@{f}" for f in adaptive_formats()]
     scaled = (*formats, "comera", *on)
     return (*SPECIAL, *formats, *on, *(f"{f}:{p}" for f in scaled for p in PARAMETRIZATIONS))
-
-
-def split_options(kind: str) -> tuple[str, dict[str, Any]]:
-    """(kind, options) of a method's kind with options (:data:`OPTIONS`): ``"btt+zero+rms2"``
-    is ("btt", {"zero": True, "rms": 2.0}), ``"btt+cores2"`` ("btt", {"cores": 2}); ``"rms"``
-    alone is a factor of 1. A ConfigError for an option it does not know or a bad number."""
-    kind, *given = kind.split("+")
-    options: dict[str, Any] = {}
-    for text in given:
-        key = next((k for k in OPTIONS if text.startswith(k)), None)
-        value = text[len(key):] if key else ""
-        try:
-            if key in ("zero", "cbs") and not value:
-                parsed: Any = True
-            elif key == "rms":
-                parsed = check_factor(float(value) if value else 1.0)
-            elif key == "cores" and value.isdigit() and int(value) >= 2:
-                parsed = int(value)
-            else:
-                raise ValueError(text)
-        except (ValueError, ConfigError):
-            raise ConfigError(
-                f"method option {text!r} (in {'+'.join([kind, *given])!r}); choose zero, "
-                "cbs, rms or rms<F> (F > 0, e.g. rms2), cores<D> (D >= 2, e.g. cores2).") from None
-        if key in options:
-            raise ConfigError(f"method option {key!r} given twice in "
-                              f"{'+'.join([kind, *given])!r}; give it once.")
-        options[key] = parsed
-    return kind, options
 
 
 def split_method(name: str) -> tuple[str, str | None, str | None]:
@@ -418,34 +370,12 @@ class Study:
                    lr=lr, rank=rank, format=kind, **extra)
 
     def option_sizes(self, kind: str) -> dict[str, int]:
-        """The task model's sizes a method's options change (``cores<D>``: ``tt_order``)."""
-        options = split_options(kind)[1]
-        return {"tt_order": options["cores"]} if "cores" in options else {}
+        """The task model's sizes the options of ``kind`` change (:func:`.options.option_sizes`)."""
+        return option_sizes(split_options(kind)[1])
 
     def with_options(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
-        """``model`` (just built) changed as ``options`` say: ``zero`` zeroes each residual
-        branch's output layer (:data:`RESIDUAL_OUTPUTS`), ``rms`` keeps its cores bounded (a
-        hook before each training forward). A ConfigError when ``zero`` finds no such layer."""
-        if options.get("zero"):
-            ends = [m for n, m in self.task.block_linears(model) if n.endswith(RESIDUAL_OUTPUTS)]
-            if not ends:
-                names = [n for n, _ in self.task.block_linears(model)]
-                raise ConfigError(f"option 'zero': none of the block layers {names[:6]} ... "
-                                  f"ends with {RESIDUAL_OUTPUTS}; this task's model names its "
-                                  "residual output layers otherwise.")
-            for layer in ends:
-                zero_output_(layer)
-        if options.get("cbs"):  # the same effective cores, read under other multipliers
-            with torch.no_grad():
-                for _, layer in gated_layers(model):
-                    cores = [c.detach().clone() for c in layer.effective_cores()]
-                    layer.set_core_scales_(structure_aware_multipliers(layer.layout))
-                    for core, value, scale in zip(layer.cores, cores, layer.core_scale_values,
-                                                  strict=True):
-                        core.copy_(value / scale)
-        if "rms" in options:
-            keep_core_rms_bounded(model, options["rms"])
-        return model
+        """``model`` (just built) changed as ``options`` say (:func:`.options.apply_options`)."""
+        return apply_options(self.task, model, options)
 
     def whole_budget(self, target: float) -> float:
         """Parameters of the whole compressed model at ``target``: the dense model's, with its

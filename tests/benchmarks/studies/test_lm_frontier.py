@@ -252,7 +252,8 @@ def test_cola_trains_on_the_engine_as_a_format_does(root, tmp_path):
 
 # -- method options: +zero, +rms<F>, +cores<D> ---------------------------------------------------
 def test_method_options_parse_and_name_their_rows():
-    from benchmarks.studies.harness.methods import kind_title, split_options
+    from benchmarks.studies.harness.methods import kind_title
+    from benchmarks.studies.harness.options import split_options
 
     assert split_options("btt+zero+rms2") == ("btt", {"zero": True, "rms": 2.0})
     assert split_options("btt+rms") == ("btt", {"rms": 1.0})
@@ -288,7 +289,7 @@ def _tiny(root):
 def test_zero_starts_each_residual_output_at_zero_and_rms_bounds_the_cores(root, tmp_path):
     import torch
 
-    from benchmarks.studies.harness.methods import RESIDUAL_OUTPUTS
+    from benchmarks.studies.harness.options import RESIDUAL_OUTPUTS
     from comera.training.core_rms import core_rms_bounds
 
     task = _tiny(root)

@@ -56,7 +56,7 @@ def test_a_zeroed_layer_still_equals_its_dense_reconstruction_after_a_step():
 
 
 def test_other_modules_and_meta_layers_are_refused():
-    with pytest.raises(ConfigError, match="give a gated layer .* or an nn.Linear"):
+    with pytest.raises(ConfigError, match=r"give a gated layer .* or an nn\.Linear"):
         zero_output_(nn.LayerNorm(4))
     meta = GatedLinear(16, 16, "btt", 2, device="meta")
     with pytest.raises(ConfigError, match="meta device"):

@@ -115,7 +115,7 @@ def test_modules_without_gated_layers_and_foreign_optimizers_are_refused():
     other = torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=0.1)
     with pytest.raises(ConfigError, match="holds none of the module's cores"):
         keep_core_rms_bounded(layer, optimizer=other)
-    with pytest.raises(ConfigError, match="torch.optim.Optimizer"):
+    with pytest.raises(ConfigError, match=r"torch\.optim\.Optimizer"):
         keep_core_rms_bounded(layer, optimizer="adam")
     with pytest.raises(ConfigError, match="give a gated layer"):
         core_rms_bounds(nn.Linear(4, 4))
