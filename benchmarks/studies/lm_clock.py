@@ -4,13 +4,18 @@ side by side in one process: the clock the frontier's wall-clock curves are draw
     python -m benchmarks.studies.lm_clock                  # d_model 256, 4x / 8x / 16x
     python -m benchmarks.studies.lm_clock --widths 112 96 80   # and dense at those widths
     python -m benchmarks.studies.lm_clock --smoke --out /tmp/lm_clock
+    python -m benchmarks.studies.lm_clock --targets 8 --only btt --methods btt+rms btt+zero
 
 The causal LM of ``benchmarks/studies/lm_frontier.py`` (d_model ``--d-model``, FFN 4x, two
 blocks, 64 tokens, batch 16): dense, and per target the narrower dense model of the same size
 and every format (and CoLA) at its largest uniform rank (the frontier's methods, built by its
 harness);
 with ``--widths``, dense at each of those d_model widths too (``dense@96``: the frontier's
-``narrow`` method with ``--widths``, its FFN at the task's ratio).
+``narrow`` method with ``--widths``, its FFN at the task's ratio); with ``--methods``, per target
+the frontier's format methods with options too (``btt+rms 8x``: BTT with its cores' RMS bound
+run before each forward, as the frontier trains it; :mod:`benchmarks.studies.harness.methods`),
+so an option's cost per step is measured beside the plain format's; ``--only`` times just those
+formats (dense always).
 Each model takes its steps round-robin with the others (:func:`benchmarks.lib.measure.
 interleaved_times`), on the frontier's batches; the table gives the median step and its ratio
 to dense with the spread of the per-round ratios, the step's peak memory
@@ -43,7 +48,15 @@ from benchmarks.lib.measure import (
     spread_text,
     start_run,
 )
-from benchmarks.studies.harness.methods import Study, build, narrow_sizes, width_sizes
+from benchmarks.studies.harness.methods import (
+    Study,
+    build,
+    check_method,
+    narrow_sizes,
+    split_method,
+    width_sizes,
+)
+from benchmarks.studies.harness.options import split_options
 from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
 from comera.experiments.lm_task import LMTask, LMTaskConfig
@@ -56,9 +69,11 @@ from comera.formats.registry import DENSE
 FORMATS = ("tt", "ttm", "btt", "lowrank", "cola")
 
 
-def models(task: LMTask, targets, widths=()) -> dict[str, torch.nn.Module]:
+def models(task: LMTask, targets, widths=(), methods=(),
+           formats=FORMATS) -> dict[str, torch.nn.Module]:
     """Dense, dense at each of ``widths`` (``dense@<width>``), and per target the narrower
-    dense model and every format at its uniform rank."""
+    dense model, every one of ``formats`` at its uniform rank and every format method of
+    ``methods`` (``btt+rms``: built and hooked as the frontier trains it) at its own."""
     study = Study(task, EngineConfig(), Path("/tmp/unused"), steps=1, widths=tuple(widths))
     torch.manual_seed(0)
     out = {"dense": task.build(DENSE)}
@@ -67,10 +82,17 @@ def models(task: LMTask, targets, widths=()) -> dict[str, torch.nn.Module]:
     for target in targets:
         sizes = narrow_sizes(task, study.whole_budget(target), whole=True)
         out[f"narrow {target:g}x"] = task.build(DENSE, **sizes)
-        for fmt in FORMATS:
+        for fmt in formats:
             rank = study.uniform_rank(fmt, target)
             if rank >= 1:
                 out[f"{fmt} {target:g}x"] = build(task, fmt, rank)
+        for method in methods:
+            base = split_method(method)[0]
+            kind, options = split_options(base)
+            rank = study.uniform_rank(base, target)
+            if rank >= 1:
+                model = build(task, kind, rank, **study.option_sizes(base))
+                out[f"{base} {target:g}x"] = study.with_options(model, options)
     return out
 
 
@@ -107,6 +129,10 @@ def main(argv=None) -> int:
     p.add_argument("--targets", type=float, nargs="+", default=[4, 8, 16])
     p.add_argument("--widths", type=int, nargs="+", default=[],
                    help="also dense at these d_model widths (multiples of the heads)")
+    p.add_argument("--methods", nargs="+", default=[],
+                   help="also these format methods with options (btt+rms, btt+zero+rms2)")
+    p.add_argument("--only", nargs="+", default=None, choices=FORMATS,
+                   help="time only these formats (and dense, narrow, --methods)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=None,
@@ -124,6 +150,14 @@ def main(argv=None) -> int:
         args.repeats, args.targets = 3, [2.0]
     else:
         config = LMTaskConfig(d_model=args.d_model, d_ff=4 * args.d_model)
+    for method in args.methods:  # checked before any data is read
+        try:
+            check_method(method)
+        except ConfigError as exc:
+            p.error(f"--methods: {exc}")
+        if "+" not in split_method(method)[0]:
+            p.error(f"--methods {method}: give a format with options (btt+rms); the plain "
+                    "formats are timed anyway")
     for width in args.widths:  # the frontier's rule, checked before any data is read
         try:
             width_sizes(config, width)
@@ -131,7 +165,8 @@ def main(argv=None) -> int:
             p.error(f"--widths: {exc}")
     start_run(p, args.threads)
     task = LMTask(config, root=args.root)
-    built = models(task, args.targets, args.widths)
+    built = models(task, args.targets, args.widths, args.methods,
+                   tuple(args.only) if args.only else FORMATS)
     steppers = {name: stepper(task, m, args.batch) for name, m in built.items()}
     times = interleaved_times({name: step for name, (_, step) in steppers.items()},
                               args.repeats, warmup=5)

@@ -40,7 +40,8 @@ from comera.formats.layout import Layout
 from tncomp.extend import renamed
 
 __all__ = ["DECOMPOSED", "FRESH", "PARAMETRIZATIONS", "CoreScaling", "balance_gauge",
-           "check_parametrization", "core_scaling", "orthogonal_cores"]
+           "check_parametrization", "core_scaling", "orthogonal_cores",
+           "structure_aware_multipliers"]
 
 #: "balanced": the structure-aware initialisation and multipliers; "plain": one Gaussian scale for
 #: every core and no multipliers (before issue 30).
@@ -98,6 +99,24 @@ def core_scaling(layout: Layout) -> CoreScaling:
     stds = tuple(math.sqrt(g / fan_in) for fan_in, _ in fans)
     dense = math.sqrt(var)
     return CoreScaling(stds, tuple(power_of_two(s / (n * dense)) for s in stds))
+
+
+def structure_aware_multipliers(layout: Layout) -> tuple[float, ...]:
+    """Forward multipliers that give core k (at the balanced initial values) the relative Adam
+    update of Qiu et al. 2024's structure-aware rate: each core a dense layer of its own fan-in
+    and fan-out under muP, its rate ``lr * in_features / (n * fan_in_k)`` at the initial std
+    ``min(1, sqrt(fan_out_k / fan_in_k)) / sqrt(fan_in_k)``, each against its own dense layer
+    (theirs at muP's std ``1 / sqrt(in)``, ours ``nn.Linear``'s ``1 / sqrt(3 in)``). Against the
+    balanced multipliers (every core ``1 / n`` of the dense weight's relative update; here
+    unrounded) that is core k's times ``sqrt(in_features / fan_in_k) / min(1, sqrt(fan_out_k /
+    fan_in_k))``: larger where a core's fan-in is a smaller share of the layer's, so a layer of
+    larger fan-in steps further. Not powers of two: storing a core under them is
+    exact only up to rounding."""
+    fans = layout.core_fans()
+    n, n_in = len(fans), layout.in_features
+    return tuple(std * math.sqrt(3) * n_in
+                 / (n * math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in)))
+                 for std, (fan_in, fan_out) in zip(core_scaling(layout).stds, fans, strict=True))
 
 
 def orthogonal_cores(layout: Layout, scaling: CoreScaling, generator=None,

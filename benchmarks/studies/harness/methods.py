@@ -9,6 +9,13 @@
 - a format with a parametrization, ``"tt:balanced"`` / ``"tt:plain"``: the same with the layers
   at that parametrization (:mod:`comera.formats.scaling`); without one, the task's (plain for
   the studies: plain, :data:`benchmarks.studies.harness.frontier.STUDY_PARAMETRIZATION`).
+- a format with options after ``+`` (``"btt+zero+rms:balanced"``,
+  :mod:`benchmarks.studies.harness.options`): the same model, changed as each option says
+  (``zero``: each residual branch's output layer starts at zero; ``rms`` / ``rms2``: every core
+  bounded to once / twice its initial RMS after each step; ``cbs``: each core at the
+  structure-aware rate; ``cores2``: 2 modes per side, the rank read at that order). The row's
+  method keeps the options, so they have rows (and at equal wall-clock clock entries,
+  ``btt+rms 8x``) of their own.
 - a layer kind that is not a weight format (``"cola"``, ``"cola:balanced"``:
   :data:`comera.models.transformer.LAYER_KINDS`): the same as a format, its size read from the
   layers' own layout (CoLA's A and B: ``r * (in + out)``). The tasks and the engine take only
@@ -67,6 +74,12 @@ from typing import Any
 
 import torch
 
+from benchmarks.studies.harness.options import (
+    apply_options,
+    option_sizes,
+    options_title,
+    split_options,
+)
 from benchmarks.studies.harness.runs import layer_shapes, row, train
 from comera.errors import ConfigError
 from comera.experiments.engine import EngineConfig
@@ -88,8 +101,8 @@ ADAPTIVE = ("comera", "spectrum", "early")
 ENGINE_KIND = "lowrank"
 
 __all__ = ["ADAPTIVE", "ENGINE_KIND", "SPECIAL", "Study", "adaptive_formats", "build",
-           "check_method", "engine_kind", "is_adaptive", "kind_title", "method_names",
-           "narrow_sizes", "split_method", "width_sizes"]
+           "check_method", "engine_kind", "head_of", "is_adaptive", "kind_title",
+           "method_names", "narrow_sizes", "split_method", "width_sizes"]
 
 
 def build(task, kind: str, rank: int | None = None, **sizes: int) -> torch.nn.Module:
@@ -112,7 +125,13 @@ def engine_kind(kind: str) -> str:
 
 
 def kind_title(kind: str) -> str:
-    """A format's or layer kind's title (``"TT-matrix"``, ``"CoLA"``)."""
+    """A format's or layer kind's title (``"TT-matrix"``, ``"CoLA"``), with its options
+    (``"block tensor train + zero-init outputs + core RMS <= 2x init"``)."""
+    kind, options = split_options(kind)
+    return _title(kind) + options_title(options)
+
+
+def _title(kind: str) -> str:
     if kind in LAYER_KINDS:
         return {"cola": "CoLA (B silu(A x))"}.get(kind, kind)
     return get_format(kind).title
@@ -151,6 +170,13 @@ def split_method(name: str) -> tuple[str, str | None, str | None]:
     return base, (fmt if at else None), (parametrization if colon else None)
 
 
+def head_of(name: str) -> str:
+    """A method name without its options: ``"btt+zero:balanced"`` is ``"btt:balanced"``."""
+    base, _, parametrization = name.partition(":")
+    head = base.partition("+")[0]
+    return f"{head}:{parametrization}" if parametrization else head
+
+
 def is_adaptive(name: str) -> bool:
     """Whether method ``name`` (a row's, ``"comera@btt:plain early"`` too) changes its ranks as
     it trains (:data:`ADAPTIVE`)."""
@@ -165,6 +191,16 @@ def check_method(name: str) -> str:
     base, fmt, parametrization = split_method(name)
     if parametrization is not None:
         check_parametrization(parametrization)
+    if "+" in name.partition(":")[0]:
+        kind, options = split_options(base if fmt is None else f"{base}@{fmt}")
+        if kind not in layer_formats() or kind == DENSE or fmt is not None:
+            raise ConfigError(f"method {name!r}: options ('+{base.partition('+')[2]}') go on a "
+                              f"layer format at a fixed rank (e.g. btt+zero:balanced), not on "
+                              f"{head_of(name)!r}.")
+        if "cores" in options and not get_format(kind).uses_modes:
+            raise ConfigError(f"method {name!r}: the {kind} format uses no modes, so "
+                              "'cores<D>' has nothing to set; drop it.")
+        return name
     if fmt is not None:
         if base != "comera":
             raise ConfigError(f"method {name!r}: only comera takes a format after '@' "
@@ -264,8 +300,9 @@ class Study:
         return self._largest_rank(fmt, self.budget(target))
 
     def _largest_rank(self, fmt: str, budget: float) -> int:
+        kind = split_options(fmt)[0]
         with torch.random.fork_rng(devices=[]):
-            probe = self.task.block_linears(build(self.task, fmt, 1))
+            probe = self.task.block_linears(build(self.task, kind, 1, **self.option_sizes(fmt)))
         # each layer's own format (a Format instance): CoLA's factors are no registered format
         layers = [(m.format, m.in_modes, m.out_modes, m.bias.numel() if m.bias is not None else 0)
                   for _, m in probe]
@@ -321,12 +358,24 @@ class Study:
         rank = self.uniform_rank(fmt, target)
         if rank < 1:
             return None
+        kind, options = split_options(fmt)
         sizes = {} if parametrization is None else {"parametrization": parametrization}
         name = _name(method or fmt, target, seed, lr)
-        model, record = self.run(name, fmt, self.budget_config(fmt, target, seed, lr),
-                                 lambda: build(self.task, fmt, rank, **sizes))
+        model, record = self.run(name, kind, self.budget_config(fmt, target, seed, lr),
+                                 lambda: self.with_options(build(
+                                     self.task, kind, rank, **sizes, **self.option_sizes(fmt)),
+                                     options))
+        extra = {"options": options} if options else {}
         return row(self.task, model, record, seed=seed, method=method or fmt, target=target,
-                   lr=lr, rank=rank, format=fmt)
+                   lr=lr, rank=rank, format=kind, **extra)
+
+    def option_sizes(self, kind: str) -> dict[str, int]:
+        """The task model's sizes the options of ``kind`` change (:func:`.options.option_sizes`)."""
+        return option_sizes(split_options(kind)[1])
+
+    def with_options(self, model: torch.nn.Module, options: dict[str, Any]) -> torch.nn.Module:
+        """``model`` (just built) changed as ``options`` say (:func:`.options.apply_options`)."""
+        return apply_options(self.task, model, options)
 
     def whole_budget(self, target: float) -> float:
         """Parameters of the whole compressed model at ``target``: the dense model's, with its

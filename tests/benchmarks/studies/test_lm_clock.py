@@ -44,3 +44,26 @@ def test_a_width_the_model_cannot_take_exits_2_before_any_data(tmp_path, capsys)
     assert exit_info.value.code == 2
     assert "width 90: a d_model is a positive multiple of the 4 heads" in capsys.readouterr().err
     assert not out.with_suffix(".json").exists()
+
+
+def test_format_methods_with_options_are_timed_beside_their_format(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    write_tiny_corpus(root)
+    out = tmp_path / "clock"
+    assert lm_clock.main(["--smoke", "--root", str(root), "--threads", "1", "--only", "btt",
+                          "--methods", "btt+rms:balanced", "btt+zero", "--out", str(out)]) == 0
+    results = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert set(results) == {"dense", "narrow 2x", "btt 2x", "btt+rms 2x", "btt+zero 2x"}
+    # the same layers: an option changes what a step does, not what the model holds
+    assert results["btt+rms 2x"]["params"] == results["btt 2x"]["params"]
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--methods", "btt"], "give a format with options"),
+    (["--methods", "btt+bogus"], "method option 'bogus'"),
+    (["--only", "einsum"], "invalid choice")])
+def test_bad_methods_exit_2_before_any_data(flags, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        lm_clock.main([*flags, "--root", str(tmp_path / "none"), "--out", str(tmp_path / "c")])
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err

@@ -248,3 +248,103 @@ def test_cola_trains_on_the_engine_as_a_format_does(root, tmp_path):
     rank = study.uniform_rank("cola", 4.0)
     assert (row["method"], row["format"], row["rank"]) == ("cola:balanced", "cola", rank)
     assert row["compression"] >= 4.0 and row["steps"] == 4 and row["val"]["loss"] > 0
+
+
+# -- method options: +zero, +rms<F>, +cores<D> ---------------------------------------------------
+def test_method_options_parse_and_name_their_rows():
+    from benchmarks.studies.harness.methods import kind_title
+    from benchmarks.studies.harness.options import split_options
+
+    assert split_options("btt+zero+rms2") == ("btt", {"zero": True, "rms": 2.0})
+    assert split_options("btt+rms") == ("btt", {"rms": 1.0})
+    assert split_options("btt+cores2") == ("btt", {"cores": 2})
+    assert split_options("btt") == ("btt", {})
+    for name in ("btt+zero:balanced", "btt+zero+rms1.5:plain", "ttm+cores2", "lowrank+rms"):
+        assert check_method(name) == name
+    assert kind_title("btt+zero+rms2") == ("block tensor train + zero-init outputs + core RMS "
+                                           "<= 2x init")
+    assert label("btt+zero:balanced") != label("btt:balanced")
+    assert clock_key("btt+rms:balanced", 8.0) == "btt+rms 8x"  # a step of its own
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    ("btt+bogus", "method option 'bogus'"), ("btt+rms0", "method option 'rms0'"),
+    ("btt+rmsx", "method option 'rmsx'"), ("btt+cores1", "method option 'cores1'"),
+    ("btt+zero+zero", "given twice"), ("dense+zero", "go on a layer format"),
+    ("comera@btt+zero", "go on a layer format"), ("narrow+rms", "go on a layer format"),
+    ("lowrank+cores2", "uses no modes")])
+def test_bad_method_options_are_refused_naming_the_choices(name, says, tmp_path):
+    with pytest.raises(ConfigError, match=says):
+        check_method(name)
+    with pytest.raises(SystemExit) as exit_info:
+        lm_frontier.main(["--methods", name, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and not (tmp_path / "out").exists()
+
+
+def _tiny(root):
+    return LMTask(LMTaskConfig(seq_len=16, vocab_size=64, d_model=32, n_heads=2, d_ff=64,
+                               n_layers=1), root=root, use_cache=False)
+
+
+def test_zero_starts_each_residual_output_at_zero_and_rms_bounds_the_cores(root, tmp_path):
+    import torch
+
+    from benchmarks.studies.harness.options import RESIDUAL_OUTPUTS
+    from comera.training.core_rms import core_rms_bounds
+
+    task = _tiny(root)
+    study = Study(task, EngineConfig(), tmp_path, steps=2)
+    torch.manual_seed(0)
+    model = study.with_options(build(task, "btt", 1), {"zero": True, "rms": 1.0})
+    layers = dict(task.block_linears(model))
+    ends = [n for n in layers if n.endswith(RESIDUAL_OUTPUTS)]
+    assert len(ends) == 2 * task.config.n_layers
+    for name, layer in layers.items():
+        y = layer(torch.randn(3, layer.in_features))
+        zero = torch.equal(y, torch.zeros(3, layer.out_features))
+        assert zero == (name in ends), name
+    q = layers["blocks.0.attn.q"]
+    with torch.no_grad():
+        q.cores[0].mul_(10.0)
+    model.train()
+    model(torch.zeros(1, 4, dtype=torch.long))  # the bound runs before a training forward
+    rms = float(q.cores[0].detach().pow(2).mean().sqrt())
+    assert rms == pytest.approx(core_rms_bounds(q)[0], rel=1e-5)
+
+
+def test_cores_option_builds_and_sizes_the_model_at_that_order(root, tmp_path):
+    task = _tiny(root)
+    study = Study(task, EngineConfig(), tmp_path, steps=2)
+    rank = study.uniform_rank("btt+cores2", 2.0)
+    assert rank >= 1
+    model = build(task, "btt", rank, **study.option_sizes("btt+cores2"))
+    assert all(len(m.in_modes) == 2 for _, m in task.block_linears(model))
+    assert layer_sizes(task.block_linears(model))[0] <= study.budget(2.0)
+    assert layer_sizes(task.block_linears(build(task, "btt", rank + 1, tt_order=2)))[0] > (
+        study.budget(2.0))
+
+
+def test_an_option_row_trains_on_the_engine_and_records_its_options(root, tmp_path):
+    task = _tiny(root)
+    study = Study(task, EngineConfig(batch_size=4, eval_every=1, threads=1), tmp_path, steps=2)
+    rows = study.method("btt+zero+rms2:balanced", [2.0], seed=0, lr=1e-3)
+    assert [(r["method"], r["format"], r["options"]) for r in rows] == [
+        ("btt+zero+rms2:balanced", "btt", {"zero": True, "rms": 2.0})]
+    assert rows[0]["val"]["loss"] > 0
+
+
+def test_cbs_keeps_the_weights_and_reads_the_cores_under_the_structure_aware_multipliers(
+        root, tmp_path):
+    import torch
+
+    from comera.formats.scaling import structure_aware_multipliers
+
+    task = _tiny(root)
+    study = Study(task, EngineConfig(), tmp_path, steps=2)
+    torch.manual_seed(0)
+    model = build(task, "btt", 1)
+    before = {n: m.to_dense().detach().clone() for n, m in task.block_linears(model)}
+    study.with_options(model, {"cbs": True})
+    for name, layer in task.block_linears(model):
+        assert layer.core_scale_values == structure_aware_multipliers(layer.layout)
+        torch.testing.assert_close(layer.to_dense(), before[name], rtol=1e-6, atol=1e-7)

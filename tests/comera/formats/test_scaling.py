@@ -176,3 +176,27 @@ def test_a_plain_layer_takes_a_balanced_state_dict_and_its_parametrization():
     assert plain.parametrization == "balanced"
     assert plain.core_scale_values == balanced.core_scale_values
     torch.testing.assert_close(plain.to_dense(), balanced.to_dense(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["btt", "ttm", "tt", "lowrank"])
+def test_structure_aware_multipliers_give_each_core_the_mup_relative_update(fmt):
+    """Adam's first step moves every stored entry by lr, so core k's relative update is
+    lr * multiplier_k / std_k; against the dense layer's (lr * sqrt(3 in), nn.Linear's std) it
+    must be what Qiu et al.'s rule gives against theirs (lr * sqrt(in), muP's std): rate
+    in / (n fan_in_k) at std min(1, sqrt(fan_out_k / fan_in_k)) / sqrt(fan_in_k)."""
+    from comera.formats.scaling import structure_aware_multipliers
+
+    layout = _layer(fmt).layout
+    scaling = core_scaling(layout)
+    fans = layout.core_fans()
+    n, n_in = len(fans), layout.in_features
+    for m, std, (fi, fo) in zip(structure_aware_multipliers(layout), scaling.stds, fans,
+                                strict=True):
+        ours = (m / std) / math.sqrt(3 * n_in)
+        theirs = (n_in / (n * fi)) / (min(1.0, math.sqrt(fo / fi)) / math.sqrt(fi)) / math.sqrt(
+            n_in)
+        assert ours == pytest.approx(theirs, rel=1e-12)
+    # and against balanced, a per-core factor: larger where the core's fan-in is small
+    ratios = [a / b for a, b in zip(structure_aware_multipliers(layout), scaling.multipliers,
+                                    strict=True)]
+    assert all(r > 1 for r in ratios)
