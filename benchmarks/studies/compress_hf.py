@@ -59,13 +59,14 @@ from torch import Tensor, nn
 
 import comera
 from benchmarks.lib.measure import timed
-from benchmarks.studies.harness.results import mean_sd
 from benchmarks.studies.harness.trained import (
     CALIB_BATCH,
     OUT,
     ForEngine,
+    Grid,
     calibration_rows,
     engine_run,
+    grid_table,
     linear_sizes,
     make_task,
     peak_rss_mib,
@@ -367,46 +368,17 @@ def cmd_finetune(args) -> int:
     return 0
 
 
-def best_cell(cells: dict[tuple, list[float]]) -> tuple:
-    """The key of ``cells`` (values: one per seed) of the lowest mean, judged on the seeds
-    every cell holds (a grid screened on one seed, then repeated at its best, is judged on
-    the screening seed)."""
-    shared = min(len(v) for v in cells.values())
-    return min(cells, key=lambda k: sum(cells[k][:shared]) / shared)
-
-
 def finetune_table(result: dict) -> str:
     """Per arm (and parametrization, where several were measured; rows): perplexity before
     fine-tuning and after it at each rate (columns), the mean over seeds ± their sd, the arm's
-    best cell in bold, and that cell's rate as a multiple of the pretraining rate (``edge``:
-    the smallest or largest rate measured for the arm, so its optimum may lie beyond)."""
-    pretrain = result.get("pretrain_lr", PRETRAIN_LR)
-    rows_by = {}
+    best cell in bold and its rate as a multiple of the pretraining rate
+    (:func:`~benchmarks.studies.harness.trained.grid_table`)."""
+    arms: dict[str, Grid] = {}
     for r in sorted(result["rows"], key=lambda r: r["seed"]):
         arm, _, parametrization, lr = _row_key(r)
-        rows_by.setdefault(arm, {}).setdefault(parametrization, {}).setdefault(lr, []).append(r)
-    lrs = sorted({r["lr"] for r in result["rows"]})
-    several = len({p for arm in rows_by.values() for p in arm if p is not None}) > 1
-    head = "| arm | " + ("parametrization | " if several else "") + "before | "
-    lines = [head + " | ".join(f"after, lr {lr:g}" for lr in lrs) + " | best |",
-             "|---|" + ("---|" if several else "") + "---|" + "---|" * len(lrs) + "---|"]
-    for arm, by_p in rows_by.items():
-        cells = {(p, lr): [r["after"] for r in rows] for p, by_lr in by_p.items()
-                 for lr, rows in by_lr.items()}
-        best = best_cell(cells)
-        arm_lrs = sorted({lr for _, lr in cells})
-        edge = len(arm_lrs) > 1 and best[1] in (arm_lrs[0], arm_lrs[-1])
-        for p, by_lr in by_p.items():
-            first = by_lr[min(by_lr)]
-            before = mean_sd([r["before"] for r in first], 2)
-            shown = [("**{}**" if (p, lr) == best else "{}").format(
-                mean_sd([r["after"] for r in by_lr[lr]], 2)) if lr in by_lr else "-"
-                for lr in lrs]
-            note = (f"{best[1]:g} ({best[1] / pretrain:.2g}x"
-                    + (", edge" if edge else "") + ")" if p == best[0] else "")
-            label = f"| {arm} | " + (f"{p or '-'} | " if several else "")
-            lines.append(label + f"{before} | " + " | ".join(shown) + f" | {note} |")
-    return "\n".join(lines)
+        arms.setdefault(arm, {}).setdefault((parametrization, lr), []).append(
+            (r["before"], r["after"]))
+    return grid_table(arms, result.get("pretrain_lr", PRETRAIN_LR))
 
 
 def cmd_124m(args) -> int:
