@@ -64,6 +64,7 @@ from benchmarks.studies.harness.trained import (
     OUT,
     ForEngine,
     Grid,
+    best_cell,
     calibration_rows,
     engine_run,
     grid_table,
@@ -307,12 +308,30 @@ def _kept_rows(args, path: Path) -> tuple[list[dict], list[str]]:
     return old["rows"], commands
 
 
+def _best_cells(rows: list[dict], arms: list[str], path: Path) -> dict[str, tuple]:
+    """Per arm, its best (parametrization, rate) among ``rows`` (judged on the seeds every cell
+    holds); a clear error for an arm with none."""
+    found = {}
+    for arm in arms:
+        cells: dict[tuple, list[float]] = {}
+        for r in sorted((r for r in rows if r["arm"] == arm), key=lambda r: r["seed"]):
+            cells.setdefault(_row_key(r)[2:], []).append(r["after"])
+        if not cells:
+            raise SystemExit(f"--at-best: {path} holds no {arm} row; screen the grid first "
+                             "(--lrs ... --seeds 0), then add seeds with --at-best.")
+        found[arm] = best_cell(cells)
+    return found
+
+
 def cmd_finetune(args) -> int:
     """Each arm converted (calibration seed = seed) at each ``--parametrizations``, then
     ``--ft-steps`` of plain AdamW through the engine (lam 0, gates held, warm-up a tenth) at
     every rate of ``--lrs`` with that seed; validation perplexity before and after. Writes
     ``<name>.json`` and ``<name>.md``; with ``--extend``, keeps the rows that file holds and
     measures only the missing ones (a conversion only where one of its rates is missing)."""
+    if args.at_best and not args.extend:
+        raise SystemExit("--at-best reads the grid of an existing results file: pass --extend "
+                         "(and the same --name) too.")
     task = make_task("lm", args.smoke, args.root)
     trained, seconds = trained_gpt2(task, args.steps, args.cache, args.smoke)
     path = args.out / f"{args.name}.json"
@@ -323,6 +342,7 @@ def cmd_finetune(args) -> int:
               "dense": score(task, trained), "format": args.format, "target": args.target,
               "rows": kept}
     done = {_row_key(r) for r in kept}
+    cells = _best_cells(kept, args.arms, path) if args.at_best else {}
     if kept:
         print(f"extending {path}: {len(kept)} rows kept", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -330,9 +350,12 @@ def cmd_finetune(args) -> int:
         batches = [{**b, "labels": b["input_ids"]}
                    for b in dict_batches(task, calibration_rows(task, seed, args.calib_rows))]
         for arm in args.arms:
-            for parametrization in ([None] if arm == "dense" else args.parametrizations):
-                lrs = [lr for lr in args.lrs
-                       if (arm, seed, parametrization, lr) not in done]
+            grid = ([cells[arm]] if args.at_best else
+                    [(p, lr) for p in ([None] if arm == "dense" else args.parametrizations)
+                     for lr in args.lrs])
+            for parametrization in dict.fromkeys(p for p, _ in grid):
+                lrs = [lr for p, lr in grid if p == parametrization
+                       and (arm, seed, parametrization, lr) not in done]
                 if not lrs:
                     continue
                 model = (copy.deepcopy(trained) if arm == "dense" else floor_arm(
@@ -462,6 +485,9 @@ def parser() -> argparse.ArgumentParser:
     ft.add_argument("--extend", action="store_true",
                     help="keep the rows of an existing <name>.json made with the same "
                     "settings and measure only the missing ones")
+    ft.add_argument("--at-best", action="store_true",
+                    help="with --extend: fine-tune each arm only at its best (parametrization, "
+                    "rate) of the grid <name>.json holds (screen on one seed, then add seeds)")
     ft.add_argument("--ft-steps", type=int, default=150)
     ft.add_argument("--seeds", type=int, nargs="+", default=[0])
     ft.add_argument("--name", default="hf_finetune", help="the results' file name, no suffix")

@@ -158,3 +158,24 @@ def test_finetune_table_bolds_the_best_cell_across_parametrizations_and_flags_an
             "33.50 ± 0.71 (2) |  |") in table
     assert "**30.00 (1)** | 31.00 (1) | 32.00 (1) | 0.0003 (0.3x, edge) |" in table
 
+
+
+def test_finetune_at_best_adds_seeds_at_each_arms_best_cell(tmp_path):
+    write_tiny_corpus(tmp_path / "corpus")
+    common = ["finetune", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3",
+              "--target", "2", "--format", "lowrank", "--calib-rows", "16", "--ft-steps", "2",
+              "--cache", str(tmp_path / "c"), "--out", str(tmp_path), "--arms", "dense",
+              "uniform/plain"]
+    with pytest.raises(SystemExit, match="pass --extend"):
+        compress_hf.main([*common, "--seeds", "1", "--at-best"])
+    with pytest.raises(SystemExit, match="screen the grid first"):
+        compress_hf.main([*common, "--seeds", "1", "--at-best", "--extend"])
+    assert compress_hf.main([*common, "--seeds", "0", "--lrs", "1e-4", "1e-2",
+                             "--parametrizations", "plain", "balanced"]) == 0
+    grid = json.loads((tmp_path / "hf_finetune.json").read_text())["rows"]
+    best = {arm: min((r for r in grid if r["arm"] == arm), key=lambda r: r["after"])
+            for arm in ("dense", "uniform/plain")}
+    assert compress_hf.main([*common, "--seeds", "1", "--at-best", "--extend"]) == 0
+    added = json.loads((tmp_path / "hf_finetune.json").read_text())["rows"][len(grid):]
+    assert [(r["seed"], r["arm"], r["parametrization"], r["lr"]) for r in added] == [
+        (1, arm, best[arm]["parametrization"], best[arm]["lr"]) for arm in best]
