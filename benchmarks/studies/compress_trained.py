@@ -502,7 +502,8 @@ def summarise(result: dict) -> str:
             else:
                 (p, lr), values = best
                 mean, sd = _mean_sd(values)
-                cells += [f"{mean:.2f} ± {sd:.2f}", f"{p}, {lr:g}",
+                only = " (the only cell measured)" if len(_grid(rows)) == 1 else ""
+                cells += [f"{mean:.2f} ± {sd:.2f}", f"{p}, {lr:g}{only}",
                           f"{mean / _mean_sd(ref_best[1])[0] - 1:+.1%}" if ref_best else "-"]
             comp = sum(r["compression"] for r in rows) / len(rows)
             seeds = ",".join(str(s) for s in sorted({r["seed"] for r in rows}))
@@ -554,9 +555,11 @@ def targets_text(groups: dict[tuple, list[dict]]) -> list[str]:
             if ours_after and base_after:
                 (a, sa), (b, sb) = _mean_sd(ours_after[1]), _mean_sd(base_after[1])
                 spread = max(sa, sb)
+                verdict = ("not judged: one seed, no spread"
+                           if min(len(ours_after[1]), len(base_after[1])) < 2
+                           else "met" if b - a > spread else "not met")
                 text.append(f"after fine-tuning {a:.2f} ± {sa:.2f} vs {b:.2f} ± {sb:.2f} (gap "
-                            f"{b - a:.2f}, {1 - a / b:.1%}; spread {spread:.2f}: "
-                            f"{'met' if b - a > spread else 'not met'})")
+                            f"{b - a:.2f}, {1 - a / b:.1%}; spread {spread:.2f}: {verdict})")
             lines.append(" ".join(text[:1]) + " " + "; ".join(text[1:]) + ".")
     return lines
 

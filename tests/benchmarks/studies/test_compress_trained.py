@@ -144,4 +144,11 @@ def test_report_holds_every_arm_at_its_best_cell_and_reads_older_rows(tmp_path):
     # global/calibrated's best judged on seed 0, the seed both of its cells hold
     assert "| 31.00 ± 0.00 | balanced, 0.001 | -8.8% |" in text
     assert "Fine-tune grid, lm tt 2x" in text and "| 0.001 (1x, edge) |" in text
-    assert "after fine-tuning 31.00 ± 0.00 vs 34.00 ± 0.10 (gap 3.00, 8.8%" in text
+    # global/calibrated's best cell holds one seed: no spread, so the target is not judged
+    assert ("after fine-tuning 31.00 ± 0.00 vs 34.00 ± 0.10 (gap 3.00, 8.8%; spread 0.10: "
+            "not judged: one seed, no spread)") in text
+    old_only = [r for r in result["rows"] if r["arm"] != "global/calibrated"
+                or r.get("ft_lr") == 3e-4]
+    text = study.summarise({**result, "rows": old_only})
+    assert "| balanced, 0.0003 (the only cell measured) | -2.9% |" in text
+    assert "(gap 1.00, 2.9%; spread 1.00: not met)" in text
