@@ -9,6 +9,8 @@ and a 124M-parameter GPT-2-sized config converted in bounded memory.
         --arms uniform/plain uniform/calibrated global/calibrated \
         global/calibrated+measured sensitivity/calibrated --name hf_sensitivity
     python -m benchmarks.studies.compress_hf finetune --format tt --target 4 --seeds 0 1 2
+    python -m benchmarks.studies.compress_hf finetune --format tt --target 4 --seeds 0 1 2 \
+        --lrs 1e-4 3e-4 1e-3 3e-3 --extend
 
 ``small``: a GPT-2 built from a config (d 128, 2 layers, 4 heads, the quick LM task's vocabulary
 and 64 tokens; random init, nothing downloaded), trained dense in-process through the engine on
@@ -32,6 +34,12 @@ memory independent of the number of batches.
 decomposed at candidate ranks, then the measured floor against uniform; the same batches and
 ``.loss``). Per ``--seeds`` calibration seed; rows to ``<name>.json`` and the table (mean ± sd
 over seeds) to ``<name>.md``.
+
+``finetune`` (issue 41): each arm of :data:`FINETUNE_ARMS` converted at each
+``--parametrizations`` and fine-tuned at each rate of ``--lrs`` per seed, the table bolding each
+arm's best cell and flagging a best at the grid's edge; ``--extend`` adds rates, seeds, arms or
+parametrizations to an existing ``<name>.json`` of the same settings, measuring only what is
+missing.
 """
 
 from __future__ import annotations
@@ -51,13 +59,15 @@ from torch import Tensor, nn
 
 import comera
 from benchmarks.lib.measure import timed
-from benchmarks.studies.harness.results import mean_sd
 from benchmarks.studies.harness.trained import (
     CALIB_BATCH,
     OUT,
     ForEngine,
+    Grid,
+    best_cell,
     calibration_rows,
     engine_run,
+    grid_table,
     linear_sizes,
     make_task,
     peak_rss_mib,
@@ -65,6 +75,7 @@ from benchmarks.studies.harness.trained import (
 )
 from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.results import machine
+from comera.formats.scaling import DECOMPOSED, PARAMETRIZATIONS
 from comera.surgery.convert import ConversionReport
 from comera.surgery.input_statistics import gram_bytes
 
@@ -168,10 +179,13 @@ def trained_gpt2(task, steps: int, cache: Path | None, smoke: bool) -> tuple[Log
 
 
 def floor_arm(trained: Logits, fmt: str, target: float, arm: str,
-              batches: list[dict[str, Tensor]]) -> tuple[Logits, ConversionReport]:
-    """A copy of ``trained`` with its ``transformer.h.*`` layers converted as ``arm`` says."""
+              batches: list[dict[str, Tensor]], parametrization: str = DECOMPOSED,
+              ) -> tuple[Logits, ConversionReport]:
+    """A copy of ``trained`` with its ``transformer.h.*`` layers converted as ``arm`` says, the
+    layers at ``parametrization`` (``convert_``'s default: plain)."""
     allocation, how = arm.split("+")[0].split("/")
-    options = {"allocation": allocation, "format": fmt, "target_compression": target}
+    options = {"allocation": allocation, "format": fmt, "target_compression": target,
+               "parametrization": parametrization}
     if "+measured" in arm:
         options["floor"] = "measured"
     if arm.endswith("+refit"):
@@ -258,65 +272,136 @@ def floor_table(result: dict) -> str:
 FINETUNE_ARMS = ("dense", "uniform/plain", "uniform/calibrated", "sensitivity/calibrated")
 
 
+#: The settings a ``finetune`` results file is a function of: ``--extend`` adds to a file only
+#: when they match.
+FINETUNE_SETTINGS = ("format", "target", "steps", "ft_steps", "calib_rows", "root", "smoke")
+
+
+def _finetune_settings(args) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items() if k in FINETUNE_SETTINGS}
+
+
+def _row_key(row: dict) -> tuple:
+    """(arm, seed, parametrization, lr) of a fine-tune row; rows written before the
+    parametrization was recorded were converted at ``convert_``'s default (plain)."""
+    parametrization = None if row["arm"] == "dense" else row.get("parametrization", DECOMPOSED)
+    return row["arm"], row["seed"], parametrization, row["lr"]
+
+
+def _kept_rows(args, path: Path) -> tuple[list[dict], list[str]]:
+    """With ``--extend``, the rows and commands of the results file at ``path`` (none if it does
+    not exist); refused when it was made with other settings, as adding to it would mix them."""
+    if not args.extend or not path.is_file():
+        return [], []
+    old = json.loads(path.read_text())
+    commands = old.get("commands", [old["command"]])
+    settings = old.get("settings")
+    if settings is None:  # written before settings were recorded: its command says them
+        settings = _finetune_settings(parser().parse_args(shlex.split(commands[0])[3:]))
+    ours = _finetune_settings(args)
+    differ = {k: (settings.get(k), v) for k, v in ours.items() if settings.get(k) != v}
+    if differ:
+        raise SystemExit(f"--extend: {path} was made with other settings (" + ", ".join(
+            f"{k}: {a!r} there, {b!r} here" for k, (a, b) in differ.items())
+            + "); pass another --name, or the same settings.")
+    return old["rows"], commands
+
+
+def _best_cells(rows: list[dict], arms: list[str], path: Path) -> dict[str, tuple]:
+    """Per arm, its best (parametrization, rate) among ``rows`` (judged on the seeds every cell
+    holds); a clear error for an arm with none."""
+    found = {}
+    for arm in arms:
+        cells: dict[tuple, list[float]] = {}
+        for r in sorted((r for r in rows if r["arm"] == arm), key=lambda r: r["seed"]):
+            cells.setdefault(_row_key(r)[2:], []).append(r["after"])
+        if not cells:
+            raise SystemExit(f"--at-best: {path} holds no {arm} row; screen the grid first "
+                             "(--lrs ... --seeds 0), then add seeds with --at-best.")
+        found[arm] = best_cell(cells)
+    return found
+
+
 def cmd_finetune(args) -> int:
-    """Each arm converted (calibration seed = seed), then ``--ft-steps`` of plain AdamW through
-    the engine (lam 0, gates held, warm-up a tenth) at every rate of ``--lrs`` with that seed;
-    validation perplexity before and after. Writes ``<name>.json`` and ``<name>.md``."""
+    """Each arm converted (calibration seed = seed) at each ``--parametrizations``, then
+    ``--ft-steps`` of plain AdamW through the engine (lam 0, gates held, warm-up a tenth) at
+    every rate of ``--lrs`` with that seed; validation perplexity before and after. Writes
+    ``<name>.json`` and ``<name>.md``; with ``--extend``, keeps the rows that file holds and
+    measures only the missing ones (a conversion only where one of its rates is missing)."""
+    if args.at_best and not args.extend:
+        raise SystemExit("--at-best reads the grid of an existing results file: pass --extend "
+                         "(and the same --name) too.")
     task = make_task("lm", args.smoke, args.root)
     trained, seconds = trained_gpt2(task, args.steps, args.cache, args.smoke)
-    result = {"machine": machine(), "command": _command(args), "train_seconds":
-              round(seconds, 1), "pretrain_lr": PRETRAIN_LR, "dense": score(task, trained),
-              "format": args.format, "target": args.target, "rows": []}
+    path = args.out / f"{args.name}.json"
+    kept, commands = _kept_rows(args, path)
+    result = {"machine": machine(), "command": _command(args),
+              "commands": [*commands, _command(args)], "settings": _finetune_settings(args),
+              "train_seconds": round(seconds, 1), "pretrain_lr": PRETRAIN_LR,
+              "dense": score(task, trained), "format": args.format, "target": args.target,
+              "rows": kept}
+    done = {_row_key(r) for r in kept}
+    cells = _best_cells(kept, args.arms, path) if args.at_best else {}
+    if kept:
+        print(f"extending {path}: {len(kept)} rows kept", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
         batches = [{**b, "labels": b["input_ids"]}
                    for b in dict_batches(task, calibration_rows(task, seed, args.calib_rows))]
         for arm in args.arms:
-            model = (copy.deepcopy(trained) if arm == "dense"
-                     else floor_arm(trained, args.format, args.target, arm, batches)[0])
-            before = score(task, model)["perplexity"]
-            for lr in args.lrs:
-                config = EngineConfig(steps_early=args.ft_steps, steps_late=0, stage="early",
-                                      lam=0.0, batch_size=32, lr=lr, lr_gates=1e-12,
-                                      warmup=max(1, args.ft_steps // 10),
-                                      eval_every=args.ft_steps + 1, seed=seed, threads=1,
-                                      format="dense" if arm == "dense" else args.format)
-                tuned, took, _ = timed(lambda m=model, c=config: engine_run(
-                    task, copy.deepcopy(m), c))
-                row = {"arm": arm, "seed": seed, "lr": lr, "before": before,
-                       "after": score(task, tuned)["perplexity"], "seconds": round(took, 1)}
-                result["rows"].append(row)
-                print(f"seed {seed} {arm} lr {lr:g}: {before:.2f} -> {row['after']:.2f} "
-                      f"({took:.0f}s)", flush=True)
-                (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1,
-                                                                       default=str))
+            grid = ([cells[arm]] if args.at_best else
+                    [(p, lr) for p in ([None] if arm == "dense" else args.parametrizations)
+                     for lr in args.lrs])
+            for parametrization in dict.fromkeys(p for p, _ in grid):
+                lrs = [lr for p, lr in grid if p == parametrization
+                       and (arm, seed, parametrization, lr) not in done]
+                if not lrs:
+                    continue
+                model = (copy.deepcopy(trained) if arm == "dense" else floor_arm(
+                    trained, args.format, args.target, arm, batches, parametrization)[0])
+                before = score(task, model)["perplexity"]
+                for lr in lrs:
+                    config = EngineConfig(steps_early=args.ft_steps, steps_late=0,
+                                          stage="early", lam=0.0, batch_size=32, lr=lr,
+                                          lr_gates=1e-12, warmup=max(1, args.ft_steps // 10),
+                                          eval_every=args.ft_steps + 1, seed=seed, threads=1,
+                                          format="dense" if arm == "dense" else args.format)
+                    tuned, took, _ = timed(lambda m=model, c=config: engine_run(
+                        task, copy.deepcopy(m), c))
+                    row = {"arm": arm, "seed": seed, "parametrization": parametrization,
+                           "lr": lr, "before": before, "after": score(task, tuned)["perplexity"],
+                           "seconds": round(took, 1)}
+                    result["rows"].append(row)
+                    print(f"seed {seed} {arm} {parametrization or ''} lr {lr:g}: {before:.2f} "
+                          f"-> {row['after']:.2f} ({took:.0f}s)", flush=True)
+                    path.write_text(json.dumps(result, indent=1, default=str))
+    path.write_text(json.dumps(result, indent=1, default=str))
     table = finetune_table(result)
+    seeds = sorted({r["seed"] for r in result["rows"]})
     (args.out / f"{args.name}.md").write_text(
         f"Validation perplexity of the small GPT-2 (dense {result['dense']['perplexity']:.2f}, "
         f"pretrained at lr {PRETRAIN_LR:g}) converted to {args.format} at {args.target:g}x, "
         f"before and after {args.ft_steps} fine-tune steps (mean ± sd over seeds "
-        f"{', '.join(map(str, args.seeds))}; bold: each arm's best rate)."
-        f"\n\n{table}\n\n    {result['command']}\n")
+        f"{', '.join(map(str, seeds))}; bold: each arm's best rate and parametrization; "
+        f"best: that cell's rate as a multiple of the pretraining rate, flagged where it is "
+        f"the grid's smallest or largest rate measured for the arm)."
+        f"\n\n{table}\n\n" + "\n".join(f"    {c}" for c in result["commands"]) + "\n")
     print(table)
     return 0
 
 
 def finetune_table(result: dict) -> str:
-    """Per arm (rows): perplexity before fine-tuning and after it at each rate (columns), the
-    mean over seeds ± their sd, the arm's best rate in bold."""
-    lrs = sorted({r["lr"] for r in result["rows"]})
-    arms = list(dict.fromkeys(r["arm"] for r in result["rows"]))
-    lines = ["| arm | before | " + " | ".join(f"after, lr {lr:g}" for lr in lrs) + " |",
-             "|---|---|" + "---|" * len(lrs)]
-    for arm in arms:
-        rows = [r for r in result["rows"] if r["arm"] == arm]
-        before = mean_sd([r["before"] for r in rows if r["lr"] == lrs[0]], 2)
-        cells = {lr: [r["after"] for r in rows if r["lr"] == lr] for lr in lrs}
-        best = min((lr for lr in lrs if cells[lr]), key=lambda lr: sum(cells[lr]) / len(cells[lr]))
-        shown = [("**{}**" if lr == best else "{}").format(mean_sd(cells[lr], 2)) if cells[lr]
-                 else "-" for lr in lrs]
-        lines.append(f"| {arm} | {before} | " + " | ".join(shown) + " |")
-    return "\n".join(lines)
+    """Per arm (and parametrization, where several were measured; rows): perplexity before
+    fine-tuning and after it at each rate (columns), the mean over seeds ± their sd, the arm's
+    best cell in bold and its rate as a multiple of the pretraining rate
+    (:func:`~benchmarks.studies.harness.trained.grid_table`)."""
+    arms: dict[str, Grid] = {}
+    for r in sorted(result["rows"], key=lambda r: r["seed"]):
+        arm, _, parametrization, lr = _row_key(r)
+        arms.setdefault(arm, {}).setdefault((parametrization, lr), []).append(
+            (r["before"], r["after"]))
+    return grid_table(arms, result.get("pretrain_lr", PRETRAIN_LR))
 
 
 def cmd_124m(args) -> int:
@@ -357,7 +442,8 @@ def _command(args) -> str:
     return "python -m benchmarks.studies.compress_hf " + shlex.join(sys.argv[1:])
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line of the study."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -393,6 +479,15 @@ def main(argv=None) -> int:
     ft.add_argument("--target", type=float, default=4.0)
     ft.add_argument("--arms", nargs="+", default=list(FINETUNE_ARMS), choices=FINETUNE_ARMS)
     ft.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
+    ft.add_argument("--parametrizations", nargs="+", choices=PARAMETRIZATIONS,
+                    default=[DECOMPOSED], help="the converted layers' parametrizations (each "
+                    "arm but dense converted at each; default: convert_'s own, plain)")
+    ft.add_argument("--extend", action="store_true",
+                    help="keep the rows of an existing <name>.json made with the same "
+                    "settings and measure only the missing ones")
+    ft.add_argument("--at-best", action="store_true",
+                    help="with --extend: fine-tune each arm only at its best (parametrization, "
+                    "rate) of the grid <name>.json holds (screen on one seed, then add seeds)")
     ft.add_argument("--ft-steps", type=int, default=150)
     ft.add_argument("--seeds", type=int, nargs="+", default=[0])
     ft.add_argument("--name", default="hf_finetune", help="the results' file name, no suffix")
@@ -410,7 +505,11 @@ def main(argv=None) -> int:
     big.add_argument("--tiny", action="store_true", help="a tiny config, for tests")
     big.add_argument("--out", type=Path, default=OUT)
     big.set_defaults(run=cmd_124m)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     torch.set_num_threads(1)
     return args.run(args)
 

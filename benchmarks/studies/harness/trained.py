@@ -8,6 +8,7 @@ import resource
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -15,13 +16,14 @@ from torch import Tensor, nn
 import comera
 from benchmarks.lib.measure import RESULTS
 from comera.experiments.engine import EngineConfig, train_model
-from comera.experiments.lm_task import LMTask, LMTaskConfig
+from comera.experiments.lm_task import IGNORE_INDEX, LMTask, LMTaskConfig, next_token_targets
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 from comera.experiments.task import Task
 from comera.ranks.size import dense_size
 
-__all__ = ["CALIB_BATCH", "OUT", "ForEngine", "calibration_batches", "calibration_rows",
-           "engine_run", "linear_sizes", "make_task", "model_input", "peak_rss_mib", "score"]
+__all__ = ["CALIB_BATCH", "OUT", "ForEngine", "best_cell", "calibration_batches",
+           "calibration_rows", "engine_run", "grid_table", "linear_sizes", "make_task",
+           "model_input", "next_token_loss", "peak_rss_mib", "score"]
 
 OUT = RESULTS / "compress_trained"
 CALIB_BATCH = 32
@@ -52,6 +54,15 @@ def model_input(task: Task, rows: Tensor) -> Tensor:
         return rows[:, :-1]
     indices = torch.arange(rows.shape[0])
     return task.masking(rows, indices, 0, task.config.seed)[0]
+
+
+def next_token_loss(logits: Tensor, inputs: Tensor) -> Tensor:
+    """The LM's loss on a calibration batch that holds only the model's inputs (rows but their
+    last token): each position but the last predicts the next input token (``allocation=
+    "sensitivity"``'s ``loss=``; special tokens ignored as the task's loss ignores them)."""
+    _, targets = next_token_targets(inputs)  # (b, s-2)
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(),
+                                       ignore_index=IGNORE_INDEX)
 
 
 def calibration_rows(task: Task, seed: int, count: int) -> Tensor:
@@ -124,3 +135,59 @@ def engine_run(task: Task, model: nn.Module, config: EngineConfig,
     with tempfile.TemporaryDirectory() as out:
         trained, _ = train_model(ForEngine(task, model, rows), "comera", config, Path(out))
     return trained.eval()
+
+
+# -- fine-tune grids ------------------------------------------------------------------------------
+#: One arm's fine-tune grid: (parametrization or None, rate) -> (before, after) per seed, in seed
+#: order.
+Grid = dict[tuple[str | None, float], list[tuple[float, float]]]
+
+
+def best_cell(cells: dict) -> Any:
+    """The key of ``cells`` (values: one score per seed, lower is better; in seed order) of the
+    lowest mean, judged on the seeds every cell holds: a grid screened on one seed, then
+    repeated at its best on more, is judged on the screening seed."""
+    shared = min(len(v) for v in cells.values())
+    return min(cells, key=lambda k: sum(cells[k][:shared]) / shared)
+
+
+def _mean_sd(values: list[float]) -> str:
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return f"{mean:.2f}"
+    sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return f"{mean:.2f} ± {sd:.2f}"
+
+
+def grid_table(arms: dict[str, Grid], pretrain_lr: float) -> str:
+    """Per arm (and parametrization, where several were measured; rows): perplexity before
+    fine-tuning and after it at each rate (columns), the mean over seeds ± their sd (the number
+    of seeds in brackets where the cells differ in it), the arm's best cell in bold, and that
+    cell's rate as a multiple of ``pretrain_lr`` (``edge``: the smallest or largest rate
+    measured for the arm, so its optimum may lie beyond the grid)."""
+    lrs = sorted({lr for grid in arms.values() for _, lr in grid})
+    several = len({p for grid in arms.values() for p, _ in grid if p is not None}) > 1
+    counts = {len(v) for grid in arms.values() for v in grid.values()}
+    head = "| arm | " + ("parametrization | " if several else "") + "before | "
+    lines = [head + " | ".join(f"after, lr {lr:g}" for lr in lrs) + " | best |",
+             "|---|" + ("---|" if several else "") + "---|" + "---|" * len(lrs) + "---|"]
+    for arm, grid in arms.items():
+        best = best_cell({k: [after for _, after in v] for k, v in grid.items()})
+        arm_lrs = sorted({lr for _, lr in grid})
+        edge = len(arm_lrs) > 1 and best[1] in (arm_lrs[0], arm_lrs[-1])
+        for p in dict.fromkeys(p for p, _ in grid):
+            first = grid[p, min(lr for q, lr in grid if q == p)]
+            shown = []
+            for lr in lrs:
+                if (p, lr) not in grid:
+                    shown.append("-")
+                    continue
+                text = _mean_sd([after for _, after in grid[p, lr]])
+                text += f" ({len(grid[p, lr])})" if len(counts) > 1 else ""
+                shown.append(f"**{text}**" if (p, lr) == best else text)
+            note = (f"{best[1]:g} ({best[1] / pretrain_lr:.2g}x" + (", edge" if edge else "")
+                    + ")" if p == best[0] else "")
+            label = f"| {arm} | " + (f"{p or '-'} | " if several else "")
+            lines.append(label + f"{_mean_sd([b for b, _ in first])} | " + " | ".join(shown)
+                         + f" | {note} |")
+    return "\n".join(lines)

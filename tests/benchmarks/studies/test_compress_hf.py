@@ -104,3 +104,78 @@ def test_finetune_table_marks_each_arms_best_rate():
             for s in (0, 1) for lr, after in ((1e-4, 40.0), (3e-4, 30.0), (1e-3, 35.0))]
     table = compress_hf.finetune_table({"rows": rows})
     assert "| a | 50.50 ± 0.71 | 40.50 ± 0.71 | **30.50 ± 0.71** | 35.50 ± 0.71 |" in table
+
+
+def test_finetune_extend_measures_only_missing_cells_and_each_parametrization(tmp_path):
+    write_tiny_corpus(tmp_path / "corpus")
+    common = ["finetune", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3",
+              "--target", "2", "--format", "lowrank", "--calib-rows", "16", "--ft-steps", "2",
+              "--cache", str(tmp_path / "c"), "--out", str(tmp_path), "--seeds", "0",
+              "--arms", "dense", "uniform/plain"]
+    assert compress_hf.main([*common, "--lrs", "1e-4"]) == 0
+    first = json.loads((tmp_path / "hf_finetune.json").read_text())["rows"]
+    assert compress_hf.main([*common, "--lrs", "1e-4", "1e-2", "--extend",
+                             "--parametrizations", "plain", "balanced"]) == 0
+    result = json.loads((tmp_path / "hf_finetune.json").read_text())
+    assert result["rows"][:2] == first  # kept, not measured again
+    assert [(r["arm"], r["parametrization"], r["lr"]) for r in result["rows"][2:]] == [
+        ("dense", None, 1e-2), ("uniform/plain", "plain", 1e-2),
+        ("uniform/plain", "balanced", 1e-4), ("uniform/plain", "balanced", 1e-2)]
+    plain, balanced = (r for r in result["rows"][2:] if r["lr"] == 1e-2 and r["parametrization"])
+    assert plain["before"] == pytest.approx(balanced["before"], rel=1e-4)  # same product
+    assert plain["after"] != balanced["after"]  # trained differently
+    assert len(result["commands"]) == 2
+    table = (tmp_path / "hf_finetune.md").read_text()
+    assert "| uniform/plain | balanced |" in table and "| dense | - |" in table
+    with pytest.raises(SystemExit, match=r"target: 2\.0 there, 4\.0 here"):
+        compress_hf.main([*common[:-3], "--lrs", "1e-4", "--extend", "--target", "4"])
+
+
+def test_finetune_extend_reads_the_settings_of_an_older_file_from_its_command(tmp_path):
+    old = {"command": "python -m benchmarks.studies.compress_hf finetune --format tt "
+                      "--target 4 --seeds 0 1 2", "rows": []}
+    (tmp_path / "hf_finetune.json").write_text(json.dumps(old))
+    args = compress_hf.parser().parse_args(["finetune", "--format", "tt", "--target", "2",
+                                            "--extend", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"target: 4\.0 there, 2\.0 here"):
+        compress_hf._kept_rows(args, tmp_path / "hf_finetune.json")
+    args.target = 4.0
+    assert compress_hf._kept_rows(args, tmp_path / "hf_finetune.json") == ([], [old["command"]])
+
+
+def test_finetune_table_bolds_the_best_cell_across_parametrizations_and_flags_an_edge():
+    rows = [{"arm": "a", "seed": s, "parametrization": p, "lr": lr, "before": 50.0,
+             "after": after + s}
+            for s in (0, 1) for p, lr, after in (
+                ("plain", 3e-4, 40.0), ("plain", 1e-3, 35.0), ("plain", 3e-3, 33.0),
+                ("balanced", 3e-4, 38.0), ("balanced", 1e-3, 31.0), ("balanced", 3e-3, 32.0))]
+    rows += [{"arm": "b", "seed": 0, "parametrization": "plain", "lr": lr, "before": 50.0,
+              "after": after} for lr, after in ((3e-4, 30.0), (1e-3, 31.0), (3e-3, 32.0))]
+    table = compress_hf.finetune_table({"rows": rows, "pretrain_lr": 1e-3})
+    assert ("| a | balanced | 50.00 ± 0.00 | 38.50 ± 0.71 (2) | **31.50 ± 0.71 (2)** | "
+            "32.50 ± 0.71 (2) | 0.001 (1x) |") in table
+    assert ("| a | plain | 50.00 ± 0.00 | 40.50 ± 0.71 (2) | 35.50 ± 0.71 (2) | "
+            "33.50 ± 0.71 (2) |  |") in table
+    assert "**30.00 (1)** | 31.00 (1) | 32.00 (1) | 0.0003 (0.3x, edge) |" in table
+
+
+
+def test_finetune_at_best_adds_seeds_at_each_arms_best_cell(tmp_path):
+    write_tiny_corpus(tmp_path / "corpus")
+    common = ["finetune", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3",
+              "--target", "2", "--format", "lowrank", "--calib-rows", "16", "--ft-steps", "2",
+              "--cache", str(tmp_path / "c"), "--out", str(tmp_path), "--arms", "dense",
+              "uniform/plain"]
+    with pytest.raises(SystemExit, match="pass --extend"):
+        compress_hf.main([*common, "--seeds", "1", "--at-best"])
+    with pytest.raises(SystemExit, match="screen the grid first"):
+        compress_hf.main([*common, "--seeds", "1", "--at-best", "--extend"])
+    assert compress_hf.main([*common, "--seeds", "0", "--lrs", "1e-4", "1e-2",
+                             "--parametrizations", "plain", "balanced"]) == 0
+    grid = json.loads((tmp_path / "hf_finetune.json").read_text())["rows"]
+    best = {arm: min((r for r in grid if r["arm"] == arm), key=lambda r: r["after"])
+            for arm in ("dense", "uniform/plain")}
+    assert compress_hf.main([*common, "--seeds", "1", "--at-best", "--extend"]) == 0
+    added = json.loads((tmp_path / "hf_finetune.json").read_text())["rows"][len(grid):]
+    assert [(r["seed"], r["arm"], r["parametrization"], r["lr"]) for r in added] == [
+        (1, arm, best[arm]["parametrization"], best[arm]["lr"]) for arm in best]
