@@ -36,10 +36,10 @@ log = logging.getLogger("comera.training.finetune")
 __all__ = ["LR_FACTOR", "SCHEDULES", "WARMUP_FRACTION", "FinetuneRecipe", "finetune",
            "hold_gates_", "lr_factor"]
 
-#: The fine-tune's learning rate as a multiple of the pretraining's, for layers as
-#: ``convert_`` builds them (its default, plain parametrization). The one number to change when
-#: new measurements say so; docs/finetune.md cites the figures it was set from.
-LR_FACTOR = 0.3
+#: The fine-tune's learning rate as a multiple of the pretraining's: the one factor closest to
+#: every measured arm's best (plain and balanced cores, every allocation, 2x-8x). The one number
+#: to change when new measurements say so; docs/finetune.md cites the figures it was set from.
+LR_FACTOR = 1.0
 
 #: The share of the fine-tune's steps spent warming the rate up linearly (at least one step).
 WARMUP_FRACTION = 0.1
