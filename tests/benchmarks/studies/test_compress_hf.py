@@ -106,12 +106,17 @@ def test_finetune_table_marks_each_arms_best_rate():
     assert "| a | 50.50 ± 0.71 | 40.50 ± 0.71 | **30.50 ± 0.71** | 35.50 ± 0.71 |" in table
 
 
-def test_finetune_extend_measures_only_missing_cells_and_each_parametrization(tmp_path):
+def _smoke_finetune(tmp_path, *extra: str) -> list[str]:
+    """``finetune`` on a tiny corpus written under ``tmp_path``: a smoke model pretrained 3
+    steps, lowrank at 2x, 16 calibration rows, 2 fine-tune steps; then ``extra``."""
     write_tiny_corpus(tmp_path / "corpus")
-    common = ["finetune", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3",
-              "--target", "2", "--format", "lowrank", "--calib-rows", "16", "--ft-steps", "2",
-              "--cache", str(tmp_path / "c"), "--out", str(tmp_path), "--seeds", "0",
-              "--arms", "dense", "uniform/plain"]
+    return ["finetune", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3",
+            "--target", "2", "--format", "lowrank", "--calib-rows", "16", "--ft-steps", "2",
+            "--cache", str(tmp_path / "c"), "--out", str(tmp_path), *extra]
+
+
+def test_finetune_extend_measures_only_missing_cells_and_each_parametrization(tmp_path):
+    common = _smoke_finetune(tmp_path, "--seeds", "0", "--arms", "dense", "uniform/plain")
     assert compress_hf.main([*common, "--lrs", "1e-4"]) == 0
     first = json.loads((tmp_path / "hf_finetune.json").read_text())["rows"]
     assert compress_hf.main([*common, "--lrs", "1e-4", "1e-2", "--extend",
@@ -161,11 +166,7 @@ def test_finetune_table_bolds_the_best_cell_across_parametrizations_and_flags_an
 
 
 def test_finetune_at_best_adds_seeds_at_each_arms_best_cell(tmp_path):
-    write_tiny_corpus(tmp_path / "corpus")
-    common = ["finetune", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3",
-              "--target", "2", "--format", "lowrank", "--calib-rows", "16", "--ft-steps", "2",
-              "--cache", str(tmp_path / "c"), "--out", str(tmp_path), "--arms", "dense",
-              "uniform/plain"]
+    common = _smoke_finetune(tmp_path, "--arms", "dense", "uniform/plain")
     with pytest.raises(SystemExit, match="pass --extend"):
         compress_hf.main([*common, "--seeds", "1", "--at-best"])
     with pytest.raises(SystemExit, match="screen the grid first"):

@@ -11,10 +11,15 @@ from benchmarks.studies import lm_clock
 from tests.helpers.tiny_corpus import write_tiny_corpus
 
 
-def test_the_clock_times_every_model_and_counts_its_flops_and_memory(tmp_path):
+def _corpus(tmp_path):
+    """A tiny corpus written under ``tmp_path``: the smoke clock's data."""
     root = tmp_path / "corpus"
     root.mkdir()
     write_tiny_corpus(root)
+    return root
+
+def test_the_clock_times_every_model_and_counts_its_flops_and_memory(tmp_path):
+    root = _corpus(tmp_path)
     out = tmp_path / "clock"
     assert lm_clock.main(["--smoke", "--root", str(root), "--threads", "1", "--widths", "8",
                           "--out", str(out)]) == 0
@@ -47,9 +52,7 @@ def test_a_width_the_model_cannot_take_exits_2_before_any_data(tmp_path, capsys)
 
 
 def test_format_methods_with_options_are_timed_beside_their_format(tmp_path):
-    root = tmp_path / "corpus"
-    root.mkdir()
-    write_tiny_corpus(root)
+    root = _corpus(tmp_path)
     out = tmp_path / "clock"
     assert lm_clock.main(["--smoke", "--root", str(root), "--threads", "1", "--only", "btt",
                           "--methods", "btt+rms:balanced", "btt+zero", "--out", str(out)]) == 0
