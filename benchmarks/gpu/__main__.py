@@ -94,8 +94,10 @@ def _env() -> dict[str, str]:
 
 def run_tests(part: Part, work: Path) -> dict[str, Any]:
     report = work / "tests.xml"
+    # a test module that cannot import on this machine's torch/transformers must not stop the
+    # GPU tests of every other module: its import error is reported as a failure instead
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-           f"--junitxml={report}", "tests"]
+           "--continue-on-collection-errors", f"--junitxml={report}", "tests"]
     return {**run_part(cmd, part.budget_s, env=_env()), **junit_summary(report)}
 
 

@@ -118,6 +118,14 @@ def _mixed_radix_strides(modes: Sequence[int]) -> list[int]:
     return list(reversed(strides))
 
 
+def _traced() -> bool:
+    """Whether this lookup is being traced (``torch.compile``) or captured into a CUDA graph:
+    then it runs with no data-dependent Python (no ``unique``, no ``int()`` of a tensor), since
+    each reads the device back to the host, which a trace cannot follow and a capture forbids."""
+    return torch.compiler.is_compiling() or (
+        torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
 ID_DTYPES = (torch.int64, torch.int32)  # what nn.Embedding takes
 
 
@@ -250,9 +258,9 @@ class GatedEmbedding(GatedLayer):
         exact = (torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device)
                  else contextlib.nullcontext())
         with exact:
-            if torch.compiler.is_compiling():
-                # traced: no data-dependent Python (no unique, no int() of a tensor); one row per
-                # id, and the range check runs as an op (a RuntimeError when it fails)
+            if _traced():
+                # no data-dependent Python (no unique, no int() of a tensor); one row per id,
+                # and the range check runs as an op (a RuntimeError when it fails)
                 torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(),
                                     f"{type(self).__name__}: an id is out of range; ids must "
                                     f"lie in [0, {self.num_embeddings}).")
@@ -422,7 +430,7 @@ class TTEmbedding(GatedEmbedding):
 
     def _rows(self, ids: Tensor) -> Tensor:
         """The table rows at the 1-d ``ids`` (in range): (len(ids), embedding_dim)."""
-        if torch.compiler.is_compiling():  # traced: whole tables, no data-dependent shapes
+        if _traced():  # whole tables: no data-dependent shapes
             tables = self.merged_tables()
         else:
             cores = self.gated_cores()
@@ -439,7 +447,7 @@ class TTEmbedding(GatedEmbedding):
                 table, digits = self._pair_table(cores, group, self._merges()[k], digits)
             slices.append(table.index_select(0, digits))  # (U, r_in, N_g, r_out)
             gathers.append((slices[-1], table, digits))
-        traced = torch.compiler.is_compiling()
+        traced = _traced()
         with contextlib.nullcontext() if traced else _regathered_in_backward(gathers):
             rows = self.compiled()(*slices).reshape(ids.shape[0], self.embedding_dim)
         return self._pad(rows, ids)

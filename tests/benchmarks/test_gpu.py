@@ -201,7 +201,8 @@ def test_step_part_setup_on_the_cpu():
     assert on_gpu[0] == ("dense", "eager", "bf16", 1)
     first_graphs = next(c for c in on_gpu if c[1] == "graphs")
     assert first_graphs == ("comera_late", "graphs", "bf16", 1)
-    assert on_gpu.index(first_graphs) < on_gpu.index(("dense", "eager", "fp32", 1))
+    last_eager = max(i for i, c in enumerate(on_gpu) if c[1] == "eager")
+    assert on_gpu.index(first_graphs) > last_eager  # a failed capture cannot spoil an eager case
     assert len(set(on_gpu)) == len(on_gpu) == 4 * 2 * 2 + 3 * 2 * 2 * 2
     cfg = smoke_config()
     batch = make_batch(cfg, 2, cfg.max_len).tensors()

@@ -172,7 +172,7 @@ def test_torch_func_grad_and_vmap(device):
 @pytest.mark.parametrize("memory", ["fast", "min"])
 def test_cuda_graphs_in_a_converted_model_equal_eager_over_training_steps(device, memory):
     eager, graphed = _mlp(device, memory=memory), _mlp(device, memory=memory)
-    for layer in comera.gated_layers(graphed):
+    for _, layer in comera.gated_layers(graphed):
         layer.compile_options = {**layer.compile_options, "cuda_graphs": True}
         layer.build_compiled()
     opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (eager, graphed)]

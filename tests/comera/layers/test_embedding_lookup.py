@@ -173,3 +173,60 @@ def test_only_slices_at_least_four_times_their_table_are_regathered(monkeypatch)
     emb(torch.randint(0, 30522, (1, 16)))  # 16 ids: every slice smaller than its table
     emb(torch.randint(0, 30522, (32, 128)))  # ~3,700 ids over tables of <= 320 and 100 rows
     assert seen == [0, 2]
+
+
+def _capturing(monkeypatch) -> None:
+    """Make the lookup see a CUDA graph capture in progress on the current stream (what
+    ``torch.cuda.graph`` and ``make_graphed_callables`` do), so its capture path runs here."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+
+@pytest.mark.parametrize("shape", SPARSE_SHAPES, ids=["d3", "d4"])
+def test_under_a_cuda_graph_capture_the_lookup_reads_nothing_back_and_equals_eager(
+        shape, monkeypatch):
+    """A capture fails at any op that reads the device back to the host (unique, bincount,
+    int() of a tensor), as the paper transformer's captured step did on an H200: under capture
+    the lookup takes whole tables instead, with the same rows and gradients."""
+    from tests.helpers.host_reads import HostReads
+
+    layer = _sparse_layer(*shape)
+    ids = torch.randint(0, 6000, (3, 40), generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(3, 40, 8, dtype=F64)
+    eager = layer(ids)
+    eager_grads = torch.autograd.grad((eager * weights).sum(), list(layer.parameters()))
+    with HostReads() as seen:  # the eager lookup reads the ids back: the check can fail
+        layer(ids)
+    assert {name for name, _ in seen.reads} >= {"_unique2", "_local_scalar_dense"}
+    _capturing(monkeypatch)
+    with HostReads() as seen:
+        got = layer(ids)
+        grads = torch.autograd.grad((got * weights).sum(), list(layer.parameters()))
+    assert seen.reads == []
+    torch.testing.assert_close(got, eager, rtol=1e-12, atol=1e-12)
+    for g, e in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("fmt", ["tt", "lowrank"])
+def test_a_table_in_another_format_under_capture_reads_nothing_back(fmt, monkeypatch):
+    """GatedEmbedding's own lookup (any table format) under capture: no host read, eager's
+    rows and gradients."""
+    from comera.layers.embedding import GatedEmbedding
+    from tests.helpers.host_reads import HostReads
+
+    torch.manual_seed(4)
+    modes = {} if fmt == "lowrank" else {"row_modes": (6, 10, 10), "col_modes": (2, 2, 2)}
+    layer = GatedEmbedding(600, 8, ranks=3, format=fmt, dtype=F64, **modes)
+    ids = torch.randint(0, 600, (50,), generator=torch.Generator().manual_seed(5))
+    ids[:4] = ids[4]
+    eager = layer(ids)
+    eager_grads = torch.autograd.grad(eager.square().sum(), list(layer.parameters()))
+    _capturing(monkeypatch)
+    with HostReads() as seen:
+        got = layer(ids)
+        grads = torch.autograd.grad(got.square().sum(), list(layer.parameters()))
+    assert seen.reads == []
+    torch.testing.assert_close(got, eager, rtol=1e-12, atol=1e-12)
+    for g, e in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)

@@ -208,6 +208,63 @@ def test_cuda_whole_step_capture_matches_eager(mode):
     assert step.captures == 2
 
 
+def _paper_transformer(device: str = "cpu"):
+    """The paper's pair classifier at smoke size (TT layers and TT embeddings), its trainer and
+    one batch, on ``device``."""
+    from benchmarks.speed.bench_transformer import make_batch, smoke_config
+    from comera.models.transformer import PairClassifier
+
+    torch.manual_seed(0)
+    cfg = smoke_config()
+    model = PairClassifier(cfg).to(device)
+    trainer = comera.CoMERATrainer(model, comera.make_optimizer(model), lam=0.1)
+    batch = tuple(t.to(device) for t in make_batch(cfg, 4, cfg.max_len).tensors())
+    return model, trainer, batch
+
+
+def _pair_loss(model, ids, segments, labels):
+    return F.cross_entropy(model(ids, segments), labels)
+
+
+@pytest.mark.parametrize("stage", ["early", "late"])
+def test_the_captured_region_of_the_paper_transformer_reads_nothing_back(stage, monkeypatch):
+    """What mode="graphs" captures (the objective, forward and backward) runs no op that reads
+    the device back to the host while a capture is in progress: such an op (the TT embedding's
+    unique ids) failed the capture on an H200. Checked on the CPU with the capture flag set."""
+    from tests.helpers.host_reads import HostReads
+
+    model, trainer, batch = _paper_transformer()
+    if stage == "late":
+        trainer.start_late_stage(comera.LateStage(target_size=0.8 * comera.model_size(model)))
+    step = CapturedStep(trainer, _pair_loss, mode="eager", autocast=torch.bfloat16)
+    step(*batch)  # the first call sets up the body's constants, as a capture does
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with HostReads() as seen:
+        total, _ = step._objective(*batch)
+        total.backward()
+    assert [name for name, _ in seen.reads] == [], seen.reads[:1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_capture_the_paper_transformer_step_and_match_eager():
+    """The step `make gpu` measures, smoke-sized: TT embeddings in a CUDA graph, both stages."""
+    (m1, t1, batch), (m2, t2, _) = _paper_transformer("cuda"), _paper_transformer("cuda")
+    step = CapturedStep(t2, _pair_loss, mode="graphs")
+    eager, captured = [], []
+    for k in range(6):
+        if k == 3:
+            for model, trainer in ((m1, t1), (m2, t2)):
+                trainer.start_late_stage(comera.LateStage(
+                    target_size=0.8 * comera.model_size(model), steps=3))
+        m1.eval(), m2.eval()  # no dropout: the two runs draw different masks
+        eager.append(t1.step(_pair_loss(m1, *batch)).loss)
+        captured.append(float(step(*batch)))
+    assert captured == pytest.approx(eager, rel=1e-3)
+    assert step.captures == 2
+
+
 def _near_tau(min_rank: int, dtype=F64):
     """A trainer whose second layer's gates sit just above tau, with a gate rate that prunes them
     all in one step: only the ``min_rank`` floor keeps entries alive."""
