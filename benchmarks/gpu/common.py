@@ -75,17 +75,28 @@ def time_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int) ->
     return [t * 1e3 for t in times]
 
 
-def peak_bytes(fn: Callable[[], object], device: str) -> int | None:
+def allocated_bytes(device: str) -> int | None:
+    """What the CUDA allocator holds for live tensors now (None on the CPU): taken at a case's
+    start, it is what earlier cases left behind (a graph's private pool, a solver's cached
+    workspace), which :func:`peak_bytes` leaves out of the case's own peak."""
+    if not device.startswith("cuda"):
+        return None
+    _sync(device)
+    return int(torch.cuda.memory_allocated())
+
+
+def peak_bytes(fn: Callable[[], object], device: str, since: int | None = 0) -> int | None:
     """``torch.cuda.max_memory_allocated`` during one call of ``fn`` (after the others warmed
-    it), everything allocated included: the model, its optimizer state and the step's
-    activations. None on the CPU."""
+    it), less ``since`` (:func:`allocated_bytes` at the case's start): everything the case
+    allocated, the model, its optimizer state, the step's activations and any graph pool, and
+    nothing an earlier case left. None on the CPU."""
     if not device.startswith("cuda"):
         return None
     _sync(device)
     torch.cuda.reset_peak_memory_stats()
     fn()
     _sync(device)
-    return int(torch.cuda.max_memory_allocated())
+    return int(torch.cuda.max_memory_allocated()) - (since or 0)
 
 
 def summary(times: list[float]) -> dict[str, float]:

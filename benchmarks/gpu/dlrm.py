@@ -14,6 +14,7 @@ import sys
 from benchmarks.gpu.common import (
     Deadline,
     PartWriter,
+    allocated_bytes,
     guarded,
     part_main,
     peak_bytes,
@@ -37,10 +38,11 @@ def run(writer: PartWriter, deadline: Deadline, args) -> None:
         for name in VARIANTS:
 
             def case(name=name, bench=bench, batch=batch) -> dict:
+                before = allocated_bytes(device)  # left by earlier cases (and the batch)
                 variant = build_variant(name, bench)
                 variant.model.to(device)  # same Parameter objects: the optimizer follows
                 result = summary(time_ms(lambda: variant.step(batch), device, repeats, warmup))
-                peak = peak_bytes(lambda: variant.step(batch), device)
+                peak = peak_bytes(lambda: variant.step(batch), device, since=before)
                 result["peak_mib"] = None if peak is None else peak / 2**20
                 info = {k: v for k, v in variant.info.items()
                         if k in ("params", "effective_size", "table_params",

@@ -34,6 +34,7 @@ import comera
 from benchmarks.gpu.common import (
     Deadline,
     PartWriter,
+    allocated_bytes,
     guarded,
     part_main,
     peak_bytes,
@@ -166,12 +167,14 @@ def run(writer: PartWriter, deadline: Deadline, args) -> None:
             continue
 
         def case(variant=variant, mode=mode, dname=dname, b=b) -> dict:
+            before = allocated_bytes(device)  # left by earlier cases: not this case's
             model, opt, trainer, info = build(variant, cfg, bench, device)
             batch = tuple(t.to(device) for t in make_batch(cfg, b, cfg.max_len).tensors())
             fn, captured = step_fn(variant, mode, model, opt, trainer, batch, DTYPES[dname])
             result = summary(time_ms(fn, device, repeats, warmup))
-            peak = peak_bytes(fn, device)
+            peak = peak_bytes(fn, device, since=before)
             result["peak_mib"] = None if peak is None else peak / 2**20
+            result["left_before_mib"] = None if before is None else before / 2**20
             if captured is not None:
                 result["captures"] = captured.captures
             return {"variant": variant, "mode": mode, "dtype": dname, "batch": b,
