@@ -226,15 +226,7 @@ class GatedLayer(nn.Module):
         """Effective size of each bond (its gate entries above tau, a NaN counting as alive as
         in :meth:`gate_masks`), in gate order. The gates are read in one test: sizes are
         counted several times a step, and a test per gate costs more than the counting."""
-        if not self.gates:
-            return ()
-        gates = torch.cat([g.detach().reshape(-1) for g in self.gates])
-        alive = (~(gates.abs() <= self.tau)).tolist()
-        ranks, start = [], 0
-        for g in self.gates:
-            ranks.append(sum(alive[start:start + g.numel()]))
-            start += g.numel()
-        return tuple(ranks)
+        return bond_ranks_of([self])[0]
 
     @property
     def bonds(self) -> tuple[int, ...]:
@@ -322,13 +314,17 @@ class GatedLayer(nn.Module):
     def num_parameters(self, effective: bool = True) -> int:
         """Parameters of the layer. ``effective``: cores at the effective ranks (gates fold into
         the cores), zero for a removed layer, plus the bias. Otherwise: every stored parameter."""
-        bias = self.bias.numel() if self.bias is not None else 0
         if not effective:
             return sum(p.numel() for p in self.parameters())
-        ranks = self.bond_ranks
+        return self.parameters_at_ranks(self.bond_ranks)
+
+    def parameters_at_ranks(self, ranks: Sequence[int]) -> int:
+        """Parameters of the layer with its bonds at ``ranks`` (gate order; zero for a removed
+        layer, plus the bias): :meth:`num_parameters` at given effective ranks."""
+        bias = self.bias.numel() if self.bias is not None else 0
         if 0 in ranks:  # removed (is_removed): the weight is exactly zero
             return bias
-        return bias + self.layout.parameters_at(ranks)
+        return bias + self.layout.parameters_at(tuple(ranks))
 
     def dense_num_parameters(self) -> int:
         """Parameters of the equivalent dense layer: ``in_features * out_features`` + bias."""
@@ -491,6 +487,26 @@ class GatedLayer(nn.Module):
                 f"in_modes={self.in_modes}, out_modes={self.out_modes}, ranks={self.ranks}, "
                 f"bias={self.bias is not None}, tau={self.tau}, "
                 f"parametrization={self.parametrization!r}")
+
+
+def bond_ranks_of(layers: Sequence[GatedLayer]) -> list[tuple[int, ...]]:
+    """Each layer's :attr:`~GatedLayer.bond_ranks`, the gates of every layer on one device
+    and with one tau tested and read back at once: one transfer per group, where a layer at a
+    time costs a transfer (on a GPU, a sync) per layer."""
+    alive: dict[tuple[int, int], list[bool]] = {}  # (layer, gate) -> its entries alive
+    groups: dict[tuple[str, float], list[tuple[int, int]]] = {}
+    for i, layer in enumerate(layers):
+        for j, g in enumerate(layer.gates):
+            groups.setdefault((str(g.device), layer.tau), []).append((i, j))
+    for (_, tau), members in groups.items():
+        gates = [layers[i].gates[j].detach().reshape(-1) for i, j in members]
+        flags = (~(torch.cat(gates).abs() <= tau)).tolist()  # a NaN counts as alive
+        start = 0
+        for key, g in zip(members, gates, strict=True):
+            alive[key] = flags[start:start + g.numel()]
+            start += g.numel()
+    return [tuple(sum(alive[i, j]) for j in range(len(layer.gates)))
+            for i, layer in enumerate(layers)]
 
 
 def _adopt_saved_scales(module: GatedLayer, state_dict, prefix, local_metadata, strict,

@@ -40,12 +40,15 @@ Targets against the dense model: :meth:`LateStage.for_compression`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from comera.errors import ConfigError
+from comera.layers.linear import bond_ranks_of
+from comera.lean.readback import read_lists
 from comera.ranks.allocate import FLOORS, Allocation, allocate_
 from comera.ranks.budget import size_target
 from comera.ranks.size import gated_layers, model_size
@@ -258,18 +261,6 @@ def rounded_ranks(layer) -> tuple[int, ...]:
     return (1, *ranks, 1) if layer.layout.is_chain else ranks
 
 
-def _layer_size(layer, rounding: bool) -> int:
-    """Effective parameters of a layer, after rounding when ``rounding`` (its gates read
-    once)."""
-    if not rounding:
-        return layer.num_parameters()
-    ranks = layer.bond_ranks
-    bias = layer.bias.numel() if layer.bias is not None else 0
-    if 0 in ranks:  # removed: the bias alone, as num_parameters counts it
-        return bias
-    return bias + layer.layout.parameters_at(rounded_bond_ranks(layer, ranks))
-
-
 def _round_excess_(model: nn.Module, optimizer) -> None:
     round_(model, optimizer)
 
@@ -302,19 +293,57 @@ def prune_to_(model: nn.Module, size_limit: float, min_rank: int = 1,
     return pruned
 
 
+def _size_at(layer, ranks: Sequence[int], rounding: bool) -> int:
+    """Effective parameters of ``layer`` with its bonds at ``ranks`` (its size after exact
+    rounding when ``rounding``; a removed layer's bias alone), from ranks already read."""
+    if rounding and 0 not in ranks:
+        ranks = rounded_bond_ranks(layer, ranks)
+    return layer.parameters_at_ranks(ranks)
+
+
 def _model_size(model: nn.Module, rounding: bool) -> float:
-    """The model's size, its gated layers at the ranks rounding leaves (``rounding``); each
-    layer's gates are read once."""
+    """The model's size, its gated layers at the ranks rounding leaves (``rounding``); the
+    gates are read once."""
     size = model_size(model)
     if not rounding:
         return size
-    for _, layer in gated_layers(model):
-        ranks = layer.bond_ranks
-        if 0 not in ranks:  # a removed layer counts its bias alone either way
-            layout = layer.layout
-            size += (layout.parameters_at(rounded_bond_ranks(layer, ranks))
-                     - layout.parameters_at(ranks))
+    layers = [layer for _, layer in gated_layers(model)]
+    for layer, ranks in zip(layers, bond_ranks_of(layers), strict=True):
+        size += _size_at(layer, ranks, True) - layer.parameters_at_ranks(ranks)
     return size
+
+
+class _Gates:
+    """The gates a pruning pass works on, read back once: each gate's values and the ranks
+    of its layer, kept up to date in Python as the pass zeroes entries (a read per entry
+    taken was a device sync per entry on a GPU)."""
+
+    def __init__(self, layers: list) -> None:
+        gates = [(layer, k, g) for layer in layers for k, g in enumerate(layer.gates)]
+        self.values = dict(zip((id(g) for _, _, g in gates),
+                               read_lists([g.detach().reshape(-1) for _, _, g in gates]),
+                               strict=True))
+        self.ranks = {id(layer): list(r) for layer, r in zip(layers, bond_ranks_of(layers),
+                                                              strict=True)}
+        self.index = {id(g): k for _, k, g in gates}
+
+    def alive(self, layer, gate, i: int) -> bool:
+        return abs(self.values[id(gate)][i]) > layer.tau  # a NaN is never a candidate
+
+    def live(self, layer, gate) -> int:
+        return sum(abs(v) > layer.tau for v in self.values[id(gate)])
+
+    def change(self, layer, gate, rounding: bool) -> int:
+        """The layer's size change if one more entry of ``gate`` were zeroed."""
+        ranks = self.ranks[id(layer)]
+        fewer = list(ranks)
+        fewer[self.index[id(gate)]] -= 1
+        return _size_at(layer, fewer, rounding) - _size_at(layer, ranks, rounding)
+
+    def zero_(self, layer, gate, i: int) -> None:
+        gate[i] = 0.0
+        self.values[id(gate)][i] = 0.0
+        self.ranks[id(layer)][self.index[id(gate)]] -= 1
 
 
 def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int, lower: float | None,
@@ -324,60 +353,55 @@ def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int, lower: floa
     size = _model_size(model, rounding)
     if size <= size_limit:
         return [], size
-    layers = [m for _, m in gated_layers(model) if not m.is_removed()]
+    layers = [m for _, m in gated_layers(model)]
+    layers = [m for m, r in zip(layers, bond_ranks_of(layers), strict=True) if 0 not in r]
+    state = _Gates(layers)
+    scores = []
+    for layer in layers:
+        costs = layer.layout.slice_costs(tuple(state.ranks[id(layer)]))
+        scores += [_saliency(layer, k) / max(costs[k], 1) for k in range(len(layer.gates))]
+    scores = iter(read_lists(scores))
     candidates = []
     for layer in layers:
-        costs = layer.layout.slice_costs(layer.bond_ranks)
-        for k, gate in enumerate(layer.gates):
-            alive = gate.detach().abs() > layer.tau
-            score = _saliency(layer, k) / max(costs[k], 1)
-            for i in alive.nonzero().flatten().tolist():
-                candidates.append((float(score[i]), id(gate), i, layer, gate))
+        for gate, score in zip(layer.gates, scores, strict=False):
+            candidates += [(score[i], id(gate), i, layer, gate)
+                           for i in range(gate.numel()) if state.alive(layer, gate, i)]
     candidates.sort(key=lambda c: (c[0], c[1], c[2]))
     pruned = []
     with torch.no_grad():
         for _, _, i, layer, gate in candidates:
             if size <= size_limit:
                 break
-            if int((gate.detach().abs() > layer.tau).sum()) <= min_rank:
+            if state.live(layer, gate) <= min_rank:
                 continue
-            before = _layer_size(layer, rounding)
-            value = float(gate[i])
-            gate[i] = 0.0
-            change = _layer_size(layer, rounding) - before
+            change = state.change(layer, gate, rounding)
             if rounding and change == 0:
-                gate[i] = value  # a slice the rounding drops anyway: removing it saves nothing
-                continue
+                continue  # a slice the rounding drops anyway: removing it saves nothing
             if lower is not None and size + change < lower:
-                gate[i] = value  # too coarse a step this close to the limit
-                continue
+                continue  # too coarse a step this close to the limit
             if lower == -math.inf and size + change <= size_limit:
-                gate[i] = value  # the last slice: take the one landing closest below the limit
-                return pruned + _closest_landing_(candidates, size, size_limit, min_rank,
-                                                  rounding), math.nan
+                # the last slice: take the one landing closest below the limit
+                return pruned + _closest_landing_(candidates, state, size, size_limit,
+                                                  min_rank, rounding), math.nan
+            state.zero_(layer, gate, i)
             size += change
             pruned.append((gate, i))
     return pruned, size
 
 
-def _closest_landing_(candidates, size: float, size_limit: float,
+def _closest_landing_(candidates, state: _Gates, size: float, size_limit: float,
                       min_rank: int, rounding: bool = False) -> list[tuple[Tensor, int]]:
     """Zero the one live entry whose removal leaves the largest size at or below the limit."""
     best = None
+    for _, _, i, layer, gate in candidates:
+        if not state.alive(layer, gate, i) or state.live(layer, gate) <= min_rank:
+            continue
+        after = size + state.change(layer, gate, rounding)
+        if after <= size_limit and (best is None or after > best[0]):
+            best = (after, layer, gate, i)
+    if best is None:
+        return []
+    _, layer, gate, i = best
     with torch.no_grad():
-        for _, _, i, layer, gate in candidates:
-            if not float(gate[i].abs()) > layer.tau:
-                continue
-            if int((gate.detach().abs() > layer.tau).sum()) <= min_rank:
-                continue
-            before = _layer_size(layer, rounding)
-            value = float(gate[i])
-            gate[i] = 0.0
-            after = size + _layer_size(layer, rounding) - before
-            gate[i] = value
-            if after <= size_limit and (best is None or after > best[0]):
-                best = (after, gate, i)
-        if best is None:
-            return []
-        best[1][best[2]] = 0.0
-    return [(best[1], best[2])]
+        state.zero_(layer, gate, i)
+    return [(gate, i)]

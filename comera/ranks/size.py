@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from comera.layers.cached_embedding import CachedTTEmbedding
-from comera.layers.linear import GatedLayer
+from comera.layers.linear import GatedLayer, bond_ranks_of
 from tncomp.extend import renamed
 
 
@@ -58,8 +58,11 @@ def model_size(model: nn.Module, effective: bool = True, only: type | None = Non
     ``only``: count just the TT layers of this type (e.g. ``TTLinear``) and nothing else.
     """
     caches = _caches(model)
-    tt = sum(m.num_parameters(effective) + caches.get(id(m), 0) for _, m in gated_layers(model)
-             if only is None or isinstance(m, only))
+    layers = [m for _, m in gated_layers(model) if only is None or isinstance(m, only)]
+    counted = ([m.parameters_at_ranks(r) for m, r in zip(layers, bond_ranks_of(layers),
+                                                          strict=True)]
+               if effective else [m.num_parameters(False) for m in layers])
+    tt = sum(n + caches.get(id(m), 0) for m, n in zip(layers, counted, strict=True))
     return tt if only is not None else tt + _non_tt_parameters(model)
 
 

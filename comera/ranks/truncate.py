@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from comera.formats.registry import Format
-from comera.layers.linear import GatedLayer, broadcast_along
+from comera.layers.linear import GatedLayer, bond_ranks_of, broadcast_along
 from comera.ranks.size import gated_layers
 
 
@@ -267,8 +267,9 @@ def round_(model: nn.Module, optimizer=None, only_excess: bool = True) -> Trunca
     check_finite_gates(model)
     rows = []
     rounded = False
-    for name, layer in gated_layers(model):
-        ranks = layer.bond_ranks  # the gates are read once per layer: 0 is a removed layer
+    named = list(gated_layers(model))
+    for (name, layer), ranks in zip(named, bond_ranks_of([m for _, m in named]), strict=True):
+        # every gate read at once: 0 is a removed layer
         before = (1, *ranks, 1) if layer.layout.is_chain else ranks
         after = before
         if (0 not in ranks and rounds_exactly(layer)

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from comera.errors import ConfigError, NonFiniteLossError
 from comera.layers.linear import GatedLayer
+from comera.lean.readback import any_true, count_true
 from comera.numbers import is_int
 from comera.ranks.budget import check_ratio
 from comera.ranks.objective import (
@@ -290,8 +291,9 @@ class RankController:
         """A pruned gate gets no gradient, but Adam's momentum would carry it back past tau:
         pin it at zero and clear its moments, so pruning is final."""
         with torch.no_grad():
-            for gate, off in pruned:
-                if not bool(off.any()):
+            for (gate, off), some in zip(pruned, any_true([off for _, off in pruned]),
+                                         strict=True):
+                if not some:
                     continue
                 gate[off] = 0.0
                 clear_moments_(optimizer, [(gate, off)])
@@ -309,9 +311,10 @@ class RankController:
             raise ConfigError(f"hold_floor_ got {len(before)} gate snapshots for {len(gates)} "
                               "gates: pass one tensor per gate, taken before the step.")
         with torch.no_grad():
-            for (layer, gate), old in zip(gates, before, strict=True):
-                alive = gate.detach().abs() > layer.tau
-                missing = self.min_rank - int(alive.sum())
+            alives = [gate.detach().abs() > layer.tau for layer, gate in gates]
+            for (layer, gate), old, alive, live in zip(gates, before, alives, count_true(alives),
+                                                       strict=True):
+                missing = self.min_rank - live
                 if missing <= 0:
                     continue
                 lost = (old.abs() > layer.tau) & ~alive

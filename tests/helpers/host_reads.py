@@ -32,3 +32,43 @@ class HostReads(TorchDispatchMode):
             frames = [f for f in traceback.format_stack()[:-1] if "/torch/" not in f]
             self.reads.append((name, "".join(frames[-3:])))
         return func(*args, **(kwargs or {}))
+
+
+class PythonReads:
+    """Counts the calls that turn a tensor into Python values (``item``, ``tolist``, ``bool``,
+    ``int``, ``float``) made from the code under ``packages`` (paths inside the repository),
+    in ``self.calls``: on a GPU each is a device-to-host copy. Torch's own calls (an
+    optimizer reading its CPU step counter) are not counted."""
+
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__")
+
+    def __init__(self, packages: tuple[str, ...] = ("comera", "tncomp")) -> None:
+        from tests.helpers import ROOT
+
+        self.roots = tuple(str(ROOT / p) + "/" for p in packages)
+        self.calls = 0
+        self._saved: dict = {}
+
+    def __enter__(self) -> PythonReads:
+        import sys
+
+        import torch
+
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if caller.startswith(self.roots):
+                    self.calls += 1
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
