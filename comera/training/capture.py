@@ -176,18 +176,28 @@ class CapturedStep:
         if trainer.max_grad_norm is not None:
             nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.max_grad_norm)
         trainer.optimizer.step()
-        with torch.no_grad():
-            for (_, gate), keep in zip(self._pairs(), masks, strict=True):
-                gate.mul_(keep)
+        with torch.no_grad():  # a few multi-tensor kernels, not one per gate and moment
+            gates = [gate for _, gate in self._pairs()]
+            held, keeps = list(gates), list(masks)
+            for gate, keep in zip(gates, masks, strict=True):
                 for value in trainer.optimizer.state.get(gate, {}).values():
                     if isinstance(value, Tensor) and value.shape == gate.shape:
-                        value.mul_(keep)
+                        held.append(value)
+                        keeps.append(keep)
+            if held:
+                torch._foreach_mul_(held, keeps)
 
     def _masks(self) -> list[Tensor]:
+        pairs = self._pairs()
         with torch.no_grad():
-            for old, (_, gate) in zip(self._before, self._pairs(), strict=True):
-                old.copy_(gate)
-            return [(gate.detach().abs() > tau).to(gate.dtype) for tau, gate in self._pairs()]
+            if pairs:
+                gates = [gate.detach() for _, gate in pairs]
+                torch._foreach_copy_(self._before, gates)
+                sizes = torch._foreach_abs(gates)
+            else:
+                sizes = []
+            return [(size > tau).to(gate.dtype)
+                    for (tau, gate), size in zip(pairs, sizes, strict=True)]
 
     def _body(self, *batch: Tensor) -> Tensor:
         masks = self._masks()
