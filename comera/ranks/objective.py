@@ -314,24 +314,26 @@ def _model_size(model: nn.Module, rounding: bool) -> float:
 
 
 class _Gates:
-    """The gates a pruning pass works on, read back once: each gate's values and the ranks
-    of its layer, kept up to date in Python as the pass zeroes entries (a read per entry
-    taken was a device sync per entry on a GPU)."""
+    """The gates a pruning pass works on, read back once: which entries of each gate are
+    alive and the ranks of its layer, kept up to date in Python as the pass zeroes entries (a
+    read per entry taken was a device sync per entry on a GPU)."""
 
     def __init__(self, layers: list) -> None:
         gates = [(layer, k, g) for layer in layers for k, g in enumerate(layer.gates)]
-        self.values = dict(zip((id(g) for _, _, g in gates),
-                               read_lists([g.detach().reshape(-1) for _, _, g in gates]),
-                               strict=True))
+        # the live test on the device, as everywhere else (``|g| > tau`` in the gate's dtype)
+        alive = [(g.detach().abs() > layer.tau).reshape(-1).to(g.dtype) for layer, _, g in gates]
+        read = read_lists(alive)
+        self.alive_ = {id(g): [bool(v) for v in flags]
+                       for (_, _, g), flags in zip(gates, read, strict=True)}
         self.ranks = {id(layer): list(r) for layer, r in zip(layers, bond_ranks_of(layers),
                                                               strict=True)}
         self.index = {id(g): k for _, k, g in gates}
 
-    def alive(self, layer, gate, i: int) -> bool:
-        return abs(self.values[id(gate)][i]) > layer.tau  # a NaN is never a candidate
+    def alive(self, gate, i: int) -> bool:
+        return self.alive_[id(gate)][i]  # a NaN is never a candidate
 
-    def live(self, layer, gate) -> int:
-        return sum(abs(v) > layer.tau for v in self.values[id(gate)])
+    def live(self, gate) -> int:
+        return sum(self.alive_[id(gate)])
 
     def change(self, layer, gate, rounding: bool) -> int:
         """The layer's size change if one more entry of ``gate`` were zeroed."""
@@ -342,7 +344,7 @@ class _Gates:
 
     def zero_(self, layer, gate, i: int) -> None:
         gate[i] = 0.0
-        self.values[id(gate)][i] = 0.0
+        self.alive_[id(gate)][i] = False
         self.ranks[id(layer)][self.index[id(gate)]] -= 1
 
 
@@ -365,14 +367,14 @@ def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int, lower: floa
     for layer in layers:
         for gate, score in zip(layer.gates, scores, strict=False):
             candidates += [(score[i], id(gate), i, layer, gate)
-                           for i in range(gate.numel()) if state.alive(layer, gate, i)]
+                           for i in range(gate.numel()) if state.alive(gate, i)]
     candidates.sort(key=lambda c: (c[0], c[1], c[2]))
     pruned = []
     with torch.no_grad():
         for _, _, i, layer, gate in candidates:
             if size <= size_limit:
                 break
-            if state.live(layer, gate) <= min_rank:
+            if state.live(gate) <= min_rank:
                 continue
             change = state.change(layer, gate, rounding)
             if rounding and change == 0:
@@ -394,7 +396,7 @@ def _closest_landing_(candidates, state: _Gates, size: float, size_limit: float,
     """Zero the one live entry whose removal leaves the largest size at or below the limit."""
     best = None
     for _, _, i, layer, gate in candidates:
-        if not state.alive(layer, gate, i) or state.live(layer, gate) <= min_rank:
+        if not state.alive(gate, i) or state.live(gate) <= min_rank:
             continue
         after = size + state.change(layer, gate, rounding)
         if after <= size_limit and (best is None or after > best[0]):
