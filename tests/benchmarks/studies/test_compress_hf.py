@@ -228,13 +228,14 @@ def test_floor_runs_the_llama_end_to_end(tmp_path, arms):
 
 
 def test_finetune_runs_the_llama_and_extend_refuses_to_mix_models(tmp_path):
-    common = _smoke_finetune(tmp_path, "--seeds", "0", "--arms", "dense", "uniform/calibrated",
+    common = _smoke_finetune(tmp_path, "--seeds", "0", "--arms", "dense", "global/calibrated",
                              "--lrs", "1e-3")
     assert compress_hf.main([*common, "--model", "llama"]) == 0
     result = json.loads((tmp_path / "hf_llama_finetune.json").read_text())
     assert result["settings"]["model"] == "llama"
+    # global/calibrated: not a default arm, but any floor arm is accepted
     assert [(r["arm"], r["lr"]) for r in result["rows"]] == [("dense", 1e-3),
-                                                             ("uniform/calibrated", 1e-3)]
+                                                             ("global/calibrated", 1e-3)]
     assert all(r["after"] > 1 and r["after"] != r["before"] for r in result["rows"])
     assert "small Llama" in (tmp_path / "hf_llama_finetune.md").read_text()
     with pytest.raises(SystemExit, match="model: 'llama' there, 'gpt2' here"):
