@@ -16,12 +16,13 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
-def test_small_gpt2_converts_with_dict_batches(tmp_path):
+@pytest.mark.parametrize(("model", "name"), [("gpt2", "hf_small"), ("llama", "hf_llama_small")])
+def test_small_model_converts_with_dict_batches(tmp_path, model, name):
     write_tiny_corpus(tmp_path / "corpus")
-    argv = ["small", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3", "--seeds",
-            "0", "1", "--calib-rows", "16", "--out", str(tmp_path)]
+    argv = ["small", "--model", model, "--smoke", "--root", str(tmp_path / "corpus"), "--steps",
+            "3", "--seeds", "0", "1", "--calib-rows", "16", "--out", str(tmp_path)]
     assert compress_hf.main(argv) == 0
-    result = json.loads((tmp_path / "hf_small.json").read_text())
+    result = json.loads((tmp_path / f"{name}.json").read_text())
     arms = [(r["format"], r["arm"], r["seed"]) for r in result["rows"]]
     assert arms == [(f, a, s) for f in ("tt", "lowrank") for a, s in
                     (("uniform/plain", 0), ("global/calibrated", 0), ("global/calibrated", 1))]
