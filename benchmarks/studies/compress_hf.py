@@ -40,6 +40,15 @@ over seeds) to ``<name>.md``.
 arm's best cell and flagging a best at the grid's edge; ``--extend`` adds rates, seeds, arms or
 parametrizations to an existing ``<name>.json`` of the same settings, measuring only what is
 missing.
+
+``--model llama`` (``floor``, ``finetune``, ``small``): the same study on a Llama built from a
+config (:data:`MODELS`: hidden 128, 2 layers, 4 heads and 4 key-value heads, SwiGLU width 512,
+untied embeddings; random init, nothing downloaded), its ``model.layers.*`` linears converted,
+kept under its own cache file and written under ``hf_llama_*`` names by default:
+
+    python -m benchmarks.studies.compress_hf floor --model llama --targets 2 4 8 --formats tt \
+        --arms uniform/plain uniform/calibrated global/calibrated sensitivity/calibrated \
+        --seeds 0 1 2 --name hf_llama_sensitivity
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ import shlex
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -92,11 +103,52 @@ class Logits(nn.Module):
 
 
 def small_gpt2(vocab: int, seq_len: int) -> Logits:
+    """A GPT-2 of d 128, 2 layers, 4 heads, MLP width 512, ``vocab`` tokens and ``seq_len``
+    positions (random init; its linears are HuggingFace ``Conv1D``)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=vocab, n_positions=seq_len, n_embd=128, n_layer=2,
                         n_head=4, n_inner=512, bos_token_id=0, eos_token_id=0)
     return Logits(GPT2LMHeadModel(config))
+
+
+def small_llama(vocab: int, seq_len: int) -> Logits:
+    """A Llama of hidden 128, 2 layers, 4 heads and 4 key-value heads, ``vocab`` tokens and
+    ``seq_len`` positions, untied embeddings (random init; its linears are ``nn.Linear``). The
+    SwiGLU width is 512, the GPT-2's MLP width: Llama's usual 8/3 x 128 = 344 = 8 x 43 has no
+    balanced three-mode factorization, so TT refuses it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=seq_len, hidden_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         intermediate_size=512, tie_word_embeddings=False, bos_token_id=0,
+                         eos_token_id=0)
+    return Logits(LlamaForCausalLM(config))
+
+
+@dataclass(frozen=True, slots=True)
+class HFModel:
+    """One model the study builds from a config: its builder ``(vocab, seq_len) -> Logits``, the
+    ``include`` pattern of the layers it converts, its cache file stem, its results' name prefix
+    and how the tables name it."""
+
+    build: Callable[[int, int], Logits]
+    include: str
+    stem: str
+    prefix: str
+    title: str
+
+
+#: The models of ``--model``: one code path, a row each.
+MODELS = {
+    "gpt2": HFModel(small_gpt2, "transformer.h.*", "gpt2-small", "hf", "small GPT-2"),
+    "llama": HFModel(small_llama, "model.layers.*", "llama-small", "hf_llama", "small Llama"),
+}
+
+
+def _name(args, what: str) -> str:
+    """The results' file name: ``--name`` or the model's prefix and ``what``."""
+    return args.name or f"{MODELS[args.model].prefix}_{what}"
 
 
 def dict_batches(task, indices: Tensor) -> list[dict[str, Tensor]]:
@@ -108,8 +160,9 @@ def dict_batches(task, indices: Tensor) -> list[dict[str, Tensor]]:
 
 def cmd_small(args) -> int:
     task = make_task("lm", args.smoke, args.root)
+    spec = MODELS[args.model]
     torch.manual_seed(0)
-    model = small_gpt2(task.vocab, task.config.seq_len)
+    model = spec.build(task.vocab, task.config.seq_len)
     config = EngineConfig(steps_early=args.steps, steps_late=0, stage="early", batch_size=32,
                           lr=1e-3, warmup=50, eval_every=args.steps, seed=0, threads=1,
                           format="dense")
@@ -131,7 +184,7 @@ def cmd_small(args) -> int:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # HF's save_pretrained warning
                 report = comera.convert_(m.hf, comera.ConvertConfig(
-                    include=["transformer.h.*"], format=fmt, **options), calibration=batches)
+                    include=[spec.include], format=fmt, **options), calibration=batches)
             if budget is None:  # the global arm spends what the uniform arm holds
                 budget = sum(layer.layout.parameters_at(layer.bond_sizes)
                              for _, layer in comera.gated_layers(m))
@@ -143,7 +196,7 @@ def cmd_small(args) -> int:
             print(f"{fmt} {arm} seed {seed}: {row['compression']:.2f}x, val ppl "
                   f"{row['val']['perplexity']:.2f}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hf_small.json").write_text(json.dumps(result, indent=1, default=str))
+    (args.out / f"{spec.prefix}_small.json").write_text(json.dumps(result, indent=1, default=str))
     return 0
 
 
@@ -152,19 +205,23 @@ FLOOR_ARMS = ("uniform/plain", "uniform/calibrated", "global/calibrated",
               "sensitivity/calibrated")
 
 
-#: The rate the small GPT-2 is pretrained at (``trained_gpt2``).
+#: The rate the small models are pretrained at (``trained_hf``).
 PRETRAIN_LR = 1e-3
 
 
-def trained_gpt2(task, steps: int, cache: Path | None, smoke: bool) -> tuple[Logits, float]:
-    """The small GPT-2 trained ``steps`` dense steps on the LM task (from ``cache`` when it holds
-    it: trained once), and the seconds its training took."""
-    path = None if cache is None else cache / f"gpt2-small-{steps}{'-smoke' if smoke else ''}.pt"
+def trained_hf(task, steps: int, cache: Path | None, smoke: bool,
+               model: str = "gpt2") -> tuple[Logits, float]:
+    """The small ``model`` of :data:`MODELS` trained ``steps`` dense steps on the LM task at
+    :data:`PRETRAIN_LR` (from ``cache`` when it holds it: trained once), and the seconds its
+    training took."""
+    spec = MODELS[model]
+    path = (None if cache is None else
+            cache / f"{spec.stem}-{steps}{'-smoke' if smoke else ''}.pt")
     if path is not None and path.is_file():
         saved = torch.load(path, weights_only=False)
         return saved["model"], saved["seconds"]
     torch.manual_seed(0)
-    model = small_gpt2(task.vocab, task.config.seq_len)
+    model = spec.build(task.vocab, task.config.seq_len)
     config = EngineConfig(steps_early=steps, steps_late=0, stage="early", batch_size=32,
                           lr=PRETRAIN_LR, warmup=50, eval_every=steps, seed=0, threads=1,
                           format="dense")
@@ -178,11 +235,17 @@ def trained_gpt2(task, steps: int, cache: Path | None, smoke: bool) -> tuple[Log
     return trained, seconds
 
 
+def trained_gpt2(task, steps: int, cache: Path | None, smoke: bool) -> tuple[Logits, float]:
+    """The small GPT-2 trained (:func:`trained_hf` with ``model="gpt2"``)."""
+    return trained_hf(task, steps, cache, smoke, "gpt2")
+
+
 def floor_arm(trained: Logits, fmt: str, target: float, arm: str,
               batches: list[dict[str, Tensor]], parametrization: str = DECOMPOSED,
-              ) -> tuple[Logits, ConversionReport]:
-    """A copy of ``trained`` with its ``transformer.h.*`` layers converted as ``arm`` says, the
-    layers at ``parametrization`` (``convert_``'s default: plain)."""
+              include: str = MODELS["gpt2"].include) -> tuple[Logits, ConversionReport]:
+    """A copy of ``trained`` with its ``include`` layers (default: the GPT-2's
+    ``transformer.h.*``) converted as ``arm`` says, the layers at ``parametrization``
+    (``convert_``'s default: plain)."""
     allocation, how = arm.split("+")[0].split("/")
     options = {"allocation": allocation, "format": fmt, "target_compression": target,
                "parametrization": parametrization}
@@ -193,17 +256,17 @@ def floor_arm(trained: Logits, fmt: str, target: float, arm: str,
     model = copy.deepcopy(trained)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # HF's save_pretrained warning
-        report = comera.convert_(model.hf, comera.ConvertConfig(include=["transformer.h.*"],
-                                                                **options),
+        report = comera.convert_(model.hf, comera.ConvertConfig(include=[include], **options),
                                  calibration=batches if how == "calibrated" else None)
     return model.eval(), report
 
 
 def cmd_floor(args) -> int:
     task = make_task("lm", args.smoke, args.root)
-    trained, seconds = trained_gpt2(task, args.steps, args.cache, args.smoke)
-    result = {"machine": machine(), "command": _command(args), "train_seconds":
-              round(seconds, 1), "dense": score(task, trained), "rows": []}
+    spec, name = MODELS[args.model], _name(args, "floor")
+    trained, seconds = trained_hf(task, args.steps, args.cache, args.smoke, args.model)
+    result = {"machine": machine(), "command": _command(args), "model": args.model,
+              "train_seconds": round(seconds, 1), "dense": score(task, trained), "rows": []}
     print(f"dense: val ppl {result['dense']['perplexity']:.2f}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     for seed, fmt, target, arm in itertools.product(args.seeds, args.formats, args.targets,
@@ -214,7 +277,7 @@ def cmd_floor(args) -> int:
                    for b in dict_batches(task, calibration_rows(task, seed, args.calib_rows))]
         (model, report), took, _ = timed(
             lambda arm=arm, fmt=fmt, target=target, batches=batches: floor_arm(
-                trained, fmt, target, arm, batches))
+                trained, fmt, target, arm, batches, include=spec.include))
         params, dense = linear_sizes(model)
         row = {"format": fmt, "target": target, "arm": arm, "seed": seed,
                "compression": dense / params, "kept": report.kept,
@@ -225,12 +288,13 @@ def cmd_floor(args) -> int:
         print(f"seed {seed} {fmt} {target:g}x {arm}: {row['compression']:.2f}x, val ppl "
               f"{row['val']['perplexity']:.2f} kept {report.kept or '-'} "
               f"{row['losses'] or ''} ({took:.0f}s)", flush=True)
-        (args.out / f"{args.name}.json").write_text(  # after each row: a stopped run keeps it
+        (args.out / f"{name}.json").write_text(  # after each row: a stopped run keeps it
             json.dumps(result, indent=1, default=str))
     table = floor_table(result)
-    (args.out / f"{args.name}.md").write_text(
-        f"Validation perplexity before fine-tuning (mean ± sd over calibration seeds "
-        f"{', '.join(map(str, args.seeds))}; in brackets: the ranks the measured floor kept)."
+    (args.out / f"{name}.md").write_text(
+        f"Validation perplexity of the {spec.title} before fine-tuning (mean ± sd over "
+        f"calibration seeds {', '.join(map(str, args.seeds))}; in brackets: the ranks the "
+        f"measured floor kept)."
         f"\n\n{table}\n\n    {result['command']}\n")
     print(table)
     return 0
@@ -271,10 +335,16 @@ def floor_table(result: dict) -> str:
 #: the model is not converged, so part of any arm's gain is more training) and three conversions.
 FINETUNE_ARMS = ("dense", "uniform/plain", "uniform/calibrated", "sensitivity/calibrated")
 
+#: What ``finetune --arms`` accepts: the dense control and any arm of :data:`FLOOR_ARMS`
+#: (``global/calibrated``, the issue's own target, among them); the default is
+#: :data:`FINETUNE_ARMS`.
+FINETUNE_CHOICES = ("dense", *FLOOR_ARMS)
+
 
 #: The settings a ``finetune`` results file is a function of: ``--extend`` adds to a file only
 #: when they match.
-FINETUNE_SETTINGS = ("format", "target", "steps", "ft_steps", "calib_rows", "root", "smoke")
+FINETUNE_SETTINGS = ("model", "format", "target", "steps", "ft_steps", "calib_rows", "root",
+                     "smoke")
 
 
 def _finetune_settings(args) -> dict:
@@ -299,6 +369,7 @@ def _kept_rows(args, path: Path) -> tuple[list[dict], list[str]]:
     settings = old.get("settings")
     if settings is None:  # written before settings were recorded: its command says them
         settings = _finetune_settings(parser().parse_args(shlex.split(commands[0])[3:]))
+    settings = {"model": "gpt2", **settings}  # written before --model: the GPT-2
     ours = _finetune_settings(args)
     differ = {k: (settings.get(k), v) for k, v in ours.items() if settings.get(k) != v}
     if differ:
@@ -333,8 +404,9 @@ def cmd_finetune(args) -> int:
         raise SystemExit("--at-best reads the grid of an existing results file: pass --extend "
                          "(and the same --name) too.")
     task = make_task("lm", args.smoke, args.root)
-    trained, seconds = trained_gpt2(task, args.steps, args.cache, args.smoke)
-    path = args.out / f"{args.name}.json"
+    spec = MODELS[args.model]
+    trained, seconds = trained_hf(task, args.steps, args.cache, args.smoke, args.model)
+    path = args.out / f"{_name(args, 'finetune')}.json"
     kept, commands = _kept_rows(args, path)
     result = {"machine": machine(), "command": _command(args),
               "commands": [*commands, _command(args)], "settings": _finetune_settings(args),
@@ -359,7 +431,8 @@ def cmd_finetune(args) -> int:
                 if not lrs:
                     continue
                 model = (copy.deepcopy(trained) if arm == "dense" else floor_arm(
-                    trained, args.format, args.target, arm, batches, parametrization)[0])
+                    trained, args.format, args.target, arm, batches, parametrization,
+                    spec.include)[0])
                 before = score(task, model)["perplexity"]
                 for lr in lrs:
                     config = EngineConfig(steps_early=args.ft_steps, steps_late=0,
@@ -379,8 +452,8 @@ def cmd_finetune(args) -> int:
     path.write_text(json.dumps(result, indent=1, default=str))
     table = finetune_table(result)
     seeds = sorted({r["seed"] for r in result["rows"]})
-    (args.out / f"{args.name}.md").write_text(
-        f"Validation perplexity of the small GPT-2 (dense {result['dense']['perplexity']:.2f}, "
+    (args.out / f"{_name(args, 'finetune')}.md").write_text(
+        f"Validation perplexity of the {spec.title} (dense {result['dense']['perplexity']:.2f}, "
         f"pretrained at lr {PRETRAIN_LR:g}) converted to {args.format} at {args.target:g}x, "
         f"before and after {args.ft_steps} fine-tune steps (mean ± sd over seeds "
         f"{', '.join(map(str, seeds))}; bold: each arm's best rate and parametrization; "
@@ -442,12 +515,18 @@ def _command(args) -> str:
     return "python -m benchmarks.studies.compress_hf " + shlex.join(sys.argv[1:])
 
 
+def _model_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt2", choices=list(MODELS),
+                   help="the model built from a config and trained (default: gpt2)")
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of the study."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     small = sub.add_parser("small", help="a small GPT-2 trained briefly, converted with dicts")
+    _model_option(small)
     small.add_argument("--steps", type=int, default=600)
     small.add_argument("--formats", nargs="+", default=["tt", "lowrank"])
     small.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -458,26 +537,30 @@ def parser() -> argparse.ArgumentParser:
     small.set_defaults(run=cmd_small)
     floor = sub.add_parser("floor", help="the small GPT-2 at several ratios, every allocation "
                            "floor and the closed-form refit (issue 41)")
+    _model_option(floor)
     floor.add_argument("--steps", type=int, default=600)
     floor.add_argument("--formats", nargs="+", default=["tt", "lowrank"])
     floor.add_argument("--targets", type=float, nargs="+", default=[2.0, 3.0, 4.0])
     floor.add_argument("--arms", nargs="+", default=list(FLOOR_ARMS), choices=FLOOR_ARMS)
     floor.add_argument("--seeds", type=int, nargs="+", default=[0],
                        help="calibration seeds (uniform/plain runs once: it has none)")
-    floor.add_argument("--name", default="hf_floor", help="the results' file name, no suffix")
+    floor.add_argument("--name", default=None, help="the results' file name, no suffix "
+                       "(default: hf_floor for the GPT-2, hf_llama_floor for the Llama)")
     floor.add_argument("--calib-rows", type=int, default=256)
     floor.add_argument("--root", type=Path, default=None)
     floor.add_argument("--cache", type=Path, default=Path("runs/compress_hf"),
-                       help="where the trained GPT-2 is kept (trained once per --steps)")
+                       help="where the trained model is kept (trained once per --model "
+                       "and --steps)")
     floor.add_argument("--smoke", action="store_true")
     floor.add_argument("--out", type=Path, default=OUT)
     floor.set_defaults(run=cmd_floor)
     ft = sub.add_parser("finetune", help="the small GPT-2 converted, then fine-tuned at "
                         "several rates, beside the dense model fine-tuned as long (issue 41)")
+    _model_option(ft)
     ft.add_argument("--steps", type=int, default=600)
     ft.add_argument("--format", default="tt")
     ft.add_argument("--target", type=float, default=4.0)
-    ft.add_argument("--arms", nargs="+", default=list(FINETUNE_ARMS), choices=FINETUNE_ARMS)
+    ft.add_argument("--arms", nargs="+", default=list(FINETUNE_ARMS), choices=FINETUNE_CHOICES)
     ft.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
     ft.add_argument("--parametrizations", nargs="+", choices=PARAMETRIZATIONS,
                     default=[DECOMPOSED], help="the converted layers' parametrizations (each "
@@ -490,7 +573,8 @@ def parser() -> argparse.ArgumentParser:
                     "rate) of the grid <name>.json holds (screen on one seed, then add seeds)")
     ft.add_argument("--ft-steps", type=int, default=150)
     ft.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ft.add_argument("--name", default="hf_finetune", help="the results' file name, no suffix")
+    ft.add_argument("--name", default=None, help="the results' file name, no suffix "
+                    "(default: hf_finetune for the GPT-2, hf_llama_finetune for the Llama)")
     ft.add_argument("--calib-rows", type=int, default=256)
     ft.add_argument("--root", type=Path, default=None)
     ft.add_argument("--cache", type=Path, default=Path("runs/compress_hf"))

@@ -1,12 +1,14 @@
-"""benchmarks/studies/compress_hf.py: the HuggingFace GPT-2 runs on a tiny corpus and config
-(dict calibration batches, peak RSS recorded)."""
+"""benchmarks/studies/compress_hf.py: the HuggingFace GPT-2 and Llama runs on a tiny corpus and
+config (dict calibration batches, peak RSS recorded, --model)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
+import comera
 from benchmarks.studies import compress_hf
 from tests.helpers.tiny_corpus import write_tiny_corpus
 
@@ -14,12 +16,13 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.slow
-def test_small_gpt2_converts_with_dict_batches(tmp_path):
+@pytest.mark.parametrize(("model", "name"), [("gpt2", "hf_small"), ("llama", "hf_llama_small")])
+def test_small_model_converts_with_dict_batches(tmp_path, model, name):
     write_tiny_corpus(tmp_path / "corpus")
-    argv = ["small", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3", "--seeds",
-            "0", "1", "--calib-rows", "16", "--out", str(tmp_path)]
+    argv = ["small", "--model", model, "--smoke", "--root", str(tmp_path / "corpus"), "--steps",
+            "3", "--seeds", "0", "1", "--calib-rows", "16", "--out", str(tmp_path)]
     assert compress_hf.main(argv) == 0
-    result = json.loads((tmp_path / "hf_small.json").read_text())
+    result = json.loads((tmp_path / f"{name}.json").read_text())
     arms = [(r["format"], r["arm"], r["seed"]) for r in result["rows"]]
     assert arms == [(f, a, s) for f in ("tt", "lowrank") for a, s in
                     (("uniform/plain", 0), ("global/calibrated", 0), ("global/calibrated", 1))]
@@ -180,3 +183,84 @@ def test_finetune_at_best_adds_seeds_at_each_arms_best_cell(tmp_path):
     added = json.loads((tmp_path / "hf_finetune.json").read_text())["rows"][len(grid):]
     assert [(r["seed"], r["arm"], r["parametrization"], r["lr"]) for r in added] == [
         (1, arm, best[arm]["parametrization"], best[arm]["lr"]) for arm in best]
+
+
+# -- --model llama --------------------------------------------------------------------------------
+LLAMA_LINEARS = {f"hf.model.layers.{i}.{name}" for i in range(2) for name in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+
+def test_llama_converts_its_decoder_linears_and_nothing_else():
+    torch.manual_seed(0)
+    model = compress_hf.small_llama(64, 16)
+    converted, report = compress_hf.floor_arm(model, "lowrank", 2.0, "uniform/plain", [],
+                                              include=compress_hf.MODELS["llama"].include)
+    assert {name for name, _ in comera.gated_layers(converted)} == LLAMA_LINEARS
+    assert len(report.layers) == len(LLAMA_LINEARS)
+    assert type(converted.hf.lm_head) is torch.nn.Linear  # the head and embeddings stay dense
+    assert type(converted.hf.model.embed_tokens) is torch.nn.Embedding
+    assert not list(comera.gated_layers(model))  # a copy was converted, not the model
+    ids = torch.randint(0, 64, (2, 16))
+    assert converted(ids).shape == (2, 16, 64)
+
+
+@pytest.mark.parametrize("arms", [
+    ("uniform/plain", "global/calibrated"),
+    pytest.param(("sensitivity/calibrated",), marks=pytest.mark.slow)])  # ~20 s, loaded
+def test_floor_runs_the_llama_end_to_end(tmp_path, arms):
+    write_tiny_corpus(tmp_path / "corpus")
+    argv = ["floor", "--model", "llama", "--smoke", "--root", str(tmp_path / "corpus"),
+            "--steps", "3", "--targets", "2", "--formats", "lowrank", "--arms", *arms,
+            "--calib-rows", "16", "--cache", str(tmp_path / "c"), "--out", str(tmp_path)]
+    assert compress_hf.main(argv) == 0
+    result = json.loads((tmp_path / "hf_llama_floor.json").read_text())
+    assert result["model"] == "llama"
+    assert tuple(r["arm"] for r in result["rows"]) == arms
+    for row in result["rows"]:
+        assert set(row["ranks"]) == LLAMA_LINEARS
+        assert row["val"]["perplexity"] > 1 and row["compression"] > 1.5
+        if row["arm"].startswith("sensitivity"):  # measured on the Llama's own .loss
+            assert set(row["losses"]) == {"dense", "uniform", "sensitivity"}
+            assert row["kept"] in ("uniform", "sensitivity")
+    assert "small Llama" in (tmp_path / "hf_llama_floor.md").read_text()
+    assert [p.name for p in (tmp_path / "c").iterdir()] == ["llama-small-3-smoke.pt"]
+    assert not (tmp_path / "hf_floor.json").exists()  # the GPT-2's name is left alone
+
+
+def test_finetune_runs_the_llama_and_extend_refuses_to_mix_models(tmp_path):
+    common = _smoke_finetune(tmp_path, "--seeds", "0", "--arms", "dense", "global/calibrated",
+                             "--lrs", "1e-3")
+    assert compress_hf.main([*common, "--model", "llama"]) == 0
+    result = json.loads((tmp_path / "hf_llama_finetune.json").read_text())
+    assert result["settings"]["model"] == "llama"
+    # global/calibrated: not a default arm, but any floor arm is accepted
+    assert [(r["arm"], r["lr"]) for r in result["rows"]] == [("dense", 1e-3),
+                                                             ("global/calibrated", 1e-3)]
+    assert all(r["after"] > 1 and r["after"] != r["before"] for r in result["rows"])
+    assert "small Llama" in (tmp_path / "hf_llama_finetune.md").read_text()
+    with pytest.raises(SystemExit, match="model: 'llama' there, 'gpt2' here"):
+        compress_hf.main([*common, "--name", "hf_llama_finetune", "--extend"])
+
+
+def test_extend_reads_a_file_written_before_model_as_the_gpt2s(tmp_path):
+    settings = {"format": "tt", "target": 4.0, "steps": 600, "ft_steps": 150,
+                "calib_rows": 256, "root": None, "smoke": False}
+    (tmp_path / "hf_finetune.json").write_text(json.dumps(
+        {"command": "python -m benchmarks.studies.compress_hf finetune", "settings": settings,
+         "rows": []}))
+    args = compress_hf.parser().parse_args(["finetune", "--extend", "--out", str(tmp_path)])
+    assert compress_hf._kept_rows(args, tmp_path / "hf_finetune.json")[0] == []
+    args.model = "llama"
+    with pytest.raises(SystemExit, match="model: 'gpt2' there, 'llama' here"):
+        compress_hf._kept_rows(args, tmp_path / "hf_finetune.json")
+
+
+@pytest.mark.parametrize("command", ["small", "floor", "finetune"])
+def test_an_unknown_model_is_refused_with_exit_2_and_nothing_written(command, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        compress_hf.main([command, "--model", "bert", "--out", str(tmp_path), *(
+            ["--cache", str(tmp_path / "c")] if command != "small" else [])])
+    assert exit_.value.code == 2
+    assert "--model: invalid choice: 'bert'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
