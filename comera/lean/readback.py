@@ -17,7 +17,8 @@ from torch import Tensor
 
 
 def _per_device(values: Sequence[Tensor]) -> list:
-    """``values`` (0-d tensors) as Python numbers in order, one host copy per device."""
+    """``values`` (0-d tensors) as Python numbers in order, one host copy per device (stacked:
+    no reshape per value, which :func:`read_lists` would need)."""
     out: list = [None] * len(values)
     order = sorted(range(len(values)), key=lambda i: str(values[i].device))
     for _, group in groupby(order, key=lambda i: str(values[i].device)):
@@ -63,8 +64,8 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
 
 
 def read_lists(tensors: Sequence[Tensor]) -> list[list[float]]:
-    """Each 1-d tensor of ``tensors`` as a list of Python floats (exactly its values), one
-    host copy per device."""
+    """Each 1-d tensor of ``tensors`` as a list of Python numbers (exactly its values, in the
+    tensors' promoted dtype: bools stay bools), one host copy per device."""
     out: list = [None] * len(tensors)
     order = sorted(range(len(tensors)), key=lambda i: str(tensors[i].device))
     for _, group in groupby(order, key=lambda i: str(tensors[i].device)):

@@ -318,22 +318,20 @@ class _Gates:
     alive and the ranks of its layer, kept up to date in Python as the pass zeroes entries (a
     read per entry taken was a device sync per entry on a GPU)."""
 
-    def __init__(self, layers: list) -> None:
+    def __init__(self, layers: list, ranks: list[tuple[int, ...]]) -> None:
+        """``ranks``: each layer's ``bond_ranks``, already read."""
         gates = [(layer, k, g) for layer in layers for k, g in enumerate(layer.gates)]
         # the live test on the device, as everywhere else (``|g| > tau`` in the gate's dtype)
-        alive = [(g.detach().abs() > layer.tau).reshape(-1).to(g.dtype) for layer, _, g in gates]
-        read = read_lists(alive)
-        self.alive_ = {id(g): [bool(v) for v in flags]
-                       for (_, _, g), flags in zip(gates, read, strict=True)}
-        self.ranks = {id(layer): list(r) for layer, r in zip(layers, bond_ranks_of(layers),
-                                                              strict=True)}
+        flags = read_lists([(g.detach().abs() > layer.tau).reshape(-1) for layer, _, g in gates])
+        self.flags = {id(g): f for (_, _, g), f in zip(gates, flags, strict=True)}
+        self.ranks = {id(layer): list(r) for layer, r in zip(layers, ranks, strict=True)}
         self.index = {id(g): k for _, k, g in gates}
 
     def alive(self, gate, i: int) -> bool:
-        return self.alive_[id(gate)][i]  # a NaN is never a candidate
+        return self.flags[id(gate)][i]  # a NaN is never a candidate
 
     def live(self, gate) -> int:
-        return sum(self.alive_[id(gate)])
+        return sum(self.flags[id(gate)])
 
     def change(self, layer, gate, rounding: bool) -> int:
         """The layer's size change if one more entry of ``gate`` were zeroed."""
@@ -344,7 +342,7 @@ class _Gates:
 
     def zero_(self, layer, gate, i: int) -> None:
         gate[i] = 0.0
-        self.alive_[id(gate)][i] = False
+        self.flags[id(gate)][i] = False
         self.ranks[id(layer)][self.index[id(gate)]] -= 1
 
 
@@ -356,8 +354,9 @@ def _prune_pass_(model: nn.Module, size_limit: float, min_rank: int, lower: floa
     if size <= size_limit:
         return [], size
     layers = [m for _, m in gated_layers(model)]
-    layers = [m for m, r in zip(layers, bond_ranks_of(layers), strict=True) if 0 not in r]
-    state = _Gates(layers)
+    kept = [(m, r) for m, r in zip(layers, bond_ranks_of(layers), strict=True) if 0 not in r]
+    layers = [m for m, _ in kept]
+    state = _Gates(layers, [r for _, r in kept])
     scores = []
     for layer in layers:
         costs = layer.layout.slice_costs(tuple(state.ranks[id(layer)]))
