@@ -25,6 +25,7 @@ still works until 0.3.0, with a DeprecationWarning naming the submodule.
 """
 
 from comera.errors import (
+    CaptureError,
     CheckpointError,
     ComeraError,
     ConfigError,
@@ -60,6 +61,7 @@ from comera.training.trainers import (
 from tncomp.extend import renamed
 
 __all__ = [
+    "CaptureError",
     "CheckpointError",
     "CoMERATrainer",
     "ComeraError",

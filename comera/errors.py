@@ -46,6 +46,11 @@ class CheckpointError(ComeraError, RuntimeError):
     """A checkpoint could not be saved, loaded, or does not match the model it is loaded into."""
 
 
+class CaptureError(ComeraError, RuntimeError):
+    """A captured training step failed inside torch's capture machinery (not in the model's own
+    code); the message names the capture mode to use instead."""
+
+
 class LookupIndexError(ComeraError, IndexError):
     """An embedding id outside ``[0, num_embeddings)``; IndexError, as ``nn.Embedding`` raises."""
 

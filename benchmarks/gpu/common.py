@@ -85,11 +85,26 @@ def allocated_bytes(device: str) -> int | None:
     return int(torch.cuda.memory_allocated())
 
 
+def reserved_bytes(device: str, peak: bool = False) -> int | None:
+    """What the CUDA allocator has reserved from the device (None on the CPU): now, after
+    releasing its unused cache, or (``peak``) its most since the last reset. Unlike
+    :func:`peak_bytes` it covers a CUDA graph's private pool, whose buffers a replay uses without
+    allocating them: take it at a case's start and, with ``peak``, after :func:`peak_bytes`."""
+    if not device.startswith("cuda"):
+        return None
+    _sync(device)
+    if peak:
+        return int(torch.cuda.max_memory_reserved())
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved())
+
+
 def peak_bytes(fn: Callable[[], object], device: str, since: int | None = 0) -> int | None:
     """``torch.cuda.max_memory_allocated`` during one call of ``fn`` (after the others warmed
     it), less ``since`` (:func:`allocated_bytes` at the case's start): everything the case
     allocated, the model, its optimizer state, the step's activations and any graph pool, and
-    nothing an earlier case left. None on the CPU."""
+    nothing an earlier case left. Under CUDA graphs it misses the pool's transient buffers (a
+    replay allocates nothing): :func:`reserved_bytes` covers those. None on the CPU."""
     if not device.startswith("cuda"):
         return None
     _sync(device)

@@ -49,17 +49,20 @@ def targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"claim": claim, "measured": value, "target": target, "how": how,
                      "met": None if value is None else value >= target})
 
+    eager_only = ("eager",)  # a graph replay allocates nothing: its peak is not comparable
     for name in ("comera_late", "comera_early"):
         dense, mine = _step_ms(steps, "dense", "bf16", 32), _step_ms(steps, name, "bf16", 32)
         add(f"step B=32 bf16: {name} faster than dense", _ratio(
             dense and dense[0], mine and mine[0]), 2.0, "fastest mode of each")
+        dense, mine = (_step_ms(steps, v, "bf16", 32, eager_only) for v in ("dense", name))
         add(f"step B=32 bf16: {name} peak memory below dense", _ratio(
-            dense and dense[1], mine and mine[1]), 2.0, "peak of the fastest mode of each")
+            dense and dense[1], mine and mine[1]), 2.0, "eager peaks")
         galore, mine1 = _step_ms(steps, "galore", "bf16", 1), _step_ms(steps, name, "bf16", 1)
         add(f"step B=1 bf16: {name} faster than GaLore", _ratio(
             galore and galore[0], mine1 and mine1[0]), 2.0, "GaLore eager, CoMERA fastest")
+        galore, mine1 = (_step_ms(steps, v, "bf16", 1, eager_only) for v in ("galore", name))
         add(f"step B=1 bf16: {name} peak memory below GaLore", _ratio(
-            galore and galore[1], mine1 and mine1[1]), 9.0, "peak of the same runs")
+            galore and galore[1], mine1 and mine1[1]), 9.0, "eager peaks")
         eager = _step_ms(steps, name, "bf16", 1, ("eager",))
         captured = _step_ms(steps, name, "bf16", 1, ("graphs", "compile"))
         add(f"step B=1 bf16: {name} CUDA graphs / reduce-overhead over eager", _ratio(

@@ -16,7 +16,9 @@ late-stage steps): built as benchmarks/speed/bench_transformer.py builds them. E
 GaLore runs eager only (its projection refresh is an SVD on the host's schedule). Precisions:
 fp32, and bf16 autocast (parameters and optimizer state fp32). Time: CUDA events, median of the
 repeats after warm-up; memory: ``torch.cuda.max_memory_allocated`` over one step, everything
-included (parameters, optimizer state, activations). Cases run in priority order (:func:`cases`)
+included (parameters, optimizer state, activations), less what earlier cases left; under CUDA
+graphs that misses the pool's transient buffers, so ``peak_reserved_mib`` (reserved memory, the
+graph's pool included) is recorded beside it, and the memory targets compare eager steps. Cases run in priority order (:func:`cases`)
 and stop at the part's budget.
 """
 
@@ -38,6 +40,7 @@ from benchmarks.gpu.common import (
     guarded,
     part_main,
     peak_bytes,
+    reserved_bytes,
     summary,
     time_ms,
 )
@@ -168,6 +171,7 @@ def run(writer: PartWriter, deadline: Deadline, args) -> None:
 
         def case(variant=variant, mode=mode, dname=dname, b=b) -> dict:
             before = allocated_bytes(device)  # left by earlier cases: not this case's
+            reserved_before = reserved_bytes(device)
             model, opt, trainer, info = build(variant, cfg, bench, device)
             batch = tuple(t.to(device) for t in make_batch(cfg, b, cfg.max_len).tensors())
             fn, captured = step_fn(variant, mode, model, opt, trainer, batch, DTYPES[dname])
@@ -175,6 +179,9 @@ def run(writer: PartWriter, deadline: Deadline, args) -> None:
             peak = peak_bytes(fn, device, since=before)
             result["peak_mib"] = None if peak is None else peak / 2**20
             result["left_before_mib"] = None if before is None else before / 2**20
+            reserved = reserved_bytes(device, peak=True)
+            result["peak_reserved_mib"] = (None if reserved is None or reserved_before is None
+                                           else (reserved - reserved_before) / 2**20)
             if captured is not None:
                 result["captures"] = captured.captures
             return {"variant": variant, "mode": mode, "dtype": dname, "batch": b,

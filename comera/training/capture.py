@@ -34,11 +34,14 @@ Modes: ``"eager"`` runs the same body uncaptured (the reference), ``"compile"`` 
 ``torch.compile(mode=compile_mode, dynamic=False)`` (``"reduce-overhead"``: CUDA graphs under
 the compiler on CUDA; on the CPU inductor alone), ``"graphs"`` (CUDA only) graphs the forward,
 objective and backward with ``torch.cuda.graphs.make_graphed_callables`` and runs a fused
-optimizer step and the masks eagerly after it.
+optimizer step and the masks eagerly after it. On CUDA, torch 2.11's CUDA-graph trees reject
+the compiled step (docs/gpu.md); that failure is raised as :class:`~comera.errors.CaptureError`
+naming ``mode="graphs"``, the capture that works there.
 """
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -46,7 +49,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from comera.errors import ConfigError, NonFiniteLossError
+from comera.errors import CaptureError, ConfigError, NonFiniteLossError
 from comera.numbers import is_int
 from comera.ranks.objective import rank_regularizer, soft_size
 from comera.ranks.size import gated_layers, model_size
@@ -57,6 +60,19 @@ __all__ = ["CAPTURE_MODES", "CapturedStep", "StepSignature"]
 CaptureMode = Literal["eager", "compile", "graphs"]
 CAPTURE_MODES: tuple[str, ...] = ("eager", "compile", "graphs")
 LossFn = Callable[..., Tensor]
+COMPILE_GRAPHS_FAILED = (
+    "torch.compile(mode={compile_mode!r}) of the whole CoMERA step failed inside torch's CUDA "
+    "graphs ({error}). torch 2.11's CUDA-graph trees reject the paper transformer's step "
+    "in every set-up tried (docs/gpu.md). Use CapturedStep(..., mode='graphs'): the same CUDA "
+    "graphs through torch.cuda.make_graphed_callables; or compile without CUDA graphs: "
+    "compile_mode=None.")
+
+
+def _raised_in_cudagraphs(exc: BaseException) -> bool:
+    """True when ``exc`` was raised inside torch's CUDA-graph code (a frame of a file whose name
+    holds ``cudagraph``), not in the model's own code."""
+    return any("cudagraph" in frame.f_code.co_filename
+               for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
 @dataclass(frozen=True)
@@ -257,7 +273,15 @@ class CapturedStep:
         if reason:
             self._capture(batch, reason)
             self._signature = signature
-        loss = self._run(*batch)
+        try:
+            loss = self._run(*batch)
+        except Exception as exc:
+            if self.mode == "compile" and _raised_in_cudagraphs(exc):
+                first = str(exc).splitlines()[0][:200] if str(exc) else ""
+                error = f"{type(exc).__name__}: {first}"
+                raise CaptureError(COMPILE_GRAPHS_FAILED.format(
+                    compile_mode=self.compile_mode, error=error)) from exc
+            raise
         if trainer.steps % self.check_every == 0 and not bool(torch.isfinite(loss).all()):
             raise NonFiniteLossError(
                 f"step {trainer.steps}: the loss is {float(loss)}; the update was applied by "

@@ -176,6 +176,32 @@ def test_bad_settings_are_refused():
             CapturedStep(trainer, _loss, mode="graphs")
 
 
+def _raising_from(filename: str):
+    """A stand-in for ``torch.compile`` whose compiled step raises from code in ``filename``:
+    torch's CUDA-graph trees cannot run without a GPU, so where the error comes from is what the
+    test controls."""
+    source = ("def run(*batch):\n"
+              "    raise RuntimeError('storage data ptrs are not allocated in pool')\n")
+    scope: dict = {}
+    exec(compile(source, filename, "exec"), scope)
+    return lambda fn, **options: scope["run"]
+
+
+def test_a_failure_inside_torchs_cuda_graphs_names_the_capture_that_works(monkeypatch):
+    _, trainer = _model()
+    monkeypatch.setattr(torch, "compile", _raising_from("torch/_inductor/cudagraph_trees.py"))
+    step = CapturedStep(trainer, _loss, mode="compile")
+    with pytest.raises(comera.CaptureError, match="mode='graphs'") as info:
+        step(*_data())
+    assert "allocated in pool" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # the same error from anywhere else is not torch's capture failing: it passes unchanged
+    monkeypatch.setattr(torch, "compile", _raising_from("my_model.py"))
+    with pytest.raises(RuntimeError, match="allocated in pool") as info:
+        CapturedStep(trainer, _loss, mode="compile")(*_data())
+    assert not isinstance(info.value, comera.CaptureError)
+
+
 def test_a_non_finite_loss_is_refused_after_the_step():
     _, trainer = _model()
     x, y = _data()
