@@ -35,8 +35,9 @@ Modes: ``"eager"`` runs the same body uncaptured (the reference), ``"compile"`` 
 the compiler on CUDA; on the CPU inductor alone), ``"graphs"`` (CUDA only) graphs the forward,
 objective and backward with ``torch.cuda.graphs.make_graphed_callables`` and runs a fused
 optimizer step and the masks eagerly after it. On CUDA, torch 2.11's CUDA-graph trees reject
-the compiled step (docs/gpu.md); that failure is raised as :class:`~comera.errors.CaptureError`
-naming ``mode="graphs"``, the capture that works there.
+the paper transformer's compiled step (docs/gpu.md; a small model's compiles); a failure raised
+inside torch's CUDA-graph code comes out as :class:`~comera.errors.CaptureError` naming
+``mode="graphs"``, the capture that works there.
 """
 
 from __future__ import annotations
