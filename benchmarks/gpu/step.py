@@ -18,8 +18,8 @@ fp32, and bf16 autocast (parameters and optimizer state fp32). Time: CUDA events
 repeats after warm-up; memory: ``torch.cuda.max_memory_allocated`` over one step, everything
 included (parameters, optimizer state, activations), less what earlier cases left; under CUDA
 graphs that misses the pool's transient buffers, so ``peak_reserved_mib`` (reserved memory, the
-graph's pool included) is recorded beside it, and the memory targets compare eager steps. Cases run in priority order (:func:`cases`)
-and stop at the part's budget.
+graph's pool included) is recorded beside it, and the memory targets compare eager steps.
+Cases run in priority order (:func:`cases`) and stop at the part's budget.
 """
 
 from __future__ import annotations
