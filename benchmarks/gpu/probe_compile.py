@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import traceback
 
 import torch
 
 from benchmarks.gpu import step
 from benchmarks.gpu.common import summary, time_ms
+from benchmarks.lib.measure import timed
 from benchmarks.speed.bench_transformer import BenchConfig, make_batch, smoke_config
 from comera.models.transformer import TransformerConfig
 from comera.training.capture import CapturedStep
@@ -47,9 +47,8 @@ def run(stage: str, mode: str, device: str, cfg, compile_mode: str | None = "red
             torch.compiler.cudagraph_mark_step_begin()
         return captured(*batch)
 
-    start = time.time()
-    losses = [float(call()) for _ in range(STEPS)]
-    first_s = time.time() - start
+    first = timed(lambda: [float(call()) for _ in range(STEPS)])  # the capture included
+    losses, first_s = first.value, first.seconds
     timing = summary(time_ms(call, device, 2 if device == "cpu" else 8, 1))
     params = torch.cat([p.detach().float().flatten() for p in model.parameters()])
     return losses, params, first_s, timing, captured

@@ -255,3 +255,23 @@ def test_a_part_runs_on_the_cpu_with_only_the_gpu_machines_packages(tmp_path, pa
             assert all("ms" in m for m in case["methods"].values()), case["methods"]
         assert {c["format"] for c in saved["cases"] if "format" in c} == {"tucker", "btt"}
         assert all(c["floor_ms"] > 0 for c in saved["cases"] if "format" in c)
+
+
+def test_the_probes_refuse_bad_arguments(capsys):
+    from benchmarks.gpu import probe_compile, probe_eager_step
+
+    assert probe_compile.main(["fast", "cuda"]) == 2
+    assert probe_eager_step.main(["tag", "tpu"]) == 2
+    assert "usage" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_eager_step_probe_times_every_case_on_the_cpu(capsys):
+    from benchmarks.gpu import probe_eager_step
+
+    assert probe_eager_step.main(["t", "cpu"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT "))
+    cases = json.loads(line[len("RESULT "):])["cases"]
+    assert {(c["variant"], c["batch"]) for c in cases} == {
+        (v, b) for v in ("dense", "comera_early", "comera_late") for b in (1, 2)}
+    assert all(c["ms"] > 0 for c in cases)
