@@ -619,9 +619,15 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
+#: Per-layer fields of a row: kept in the runs files, left out of the summary (its size).
+PER_LAYER = ("ranks", "errors")
+
+
 def cmd_report(args) -> int:
     result = merge(args.out)
-    (args.out / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    summary = {**result, "rows": [{k: v for k, v in row.items() if k not in PER_LAYER}
+                                  for row in result["rows"]]}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     text = summarise(result)
     (args.out / "summary.md").write_text(text + "\n")
     plot(result, args.out / "perplexity.png")

@@ -3,6 +3,7 @@ compresses every arm, fine-tunes through the engine and writes the summary and t
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -152,3 +153,16 @@ def test_report_holds_every_arm_at_its_best_cell_and_reads_older_rows(tmp_path):
     text = study.summarise({**result, "rows": old_only})
     assert "| balanced, 0.0003 (the only cell measured) | -2.9% |" in text
     assert "(gap 1.00, 2.9%; spread 1.00: not met)" in text
+
+
+def test_the_summary_json_leaves_the_per_layer_fields_in_the_runs_files(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    rows = [_row("uniform/plain", s, 268.0, 34.0 + s, ranks={"blocks.0.q": [1, 4, 4, 1]},
+                 errors={"blocks.0.q": 0.5}) for s in (0, 1)]
+    (runs / "a.json").write_text(json.dumps(_run("a", rows, {"ft_lr": 1e-3})))
+    assert study.cmd_report(argparse.Namespace(out=tmp_path)) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["after"]["perplexity"] for r in summary["rows"]] == [34.0, 35.0]
+    assert not any({"ranks", "errors"} & set(r) for r in summary["rows"])
+    assert json.loads((runs / "a.json").read_text())["rows"][0]["ranks"]  # still there
