@@ -66,7 +66,10 @@ def run_part(cmd: list[str], budget_s: float, grace_s: float = GRACE_S,
     group, and kill it ``INTERRUPT_S`` later if it has not stopped. Returns status ("ok",
     "failed (exit N)", "timed_out"), wall seconds, budget."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    # SIGINT back to its default in the child: a shell that ran this in the background set it to
+    # ignored, and a python started so never raises KeyboardInterrupt (pytest writes no report)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         rc = proc.wait(timeout=budget_s + grace_s)
         status = "ok" if rc == 0 else f"failed (exit {rc})"
