@@ -17,8 +17,10 @@ against today's per-layer uniform target, on the project's causal LM and masked 
 through the engine (:func:`comera.experiments.engine.train_model`) for ``--steps`` steps and
 keeps it, with its validation curve, under ``--cache`` (default ``runs/compress_trained``): a
 function of the command and its seed, trained once. ``compress`` loads it and, per format, target
-and calibration seed, converts the block linear layers (``include=["blocks.*"]``) five ways:
+and calibration seed, converts the block linear layers (``include=["blocks.*"]``) these ways:
 
+- ``dense`` (with ``--finetune``): the control, the pretrained model fine-tuned as long, at
+  each rate (one model whatever the format and target; its rows sit in the cell run);
 - ``uniform/plain``: ``convert_`` as before issue 31, every layer at its own target;
 - ``uniform/calibrated``: the same ranks, decomposed on the calibration inputs;
 - ``global/plain``: one budget (the uniform arm's parameter count) spent on the bond slices of
@@ -27,9 +29,10 @@ and calibration seed, converts the block linear layers (``include=["blocks.*"]``
 - ``global/calibrated+gates``: global/calibrated at ``--gate-headroom`` times the budget, then
   CoMERA's late stage (rank gates, ``comera.LateStage``) on the calibration rows for
   ``--gate-steps`` steps, landing on the budget;
-- ``sensitivity/calibrated`` (issue 41; the LM only): one budget spent by the model's measured
-  next-token loss on the calibration batches with each layer alone decomposed at candidate
-  ranks (``allocation="sensitivity"``), uniform's ranks kept where they measure lower.
+- ``sensitivity/calibrated`` (issue 41): one budget spent by the model's measured loss on the
+  calibration batches (the LM's next-token loss; the MLM's masked-token loss, its batches
+  carrying their labels) with each layer alone decomposed at candidate ranks
+  (``allocation="sensitivity"``), uniform's ranks kept where they measure lower.
 
 Calibration: ``--calib-rows`` training rows drawn with the seed (batches of 32). Scores: the
 task's validation loss and perplexity right after compression and, with ``--finetune N``, after
@@ -72,11 +75,13 @@ from benchmarks.studies.harness.trained import (
     OUT,
     ForEngine,
     Grid,
+    MaskedLMLoss,
     best_cell,
     calibration_batches,
     calibration_rows,
     engine_run,
     grid_table,
+    labelled_batches,
     linear_sizes,
     make_task,
     next_token_loss,
@@ -90,10 +95,12 @@ from comera.surgery.config import DEFAULT_DAMPING
 from comera.surgery.convert import ConversionReport
 
 CACHE = Path("runs/compress_trained")
-ARMS = ("uniform/plain", "uniform/calibrated", "global/plain", "global/calibrated",
+ARMS = ("dense", "uniform/plain", "uniform/calibrated", "global/plain", "global/calibrated",
         "global/calibrated+gates", "sensitivity/calibrated")
-#: The arms that read the model's loss on the calibration batches: the LM's only (the MLM's
-#: calibration batches hold masked inputs, not their targets).
+#: The dense arm's parametrization column: it has no cores to parametrize.
+DENSE_CELL = "dense"
+#: The arms that read the model's loss on the calibration batches (the MLM's: batches with
+#: their labels, see :func:`labelled_batches`).
 LOSS_ARMS = ("sensitivity/calibrated",)
 
 
@@ -167,17 +174,20 @@ def convert_arm(dense: nn.Module, fmt: str, arm: str, target: float, budget: int
                 parametrization: str = "balanced") -> tuple[nn.Module, ConversionReport]:
     """A copy of ``dense`` with its block linear layers converted as ``arm`` says
     ("uniform|global|sensitivity" / "plain|calibrated"); the global and sensitivity arms spend
-    ``budget`` core parameters (sensitivity measures the LM's next-token loss on ``batches``);
-    the layers at ``parametrization``."""
+    ``budget`` core parameters (sensitivity measures the loss on ``batches``: the LM's
+    next-token loss on its inputs; for (inputs, labels) batches, the MLM's masked-token loss
+    through :class:`MaskedLMLoss`); the layers at ``parametrization``."""
     allocation, how = arm.split("+")[0].split("/")
     model = copy.deepcopy(dense)
     options = ({"target_compression": target} if allocation == "uniform"
                else {"allocation": allocation, "target_size": budget})
-    config = comera.ConvertConfig(include=["blocks.*"], format=fmt, damping=damping,
+    labelled = allocation == "sensitivity" and bool(batches) and isinstance(batches[0], tuple)
+    converted, prefix = (MaskedLMLoss(model), "model.") if labelled else (model, "")
+    config = comera.ConvertConfig(include=[f"{prefix}blocks.*"], format=fmt, damping=damping,
                                   parametrization=parametrization, **options)
-    extra = {"loss": next_token_loss} if allocation == "sensitivity" else {}
-    report = comera.convert_(model, config, calibration=batches if how == "calibrated" else None,
-                             **extra)
+    extra = ({"loss": next_token_loss} if allocation == "sensitivity" and not labelled else {})
+    report = comera.convert_(converted, config,
+                             calibration=batches if how == "calibrated" else None, **extra)
     model.eval()
     return model, report
 
@@ -201,14 +211,14 @@ def refine_with_gates(task: Task, model: nn.Module, rows: Tensor, target_size: i
 
 
 def finetune(task: Task, model: nn.Module, steps: int, args, seed: int,
-             lr: float | None = None) -> nn.Module:
+             lr: float | None = None, dense: bool = False) -> nn.Module:
     """``steps`` of plain training (lam 0, gates held) through the engine at rate ``lr``
-    (default ``--ft-lr``), every arm alike."""
+    (default ``--ft-lr``), every arm alike (``dense``: the unconverted control)."""
     config = EngineConfig(steps_early=steps, steps_late=0, stage="early", lam=0.0,
                           batch_size=args.batch, lr=args.ft_lr if lr is None else lr,
                           lr_gates=1e-12,
                           warmup=min(args.warmup, steps), eval_every=steps + 1, seed=seed,
-                          threads=1)
+                          threads=1, **({"format": "dense"} if dense else {}))
     return engine_run(task, model, config)
 
 
@@ -221,11 +231,6 @@ def _sweep(args) -> tuple[list[str], list[float]]:
 
 def _check_compress(args) -> None:
     """Refuse what cannot run, before anything is converted."""
-    if args.task != "lm" and any(a in LOSS_ARMS for a in args.arms):
-        raise SystemExit(f"--arms {' '.join(a for a in args.arms if a in LOSS_ARMS)} with "
-                         f"--task {args.task}: that arm measures the model's loss on the "
-                         "calibration batches, which the MLM's masked inputs do not hold; "
-                         "use --task lm or leave the arm out.")
     if (args.ft_lrs or args.parametrizations or args.at_best) and not args.finetune:
         raise SystemExit("--ft-lrs, --parametrizations and --at-best choose fine-tunes: pass "
                          "--finetune N (steps) too.")
@@ -253,7 +258,7 @@ def best_cells(out: Path, task: str, fmt: str, target: float, steps: int,
 
 
 def cmd_compress(args) -> int:
-    args.arms = args.arms or [a for a in ARMS if args.task == "lm" or a not in LOSS_ARMS]
+    args.arms = args.arms or list(ARMS)
     _check_compress(args)
     task = make_task(args.task, args.smoke, args.root)
     spec = Pretrain(args.task, args.steps, args.batch, args.lr, args.warmup, 0, args.eval_every,
@@ -281,7 +286,9 @@ def cmd_compress(args) -> int:
         """Convert (and refine) one arm at ``parametrization``, then fine-tune it at each rate
         of ``lrs``: its rows (one, before fine-tuning only, without ``--finetune``)."""
         torch.manual_seed(seed)
-        if arm.endswith("+gates"):
+        if arm == "dense":  # the control: the pretrained model fine-tuned as long
+            model, report = copy.deepcopy(dense), None
+        elif arm.endswith("+gates"):
             model, report = convert_arm(dense, fmt, arm, target,
                                         int(budget * args.gate_headroom), batches,
                                         args.damping, parametrization)
@@ -291,20 +298,21 @@ def cmd_compress(args) -> int:
         else:
             model, report = convert_arm(dense, fmt, arm, target, budget, batches,
                                         args.damping, parametrization)
-        params, dense_params = linear_sizes(model)
+        params, dense_params = (linear_sizes(model) if report is not None else (
+            (sum(p.numel() for _, m in task.block_linears(model) for p in m.parameters()),) * 2))
         row = {"format": fmt, "target": target, "arm": arm, "seed": seed,
                "parametrization": parametrization,
                "params": params, "dense_params": dense_params,
                "compression": dense_params / params, "budget": budget,
                "calib_rows": args.calib_rows,
                "ranks": {n: list(m.ranks) for n, m in comera.gated_layers(model)},
-               "errors": {r.name: r.error for r in report.layers},
+               "errors": {} if report is None else {r.name: r.error for r in report.layers},
                "before": score(task, model)}
         if not args.finetune:
             return [row]
         tuned_rows = []
         for lr in lrs:
-            tuned = finetune(task, model, args.finetune, args, seed, lr)
+            tuned = finetune(task, model, args.finetune, args, seed, lr, arm == "dense")
             tuned_rows.append({**row, "after": score(task, tuned), "finetune": args.finetune,
                                "ft_lr": lr})
         return tuned_rows
@@ -317,11 +325,16 @@ def cmd_compress(args) -> int:
             budget = core_params(base)
             for seed in args.seeds:
                 chosen = calibration_rows(task, seed, args.calib_rows)
-                batches = calibration_batches(task, chosen)
+                inputs = calibration_batches(task, chosen)
+                labelled = labelled_batches(task, chosen) if args.task == "mlm" else inputs
                 for arm in args.arms:
+                    batches = labelled if arm in LOSS_ARMS else inputs
+                    if arm == "dense" and not args.finetune:
+                        continue  # the dense model before fine-tuning is the report's header
                     if "calibrated" not in arm and not args.finetune and seed != args.seeds[0]:
                         continue  # a plain arm before fine-tuning does not depend on the seed
                     cells = ([chosen_cells[fmt, target][arm]] if args.at_best else
+                             [(DENSE_CELL, lrs)] if arm == "dense" else
                              [(p, lrs) for p in parametrizations])
                     for parametrization, arm_lrs in ((p, v if isinstance(v, list) else [v])
                                                      for p, v in cells):
@@ -583,10 +596,15 @@ def plot(result: dict, path: Path) -> bool:
     formats = sorted({f for _, f in panels})
     fig, axes = plt.subplots(len(tasks), len(formats), figsize=(4.2 * len(formats),
                                                                 3.4 * len(tasks)), squeeze=False)
-    colours = dict(zip(ARMS, ("tab:grey", "tab:blue", "tab:orange", "tab:red", "tab:purple",
-                              "tab:green"), strict=True))
+    colours = dict(zip(ARMS, ("k", "tab:grey", "tab:blue", "tab:orange", "tab:red",
+                              "tab:purple", "tab:green"), strict=True))
     for (task, fmt), ax in ((p, axes[tasks.index(p[0])][formats.index(p[1])]) for p in panels):
-        for arm in ARMS:
+        tuned = [best_after(rows) for k, rows in groups.items() if k[:2] == (task, fmt)
+                 and k[3] == "dense" and best_after(rows)]
+        if tuned:  # the control: one dense model, fine-tuned as long, whatever the target
+            ax.axhline(_mean_sd(tuned[0][1])[0], color="k", lw=0.8, ls="--",
+                       label="dense, fine-tuned as long")
+        for arm in ARMS[1:]:
             points = sorted((k[2], rows) for k, rows in groups.items()
                             if k[:2] == (task, fmt) and k[3] == arm)
             if not points:

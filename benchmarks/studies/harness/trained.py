@@ -19,11 +19,12 @@ from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.lm_task import IGNORE_INDEX, LMTask, LMTaskConfig, next_token_targets
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 from comera.experiments.task import Task
+from comera.models.mlm import masked_logits
 from comera.ranks.size import dense_size
 
-__all__ = ["CALIB_BATCH", "OUT", "ForEngine", "best_cell", "calibration_batches",
-           "calibration_rows", "engine_run", "grid_table", "linear_sizes", "make_task",
-           "model_input", "next_token_loss", "peak_rss_mib", "score"]
+__all__ = ["CALIB_BATCH", "OUT", "ForEngine", "MaskedLMLoss", "best_cell", "calibration_batches",
+           "calibration_rows", "engine_run", "grid_table", "labelled_batches", "linear_sizes",
+           "make_task", "model_input", "next_token_loss", "peak_rss_mib", "score"]
 
 OUT = RESULTS / "compress_trained"
 CALIB_BATCH = 32
@@ -75,6 +76,29 @@ def calibration_batches(task: Task, indices: Tensor) -> list[Tensor]:
     """The model inputs of the rows at ``indices``, in batches of :data:`CALIB_BATCH`."""
     rows = task.train.ids[indices]
     return [model_input(task, chunk) for chunk in rows.split(CALIB_BATCH)]
+
+
+def labelled_batches(task: MLMTask, indices: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """The MLM's calibration batches with their targets: (masked inputs, labels) of the rows at
+    ``indices``, the inputs equal to :func:`calibration_batches`' (the same epoch-0 masks), so
+    a loss can be measured on them (:class:`MaskedLMLoss`)."""
+    rows = task.train.ids[indices]
+    return [task.masking(chunk, torch.arange(chunk.shape[0]), 0, task.config.seed)
+            for chunk in rows.split(CALIB_BATCH)]
+
+
+class MaskedLMLoss(nn.Module):
+    """The MLM whose forward takes (inputs, labels) and returns the masked-token cross-entropy:
+    what ``allocation="sensitivity"`` measures on :func:`labelled_batches` (the MLM's own
+    forward takes no targets). Its layers are the MLM's, under the prefix ``model.``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: Tensor, labels: Tensor) -> Tensor:
+        logits, targets = masked_logits(self.model, inputs, labels)
+        return nn.functional.cross_entropy(logits, targets)
 
 
 class ForEngine(Task):

@@ -28,6 +28,34 @@ def test_calibration_rows_depend_on_the_seed_only(root):
     assert batches[0].shape == (8, task.config.seq_len - 1)  # the LM reads all but the last
 
 
+def test_the_mlm_sensitivity_arm_measures_the_masked_token_loss(root):
+    task = study.make_task("mlm", smoke=True, root=root)
+    torch.manual_seed(0)
+    dense = task.build_model("dense").eval()
+    chosen = study.calibration_rows(task, 0, 40)
+    labelled = study.labelled_batches(task, chosen)
+    inputs = study.calibration_batches(task, chosen)
+    assert [b[0].shape[0] for b in labelled] == [32, 8]
+    for (x, _), y in zip(labelled, inputs, strict=True):  # the other arms' inputs, unchanged
+        assert torch.equal(x, y)
+    with torch.no_grad():  # the wrapper's output is the task's own loss on that batch
+        assert float(study.MaskedLMLoss(dense)(*labelled[0])) == pytest.approx(
+            float(task.loss(dense, labelled[0])), rel=1e-6)
+    base, _ = study.convert_arm(dense, "lowrank", "uniform/plain", 2, None, None)
+    model, report = study.convert_arm(dense, "lowrank", "sensitivity/calibrated", 2,
+                                      study.core_params(base), labelled)
+    names = {n for n, _ in study.comera.gated_layers(model)}
+    assert names and all(n.startswith("blocks.") for n in names)  # the MLM's, not the wrapper's
+    losses = dict(report.losses)  # measured on the labelled batches, through the wrapper
+    assert report.measured_batches == 2 and {"dense", "uniform", "sensitivity"} <= set(losses)
+    with torch.no_grad():
+        own = sum(float(task.loss(dense, b)) for b in labelled) / len(labelled)
+    assert losses["dense"] == pytest.approx(own, rel=1e-5)
+    assert study.core_params(model) <= study.core_params(base)
+    assert all(p.requires_grad for p in dense.parameters()) and not list(
+        study.comera.gated_layers(dense))  # the dense model is left as it was
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["lm", "mlm"])
 def test_smoke_run_writes_every_arm(root, tmp_path, name):
@@ -44,14 +72,15 @@ def test_smoke_run_writes_every_arm(root, tmp_path, name):
     result = json.loads((out / "runs" / "smoke.json").read_text())
     assert result["command"].startswith("python -m benchmarks.studies.compress_trained")
     arms = {(r["format"], r["arm"]) for r in result["rows"]}
-    assert arms == {(f, a) for f in ("tt", "lowrank") for a in study.ARMS
-                    if name == "lm" or a not in study.LOSS_ARMS}
+    assert arms == {(f, a) for f in ("tt", "lowrank") for a in study.ARMS}
     for row in result["rows"]:
         assert row["before"]["perplexity"] > 1 and row["after"]["perplexity"] > 1
-        assert row["compression"] > 1
+        assert row["compression"] > 1 or (row["arm"] == "dense" and row["compression"] == 1)
+    dense = [r for r in result["rows"] if r["arm"] == "dense"]  # the control, not converted
+    assert {r["before"]["perplexity"] for r in dense} == {result["dense"]["perplexity"]}
     uniform = {r["format"]: r["params"] for r in result["rows"] if r["arm"] == "uniform/plain"}
     for row in result["rows"]:  # the global arms spend at most what the uniform arm holds
-        assert row["params"] <= uniform[row["format"]] * 1.02
+        assert row["arm"] == "dense" or row["params"] <= uniform[row["format"]] * 1.02
     assert list((tmp_path / "cache").glob("*.pt")) == cached  # the pretrained model is reused
     assert study.main(["starts", *common, "--formats", "tt", "lowrank", "--calib-rows", "16",
                        "--out", str(out)]) == 0
@@ -100,8 +129,6 @@ def test_grid_then_at_best_fine_tunes_each_arm_at_its_best_cell(root, tmp_path):
 
 def test_compress_refuses_what_cannot_run_before_converting(tmp_path):
     base = ["compress", "--task", "mlm", "--cache", str(tmp_path), "--out", str(tmp_path)]
-    with pytest.raises(SystemExit, match="masked inputs do not hold"):
-        study.main([*base, "--arms", "sensitivity/calibrated"])
     with pytest.raises(SystemExit, match="pass --finetune N"):
         study.main([*base, "--ft-lrs", "1e-3"])
     with pytest.raises(SystemExit, match="leave --ft-lrs"):
