@@ -434,6 +434,7 @@ def cmd_finetune(args) -> int:
                     trained, args.format, args.target, arm, batches, parametrization,
                     spec.include)[0])
                 before = score(task, model)["perplexity"]
+                params, dense = linear_sizes(model) if arm != "dense" else (1, 1)
                 for lr in lrs:
                     config = EngineConfig(steps_early=args.ft_steps, steps_late=0,
                                           stage="early", lam=0.0, batch_size=32, lr=lr,
@@ -444,7 +445,7 @@ def cmd_finetune(args) -> int:
                         task, copy.deepcopy(m), c))
                     row = {"arm": arm, "seed": seed, "parametrization": parametrization,
                            "lr": lr, "before": before, "after": score(task, tuned)["perplexity"],
-                           "seconds": round(took, 1)}
+                           "compression": dense / params, "seconds": round(took, 1)}
                     result["rows"].append(row)
                     print(f"seed {seed} {arm} {parametrization or ''} lr {lr:g}: {before:.2f} "
                           f"-> {row['after']:.2f} ({took:.0f}s)", flush=True)
@@ -459,9 +460,23 @@ def cmd_finetune(args) -> int:
         f"{', '.join(map(str, seeds))}; bold: each arm's best rate and parametrization; "
         f"best: that cell's rate as a multiple of the pretraining rate, flagged where it is "
         f"the grid's smallest or largest rate measured for the arm)."
-        f"\n\n{table}\n\n" + "\n".join(f"    {c}" for c in result["commands"]) + "\n")
+        f"\n\n{table}\n\n{sizes_line(result)}" + "\n".join(f"    {c}" for c in result["commands"])
+        + "\n")
     print(table)
     return 0
+
+
+def sizes_line(result: dict) -> str:
+    """The compression each converted arm reached (the layers converted, biases included; mean
+    over its rows), a line and a blank one; empty for rows recorded without it."""
+    reached: dict[str, list[float]] = {}
+    for r in result["rows"]:
+        if r["arm"] != "dense" and "compression" in r:
+            reached.setdefault(r["arm"], []).append(r["compression"])
+    if not reached:
+        return ""
+    return ("Compression reached: " + ", ".join(f"{arm} {sum(v) / len(v):.2f}x"
+                                                for arm, v in reached.items()) + ".\n\n")
 
 
 def finetune_table(result: dict) -> str:

@@ -98,8 +98,12 @@ def test_finetune_command_fine_tunes_every_arm_at_every_rate(tmp_path):
     assert all(r["before"] == pytest.approx(result["dense"]["perplexity"]) for r in dense)
     for row in result["rows"]:
         assert row["after"] > 1 and row["after"] != row["before"]  # the fine-tune moved it
+    for row in result["rows"]:  # the size each arm reached is recorded, the dense one 1x
+        assert row["compression"] == 1 if row["arm"] == "dense" else row["compression"] >= 1.9
     table = (tmp_path / "hf_finetune.md").read_text()
     assert "| sensitivity/calibrated |" in table and "**" in table and " ± " in table
+    assert "Compression reached: uniform/plain " in table and "dense " not in table.split(
+        "Compression reached:")[1].splitlines()[0]
 
 
 def test_finetune_table_marks_each_arms_best_rate():
