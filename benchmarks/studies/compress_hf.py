@@ -39,7 +39,9 @@ over seeds) to ``<name>.md``.
 ``--parametrizations`` and fine-tuned at each rate of ``--lrs`` per seed, the table bolding each
 arm's best cell and flagging a best at the grid's edge; ``--extend`` adds rates, seeds, arms or
 parametrizations to an existing ``<name>.json`` of the same settings, measuring only what is
-missing.
+missing. Two controls: ``dense`` (the trained model fine-tuned as long) and ``narrow`` (a
+narrower model of the same family at the uniform/plain conversion's size, all parameters
+counted, trained from scratch for ``--steps`` + ``--ft-steps`` at each rate).
 
 ``--model llama`` (``floor``, ``finetune``, ``small``): the same study on a Llama built from a
 config (:data:`MODELS`: hidden 128, 2 layers, 4 heads and 4 key-value heads, SwiGLU width 512,
@@ -102,37 +104,38 @@ class Logits(nn.Module):
         return self.hf(input_ids=ids).logits
 
 
-def small_gpt2(vocab: int, seq_len: int) -> Logits:
-    """A GPT-2 of d 128, 2 layers, 4 heads, MLP width 512, ``vocab`` tokens and ``seq_len``
-    positions (random init; its linears are HuggingFace ``Conv1D``)."""
+def small_gpt2(vocab: int, seq_len: int, width: int = 128) -> Logits:
+    """A GPT-2 of d ``width`` (128), 2 layers, 4 heads, MLP width 4 x ``width``, ``vocab``
+    tokens and ``seq_len`` positions (random init; its linears are HuggingFace ``Conv1D``)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=vocab, n_positions=seq_len, n_embd=128, n_layer=2,
-                        n_head=4, n_inner=512, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(vocab_size=vocab, n_positions=seq_len, n_embd=width, n_layer=2,
+                        n_head=4, n_inner=4 * width, bos_token_id=0, eos_token_id=0)
     return Logits(GPT2LMHeadModel(config))
 
 
-def small_llama(vocab: int, seq_len: int) -> Logits:
-    """A Llama of hidden 128, 2 layers, 4 heads and 4 key-value heads, ``vocab`` tokens and
-    ``seq_len`` positions, untied embeddings (random init; its linears are ``nn.Linear``). The
-    SwiGLU width is 512, the GPT-2's MLP width: Llama's usual 8/3 x 128 = 344 = 8 x 43 has no
-    balanced three-mode factorization, so TT refuses it."""
+def small_llama(vocab: int, seq_len: int, width: int = 128) -> Logits:
+    """A Llama of hidden ``width`` (128), 2 layers, 4 heads and 4 key-value heads, ``vocab``
+    tokens and ``seq_len`` positions, untied embeddings (random init; its linears are
+    ``nn.Linear``). The SwiGLU width is 4 x ``width``, the GPT-2's MLP width: Llama's usual 8/3
+    x 128 = 344 = 8 x 43 has no balanced three-mode factorization, so TT refuses it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=seq_len, hidden_size=128,
+    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=seq_len, hidden_size=width,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                         intermediate_size=512, tie_word_embeddings=False, bos_token_id=0,
+                         intermediate_size=4 * width, tie_word_embeddings=False, bos_token_id=0,
                          eos_token_id=0)
     return Logits(LlamaForCausalLM(config))
 
 
 @dataclass(frozen=True, slots=True)
 class HFModel:
-    """One model the study builds from a config: its builder ``(vocab, seq_len) -> Logits``, the
+    """One model the study builds from a config: its builder ``(vocab, seq_len, width=128) ->
+    Logits``, the
     ``include`` pattern of the layers it converts, its cache file stem, its results' name prefix
     and how the tables name it."""
 
-    build: Callable[[int, int], Logits]
+    build: Callable[..., Logits]
     include: str
     stem: str
     prefix: str
@@ -335,10 +338,30 @@ def floor_table(result: dict) -> str:
 #: the model is not converged, so part of any arm's gain is more training) and three conversions.
 FINETUNE_ARMS = ("dense", "uniform/plain", "uniform/calibrated", "sensitivity/calibrated")
 
-#: What ``finetune --arms`` accepts: the dense control and any arm of :data:`FLOOR_ARMS`
+#: The other control: a narrower dense model of the converted model's size
+#: (:func:`narrow_width`), trained from scratch for the pretraining and the fine-tune steps
+#: together, at the row's rate (warm-up as in pretraining).
+NARROW = "narrow"
+
+#: What ``finetune --arms`` accepts: the controls and any arm of :data:`FLOOR_ARMS`
 #: (``global/calibrated``, the issue's own target, among them); the default is
 #: :data:`FINETUNE_ARMS`.
-FINETUNE_CHOICES = ("dense", *FLOOR_ARMS)
+FINETUNE_CHOICES = ("dense", NARROW, *FLOOR_ARMS)
+CONTROLS = ("dense", NARROW)
+
+
+def narrow_width(spec: HFModel, task, trained: Logits, fmt: str,
+                 target: float) -> tuple[int, int]:
+    """(width, size): the widest model of ``spec`` (a multiple of 4, its head count) whose
+    parameters, all of them, are at most ``size``, those of ``trained`` converted by
+    ``uniform/plain`` to ``fmt`` at ``target``: the narrower dense model of the same size."""
+    converted, _ = floor_arm(trained, fmt, target, "uniform/plain", [], include=spec.include)
+    size = comera.model_size(converted)
+    for width in range(128, 3, -4):
+        built = spec.build(task.vocab, task.config.seq_len, width)
+        if sum(p.numel() for p in built.parameters()) <= size:
+            return width, size
+    raise SystemExit(f"no {spec.title} of width 4 or more fits {size:,} parameters")
 
 
 #: The settings a ``finetune`` results file is a function of: ``--extend`` adds to a file only
@@ -355,7 +378,8 @@ def _finetune_settings(args) -> dict:
 def _row_key(row: dict) -> tuple:
     """(arm, seed, parametrization, lr) of a fine-tune row; rows written before the
     parametrization was recorded were converted at ``convert_``'s default (plain)."""
-    parametrization = None if row["arm"] == "dense" else row.get("parametrization", DECOMPOSED)
+    parametrization = (None if row["arm"] in CONTROLS
+                       else row.get("parametrization", DECOMPOSED))
     return row["arm"], row["seed"], parametrization, row["lr"]
 
 
@@ -423,29 +447,42 @@ def cmd_finetune(args) -> int:
                    for b in dict_batches(task, calibration_rows(task, seed, args.calib_rows))]
         for arm in args.arms:
             grid = ([cells[arm]] if args.at_best else
-                    [(p, lr) for p in ([None] if arm == "dense" else args.parametrizations)
+                    [(p, lr) for p in ([None] if arm in CONTROLS else args.parametrizations)
                      for lr in args.lrs])
             for parametrization in dict.fromkeys(p for p, _ in grid):
                 lrs = [lr for p, lr in grid if p == parametrization
                        and (arm, seed, parametrization, lr) not in done]
                 if not lrs:
                     continue
-                model = (copy.deepcopy(trained) if arm == "dense" else floor_arm(
-                    trained, args.format, args.target, arm, batches, parametrization,
-                    spec.include)[0])
+                size = {}
+                if arm == NARROW:  # from scratch: its own initialisation per seed
+                    width, budget = narrow_width(spec, task, trained, args.format, args.target)
+                    torch.manual_seed(seed)
+                    model = spec.build(task.vocab, task.config.seq_len, width)
+                    size = {"width": width, "budget": budget,
+                            "parameters": sum(p.numel() for p in model.parameters())}
+                elif arm == "dense":
+                    model = copy.deepcopy(trained)
+                else:
+                    model = floor_arm(trained, args.format, args.target, arm, batches,
+                                      parametrization, spec.include)[0]
+                    params, dense = linear_sizes(model)
+                    size = {"compression": dense / params,
+                            "parameters": comera.model_size(model)}
                 before = score(task, model)["perplexity"]
-                params, dense = linear_sizes(model) if arm != "dense" else (1, 1)
+                steps = args.steps + args.ft_steps if arm == NARROW else args.ft_steps
                 for lr in lrs:
-                    config = EngineConfig(steps_early=args.ft_steps, steps_late=0,
+                    config = EngineConfig(steps_early=steps, steps_late=0,
                                           stage="early", lam=0.0, batch_size=32, lr=lr,
-                                          lr_gates=1e-12, warmup=max(1, args.ft_steps // 10),
-                                          eval_every=args.ft_steps + 1, seed=seed, threads=1,
-                                          format="dense" if arm == "dense" else args.format)
+                                          lr_gates=1e-12,
+                                          warmup=50 if arm == NARROW else max(1, steps // 10),
+                                          eval_every=steps + 1, seed=seed, threads=1,
+                                          format="dense" if arm in CONTROLS else args.format)
                     tuned, took, _ = timed(lambda m=model, c=config: engine_run(
                         task, copy.deepcopy(m), c))
                     row = {"arm": arm, "seed": seed, "parametrization": parametrization,
                            "lr": lr, "before": before, "after": score(task, tuned)["perplexity"],
-                           "compression": dense / params, "seconds": round(took, 1)}
+                           **size, "seconds": round(took, 1)}
                     result["rows"].append(row)
                     print(f"seed {seed} {arm} {parametrization or ''} lr {lr:g}: {before:.2f} "
                           f"-> {row['after']:.2f} ({took:.0f}s)", flush=True)
@@ -470,13 +507,23 @@ def sizes_line(result: dict) -> str:
     """The compression each converted arm reached (the layers converted, biases included; mean
     over its rows), a line and a blank one; empty for rows recorded without it."""
     reached: dict[str, list[float]] = {}
+    narrow = {}
     for r in result["rows"]:
-        if r["arm"] != "dense" and "compression" in r:
+        if r["arm"] == NARROW:
+            narrow = r
+        elif r["arm"] != "dense" and "compression" in r:
             reached.setdefault(r["arm"], []).append(r["compression"])
-    if not reached:
-        return ""
-    return ("Compression reached: " + ", ".join(f"{arm} {sum(v) / len(v):.2f}x"
-                                                for arm, v in reached.items()) + ".\n\n")
+    text = ""
+    if reached:
+        text += "Compression reached: " + ", ".join(f"{arm} {sum(v) / len(v):.2f}x"
+                                                    for arm, v in reached.items()) + ".\n\n"
+    if narrow:
+        text += (f"{NARROW}: the model at width {narrow['width']}, {narrow['parameters']:,} "
+                 f"parameters in all (uniform/plain's conversion: {narrow['budget']:,}), "
+                 f"trained from scratch for {result['settings']['steps']} + "
+                 f"{result['settings']['ft_steps']} steps (its 'before': at initialisation)."
+                 "\n\n")
+    return text
 
 
 def finetune_table(result: dict) -> str:
@@ -570,7 +617,8 @@ def parser() -> argparse.ArgumentParser:
     floor.add_argument("--out", type=Path, default=OUT)
     floor.set_defaults(run=cmd_floor)
     ft = sub.add_parser("finetune", help="the small GPT-2 converted, then fine-tuned at "
-                        "several rates, beside the dense model fine-tuned as long (issue 41)")
+                        "several rates, beside the dense model fine-tuned as long and a "
+                        "narrower dense model of the same size trained from scratch (issue 41)")
     _model_option(ft)
     ft.add_argument("--steps", type=int, default=600)
     ft.add_argument("--format", default="tt")

@@ -98,12 +98,30 @@ def test_finetune_command_fine_tunes_every_arm_at_every_rate(tmp_path):
     assert all(r["before"] == pytest.approx(result["dense"]["perplexity"]) for r in dense)
     for row in result["rows"]:
         assert row["after"] > 1 and row["after"] != row["before"]  # the fine-tune moved it
-    for row in result["rows"]:  # the size each arm reached is recorded, the dense one 1x
-        assert row["compression"] == 1 if row["arm"] == "dense" else row["compression"] >= 1.9
+    for row in result["rows"]:  # the size each converted arm reached is recorded
+        assert ("compression" not in row if row["arm"] == "dense"
+                else row["compression"] >= 1.9)
     table = (tmp_path / "hf_finetune.md").read_text()
     assert "| sensitivity/calibrated |" in table and "**" in table and " ± " in table
     assert "Compression reached: uniform/plain " in table and "dense " not in table.split(
         "Compression reached:")[1].splitlines()[0]
+
+
+def test_the_narrow_control_is_the_widest_model_within_the_converted_size(tmp_path):
+    write_tiny_corpus(tmp_path / "corpus")
+    argv = ["finetune", "--smoke", "--root", str(tmp_path / "corpus"), "--steps", "3",
+            "--target", "4", "--format", "lowrank", "--ft-steps", "2", "--lrs", "1e-3",
+            "--arms", "narrow", "--cache", str(tmp_path / "c"), "--out", str(tmp_path)]
+    assert compress_hf.main(argv) == 0
+    (row,) = json.loads((tmp_path / "hf_finetune.json").read_text())["rows"]
+    task = compress_hf.make_task("lm", True, tmp_path / "corpus")
+    build = compress_hf.MODELS["gpt2"].build
+    count = lambda w: sum(p.numel() for p in build(task.vocab, task.config.seq_len, w)  # noqa: E731
+                          .parameters())
+    assert row["width"] < 128 and row["parameters"] == count(row["width"])
+    assert count(row["width"]) <= row["budget"] < count(row["width"] + 4)  # the widest that fits
+    assert row["after"] < row["before"]  # trained from scratch: 3 + 2 steps moved it
+    assert "narrow: the model at width" in (tmp_path / "hf_finetune.md").read_text()
 
 
 def test_finetune_table_marks_each_arms_best_rate():
