@@ -95,9 +95,17 @@ from comera.surgery.config import DEFAULT_DAMPING
 from comera.surgery.convert import ConversionReport
 
 CACHE = Path("runs/compress_trained")
-ARMS = ("dense", "uniform/plain", "uniform/calibrated", "global/plain", "global/calibrated",
+#: The conversions (``compress``'s default arms).
+ARMS = ("uniform/plain", "uniform/calibrated", "global/plain", "global/calibrated",
         "global/calibrated+gates", "sensitivity/calibrated")
-#: The dense arm's parametrization column: it has no cores to parametrize.
+#: The controls, asked for by name (``--arms dense narrow``, with ``--finetune``): the
+#: pretrained model fine-tuned as long, and a narrower dense model of the uniform/plain
+#: conversion's size (all parameters counted) trained from scratch for the pretraining and the
+#: fine-tune steps together (:func:`narrow_task`).
+CONTROLS = ("dense", "narrow")
+#: Every arm, in the report's order.
+CHOICES = (*CONTROLS, *ARMS)
+#: The controls' parametrization column: they have no cores to parametrize.
 DENSE_CELL = "dense"
 #: The arms that read the model's loss on the calibration batches (the MLM's: batches with
 #: their labels, see :func:`labelled_batches`).
@@ -192,6 +200,31 @@ def convert_arm(dense: nn.Module, fmt: str, arm: str, target: float, budget: int
     return model, report
 
 
+def narrow_model(task: Task, size: int) -> nn.Module:
+    """The widest dense model of ``task``'s family (d_model a multiple of its heads, d_ff in
+    the task's ratio to it) with at most ``size`` parameters in all, initialised from the
+    current RNG: the narrower dense model of a conversion's size."""
+    heads, width, ff = task.config.n_heads, task.config.d_model, task.config.d_ff
+    for d in range(width - width % heads, 0, -heads):
+        model = task.build("dense", d_model=d, d_ff=d * ff // width)
+        if sum(p.numel() for p in model.parameters()) <= size:
+            return model
+    raise SystemExit(f"no {task.name} model of d_model {heads} or more fits {size:,} "
+                     "parameters")
+
+
+def train_narrow(task: Task, model: nn.Module, args, seed: int, lr: float) -> nn.Module:
+    """``model`` trained from scratch as the dense model was pretrained (``--warmup``,
+    gradient norm 1), for ``--steps`` + ``--finetune`` steps at ``lr``, batches of ``seed``."""
+    config = EngineConfig(steps_early=args.steps + args.finetune, steps_late=0, stage="early",
+                          batch_size=args.batch, lr=lr, warmup=args.warmup,
+                          eval_every=args.steps + args.finetune + 1, seed=seed, threads=1,
+                          max_grad_norm=1.0, format="dense")
+    with tempfile.TemporaryDirectory() as out:
+        trained, _ = train_model(ForEngine(task, model), "dense", config, Path(out))
+    return trained.eval()
+
+
 def core_params(model: nn.Module) -> int:
     """Parameters of the gated layers' cores at their stored ranks (biases excluded)."""
     return sum(m.layout.parameters_at(m.bond_sizes) for _, m in comera.gated_layers(model))
@@ -231,6 +264,10 @@ def _sweep(args) -> tuple[list[str], list[float]]:
 
 def _check_compress(args) -> None:
     """Refuse what cannot run, before anything is converted."""
+    controls = [a for a in args.arms if a in CONTROLS]
+    if controls and not args.finetune:
+        raise SystemExit(f"--arms {' '.join(controls)}: a control is trained, not converted; "
+                         "pass --finetune N (steps) too.")
     if (args.ft_lrs or args.parametrizations or args.at_best) and not args.finetune:
         raise SystemExit("--ft-lrs, --parametrizations and --at-best choose fine-tunes: pass "
                          "--finetune N (steps) too.")
@@ -288,6 +325,10 @@ def cmd_compress(args) -> int:
         torch.manual_seed(seed)
         if arm == "dense":  # the control: the pretrained model fine-tuned as long
             model, report = copy.deepcopy(dense), None
+        elif arm == "narrow":  # the control: a narrower dense model, from scratch
+            base, _ = convert_arm(dense, fmt, "uniform/plain", target, None, None)
+            torch.manual_seed(seed)
+            model, report = narrow_model(task, comera.model_size(base)), None
         elif arm.endswith("+gates"):
             model, report = convert_arm(dense, fmt, arm, target,
                                         int(budget * args.gate_headroom), batches,
@@ -298,8 +339,14 @@ def cmd_compress(args) -> int:
         else:
             model, report = convert_arm(dense, fmt, arm, target, budget, batches,
                                         args.damping, parametrization)
-        params, dense_params = (linear_sizes(model) if report is not None else (
-            (sum(p.numel() for _, m in task.block_linears(model) for p in m.parameters()),) * 2))
+        if report is not None:
+            params, dense_params = linear_sizes(model)
+        elif arm == "narrow":  # its whole size against the pretrained model's
+            params = sum(p.numel() for p in model.parameters())
+            dense_params = sum(p.numel() for p in dense.parameters())
+        else:
+            params = dense_params = sum(p.numel() for _, m in task.block_linears(model)
+                                        for p in m.parameters())
         row = {"format": fmt, "target": target, "arm": arm, "seed": seed,
                "parametrization": parametrization,
                "params": params, "dense_params": dense_params,
@@ -307,12 +354,14 @@ def cmd_compress(args) -> int:
                "calib_rows": args.calib_rows,
                "ranks": {n: list(m.ranks) for n, m in comera.gated_layers(model)},
                "errors": {} if report is None else {r.name: r.error for r in report.layers},
-               "before": score(task, model)}
+               "before": score(task, model),
+               **({"d_model": model.cfg.d_model} if arm == "narrow" else {})}
         if not args.finetune:
             return [row]
         tuned_rows = []
         for lr in lrs:
-            tuned = finetune(task, model, args.finetune, args, seed, lr, arm == "dense")
+            tuned = (train_narrow(task, model, args, seed, lr) if arm == "narrow" else
+                     finetune(task, model, args.finetune, args, seed, lr, arm == "dense"))
             tuned_rows.append({**row, "after": score(task, tuned), "finetune": args.finetune,
                                "ft_lr": lr})
         return tuned_rows
@@ -329,12 +378,10 @@ def cmd_compress(args) -> int:
                 labelled = labelled_batches(task, chosen) if args.task == "mlm" else inputs
                 for arm in args.arms:
                     batches = labelled if arm in LOSS_ARMS else inputs
-                    if arm == "dense" and not args.finetune:
-                        continue  # the dense model before fine-tuning is the report's header
                     if "calibrated" not in arm and not args.finetune and seed != args.seeds[0]:
                         continue  # a plain arm before fine-tuning does not depend on the seed
                     cells = ([chosen_cells[fmt, target][arm]] if args.at_best else
-                             [(DENSE_CELL, lrs)] if arm == "dense" else
+                             [(DENSE_CELL, lrs)] if arm in CONTROLS else
                              [(p, lrs) for p in parametrizations])
                     for parametrization, arm_lrs in ((p, v if isinstance(v, list) else [v])
                                                      for p, v in cells):
@@ -502,7 +549,7 @@ def summarise(result: dict) -> str:
                   "uniform/plain | val ppl after fine-tune | best cell | vs uniform/plain |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         keys = sorted(k for k in groups if k[0] == task)
-        for _, fmt, target, arm in sorted(keys, key=lambda k: (k[1], k[2], ARMS.index(k[3]))):
+        for _, fmt, target, arm in sorted(keys, key=lambda k: (k[1], k[2], CHOICES.index(k[3]))):
             rows = groups[task, fmt, target, arm]
             base = groups.get((task, fmt, target, "uniform/plain"), [])
             before, ref = _before(rows), _before(base)
@@ -524,7 +571,7 @@ def summarise(result: dict) -> str:
                          + " | ".join(cells) + " |")
         lines.append("")
         for _, fmt, target in sorted({k[:3] for k in keys}):
-            arms = {arm: _grid(groups[task, fmt, target, arm]) for arm in ARMS
+            arms = {arm: _grid(groups[task, fmt, target, arm]) for arm in CHOICES
                     if (task, fmt, target, arm) in groups}
             arms = {arm: grid for arm, grid in arms.items() if grid}
             if any(len(grid) > 1 for grid in arms.values()):
@@ -596,15 +643,20 @@ def plot(result: dict, path: Path) -> bool:
     formats = sorted({f for _, f in panels})
     fig, axes = plt.subplots(len(tasks), len(formats), figsize=(4.2 * len(formats),
                                                                 3.4 * len(tasks)), squeeze=False)
-    colours = dict(zip(ARMS, ("k", "tab:grey", "tab:blue", "tab:orange", "tab:red",
-                              "tab:purple", "tab:green"), strict=True))
+    colours = dict(zip(ARMS, ("tab:grey", "tab:blue", "tab:orange", "tab:red", "tab:purple",
+                              "tab:green"), strict=True))
     for (task, fmt), ax in ((p, axes[tasks.index(p[0])][formats.index(p[1])]) for p in panels):
         tuned = [best_after(rows) for k, rows in groups.items() if k[:2] == (task, fmt)
                  and k[3] == "dense" and best_after(rows)]
         if tuned:  # the control: one dense model, fine-tuned as long, whatever the target
             ax.axhline(_mean_sd(tuned[0][1])[0], color="k", lw=0.8, ls="--",
                        label="dense, fine-tuned as long")
-        for arm in ARMS[1:]:
+        narrow = sorted((k[2], best_after(rows)) for k, rows in groups.items()
+                        if k[:2] == (task, fmt) and k[3] == "narrow" and best_after(rows))
+        if narrow:  # the control: a narrower dense model of the size, from scratch
+            ax.plot([t for t, _ in narrow], [_mean_sd(b[1])[0] for _, b in narrow], "x",
+                    color="k", ms=6, label="narrower dense, from scratch")
+        for arm in ARMS:
             points = sorted((k[2], rows) for k, rows in groups.items()
                             if k[:2] == (task, fmt) and k[3] == arm)
             if not points:
@@ -681,7 +733,7 @@ def main(argv=None) -> int:
     com.add_argument("--formats", nargs="+", default=["tt", "lowrank", "ttm"])
     com.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0, 4.0])
     com.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    com.add_argument("--arms", nargs="+", choices=ARMS, default=None,
+    com.add_argument("--arms", nargs="+", choices=CHOICES, default=None,
                      help="default: every arm the task supports")
     com.add_argument("--calib-rows", type=int, default=256)
     com.add_argument("--damping", type=float, default=DEFAULT_DAMPING)

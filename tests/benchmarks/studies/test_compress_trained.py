@@ -75,12 +75,10 @@ def test_smoke_run_writes_every_arm(root, tmp_path, name):
     assert arms == {(f, a) for f in ("tt", "lowrank") for a in study.ARMS}
     for row in result["rows"]:
         assert row["before"]["perplexity"] > 1 and row["after"]["perplexity"] > 1
-        assert row["compression"] > 1 or (row["arm"] == "dense" and row["compression"] == 1)
-    dense = [r for r in result["rows"] if r["arm"] == "dense"]  # the control, not converted
-    assert {r["before"]["perplexity"] for r in dense} == {result["dense"]["perplexity"]}
+        assert row["compression"] > 1
     uniform = {r["format"]: r["params"] for r in result["rows"] if r["arm"] == "uniform/plain"}
     for row in result["rows"]:  # the global arms spend at most what the uniform arm holds
-        assert row["arm"] == "dense" or row["params"] <= uniform[row["format"]] * 1.02
+        assert row["params"] <= uniform[row["format"]] * 1.02
     assert list((tmp_path / "cache").glob("*.pt")) == cached  # the pretrained model is reused
     assert study.main(["starts", *common, "--formats", "tt", "lowrank", "--calib-rows", "16",
                        "--out", str(out)]) == 0
@@ -127,10 +125,41 @@ def test_grid_then_at_best_fine_tunes_each_arm_at_its_best_cell(root, tmp_path):
     assert "- lm lowrank 2x sensitivity/calibrated: before fine-tuning" in text
 
 
+@pytest.mark.slow
+def test_the_controls_are_the_dense_model_fine_tuned_and_a_narrower_one_from_scratch(root,
+                                                                                    tmp_path):
+    common = ["--task", "lm", "--smoke", "--root", str(root), "--steps", "6",
+              "--cache", str(tmp_path / "cache"), "--eval-every", "3"]
+    assert study.main(["pretrain", *common]) == 0
+    out = tmp_path / "out"
+    assert study.main(["compress", *common, "--formats", "lowrank", "--targets", "4",
+                       "--seeds", "0", "--finetune", "2", "--ft-lrs", "1e-3", "--arms",
+                       "dense", "narrow", "uniform/plain", "--out", str(out),
+                       "--tag", "controls"]) == 0
+    result = json.loads((out / "runs" / "controls.json").read_text())
+    rows = {r["arm"]: r for r in result["rows"]}
+    assert rows["dense"]["before"] == result["dense"]  # not converted: the pretrained model
+    assert rows["dense"]["compression"] == 1 and rows["dense"]["after"] != result["dense"]
+    task = study.make_task("lm", smoke=True, root=root)
+    dense, _ = study.pretrained(study.Pretrain("lm", 6, eval_every=3, smoke=True),
+                                tmp_path / "cache", root, train=False)
+    base, _ = study.convert_arm(dense, "lowrank", "uniform/plain", 4, None, None)
+    size = study.comera.model_size(base)
+    narrow = rows["narrow"]
+    count = lambda d: sum(p.numel() for p in task.build(  # noqa: E731
+        "dense", d_model=d, d_ff=d * task.config.d_ff // task.config.d_model).parameters())
+    assert narrow["params"] == count(narrow["d_model"]) <= size  # the widest that fits
+    assert narrow["d_model"] == task.config.d_model or count(
+        narrow["d_model"] + task.config.n_heads) > size
+    assert narrow["after"]["perplexity"] < narrow["before"]["perplexity"]  # trained
+
+
 def test_compress_refuses_what_cannot_run_before_converting(tmp_path):
     base = ["compress", "--task", "mlm", "--cache", str(tmp_path), "--out", str(tmp_path)]
     with pytest.raises(SystemExit, match="pass --finetune N"):
         study.main([*base, "--ft-lrs", "1e-3"])
+    with pytest.raises(SystemExit, match="a control is trained"):
+        study.main([*base, "--arms", "narrow"])
     with pytest.raises(SystemExit, match="leave --ft-lrs"):
         study.main([*base, "--finetune", "2", "--at-best", "--ft-lrs", "1e-3"])
     assert not list(tmp_path.iterdir())  # nothing trained or written
