@@ -19,8 +19,11 @@ keeps it, with its validation curve, under ``--cache`` (default ``runs/compress_
 function of the command and its seed, trained once. ``compress`` loads it and, per format, target
 and calibration seed, converts the block linear layers (``include=["blocks.*"]``) these ways:
 
-- ``dense`` (with ``--finetune``): the control, the pretrained model fine-tuned as long, at
+- ``dense`` (a control, with ``--finetune``): the pretrained model fine-tuned as long, at
   each rate (one model whatever the format and target; its rows sit in the cell run);
+- ``narrow`` (a control, with ``--finetune``): the widest dense model of the task within the
+  uniform/plain conversion's size, all parameters counted, trained from scratch at each rate
+  for the pretraining and fine-tune steps together;
 - ``uniform/plain``: ``convert_`` as before issue 31, every layer at its own target;
 - ``uniform/calibrated``: the same ranks, decomposed on the calibration inputs;
 - ``global/plain``: one budget (the uniform arm's parameter count) spent on the bond slices of
@@ -101,7 +104,7 @@ ARMS = ("uniform/plain", "uniform/calibrated", "global/plain", "global/calibrate
 #: The controls, asked for by name (``--arms dense narrow``, with ``--finetune``): the
 #: pretrained model fine-tuned as long, and a narrower dense model of the uniform/plain
 #: conversion's size (all parameters counted) trained from scratch for the pretraining and the
-#: fine-tune steps together (:func:`narrow_task`).
+#: fine-tune steps together (:func:`narrow_model`, :func:`train_narrow`).
 CONTROLS = ("dense", "narrow")
 #: Every arm, in the report's order.
 CHOICES = (*CONTROLS, *ARMS)

@@ -53,8 +53,12 @@ def model_input(task: Task, rows: Tensor) -> Tensor:
     token; the MLM reads the rows with epoch-0 BERT masks."""
     if isinstance(task, LMTask):
         return rows[:, :-1]
-    indices = torch.arange(rows.shape[0])
-    return task.masking(rows, indices, 0, task.config.seed)[0]
+    return _epoch0_masks(task, rows)[0]
+
+
+def _epoch0_masks(task: MLMTask, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """(masked inputs, labels) of MLM rows ``rows`` under their epoch-0 BERT masks."""
+    return task.masking(rows, torch.arange(rows.shape[0]), 0, task.config.seed)
 
 
 def next_token_loss(logits: Tensor, inputs: Tensor) -> Tensor:
@@ -82,9 +86,7 @@ def labelled_batches(task: MLMTask, indices: Tensor) -> list[tuple[Tensor, Tenso
     """The MLM's calibration batches with their targets: (masked inputs, labels) of the rows at
     ``indices``, the inputs equal to :func:`calibration_batches`' (the same epoch-0 masks), so
     a loss can be measured on them (:class:`MaskedLMLoss`)."""
-    rows = task.train.ids[indices]
-    return [task.masking(chunk, torch.arange(chunk.shape[0]), 0, task.config.seed)
-            for chunk in rows.split(CALIB_BATCH)]
+    return [_epoch0_masks(task, chunk) for chunk in task.train.ids[indices].split(CALIB_BATCH)]
 
 
 class MaskedLMLoss(nn.Module):
