@@ -557,8 +557,9 @@ def summarise(result: dict) -> str:
             base = groups.get((task, fmt, target, "uniform/plain"), [])
             before, ref = _before(rows), _before(base)
             mean, sd = _mean_sd(before)
-            cells = [f"{mean:.2f} ± {sd:.2f}",
-                     f"{mean / _mean_sd(ref)[0] - 1:+.1%}" if ref else "-"]
+            cells = (["from scratch", "-"] if arm == "narrow" else
+                     [f"{mean:.2f} ± {sd:.2f}",
+                      f"{mean / _mean_sd(ref)[0] - 1:+.1%}" if ref else "-"])
             best, ref_best = best_after(rows), best_after(base)
             if best is None:
                 cells += ["-", "-", "-"]
@@ -568,9 +569,8 @@ def summarise(result: dict) -> str:
                 only = " (the only cell measured)" if len(_grid(rows)) == 1 else ""
                 cells += [f"{mean:.2f} ± {sd:.2f}", f"{p}, {lr:g}{only}",
                           f"{mean / _mean_sd(ref_best[1])[0] - 1:+.1%}" if ref_best else "-"]
-            comp = sum(r["compression"] for r in rows) / len(rows)
             seeds = ",".join(str(s) for s in sorted({r["seed"] for r in rows}))
-            lines.append(f"| {fmt} | {target:g}x | {arm} | {seeds} | {comp:.2f}x | "
+            lines.append(f"| {fmt} | {target:g}x | {arm} | {seeds} | {_size_cell(arm, rows)} | "
                          + " | ".join(cells) + " |")
         lines.append("")
         for _, fmt, target in sorted({k[:3] for k in keys}):
@@ -591,6 +591,15 @@ def summarise(result: dict) -> str:
                   f"commit {m.get('commit', '?')}; commands:", ""]
         lines += [f"    {r['command']}" for r in result["runs"]]
     return "\n".join(lines)
+
+
+def _size_cell(arm: str, rows: list[dict]) -> str:
+    """The summary's size cell: the block linears' compression for a conversion, the whole
+    model's parameters for the narrower control (its embeddings shrink too, so a ratio of
+    block linears does not describe it)."""
+    if arm == "narrow":
+        return f"{rows[0]['params']:,} parameters, whole model (d_model {rows[0]['d_model']})"
+    return f"{sum(r['compression'] for r in rows) / len(rows):.2f}x"
 
 
 #: The allocations the targets judge against uniform/plain (issue 31's, and issue 41's best).

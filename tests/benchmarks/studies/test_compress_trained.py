@@ -152,6 +152,12 @@ def test_the_controls_are_the_dense_model_fine_tuned_and_a_narrower_one_from_scr
     assert narrow["d_model"] == task.config.d_model or count(
         narrow["d_model"] + task.config.n_heads) > size
     assert narrow["after"]["perplexity"] < narrow["before"]["perplexity"]  # trained
+    assert study.main(["report", "--out", str(out)]) == 0
+    line = next(x for x in (out / "summary.md").read_text().splitlines()
+                if x.startswith("| lowrank | 4x | narrow |"))
+    # its size is the whole model's, and it has no converted start to compare
+    assert f"| {narrow['params']:,} parameters, whole model (d_model {narrow['d_model']}) | " \
+        "from scratch | - |" in line
 
 
 def test_compress_refuses_what_cannot_run_before_converting(tmp_path):
