@@ -74,11 +74,13 @@ import comera
 from benchmarks.lib.measure import timed
 from benchmarks.studies.harness.trained import (
     CALIB_BATCH,
+    CONVERTIBLE,
     OUT,
     ForEngine,
     Grid,
     best_cell,
     calibration_rows,
+    compression_target,
     engine_run,
     grid_table,
     linear_sizes,
@@ -590,7 +592,8 @@ def parser() -> argparse.ArgumentParser:
     small = sub.add_parser("small", help="a small GPT-2 trained briefly, converted with dicts")
     _model_option(small)
     small.add_argument("--steps", type=int, default=600)
-    small.add_argument("--formats", nargs="+", default=["tt", "lowrank"])
+    small.add_argument("--formats", nargs="+", default=["tt", "lowrank"],
+                       choices=CONVERTIBLE)
     small.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     small.add_argument("--calib-rows", type=int, default=256)
     small.add_argument("--root", type=Path, default=None)
@@ -601,8 +604,9 @@ def parser() -> argparse.ArgumentParser:
                            "floor and the closed-form refit (issue 41)")
     _model_option(floor)
     floor.add_argument("--steps", type=int, default=600)
-    floor.add_argument("--formats", nargs="+", default=["tt", "lowrank"])
-    floor.add_argument("--targets", type=float, nargs="+", default=[2.0, 3.0, 4.0])
+    floor.add_argument("--formats", nargs="+", default=["tt", "lowrank"],
+                       choices=CONVERTIBLE)
+    floor.add_argument("--targets", type=compression_target, nargs="+", default=[2.0, 3.0, 4.0])
     floor.add_argument("--arms", nargs="+", default=list(FLOOR_ARMS), choices=FLOOR_ARMS)
     floor.add_argument("--seeds", type=int, nargs="+", default=[0],
                        help="calibration seeds (uniform/plain runs once: it has none)")
@@ -621,8 +625,8 @@ def parser() -> argparse.ArgumentParser:
                         "narrower dense model of the same size trained from scratch (issue 41)")
     _model_option(ft)
     ft.add_argument("--steps", type=int, default=600)
-    ft.add_argument("--format", default="tt")
-    ft.add_argument("--target", type=float, default=4.0)
+    ft.add_argument("--format", default="tt", choices=CONVERTIBLE)
+    ft.add_argument("--target", type=compression_target, default=4.0)
     ft.add_argument("--arms", nargs="+", default=list(FINETUNE_ARMS), choices=FINETUNE_CHOICES)
     ft.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
     ft.add_argument("--parametrizations", nargs="+", choices=PARAMETRIZATIONS,
@@ -648,7 +652,7 @@ def parser() -> argparse.ArgumentParser:
     big.add_argument("--batches", type=int, default=4)
     big.add_argument("--batch", type=int, default=4)
     big.add_argument("--tokens", type=int, default=256)
-    big.add_argument("--format", default="tt")
+    big.add_argument("--format", default="tt", choices=CONVERTIBLE)
     big.add_argument("--tiny", action="store_true", help="a tiny config, for tests")
     big.add_argument("--out", type=Path, default=OUT)
     big.set_defaults(run=cmd_124m)

@@ -75,6 +75,7 @@ import comera
 from benchmarks.lib.measure import timed
 from benchmarks.studies.harness.trained import (
     CALIB_BATCH,
+    CONVERTIBLE,
     OUT,
     ForEngine,
     Grid,
@@ -82,6 +83,7 @@ from benchmarks.studies.harness.trained import (
     best_cell,
     calibration_batches,
     calibration_rows,
+    compression_target,
     engine_run,
     grid_table,
     labelled_batches,
@@ -744,8 +746,9 @@ def main(argv=None) -> int:
     pre.set_defaults(run=cmd_pretrain)
     com = sub.add_parser("compress", help="convert the pretrained model every way, score it")
     _model_options(com, pretrain=False)
-    com.add_argument("--formats", nargs="+", default=["tt", "lowrank", "ttm"])
-    com.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0, 4.0])
+    com.add_argument("--formats", nargs="+", default=["tt", "lowrank", "ttm"],
+                     choices=CONVERTIBLE)
+    com.add_argument("--targets", type=compression_target, nargs="+", default=[1.5, 2.0, 3.0, 4.0])
     com.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     com.add_argument("--arms", nargs="+", choices=CHOICES, default=None,
                      help="default: every arm the task supports")
@@ -772,8 +775,9 @@ def main(argv=None) -> int:
     com.set_defaults(run=cmd_compress)
     sta = sub.add_parser("starts", help="output error of each calibrated start, per format")
     _model_options(sta, pretrain=False)
-    sta.add_argument("--formats", nargs="+", default=["tt", "ttm", "lowrank", "tucker"])
-    sta.add_argument("--target", type=float, default=2.0)
+    sta.add_argument("--formats", nargs="+", default=["tt", "ttm", "lowrank", "tucker"],
+                     choices=CONVERTIBLE)
+    sta.add_argument("--target", type=compression_target, default=2.0)
     sta.add_argument("--sweeps", type=int, default=2)
     sta.add_argument("--calib-rows", type=int, default=256)
     sta.add_argument("--out", type=Path, default=OUT)

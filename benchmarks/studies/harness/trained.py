@@ -3,6 +3,7 @@ rows and batches, the task as the engine trains a given (compressed) model, and 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import resource
 import tempfile
@@ -19,8 +20,26 @@ from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.lm_task import IGNORE_INDEX, LMTask, LMTaskConfig, next_token_targets
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 from comera.experiments.task import Task
+from comera.formats.registry import format_names, get_format
 from comera.models.mlm import masked_logits
 from comera.ranks.size import dense_size
+
+#: The formats ``convert_`` can make from a trained layer (a declared network cannot): the
+#: studies' ``--format(s)`` choices, so a typo is refused before anything is loaded or trained.
+CONVERTIBLE = tuple(name for name in format_names() if get_format(name).from_modes)
+
+
+def compression_target(text: str) -> float:
+    """An argparse type for ``--target(s)``: a compression ratio above 1, as ``convert_``
+    takes, refused while the arguments are read (before anything is loaded or trained)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 1 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a target is a compression ratio above 1, "
+                                         "e.g. 2 for half the parameters")
+    return value
 
 __all__ = ["CALIB_BATCH", "OUT", "ForEngine", "MaskedLMLoss", "best_cell", "calibration_batches",
            "calibration_rows", "engine_run", "grid_table", "labelled_batches", "linear_sizes",

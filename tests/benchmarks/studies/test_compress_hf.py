@@ -286,3 +286,17 @@ def test_an_unknown_model_is_refused_with_exit_2_and_nothing_written(command, tm
     assert exit_.value.code == 2
     assert "--model: invalid choice: 'bert'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["finetune", "--format", "einsum"], "--format: invalid choice: 'einsum'"),
+    (["floor", "--formats", "tt", "tm"], "--formats: invalid choice: 'tm'"),
+    (["finetune", "--target", "1"], "--target: '1': a target is a compression ratio above 1"),
+    (["floor", "--targets", "2", "-4"], "--targets: '-4': a target is a compression ratio"),
+])
+def test_a_format_or_target_convert_cannot_take_is_refused_before_any_work(argv, said, tmp_path,
+                                                                         capsys):
+    with pytest.raises(SystemExit) as exit_:
+        compress_hf.main([*argv, "--out", str(tmp_path), "--cache", str(tmp_path / "c")])
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing trained, loaded or written

@@ -228,3 +228,16 @@ def test_the_summary_json_leaves_the_per_layer_fields_in_the_runs_files(tmp_path
     assert [r["after"]["perplexity"] for r in summary["rows"]] == [34.0, 35.0]
     assert not any({"ranks", "errors"} & set(r) for r in summary["rows"])
     assert json.loads((runs / "a.json").read_text())["rows"][0]["ranks"]  # still there
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["compress", "--formats", "ttm", "bogus"], "--formats: invalid choice: 'bogus'"),
+    (["compress", "--targets", "2", "inf"], "--targets: 'inf': a target is a compression ratio"),
+    (["compress", "--targets", "x"], "--targets: 'x': a target is a compression ratio"),
+])
+def test_a_format_or_target_convert_cannot_take_is_refused_before_any_work(argv, said, tmp_path,
+                                                                         capsys):
+    with pytest.raises(SystemExit) as exit_:
+        study.main([*argv, "--task", "lm", "--out", str(tmp_path), "--cache", str(tmp_path)])
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.studies.harness import trained
 from benchmarks.studies.harness.trained import best_cell, grid_table, next_token_loss
+from comera.formats.registry import format_names, get_format
+from comera.surgery.config import ConvertConfig
 
 
 def test_best_cell_judges_on_the_seeds_every_cell_holds():
@@ -33,3 +36,10 @@ def test_next_token_loss_is_the_task_loss_on_the_positions_the_inputs_hold():
     want = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 20),
                                              inputs[:, 1:].reshape(-1))
     assert next_token_loss(logits, inputs).item() == pytest.approx(want.item())
+
+
+def test_the_convertible_formats_are_the_registrys_built_from_modes():
+    assert set(trained.CONVERTIBLE) == {n for n in format_names() if get_format(n).from_modes}
+    assert "einsum" not in trained.CONVERTIBLE and "tt" in trained.CONVERTIBLE
+    for name in trained.CONVERTIBLE:  # each one is a format convert_ takes
+        ConvertConfig(format=name, target_compression=2)
