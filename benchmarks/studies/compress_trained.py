@@ -696,7 +696,7 @@ def plot(result: dict, path: Path) -> bool:
                 ax.axis("off")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Compressing a trained model: filled = right after, hollow = after the "
-                 "fine-tune, dotted = dense; the controls: dashed black = dense fine-tuned as "
+                 "fine-tune, dotted = dense;\nthe controls: dashed black = dense fine-tuned as "
                  "long, x = a narrower dense model of the size, trained from scratch",
                  fontsize=9)
     fig.tight_layout()
