@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import resource
 import tempfile
 from dataclasses import replace
@@ -24,6 +25,11 @@ from comera.formats.registry import format_names, get_format
 from comera.models.mlm import masked_logits
 from comera.ranks.size import dense_size
 
+__all__ = ["CALIB_BATCH", "CONVERTIBLE", "OUT", "ForEngine", "MaskedLMLoss", "best_cell",
+           "calibration_batches", "calibration_rows", "compression_target", "engine_run",
+           "grid_table", "labelled_batches", "linear_sizes", "make_task", "model_input",
+           "next_token_loss", "peak_rss_mib", "score"]
+
 #: The formats ``convert_`` can make from a trained layer (a declared network cannot): the
 #: studies' ``--format(s)`` choices, so a typo is refused before anything is loaded or trained.
 CONVERTIBLE = tuple(name for name in format_names() if get_format(name).from_modes)
@@ -35,15 +41,12 @@ def compression_target(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = float("nan")
-    if not value > 1 or value == float("inf"):
+        value = math.nan
+    if not (math.isfinite(value) and value > 1):
         raise argparse.ArgumentTypeError(f"{text!r}: a target is a compression ratio above 1, "
                                          "e.g. 2 for half the parameters")
     return value
 
-__all__ = ["CALIB_BATCH", "OUT", "ForEngine", "MaskedLMLoss", "best_cell", "calibration_batches",
-           "calibration_rows", "engine_run", "grid_table", "labelled_batches", "linear_sizes",
-           "make_task", "model_input", "next_token_loss", "peak_rss_mib", "score"]
 
 OUT = RESULTS / "compress_trained"
 CALIB_BATCH = 32
