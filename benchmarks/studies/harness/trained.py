@@ -21,7 +21,7 @@ from comera.experiments.engine import EngineConfig, train_model
 from comera.experiments.lm_task import IGNORE_INDEX, LMTask, LMTaskConfig, next_token_targets
 from comera.experiments.mlm_task import MLMTask, MLMTaskConfig
 from comera.experiments.task import Task
-from comera.formats.registry import format_names, get_format
+from comera.formats.registry import DENSE, layer_formats
 from comera.models.mlm import masked_logits
 from comera.ranks.size import dense_size
 
@@ -32,7 +32,7 @@ __all__ = ["CALIB_BATCH", "CONVERTIBLE", "OUT", "ForEngine", "MaskedLMLoss", "be
 
 #: The formats ``convert_`` can make from a trained layer (a declared network cannot): the
 #: studies' ``--format(s)`` choices, so a typo is refused before anything is loaded or trained.
-CONVERTIBLE = tuple(name for name in format_names() if get_format(name).from_modes)
+CONVERTIBLE = tuple(name for name in layer_formats() if name != DENSE)
 
 
 def compression_target(text: str) -> float:
